@@ -1,0 +1,123 @@
+//! One error type for the whole engine. Every variant names what it is about
+//! (a path, a checkpoint, a key path) so a user can act on the message alone.
+
+use std::io;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A store, checkpoint or key path that does not exist.
+    #[error("{what} not found: {name} ({location})")]
+    NotFound {
+        what: &'static str,
+        name: String,
+        location: String,
+    },
+
+    /// Bytes on storage that fail their checksum or do not parse.
+    #[error("corrupt {}{}: {detail} (file {})",
+        checkpoint.as_deref().map(|c| format!("checkpoint '{c}'")).unwrap_or_else(|| "data".into()),
+        key_path.as_deref().map(|k| format!(" at key '{k}'")).unwrap_or_default(),
+        path.display())]
+    Corrupt {
+        path: PathBuf,
+        checkpoint: Option<String>,
+        key_path: Option<String>,
+        detail: String,
+    },
+
+    /// A value the format cannot hold without pickling.
+    #[error("unsupported type {type_name} at key '{key_path}': {hint}")]
+    UnsupportedType {
+        key_path: String,
+        type_name: String,
+        hint: String,
+    },
+
+    /// A bad name, option or argument supplied by the caller.
+    #[error("invalid {arg}: {detail}")]
+    InvalidArgument { arg: String, detail: String },
+
+    /// The device or quota is full; nothing half-written became visible.
+    #[error("storage full while writing {}: {source}", path.display())]
+    StorageFull { path: PathBuf, source: io::Error },
+
+    #[error("I/O error on {}: {source}", path.display())]
+    Io { path: PathBuf, source: io::Error },
+
+    /// A background save failed; `source` is the original error.
+    #[error("background save of checkpoint '{checkpoint}' failed: {source}")]
+    Background {
+        checkpoint: String,
+        source: Arc<Error>,
+    },
+
+    /// The store was opened in another process (e.g. before a fork).
+    #[error("store {} belongs to process {owner}; open a new Store in this process (pid {current})", path.display())]
+    WrongProcess {
+        path: PathBuf,
+        owner: u32,
+        current: u32,
+    },
+
+    /// The caller asked to stop (Ctrl-C) or the store was closed.
+    #[error("{0}")]
+    Cancelled(String),
+}
+
+impl Error {
+    /// Classify an I/O error: a full disk or quota gets its own variant.
+    pub fn io(path: impl Into<PathBuf>, source: io::Error) -> Self {
+        let path = path.into();
+        match source.raw_os_error() {
+            Some(libc::ENOSPC) | Some(libc::EDQUOT) => Error::StorageFull { path, source },
+            _ => Error::Io { path, source },
+        }
+    }
+
+    pub fn corrupt(path: impl Into<PathBuf>, detail: impl Into<String>) -> Self {
+        Error::Corrupt {
+            path: path.into(),
+            checkpoint: None,
+            key_path: None,
+            detail: detail.into(),
+        }
+    }
+
+    pub fn invalid(arg: impl Into<String>, detail: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            arg: arg.into(),
+            detail: detail.into(),
+        }
+    }
+
+    /// Attach the checkpoint and key path to a corruption error found while reading one blob.
+    pub fn in_checkpoint(self, checkpoint: &str, key: &str) -> Self {
+        match self {
+            Error::Corrupt {
+                path,
+                checkpoint: None,
+                key_path: None,
+                detail,
+            } => Error::Corrupt {
+                path,
+                checkpoint: Some(checkpoint.to_string()),
+                key_path: (!key.is_empty()).then(|| key.to_string()),
+                detail,
+            },
+            other => other,
+        }
+    }
+
+    /// The error a background failure started from (unwraps `Background`).
+    pub fn root(&self) -> &Error {
+        match self {
+            Error::Background { source, .. } => source.root(),
+            e => e,
+        }
+    }
+}

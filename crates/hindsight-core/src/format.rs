@@ -1,0 +1,584 @@
+//! On-disk format, version 1 (see docs/format.md). Two kinds of files:
+//!
+//! * chunk: `HSC1` | codec u8 | 3 zero bytes | raw length u64 LE | payload.
+//!   Named by the BLAKE3 hash of the *raw* (uncompressed) bytes, so equal
+//!   content is stored once whatever the codec, and every read is verified.
+//! * manifest: `HSM1` | format version u32 LE | body length u64 LE | JSON body |
+//!   BLAKE3 of everything before it (32 bytes).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+pub const FORMAT_VERSION: u32 = 1;
+pub const CHUNK_MAGIC: &[u8; 4] = b"HSC1";
+pub const MANIFEST_MAGIC: &[u8; 4] = b"HSM1";
+pub const CHUNK_HEADER_LEN: usize = 16;
+/// Upper bound on a manifest body; a larger length field means corruption.
+const MAX_MANIFEST_BODY: u64 = 1 << 32;
+
+/// Content address of a chunk: BLAKE3-256 of its raw bytes.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ChunkId(pub [u8; 32]);
+
+impl ChunkId {
+    pub fn of(raw: &[u8]) -> Self {
+        ChunkId(*blake3::hash(raw).as_bytes())
+    }
+
+    pub fn to_hex(&self) -> String {
+        let mut s = String::with_capacity(64);
+        for b in self.0 {
+            s.push_str(&format!("{b:02x}"));
+        }
+        s
+    }
+
+    pub fn from_hex(s: &str) -> Option<Self> {
+        if s.len() != 64 || !s.bytes().all(|c| c.is_ascii_hexdigit()) {
+            return None;
+        }
+        let mut out = [0u8; 32];
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
+        }
+        Some(ChunkId(out))
+    }
+}
+
+impl fmt::Debug for ChunkId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ChunkId({})", &self.to_hex()[..16])
+    }
+}
+
+impl fmt::Display for ChunkId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+impl Serialize for ChunkId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_hex())
+    }
+}
+
+impl<'de> Deserialize<'de> for ChunkId {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        ChunkId::from_hex(&s).ok_or_else(|| serde::de::Error::custom(format!("bad chunk id {s:?}")))
+    }
+}
+
+/// How a chunk's payload is encoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Codec {
+    Raw = 0,
+    Zstd = 1,
+}
+
+impl Codec {
+    fn from_byte(b: u8) -> Option<Self> {
+        match b {
+            0 => Some(Codec::Raw),
+            1 => Some(Codec::Zstd),
+            _ => None,
+        }
+    }
+}
+
+pub fn chunk_header(codec: Codec, raw_len: u64) -> [u8; CHUNK_HEADER_LEN] {
+    let mut h = [0u8; CHUNK_HEADER_LEN];
+    h[..4].copy_from_slice(CHUNK_MAGIC);
+    h[4] = codec as u8;
+    h[8..].copy_from_slice(&raw_len.to_le_bytes());
+    h
+}
+
+pub fn parse_chunk_header(h: &[u8], path: &Path) -> Result<(Codec, u64)> {
+    if h.len() < CHUNK_HEADER_LEN || &h[..4] != CHUNK_MAGIC {
+        return Err(Error::corrupt(path, "not a hindsight chunk (bad magic)"));
+    }
+    let codec = Codec::from_byte(h[4])
+        .ok_or_else(|| Error::corrupt(path, format!("unknown codec {}", h[4])))?;
+    let mut len = [0u8; 8];
+    len.copy_from_slice(&h[8..16]);
+    Ok((codec, u64::from_le_bytes(len)))
+}
+
+/// A reference to one chunk and the number of raw bytes it holds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkRef {
+    pub id: ChunkId,
+    pub len: u64,
+}
+
+/// A byte string stored as a sequence of chunks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Blob {
+    pub nbytes: u64,
+    pub chunks: Vec<ChunkRef>,
+    /// While a save is in flight: which of its staged chunks make up this
+    /// blob; resolved into `chunks` when the save commits.
+    #[serde(skip)]
+    pub pending: Option<Pending>,
+}
+
+/// The chunk refs of one save, known once its background work hashed them.
+#[derive(Debug, Default)]
+pub struct StagedChunks(pub std::sync::OnceLock<Vec<ChunkRef>>);
+
+#[derive(Clone, Debug)]
+pub struct Pending {
+    pub chunks: std::sync::Arc<StagedChunks>,
+    pub range: std::ops::Range<usize>,
+}
+
+impl PartialEq for Pending {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.chunks, &other.chunks) && self.range == other.range
+    }
+}
+impl Eq for Pending {}
+
+/// Which library an array belongs to, so load gives back the same kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ArrayLib {
+    Torch,
+    Numpy,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Array {
+    pub lib: ArrayLib,
+    /// torch: the name after `torch.` (e.g. `bfloat16`); numpy: `dtype.str` (e.g. `<f4`).
+    pub dtype: String,
+    pub shape: Vec<u64>,
+    /// Always "little" in version 1 (arrays are converted on save if needed).
+    pub byte_order: String,
+    /// The device the tensor lived on at save time (informational).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    pub data: Blob,
+}
+
+/// The structure of a checkpoint: a tree of plain values and arrays.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "t", content = "v", rename_all = "lowercase")]
+pub enum Node {
+    None,
+    Bool(bool),
+    Int(i64),
+    /// An integer outside i64, in decimal.
+    BigInt(String),
+    /// IEEE-754 bits, so NaN payloads and infinities survive JSON.
+    Float(u64),
+    Str(String),
+    Bytes(Blob),
+    List(Vec<Node>),
+    Tuple(Vec<Node>),
+    Dict(Vec<(Node, Node)>),
+    Array(Box<Array>),
+    /// Pickled bytes of an object the caller explicitly allowed to pickle.
+    Pickle(Blob),
+}
+
+impl Node {
+    /// Render a dict key for key paths (`optim/state/0/exp_avg`).
+    pub fn key_label(&self) -> String {
+        match self {
+            Node::Str(s) => s.clone(),
+            Node::Int(i) => i.to_string(),
+            Node::BigInt(s) => s.clone(),
+            Node::Bool(b) => b.to_string(),
+            Node::None => "None".into(),
+            Node::Float(bits) => f64::from_bits(*bits).to_string(),
+            other => format!("<{}>", other.kind()),
+        }
+    }
+
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Node::None => "none",
+            Node::Bool(_) => "bool",
+            Node::Int(_) | Node::BigInt(_) => "int",
+            Node::Float(_) => "float",
+            Node::Str(_) => "str",
+            Node::Bytes(_) => "bytes",
+            Node::List(_) => "list",
+            Node::Tuple(_) => "tuple",
+            Node::Dict(_) => "dict",
+            Node::Array(_) => "array",
+            Node::Pickle(_) => "pickle",
+        }
+    }
+
+    /// Visit every blob with its key path.
+    pub fn for_each_blob<'a>(
+        &'a self,
+        path: &mut Vec<String>,
+        f: &mut dyn FnMut(&[String], &'a Blob),
+    ) {
+        match self {
+            Node::Bytes(b) | Node::Pickle(b) => f(path, b),
+            Node::Array(a) => f(path, &a.data),
+            Node::List(items) | Node::Tuple(items) => {
+                for (i, n) in items.iter().enumerate() {
+                    path.push(i.to_string());
+                    n.for_each_blob(path, f);
+                    path.pop();
+                }
+            }
+            Node::Dict(items) => {
+                for (k, v) in items {
+                    path.push(k.key_label());
+                    v.for_each_blob(path, f);
+                    path.pop();
+                }
+            }
+            _ => {}
+        }
+    }
+
+    pub fn for_each_blob_mut(&mut self, f: &mut dyn FnMut(&mut Blob)) {
+        match self {
+            Node::Bytes(b) | Node::Pickle(b) => f(b),
+            Node::Array(a) => f(&mut a.data),
+            Node::List(items) | Node::Tuple(items) => {
+                items.iter_mut().for_each(|n| n.for_each_blob_mut(f))
+            }
+            Node::Dict(items) => items.iter_mut().for_each(|(_, v)| v.for_each_blob_mut(f)),
+            _ => {}
+        }
+    }
+
+    /// The sub-tree at a key path (each element matches a dict key label or a list index).
+    pub fn select(&self, path: &[String]) -> Option<&Node> {
+        let Some((first, rest)) = path.split_first() else {
+            return Some(self);
+        };
+        match self {
+            Node::Dict(items) => items
+                .iter()
+                .find(|(k, _)| &k.key_label() == first)?
+                .1
+                .select(rest),
+            Node::List(items) | Node::Tuple(items) => {
+                items.get(first.parse::<usize>().ok()?)?.select(rest)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// One committed checkpoint.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: u32,
+    pub name: String,
+    /// Milliseconds since the Unix epoch when the save was requested.
+    pub created_ms: u64,
+    /// Free-form string metadata (e.g. the epoch, a metric) for tools and retention.
+    #[serde(default)]
+    pub meta: BTreeMap<String, String>,
+    pub root: Node,
+}
+
+impl Manifest {
+    pub fn encode(&self) -> Vec<u8> {
+        // Serializing plain data to JSON cannot fail.
+        let body = serde_json::to_vec(self).unwrap_or_default();
+        let mut out = Vec::with_capacity(body.len() + 48);
+        out.extend_from_slice(MANIFEST_MAGIC);
+        out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        out.extend_from_slice(&(body.len() as u64).to_le_bytes());
+        out.extend_from_slice(&body);
+        let sum = blake3::hash(&out);
+        out.extend_from_slice(sum.as_bytes());
+        out
+    }
+
+    /// Decode and verify a manifest file. Never panics on any input.
+    pub fn decode(bytes: &[u8], path: &Path) -> Result<Self> {
+        let bad = |d: String| Error::corrupt(path, d);
+        if bytes.len() < 16 + 32 || &bytes[..4] != MANIFEST_MAGIC {
+            return Err(bad(
+                "not a hindsight manifest (bad magic or truncated)".into()
+            ));
+        }
+        let version = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
+        if version != FORMAT_VERSION {
+            return Err(bad(format!(
+                "format version {version} is not supported by this hindsight (reads version {FORMAT_VERSION})"
+            )));
+        }
+        let mut len = [0u8; 8];
+        len.copy_from_slice(&bytes[8..16]);
+        let len = u64::from_le_bytes(len);
+        if len > MAX_MANIFEST_BODY || 16 + len + 32 != bytes.len() as u64 {
+            return Err(bad(format!(
+                "length field {len} does not match file size {}",
+                bytes.len()
+            )));
+        }
+        let split = bytes.len() - 32;
+        if blake3::hash(&bytes[..split]).as_bytes() != &bytes[split..] {
+            return Err(bad("manifest checksum mismatch".into()));
+        }
+        let m: Manifest = serde_json::from_slice(&bytes[16..split])
+            .map_err(|e| bad(format!("manifest does not parse: {e}")))?;
+        m.validate().map_err(bad)?;
+        Ok(m)
+    }
+
+    /// Structural checks a checksum cannot give (a manifest written by a buggy or hostile writer).
+    fn validate(&self) -> Result<(), String> {
+        let mut err = None;
+        let mut path = Vec::new();
+        self.root.for_each_blob(&mut path, &mut |p, b| {
+            let sum: u64 = b.chunks.iter().map(|c| c.len).sum();
+            if err.is_none() && sum != b.nbytes {
+                err = Some(format!(
+                    "blob at '{}' has {} bytes in chunks but claims {}",
+                    p.join("/"),
+                    sum,
+                    b.nbytes
+                ));
+            }
+        });
+        if let Some(e) = err {
+            return Err(e);
+        }
+        validate_arrays(&self.root, &mut Vec::new())
+    }
+}
+
+fn validate_arrays(node: &Node, path: &mut Vec<String>) -> Result<(), String> {
+    match node {
+        Node::Array(a) => {
+            let item = itemsize(a.lib, &a.dtype)
+                .ok_or_else(|| format!("unknown dtype {:?} at '{}'", a.dtype, path.join("/")))?;
+            let n = a
+                .shape
+                .iter()
+                .try_fold(item, |acc, &d| acc.checked_mul(d))
+                .ok_or_else(|| format!("shape overflows at '{}'", path.join("/")))?;
+            if n != a.data.nbytes {
+                return Err(format!(
+                    "array at '{}' of dtype {} and shape {:?} needs {n} bytes but holds {}",
+                    path.join("/"),
+                    a.dtype,
+                    a.shape,
+                    a.data.nbytes
+                ));
+            }
+            Ok(())
+        }
+        Node::List(items) | Node::Tuple(items) => {
+            items.iter().enumerate().try_for_each(|(i, n)| {
+                path.push(i.to_string());
+                let r = validate_arrays(n, path);
+                path.pop();
+                r
+            })
+        }
+        Node::Dict(items) => items.iter().try_for_each(|(k, v)| {
+            path.push(k.key_label());
+            let r = validate_arrays(v, path);
+            path.pop();
+            r
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Bytes per element, or None for a dtype the format does not know.
+pub fn itemsize(lib: ArrayLib, dtype: &str) -> Option<u64> {
+    match lib {
+        ArrayLib::Torch => Some(match dtype {
+            "bool" | "uint8" | "int8" | "float8_e4m3fn" | "float8_e5m2" | "float8_e4m3fnuz"
+            | "float8_e5m2fnuz" | "float8_e8m0fnu" => 1,
+            "int16" | "uint16" | "float16" | "bfloat16" => 2,
+            "int32" | "uint32" | "float32" | "complex32" => 4,
+            "int64" | "uint64" | "float64" | "complex64" => 8,
+            "complex128" => 16,
+            _ => return None,
+        }),
+        // numpy dtype.str: byte order char, kind char, item size (e.g. "<f4", "|b1").
+        ArrayLib::Numpy => {
+            let b = dtype.as_bytes();
+            if b.len() < 3
+                || !matches!(b[0], b'<' | b'|')
+                || !matches!(b[1], b'b' | b'i' | b'u' | b'f' | b'c')
+            {
+                return None;
+            }
+            dtype[2..].parse::<u64>().ok().filter(|&n| n > 0 && n <= 32)
+        }
+    }
+}
+
+/// Checkpoint names become file names: keep them portable and unambiguous.
+pub fn validate_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 200
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || b"._-=+@,".contains(&c));
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            format!("checkpoint name {name:?}"),
+            "use 1-200 characters from A-Z a-z 0-9 . _ - = + @ , not starting with '.'",
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn arb_blob() -> impl Strategy<Value = Blob> {
+        prop::collection::vec((any::<[u8; 32]>(), 0u64..1 << 40), 0..4).prop_map(|cs| {
+            let chunks: Vec<ChunkRef> = cs
+                .into_iter()
+                .map(|(id, len)| ChunkRef {
+                    id: ChunkId(id),
+                    len,
+                })
+                .collect();
+            Blob {
+                nbytes: chunks.iter().map(|c| c.len).sum(),
+                chunks,
+                pending: None,
+            }
+        })
+    }
+
+    fn arb_node() -> impl Strategy<Value = Node> {
+        let leaf = prop_oneof![
+            Just(Node::None),
+            any::<bool>().prop_map(Node::Bool),
+            any::<i64>().prop_map(Node::Int),
+            "-?[1-9][0-9]{19,40}".prop_map(Node::BigInt),
+            any::<u64>().prop_map(Node::Float),
+            ".*".prop_map(Node::Str),
+            arb_blob().prop_map(Node::Bytes),
+            arb_blob().prop_map(Node::Pickle),
+            (
+                prop::collection::vec(0u64..5, 0..4),
+                prop::sample::select(vec!["float32", "bfloat16", "bool", "int64"])
+            )
+                .prop_map(|(shape, dtype)| {
+                    let n =
+                        shape.iter().product::<u64>() * itemsize(ArrayLib::Torch, dtype).unwrap();
+                    let chunks = if n == 0 {
+                        vec![]
+                    } else {
+                        vec![ChunkRef {
+                            id: ChunkId([7; 32]),
+                            len: n,
+                        }]
+                    };
+                    Node::Array(Box::new(Array {
+                        lib: ArrayLib::Torch,
+                        dtype: dtype.into(),
+                        shape,
+                        byte_order: "little".into(),
+                        device: Some("cpu".into()),
+                        data: Blob {
+                            nbytes: n,
+                            chunks,
+                            pending: None,
+                        },
+                    }))
+                }),
+        ];
+        leaf.prop_recursive(4, 64, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(Node::List),
+                prop::collection::vec(inner.clone(), 0..6).prop_map(Node::Tuple),
+                prop::collection::vec((inner.clone(), inner), 0..6).prop_map(Node::Dict),
+            ]
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn manifest_round_trips(root in arb_node(), name in "[a-z0-9_.-]{1,20}", created in any::<u64>()) {
+            let m = Manifest { format: FORMAT_VERSION, name, created_ms: created, meta: BTreeMap::new(), root };
+            let bytes = m.encode();
+            prop_assert_eq!(Manifest::decode(&bytes, Path::new("m")).unwrap(), m);
+        }
+
+        #[test]
+        fn any_single_flipped_byte_is_detected(root in arb_node(), pos in any::<prop::sample::Index>(), bit in 0u8..8) {
+            let m = Manifest { format: FORMAT_VERSION, name: "x".into(), created_ms: 1, meta: BTreeMap::new(), root };
+            let mut bytes = m.encode();
+            let i = pos.index(bytes.len());
+            bytes[i] ^= 1 << bit;
+            prop_assert!(Manifest::decode(&bytes, Path::new("m")).is_err());
+        }
+
+        #[test]
+        fn decode_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+            let _ = Manifest::decode(&bytes, Path::new("m"));
+        }
+    }
+
+    #[test]
+    fn chunk_ids_round_trip_through_hex() {
+        let id = ChunkId::of(b"abc");
+        assert_eq!(ChunkId::from_hex(&id.to_hex()), Some(id));
+        assert_eq!(ChunkId::from_hex("zz"), None);
+    }
+
+    #[test]
+    fn names_are_checked() {
+        assert!(validate_name("epoch-3").is_ok());
+        for bad in ["", "../x", "a/b", ".hidden", "a b"] {
+            let e = validate_name(bad).unwrap_err().to_string();
+            assert!(e.contains("checkpoint name"), "{e}");
+        }
+    }
+
+    #[test]
+    fn array_size_mismatch_is_corruption() {
+        let root = Node::Array(Box::new(Array {
+            lib: ArrayLib::Torch,
+            dtype: "float32".into(),
+            shape: vec![3],
+            byte_order: "little".into(),
+            device: None,
+            data: Blob {
+                nbytes: 8,
+                chunks: vec![ChunkRef {
+                    id: ChunkId([0; 32]),
+                    len: 8,
+                }],
+                pending: None,
+            },
+        }));
+        let m = Manifest {
+            format: FORMAT_VERSION,
+            name: "x".into(),
+            created_ms: 0,
+            meta: BTreeMap::new(),
+            root,
+        };
+        let e = Manifest::decode(&m.encode(), Path::new("m"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("needs 12 bytes"), "{e}");
+    }
+}

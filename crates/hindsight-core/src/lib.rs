@@ -1,0 +1,15 @@
+//! hindsight engine: a crash-safe, deduplicating checkpoint store with a
+//! background writer. No Python here; the binding lives in `hindsight-py`.
+
+pub mod durable;
+pub mod error;
+pub mod format;
+pub mod storage;
+pub mod store;
+pub mod writer;
+
+pub use error::{Error, Result};
+pub use format::{Array, ArrayLib, Blob, ChunkId, Codec, Manifest, Node};
+pub use storage::{LocalStorage, Storage};
+pub use store::{GcReport, Store, StoreOptions, Usage};
+pub use writer::{SaveBuilder, SaveHandle, SaveStats, Writer, WriterOptions};

@@ -1,0 +1,279 @@
+//! Where store files live. The engine talks to a [`Storage`]; every backend
+//! passes the shared conformance suite in `tests/conformance.rs`.
+//!
+//! Local layout under the store root:
+//! ```text
+//! HINDSIGHT.json        store options (format version, codec, chunk size)
+//! chunks/ab/abcdef...   content-addressed chunks (first two hex digits fan out)
+//! manifests/NAME.hsm    committed checkpoints
+//! tmp/                  staging files of in-flight writes
+//! gc.lock               writers hold it shared, gc exclusive
+//! ```
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::fs::{self, File, OpenOptions};
+use std::io::Read;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use crate::durable::{self, DirSync};
+use crate::error::{Error, Result};
+use crate::format::ChunkId;
+
+/// A held lock; released on drop.
+pub trait LockGuard: Send + fmt::Debug {}
+
+pub trait Storage: Send + Sync + fmt::Debug {
+    /// Human-readable location, used in messages.
+    fn location(&self) -> String;
+    /// Path shown to users for a chunk (for error messages).
+    fn chunk_path(&self, id: &ChunkId) -> PathBuf;
+    fn manifest_path(&self, name: &str) -> PathBuf;
+
+    fn has_chunk(&self, id: &ChunkId) -> Result<bool>;
+    /// Store an encoded chunk file. The bytes may not be durable until [`Storage::sync`].
+    fn put_chunk(&self, id: &ChunkId, parts: &[&[u8]]) -> Result<()>;
+    fn open_chunk(&self, id: &ChunkId) -> Result<Box<dyn Read + Send>>;
+    /// Every chunk and its encoded size on storage.
+    fn list_chunks(&self) -> Result<Vec<(ChunkId, u64)>>;
+    fn delete_chunk(&self, id: &ChunkId) -> Result<()>;
+    /// Make every chunk put so far durable.
+    fn sync(&self) -> Result<()>;
+
+    /// Atomically replace-or-create a manifest, durable on return.
+    fn put_manifest(&self, name: &str, bytes: &[u8]) -> Result<()>;
+    fn get_manifest(&self, name: &str) -> Result<Vec<u8>>;
+    fn list_manifests(&self) -> Result<Vec<String>>;
+    /// Remove a manifest durably; Ok(false) when it did not exist.
+    fn delete_manifest(&self, name: &str) -> Result<bool>;
+    fn manifest_size(&self, name: &str) -> Result<u64>;
+
+    /// Held by every save from its first chunk to its commit.
+    fn lock_shared(&self) -> Result<Box<dyn LockGuard>>;
+    /// Held by gc; excludes all saves, in every process.
+    fn lock_exclusive(&self) -> Result<Box<dyn LockGuard>>;
+    /// Remove staging files left behind by crashed writers (call under the exclusive lock).
+    fn clean_staging(&self) -> Result<u64>;
+}
+
+#[derive(Debug)]
+pub struct LocalStorage {
+    root: PathBuf,
+    tmp: PathBuf,
+    /// Directories that received chunk names since the last sync.
+    dirty_dirs: std::sync::Mutex<BTreeSet<PathBuf>>,
+}
+
+const MANIFEST_EXT: &str = "hsm";
+
+impl LocalStorage {
+    /// Open the layout under `root`, creating its directories.
+    pub fn open(root: &Path) -> Result<Self> {
+        for sub in ["chunks", "manifests", "tmp"] {
+            let d = root.join(sub);
+            fs::create_dir_all(&d).map_err(|e| Error::io(&d, e))?;
+        }
+        Ok(LocalStorage {
+            root: root.to_path_buf(),
+            tmp: root.join("tmp"),
+            dirty_dirs: Default::default(),
+        })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn lock(&self, op: libc::c_int) -> Result<Box<dyn LockGuard>> {
+        let path = self.root.join("gc.lock");
+        let f = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| Error::io(&path, e))?;
+        loop {
+            // SAFETY: flock on a file descriptor we own; no memory is involved.
+            let rc = unsafe { libc::flock(f.as_raw_fd(), op) };
+            if rc == 0 {
+                return Ok(Box::new(FlockGuard(f)));
+            }
+            let err = std::io::Error::last_os_error();
+            if err.kind() != std::io::ErrorKind::Interrupted {
+                return Err(Error::io(&path, err));
+            }
+        }
+    }
+}
+
+/// flock is released when the file is closed.
+#[derive(Debug)]
+struct FlockGuard(#[allow(dead_code)] File);
+impl LockGuard for FlockGuard {}
+
+impl Storage for LocalStorage {
+    fn location(&self) -> String {
+        self.root.display().to_string()
+    }
+
+    fn chunk_path(&self, id: &ChunkId) -> PathBuf {
+        let hex = id.to_hex();
+        self.root.join("chunks").join(&hex[..2]).join(&hex[2..])
+    }
+
+    fn manifest_path(&self, name: &str) -> PathBuf {
+        self.root
+            .join("manifests")
+            .join(format!("{name}.{MANIFEST_EXT}"))
+    }
+
+    fn has_chunk(&self, id: &ChunkId) -> Result<bool> {
+        let p = self.chunk_path(id);
+        match fs::metadata(&p) {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(Error::io(p, e)),
+        }
+    }
+
+    fn put_chunk(&self, id: &ChunkId, parts: &[&[u8]]) -> Result<()> {
+        let mut dirs = BTreeSet::new();
+        durable::write_durable(
+            &self.chunk_path(id),
+            &self.tmp,
+            parts,
+            DirSync::Deferred(&mut dirs),
+        )?;
+        self.dirty_dirs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(dirs);
+        Ok(())
+    }
+
+    fn open_chunk(&self, id: &ChunkId) -> Result<Box<dyn Read + Send>> {
+        let p = self.chunk_path(id);
+        match File::open(&p) {
+            Ok(f) => Ok(Box::new(f)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Err(Error::corrupt(p, "chunk file is missing"))
+            }
+            Err(e) => Err(Error::io(p, e)),
+        }
+    }
+
+    fn list_chunks(&self) -> Result<Vec<(ChunkId, u64)>> {
+        let base = self.root.join("chunks");
+        let mut out = Vec::new();
+        for fan in fs::read_dir(&base).map_err(|e| Error::io(&base, e))? {
+            let fan = fan.map_err(|e| Error::io(&base, e))?;
+            let prefix = fan.file_name().to_string_lossy().into_owned();
+            if !fan.path().is_dir() {
+                continue;
+            }
+            for f in fs::read_dir(fan.path()).map_err(|e| Error::io(fan.path(), e))? {
+                let f = f.map_err(|e| Error::io(fan.path(), e))?;
+                let name = format!("{prefix}{}", f.file_name().to_string_lossy());
+                if let Some(id) = ChunkId::from_hex(&name) {
+                    let len = f.metadata().map_err(|e| Error::io(f.path(), e))?.len();
+                    out.push((id, len));
+                }
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    fn delete_chunk(&self, id: &ChunkId) -> Result<()> {
+        let p = self.chunk_path(id);
+        match fs::remove_file(&p) {
+            Ok(()) => {
+                self.dirty_dirs
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(p.parent().unwrap_or(&self.root).to_path_buf());
+                Ok(())
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(Error::io(p, e)),
+        }
+    }
+
+    fn sync(&self) -> Result<()> {
+        let dirs = std::mem::take(&mut *self.dirty_dirs.lock().unwrap_or_else(|p| p.into_inner()));
+        let r = durable::sync_dirs(&dirs);
+        if r.is_err() {
+            // Keep them dirty so the next sync retries.
+            self.dirty_dirs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend(dirs);
+        }
+        r
+    }
+
+    fn put_manifest(&self, name: &str, bytes: &[u8]) -> Result<()> {
+        durable::write_durable(&self.manifest_path(name), &self.tmp, &[bytes], DirSync::Now)
+    }
+
+    fn get_manifest(&self, name: &str) -> Result<Vec<u8>> {
+        let p = self.manifest_path(name);
+        fs::read(&p).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                Error::NotFound {
+                    what: "checkpoint",
+                    name: name.to_string(),
+                    location: format!("store {}", self.root.display()),
+                }
+            } else {
+                Error::io(p, e)
+            }
+        })
+    }
+
+    fn list_manifests(&self) -> Result<Vec<String>> {
+        let dir = self.root.join("manifests");
+        let mut out = Vec::new();
+        for e in fs::read_dir(&dir).map_err(|e| Error::io(&dir, e))? {
+            let e = e.map_err(|e| Error::io(&dir, e))?;
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some(stem) = name.strip_suffix(&format!(".{MANIFEST_EXT}")) {
+                out.push(stem.to_string());
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    fn delete_manifest(&self, name: &str) -> Result<bool> {
+        durable::remove_durable(&self.manifest_path(name))
+    }
+
+    fn manifest_size(&self, name: &str) -> Result<u64> {
+        let p = self.manifest_path(name);
+        fs::metadata(&p)
+            .map(|m| m.len())
+            .map_err(|e| Error::io(p, e))
+    }
+
+    fn lock_shared(&self) -> Result<Box<dyn LockGuard>> {
+        self.lock(libc::LOCK_SH)
+    }
+
+    fn lock_exclusive(&self) -> Result<Box<dyn LockGuard>> {
+        self.lock(libc::LOCK_EX)
+    }
+
+    fn clean_staging(&self) -> Result<u64> {
+        let mut n = 0;
+        for e in fs::read_dir(&self.tmp).map_err(|e| Error::io(&self.tmp, e))? {
+            let e = e.map_err(|e| Error::io(&self.tmp, e))?;
+            if fs::remove_file(e.path()).is_ok() {
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+}

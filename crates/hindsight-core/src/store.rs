@@ -1,0 +1,477 @@
+//! A checkpoint store: options, reading and verifying checkpoints, and the
+//! housekeeping operations (list, remove, gc, du, verify).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::Read;
+use std::path::Path;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::durable::{self, DirSync};
+use crate::error::{Error, Result};
+use crate::format::{self, Blob, ChunkId, Codec, Manifest, Node, CHUNK_HEADER_LEN, FORMAT_VERSION};
+use crate::storage::{LocalStorage, Storage};
+
+pub const DEFAULT_CHUNK_SIZE: usize = 4 << 20;
+const CONFIG_FILE: &str = "HINDSIGHT.json";
+
+/// Per-store options, fixed when the store is created.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoreOptions {
+    pub format: u32,
+    /// Codec for new chunks. Raw by default: float weights barely compress
+    /// (measured in `make bench`), and zstd would cost more time than it saves.
+    pub codec: Codec,
+    pub zstd_level: i32,
+    /// Tensors are cut into chunks of at most this many bytes.
+    pub chunk_size: usize,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions {
+            format: FORMAT_VERSION,
+            codec: Codec::Raw,
+            zstd_level: 1,
+            chunk_size: DEFAULT_CHUNK_SIZE,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Store {
+    storage: Arc<dyn Storage>,
+    options: StoreOptions,
+}
+
+/// What `du` reports.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub checkpoints: usize,
+    /// Sum of every checkpoint's data as if each were stored alone.
+    pub logical_bytes: u64,
+    /// Raw bytes of the distinct chunks the checkpoints reference.
+    pub unique_bytes: u64,
+    /// Encoded chunk files plus manifests, as stored.
+    pub stored_bytes: u64,
+    pub chunks: usize,
+    /// Chunks on storage that no checkpoint references (gc would remove them).
+    pub unreferenced_chunks: usize,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GcReport {
+    pub chunks_removed: usize,
+    pub bytes_removed: u64,
+    pub staging_files_removed: u64,
+}
+
+/// One problem found by `verify`.
+#[derive(Debug)]
+pub struct Problem {
+    pub checkpoint: Option<String>,
+    pub error: Error,
+}
+
+impl Store {
+    /// Open a store in a local directory; create it (with `options`) if `create` and missing.
+    pub fn open_local(root: &Path, create: bool, options: Option<StoreOptions>) -> Result<Store> {
+        let config = root.join(CONFIG_FILE);
+        if !config.exists() {
+            if !create {
+                return Err(Error::NotFound {
+                    what: "store",
+                    name: root.display().to_string(),
+                    location: format!("no {CONFIG_FILE} in that directory"),
+                });
+            }
+            let storage = LocalStorage::open(root)?;
+            let options = options.unwrap_or_default();
+            check_options(&options)?;
+            let bytes = serde_json::to_vec_pretty(&options).unwrap_or_default();
+            // Two processes creating one store write the same options; last rename wins.
+            durable::write_durable(&config, &root.join("tmp"), &[&bytes], DirSync::Now)?;
+            return Ok(Store {
+                storage: Arc::new(storage),
+                options,
+            });
+        }
+        let bytes = std::fs::read(&config).map_err(|e| Error::io(&config, e))?;
+        let stored: StoreOptions = serde_json::from_slice(&bytes)
+            .map_err(|e| Error::corrupt(&config, format!("store options do not parse: {e}")))?;
+        if stored.format != FORMAT_VERSION {
+            return Err(Error::corrupt(
+                &config,
+                format!(
+                    "store format {} is not supported (this hindsight reads {FORMAT_VERSION})",
+                    stored.format
+                ),
+            ));
+        }
+        check_options(&stored).map_err(|e| Error::corrupt(&config, e.to_string()))?;
+        if let Some(asked) = options {
+            if asked.codec != stored.codec || asked.chunk_size != stored.chunk_size {
+                return Err(Error::invalid(
+                    "store options",
+                    format!(
+                        "store {} was created with codec {:?} and chunk size {}; options are fixed at creation",
+                        root.display(),
+                        stored.codec,
+                        stored.chunk_size
+                    ),
+                ));
+            }
+        }
+        Ok(Store {
+            storage: Arc::new(LocalStorage::open(root)?),
+            options: stored,
+        })
+    }
+
+    /// A store over any backend (tests inject failing storage this way).
+    pub fn with_storage(storage: Arc<dyn Storage>, options: StoreOptions) -> Result<Store> {
+        check_options(&options)?;
+        Ok(Store { storage, options })
+    }
+
+    pub fn storage(&self) -> &Arc<dyn Storage> {
+        &self.storage
+    }
+
+    pub fn options(&self) -> &StoreOptions {
+        &self.options
+    }
+
+    pub fn location(&self) -> String {
+        self.storage.location()
+    }
+
+    pub fn list(&self) -> Result<Vec<String>> {
+        self.storage.list_manifests()
+    }
+
+    pub fn manifest(&self, name: &str) -> Result<Manifest> {
+        format::validate_name(name)?;
+        let bytes = self.storage.get_manifest(name)?;
+        let m = Manifest::decode(&bytes, &self.storage.manifest_path(name))?;
+        if m.name != name {
+            return Err(Error::corrupt(
+                self.storage.manifest_path(name),
+                format!(
+                    "manifest holds checkpoint '{}' under the name '{name}'",
+                    m.name
+                ),
+            ));
+        }
+        Ok(m)
+    }
+
+    pub fn remove(&self, name: &str) -> Result<()> {
+        format::validate_name(name)?;
+        if !self.storage.delete_manifest(name)? {
+            return Err(Error::NotFound {
+                what: "checkpoint",
+                name: name.into(),
+                location: format!("store {}", self.location()),
+            });
+        }
+        Ok(())
+    }
+
+    /// Read one chunk into `dest` (exactly its raw length) and verify its hash.
+    pub fn read_chunk_into(&self, id: &ChunkId, dest: &mut [u8]) -> Result<()> {
+        let path = self.storage.chunk_path(id);
+        let mut r = self.storage.open_chunk(id)?;
+        let mut header = [0u8; CHUNK_HEADER_LEN];
+        r.read_exact(&mut header)
+            .map_err(|e| Error::corrupt(&path, format!("truncated chunk header: {e}")))?;
+        let (codec, raw_len) = format::parse_chunk_header(&header, &path)?;
+        if raw_len != dest.len() as u64 {
+            return Err(Error::corrupt(
+                &path,
+                format!(
+                    "chunk holds {raw_len} bytes, manifest expects {}",
+                    dest.len()
+                ),
+            ));
+        }
+        match codec {
+            Codec::Raw => {
+                r.read_exact(dest).map_err(|e| match e.kind() {
+                    std::io::ErrorKind::UnexpectedEof => {
+                        Error::corrupt(&path, "chunk is truncated")
+                    }
+                    _ => Error::io(&path, e),
+                })?;
+                let mut extra = [0u8; 1];
+                if r.read(&mut extra).map_err(|e| Error::io(&path, e))? != 0 {
+                    return Err(Error::corrupt(&path, "chunk has trailing bytes"));
+                }
+            }
+            Codec::Zstd => {
+                let mut payload = Vec::new();
+                r.read_to_end(&mut payload)
+                    .map_err(|e| Error::io(&path, e))?;
+                let n = zstd::bulk::decompress_to_buffer(&payload, dest).map_err(|e| {
+                    Error::corrupt(&path, format!("zstd payload does not decode: {e}"))
+                })?;
+                if n != dest.len() {
+                    return Err(Error::corrupt(
+                        &path,
+                        format!("zstd payload decodes to {n} bytes, expected {}", dest.len()),
+                    ));
+                }
+            }
+        }
+        if ChunkId::of(dest) != *id {
+            return Err(Error::corrupt(
+                &path,
+                "chunk content does not match its hash",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Read a whole blob into `dest` (length `blob.nbytes`), verifying every chunk.
+    pub fn read_blob_into(&self, blob: &Blob, dest: &mut [u8]) -> Result<()> {
+        if dest.len() as u64 != blob.nbytes {
+            return Err(Error::invalid(
+                "destination buffer",
+                format!("{} bytes for a blob of {}", dest.len(), blob.nbytes),
+            ));
+        }
+        let mut off = 0usize;
+        for c in &blob.chunks {
+            let end = off + c.len as usize;
+            self.read_chunk_into(&c.id, &mut dest[off..end])?;
+            off = end;
+        }
+        Ok(())
+    }
+
+    /// Encode and store one chunk unless an identical one is already there.
+    /// Returns the bytes written (0 when deduplicated).
+    pub fn put_chunk(&self, raw: &[u8], id: &ChunkId) -> Result<u64> {
+        if self.storage.has_chunk(id)? {
+            return Ok(0);
+        }
+        let (codec, payload);
+        let compressed;
+        if self.options.codec == Codec::Zstd {
+            compressed = zstd::bulk::compress(raw, self.options.zstd_level)
+                .map_err(|e| Error::io(self.storage.chunk_path(id), e))?;
+            // Keep the raw bytes when compression does not pay (> 97% of raw).
+            if (compressed.len() as u64) * 100 < (raw.len() as u64) * 97 {
+                codec = Codec::Zstd;
+                payload = &compressed[..];
+            } else {
+                codec = Codec::Raw;
+                payload = raw;
+            }
+        } else {
+            codec = Codec::Raw;
+            payload = raw;
+        }
+        let header = format::chunk_header(codec, raw.len() as u64);
+        self.storage.put_chunk(id, &[&header, payload])?;
+        Ok((CHUNK_HEADER_LEN + payload.len()) as u64)
+    }
+
+    /// Every chunk referenced by any checkpoint. Fails if a manifest is unreadable,
+    /// because deleting on partial knowledge could destroy live data.
+    fn referenced(&self) -> Result<(usize, u64, HashMap<ChunkId, u64>)> {
+        let mut refs = HashMap::new();
+        let mut logical = 0u64;
+        let names = self.list()?;
+        for name in &names {
+            let m = self.manifest(name)?;
+            m.root.for_each_blob(&mut Vec::new(), &mut |_, b| {
+                logical += b.nbytes;
+                for c in &b.chunks {
+                    refs.insert(c.id, c.len);
+                }
+            });
+        }
+        Ok((names.len(), logical, refs))
+    }
+
+    pub fn usage(&self) -> Result<Usage> {
+        let (checkpoints, logical_bytes, refs) = self.referenced()?;
+        let on_disk = self.storage.list_chunks()?;
+        let mut stored_bytes: u64 = on_disk.iter().map(|(_, n)| n).sum();
+        for name in self.list()? {
+            stored_bytes += self.storage.manifest_size(&name).unwrap_or(0);
+        }
+        Ok(Usage {
+            checkpoints,
+            logical_bytes,
+            unique_bytes: refs.values().sum(),
+            stored_bytes,
+            chunks: on_disk.len(),
+            unreferenced_chunks: on_disk
+                .iter()
+                .filter(|(id, _)| !refs.contains_key(id))
+                .count(),
+        })
+    }
+
+    /// Remove chunks no checkpoint references, and stale staging files.
+    /// Holds the exclusive lock, so no save in any process is between its
+    /// first chunk and its commit while chunks are deleted.
+    pub fn gc(&self) -> Result<GcReport> {
+        let _lock = self.storage.lock_exclusive()?;
+        let (_, _, refs) = self.referenced()?;
+        let mut report = GcReport::default();
+        for (id, len) in self.storage.list_chunks()? {
+            if !refs.contains_key(&id) {
+                self.storage.delete_chunk(&id)?;
+                report.chunks_removed += 1;
+                report.bytes_removed += len;
+            }
+        }
+        self.storage.sync()?;
+        report.staging_files_removed = self.storage.clean_staging()?;
+        Ok(report)
+    }
+
+    /// Check every byte of the named checkpoints (all when `names` is empty).
+    /// Each chunk is read and hashed once even when many checkpoints share it.
+    pub fn verify(
+        &self,
+        names: &[String],
+        mut progress: impl FnMut(&str),
+    ) -> Result<(usize, Vec<Problem>)> {
+        let names = if names.is_empty() {
+            self.list()?
+        } else {
+            names.to_vec()
+        };
+        let mut problems = Vec::new();
+        let mut checked: HashMap<ChunkId, Option<String>> = HashMap::new();
+        let mut buf = Vec::new();
+        for name in &names {
+            progress(name);
+            let m = match self.manifest(name) {
+                Ok(m) => m,
+                Err(error) => {
+                    problems.push(Problem {
+                        checkpoint: Some(name.clone()),
+                        error,
+                    });
+                    continue;
+                }
+            };
+            let mut blobs: Vec<(String, Blob)> = Vec::new();
+            m.root.for_each_blob(&mut Vec::new(), &mut |p, b| {
+                blobs.push((p.join("/"), b.clone()))
+            });
+            let mut reported = HashSet::new();
+            for (key, blob) in blobs {
+                for c in &blob.chunks {
+                    let result = checked.entry(c.id).or_insert_with(|| {
+                        buf.resize(c.len as usize, 0);
+                        self.read_chunk_into(&c.id, &mut buf)
+                            .err()
+                            .map(|e| e.to_string())
+                    });
+                    if result.is_some() && reported.insert(c.id) {
+                        let error = match self.read_chunk_into(&c.id, &mut vec![0; c.len as usize])
+                        {
+                            Err(e) => e.in_checkpoint(name, &key),
+                            Ok(()) => continue,
+                        };
+                        problems.push(Problem {
+                            checkpoint: Some(name.clone()),
+                            error,
+                        });
+                    }
+                }
+            }
+        }
+        Ok((names.len(), problems))
+    }
+
+    /// A tree summary of one checkpoint: (key path, kind, detail, bytes).
+    pub fn describe(&self, name: &str) -> Result<(Manifest, Vec<(String, String, u64)>)> {
+        let m = self.manifest(name)?;
+        let mut rows = Vec::new();
+        describe_node(&m.root, &mut Vec::new(), &mut rows);
+        Ok((m, rows))
+    }
+}
+
+fn check_options(o: &StoreOptions) -> Result<()> {
+    if !(4096..=(1 << 30)).contains(&o.chunk_size) {
+        return Err(Error::invalid(
+            "chunk_size",
+            format!("{} is outside 4 KiB..1 GiB", o.chunk_size),
+        ));
+    }
+    if !(1..=22).contains(&o.zstd_level) {
+        return Err(Error::invalid(
+            "zstd_level",
+            format!("{} is outside 1..22", o.zstd_level),
+        ));
+    }
+    Ok(())
+}
+
+fn describe_node(node: &Node, path: &mut Vec<String>, rows: &mut Vec<(String, String, u64)>) {
+    let key = if path.is_empty() {
+        "/".to_string()
+    } else {
+        path.join("/")
+    };
+    match node {
+        Node::Dict(items) => {
+            for (k, v) in items {
+                path.push(k.key_label());
+                describe_node(v, path, rows);
+                path.pop();
+            }
+            if items.is_empty() {
+                rows.push((key, "dict (empty)".into(), 0));
+            }
+        }
+        Node::List(items) | Node::Tuple(items) => {
+            for (i, v) in items.iter().enumerate() {
+                path.push(i.to_string());
+                describe_node(v, path, rows);
+                path.pop();
+            }
+            if items.is_empty() {
+                rows.push((key, format!("{} (empty)", node.kind()), 0));
+            }
+        }
+        Node::Array(a) => {
+            let shape: Vec<String> = a.shape.iter().map(|d| d.to_string()).collect();
+            let lib = match a.lib {
+                format::ArrayLib::Torch => "tensor",
+                format::ArrayLib::Numpy => "ndarray",
+            };
+            rows.push((
+                key,
+                format!("{lib} {}[{}]", a.dtype, shape.join(",")),
+                a.data.nbytes,
+            ));
+        }
+        Node::Bytes(b) => rows.push((key, "bytes".into(), b.nbytes)),
+        Node::Pickle(b) => rows.push((key, "pickle".into(), b.nbytes)),
+        Node::Str(s) => rows.push((key, format!("str {s:?}"), 0)),
+        Node::Int(i) => rows.push((key, format!("int {i}"), 0)),
+        Node::BigInt(s) => rows.push((key, format!("int {s}"), 0)),
+        Node::Float(bits) => rows.push((key, format!("float {}", f64::from_bits(*bits)), 0)),
+        Node::Bool(b) => rows.push((key, format!("bool {b}"), 0)),
+        Node::None => rows.push((key, "None".into(), 0)),
+    }
+}
+
+/// Group a manifest's blobs: key path -> blob, for partial loads.
+pub fn blobs_under(node: &Node) -> BTreeMap<String, Blob> {
+    let mut out = BTreeMap::new();
+    node.for_each_blob(&mut Vec::new(), &mut |p, b| {
+        out.insert(p.join("/"), b.clone());
+    });
+    out
+}

@@ -1,0 +1,738 @@
+//! The background writer. A save copies the caller's bytes into staging
+//! blocks (bounded by a byte budget) and returns; worker threads hash,
+//! encode and write the chunks, then the save's manifest is committed.
+//!
+//! Saves commit in the order they were made. Errors are kept until someone
+//! looks: the save's handle, the next save, `flush`, or the owner at exit.
+
+use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::format::{
+    self, Blob, ChunkId, ChunkRef, Manifest, Node, Pending, StagedChunks, FORMAT_VERSION,
+};
+use crate::store::Store;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic elsewhere must not turn every later call into a panic.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[derive(Clone, Debug)]
+pub struct WriterOptions {
+    /// Most bytes of staged (copied, not yet written) data held at once.
+    pub staging_bytes: usize,
+    /// Threads that hash, encode and write chunks.
+    pub threads: usize,
+}
+
+impl Default for WriterOptions {
+    fn default() -> Self {
+        let threads = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(2)
+            .clamp(2, 8);
+        WriterOptions {
+            staging_bytes: default_staging_bytes(),
+            threads,
+        }
+    }
+}
+
+/// A quarter of physical memory, between 256 MiB and 16 GiB.
+pub fn default_staging_bytes() -> usize {
+    // SAFETY: sysconf only reads system configuration.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    let total = if pages > 0 && page > 0 {
+        pages as u64 * page as u64
+    } else {
+        4 << 30
+    };
+    (total / 4).clamp(256 << 20, 16 << 30) as usize
+}
+
+/// Staging memory: a byte budget plus a pool of reusable chunk-sized blocks,
+/// so steady-state saves copy into memory that is already mapped.
+#[derive(Debug)]
+struct Budget {
+    limit: usize,
+    block: usize,
+    state: Mutex<BudgetState>,
+    cv: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct BudgetState {
+    used: usize,
+    pool: Vec<Vec<u8>>,
+}
+
+impl Budget {
+    /// A buffer of `len` bytes; waits while the budget is spent.
+    /// One request larger than the whole budget is let through alone.
+    fn acquire(&self, len: usize) -> Vec<u8> {
+        let mut st = lock(&self.state);
+        while st.used > 0 && st.used + len > self.limit {
+            st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        st.used += len;
+        if len == self.block {
+            if let Some(mut b) = st.pool.pop() {
+                drop(st);
+                b.truncate(len);
+                return b;
+            }
+        }
+        drop(st);
+        let mut v = Vec::with_capacity(len);
+        // SAFETY: every byte is overwritten by the caller's copy before use;
+        // u8 has no invalid bit patterns.
+        unsafe { v.set_len(len) };
+        v
+    }
+
+    fn release(&self, buf: Vec<u8>) {
+        let mut st = lock(&self.state);
+        st.used -= buf.len();
+        // Keep full blocks for reuse while pool + in use stays within the budget.
+        if buf.len() == self.block && (st.pool.len() + 1) * self.block + st.used <= self.limit {
+            st.pool.push(buf);
+        }
+        drop(st);
+        self.cv.notify_all();
+    }
+
+    fn used(&self) -> usize {
+        lock(&self.state).used
+    }
+}
+
+/// What one save did, available from its handle.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SaveStats {
+    /// Bytes copied into staging by the save call.
+    pub bytes_staged: u64,
+    /// Bytes of arrays the caller marked unchanged (not copied at all).
+    pub bytes_reused: u64,
+    pub chunks_written: u64,
+    /// Encoded bytes written to storage (new chunks and manifest).
+    pub bytes_written: u64,
+    /// Staged chunks that were already in the store.
+    pub chunks_deduplicated: u64,
+    /// Seconds from the save call to durable commit.
+    pub seconds_to_durable: f64,
+}
+
+#[derive(Debug, Default)]
+struct HandleState {
+    result: Mutex<Option<Result<SaveStats, Arc<Error>>>>,
+    cv: Condvar,
+}
+
+/// Tracks one save until it is durable.
+#[derive(Debug, Clone)]
+pub struct SaveHandle {
+    name: String,
+    job_id: u64,
+    state: Arc<HandleState>,
+    shared: Arc<Shared>,
+}
+
+impl SaveHandle {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn is_done(&self) -> bool {
+        lock(&self.state.result).is_some()
+    }
+
+    /// Wait up to `timeout` (forever if None). Ok(None) means still running.
+    /// A failure is reported here and no longer at the next save or flush.
+    pub fn wait_timeout(&self, timeout: Option<Duration>) -> Result<Option<SaveStats>> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut r = lock(&self.state.result);
+        loop {
+            if let Some(res) = r.as_ref() {
+                return match res {
+                    Ok(stats) => Ok(Some(stats.clone())),
+                    Err(e) => {
+                        lock(&self.shared.errors).retain(|(id, _, _)| *id != self.job_id);
+                        Err(Error::Background {
+                            checkpoint: self.name.clone(),
+                            source: e.clone(),
+                        })
+                    }
+                };
+            }
+            match deadline {
+                None => r = self.state.cv.wait(r).unwrap_or_else(|p| p.into_inner()),
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        return Ok(None);
+                    }
+                    r = self
+                        .state
+                        .cv
+                        .wait_timeout(r, d - now)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            }
+        }
+    }
+
+    pub fn wait(&self) -> Result<SaveStats> {
+        self.wait_timeout(None)?
+            .ok_or_else(|| Error::Cancelled("wait ended early".into()))
+    }
+}
+
+#[derive(Debug)]
+struct Staged {
+    index: usize,
+    data: Vec<u8>,
+}
+
+#[derive(Debug, Default)]
+struct JobState {
+    staged: VecDeque<Staged>,
+    /// Set by commit: the tree, metadata and the number of staged chunks.
+    sealed: Option<(Node, BTreeMap<String, String>, usize)>,
+    aborted: bool,
+}
+
+#[derive(Debug)]
+struct Job {
+    id: u64,
+    name: String,
+    created_ms: u64,
+    started: Instant,
+    stats: Mutex<SaveStats>,
+    chunks: Arc<StagedChunks>,
+    state: Mutex<JobState>,
+    cv: Condvar,
+    handle: Arc<HandleState>,
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    jobs: VecDeque<Arc<Job>>,
+    /// Jobs taken by the dispatcher and not yet finished.
+    running: usize,
+    closed: bool,
+}
+
+#[derive(Debug)]
+struct Shared {
+    store: Arc<Store>,
+    budget: Budget,
+    queue: Mutex<Queue>,
+    queue_cv: Condvar,
+    /// Failures not yet reported to anyone: (job id, error).
+    errors: Mutex<Vec<(u64, String, Arc<Error>)>>,
+    next_id: AtomicU64,
+    /// Only one save is built at a time (see `Writer::begin`).
+    building: Mutex<()>,
+}
+
+type Task = (
+    Staged,
+    Arc<Job>,
+    mpsc::Sender<(usize, Result<(ChunkId, u64, u64)>)>,
+);
+
+/// Owns the background threads of one store.
+#[derive(Debug)]
+pub struct Writer {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+    task_tx: Option<mpsc::Sender<Task>>,
+    owner_pid: u32,
+}
+
+impl Writer {
+    pub fn new(store: Arc<Store>, options: WriterOptions) -> Result<Writer> {
+        if options.threads == 0 {
+            return Err(Error::invalid("threads", "must be at least 1"));
+        }
+        let block = store.options().chunk_size;
+        let shared = Arc::new(Shared {
+            store,
+            budget: Budget {
+                limit: options.staging_bytes.max(1),
+                block,
+                state: Default::default(),
+                cv: Condvar::new(),
+            },
+            queue: Default::default(),
+            queue_cv: Condvar::new(),
+            errors: Default::default(),
+            next_id: AtomicU64::new(1),
+            building: Mutex::new(()),
+        });
+        let (task_tx, task_rx) = mpsc::channel::<Task>();
+        let task_rx = Arc::new(Mutex::new(task_rx));
+        let mut threads = Vec::new();
+        for i in 0..options.threads {
+            let rx = task_rx.clone();
+            let sh = shared.clone();
+            let t = std::thread::Builder::new()
+                .name(format!("hindsight-io-{i}"))
+                .spawn(move || worker_loop(&sh, &rx))
+                .map_err(|e| Error::io("<thread>", e))?;
+            threads.push(t);
+        }
+        let sh = shared.clone();
+        let tx = task_tx.clone();
+        let t = std::thread::Builder::new()
+            .name("hindsight-commit".into())
+            .spawn(move || dispatcher_loop(&sh, &tx))
+            .map_err(|e| Error::io("<thread>", e))?;
+        threads.push(t);
+        Ok(Writer {
+            shared,
+            threads,
+            task_tx: Some(task_tx),
+            owner_pid: std::process::id(),
+        })
+    }
+
+    pub fn store(&self) -> &Arc<Store> {
+        &self.shared.store
+    }
+
+    fn check_process(&self) -> Result<()> {
+        let current = std::process::id();
+        if current != self.owner_pid {
+            return Err(Error::WrongProcess {
+                path: self.shared.store.location().into(),
+                owner: self.owner_pid,
+                current,
+            });
+        }
+        Ok(())
+    }
+
+    /// Report (and forget) the unreported background failures, the first in full.
+    pub fn take_error(&self) -> Result<()> {
+        let all: Vec<_> = lock(&self.shared.errors).drain(..).collect();
+        let Some((_, name, first)) = all.first() else {
+            return Ok(());
+        };
+        let more = if all.len() > 1 {
+            format!(" (and {} later saves failed too)", all.len() - 1)
+        } else {
+            String::new()
+        };
+        Err(Error::Background {
+            checkpoint: format!("{name}{more}"),
+            source: first.clone(),
+        })
+    }
+
+    /// Start a save. Fails first with any unreported background failure.
+    pub fn begin(&self, name: &str) -> Result<SaveBuilder<'_>> {
+        self.check_process()?;
+        format::validate_name(name)?;
+        self.take_error()?;
+        // Concurrent builders could each hold budget the other needs while the
+        // commit thread waits on the older one: build one save at a time.
+        let guard = lock(&self.shared.building);
+        let job = Arc::new(Job {
+            id: self.shared.next_id.fetch_add(1, Ordering::Relaxed),
+            name: name.to_string(),
+            created_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_millis() as u64)
+                .unwrap_or(0),
+            started: Instant::now(),
+            stats: Default::default(),
+            chunks: Default::default(),
+            state: Default::default(),
+            cv: Condvar::new(),
+            handle: Default::default(),
+        });
+        {
+            let mut q = lock(&self.shared.queue);
+            if q.closed {
+                return Err(Error::Cancelled("store is closed".into()));
+            }
+            q.jobs.push_back(job.clone());
+        }
+        self.shared.queue_cv.notify_all();
+        Ok(SaveBuilder {
+            writer: self,
+            job,
+            next_index: 0,
+            committed: false,
+            _guard: guard,
+        })
+    }
+
+    /// Wait until every save made so far is durable; report unreported failures.
+    pub fn flush_timeout(&self, timeout: Option<Duration>) -> Result<bool> {
+        self.check_process()?;
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut q = lock(&self.shared.queue);
+        while !q.jobs.is_empty() || q.running > 0 {
+            match deadline {
+                None => {
+                    q = self
+                        .shared
+                        .queue_cv
+                        .wait(q)
+                        .unwrap_or_else(|p| p.into_inner())
+                }
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        return Ok(false);
+                    }
+                    q = self
+                        .shared
+                        .queue_cv
+                        .wait_timeout(q, d - now)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            }
+        }
+        drop(q);
+        self.take_error()?;
+        Ok(true)
+    }
+
+    pub fn flush(&self) -> Result<()> {
+        self.flush_timeout(None).map(|_| ())
+    }
+
+    /// Bytes of staging memory currently holding unwritten data.
+    pub fn staging_in_use(&self) -> usize {
+        self.shared.budget.used()
+    }
+
+    pub fn staging_limit(&self) -> usize {
+        self.shared.budget.limit
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        if std::process::id() != self.owner_pid {
+            // A forked child has no writer threads; touching the queue could
+            // deadlock on a lock held at fork time. Leak instead.
+            let shared = self.shared.clone();
+            std::mem::forget(shared);
+            std::mem::forget(std::mem::take(&mut self.threads));
+            std::mem::forget(self.task_tx.take());
+            return;
+        }
+        lock(&self.shared.queue).closed = true;
+        self.shared.queue_cv.notify_all();
+        // The dispatcher drains the queue, then exits; then the workers see the channel close.
+        if let Some(t) = self.threads.pop() {
+            let _ = t.join();
+        }
+        self.task_tx.take();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Builds one save: stage bytes, then commit the tree that refers to them.
+/// Dropping it without commit abandons the save (nothing becomes visible).
+#[derive(Debug)]
+pub struct SaveBuilder<'w> {
+    writer: &'w Writer,
+    job: Arc<Job>,
+    next_index: usize,
+    committed: bool,
+    _guard: MutexGuard<'w, ()>,
+}
+
+/// A cancellation check polled while staging waits or copies.
+pub type Cancel<'a> = &'a (dyn Fn() -> bool + Sync);
+
+impl SaveBuilder<'_> {
+    /// Copy each source into staging and return one pending blob per source.
+    /// Copies run on up to `copy_threads` threads; returns once every byte is
+    /// copied, so the caller may then change its buffers.
+    pub fn stage_many(
+        &mut self,
+        sources: &[&[u8]],
+        copy_threads: usize,
+        cancel: Cancel<'_>,
+    ) -> Result<Vec<Blob>> {
+        let block = self.writer.shared.store.options().chunk_size;
+        // Plan: (source, offset, len, index) for every chunk.
+        let mut plan = Vec::new();
+        let mut blobs = Vec::with_capacity(sources.len());
+        for (s, src) in sources.iter().enumerate() {
+            let first = self.next_index;
+            let mut off = 0;
+            while off < src.len() {
+                let len = block.min(src.len() - off);
+                plan.push((s, off, len, self.next_index));
+                self.next_index += 1;
+                off += len;
+            }
+            blobs.push(Blob {
+                nbytes: src.len() as u64,
+                chunks: Vec::new(),
+                pending: Some(Pending {
+                    chunks: self.job.chunks.clone(),
+                    range: first..self.next_index,
+                }),
+            });
+        }
+        let total: u64 = sources.iter().map(|s| s.len() as u64).sum();
+        let next = AtomicU64::new(0);
+        let shared = &self.writer.shared;
+        let job = &self.job;
+        let run = || -> Result<()> {
+            loop {
+                if cancel() {
+                    return Err(Error::Cancelled("save interrupted while copying".into()));
+                }
+                let i = next.fetch_add(1, Ordering::Relaxed) as usize;
+                let Some(&(s, off, len, index)) = plan.get(i) else {
+                    return Ok(());
+                };
+                let mut data = shared.budget.acquire(len);
+                data.copy_from_slice(&sources[s][off..off + len]);
+                lock(&job.state).staged.push_back(Staged { index, data });
+                job.cv.notify_one();
+            }
+        };
+        let threads = copy_threads.clamp(1, 16).min(plan.len().max(1));
+        let result = if threads == 1 || total < (16 << 20) {
+            run()
+        } else {
+            std::thread::scope(|sc| {
+                let hs: Vec<_> = (0..threads - 1).map(|_| sc.spawn(run)).collect();
+                let mut r = run();
+                for h in hs {
+                    let r2 = h
+                        .join()
+                        .unwrap_or_else(|_| Err(Error::Cancelled("copy thread panicked".into())));
+                    r = r.and(r2);
+                }
+                r
+            })
+        };
+        lock(&job.stats).bytes_staged += total;
+        result.map(|_| blobs)
+    }
+
+    pub fn stage(&mut self, source: &[u8]) -> Result<Blob> {
+        let mut v = self.stage_many(&[source], 1, &|| false)?;
+        Ok(v.remove(0))
+    }
+
+    /// Record bytes the caller reuses from an earlier save (for statistics).
+    pub fn note_reused(&mut self, bytes: u64) {
+        lock(&self.job.stats).bytes_reused += bytes;
+    }
+
+    /// Seal the save: it commits in the background once its chunks are durable.
+    pub fn commit(mut self, root: Node, meta: BTreeMap<String, String>) -> SaveHandle {
+        lock(&self.job.state).sealed = Some((root, meta, self.next_index));
+        self.job.cv.notify_all();
+        self.committed = true;
+        SaveHandle {
+            name: self.job.name.clone(),
+            job_id: self.job.id,
+            state: self.job.handle.clone(),
+            shared: self.writer.shared.clone(),
+        }
+    }
+}
+
+impl Drop for SaveBuilder<'_> {
+    fn drop(&mut self) {
+        if !self.committed {
+            let mut st = lock(&self.job.state);
+            st.aborted = true;
+            st.sealed = Some((Node::None, BTreeMap::new(), self.next_index));
+            drop(st);
+            self.job.cv.notify_all();
+        }
+    }
+}
+
+fn worker_loop(shared: &Shared, rx: &Mutex<mpsc::Receiver<Task>>) {
+    loop {
+        let task = lock(rx).recv();
+        let Ok((staged, job, done)) = task else {
+            return;
+        };
+        let aborted = lock(&job.state).aborted;
+        let r = if aborted {
+            Err(Error::Cancelled("save abandoned".into()))
+        } else {
+            let id = ChunkId::of(&staged.data);
+            shared
+                .store
+                .put_chunk(&staged.data, &id)
+                .map(|written| (id, staged.data.len() as u64, written))
+        };
+        shared.budget.release(staged.data);
+        let _ = done.send((staged.index, r));
+    }
+}
+
+fn dispatcher_loop(shared: &Shared, tasks: &mpsc::Sender<Task>) {
+    loop {
+        let job = {
+            let mut q = lock(&shared.queue);
+            loop {
+                if let Some(j) = q.jobs.pop_front() {
+                    q.running += 1;
+                    break j;
+                }
+                if q.closed {
+                    return;
+                }
+                q = shared.queue_cv.wait(q).unwrap_or_else(|p| p.into_inner());
+            }
+        };
+        let result = run_job(shared, &job, tasks);
+        let aborted = lock(&job.state).aborted;
+        if let Err(e) = &result {
+            if !aborted {
+                lock(&shared.errors).push((job.id, job.name.clone(), e.clone()));
+            }
+        }
+        *lock(&job.handle.result) = Some(result);
+        job.handle.cv.notify_all();
+        lock(&shared.queue).running -= 1;
+        shared.queue_cv.notify_all();
+    }
+}
+
+fn run_job(
+    shared: &Shared,
+    job: &Arc<Job>,
+    tasks: &mpsc::Sender<Task>,
+) -> Result<SaveStats, Arc<Error>> {
+    let storage = shared.store.storage().clone();
+    // Held until commit so gc (in any process) cannot delete chunks this save
+    // wrote or reuses. Taken before any chunk is written.
+    let lock_guard = storage.lock_shared();
+    let (done_tx, done_rx) = mpsc::channel();
+    let mut sent = 0usize;
+    let (root, meta, n) = loop {
+        let mut st = lock(&job.state);
+        if let Some(s) = st.staged.pop_front() {
+            drop(st);
+            if tasks.send((s, job.clone(), done_tx.clone())).is_err() {
+                return Err(Arc::new(Error::Cancelled("writer threads stopped".into())));
+            }
+            sent += 1;
+            continue;
+        }
+        if let Some((_, _, n)) = &st.sealed {
+            if sent >= *n {
+                break st.sealed.take().unwrap_or((Node::None, BTreeMap::new(), 0));
+            }
+        }
+        drop(job.cv.wait(st).unwrap_or_else(|p| p.into_inner()));
+    };
+    drop(done_tx);
+    let mut refs: Vec<Option<ChunkRef>> = vec![None; n];
+    let mut first_err: Option<Error> = None;
+    let mut stats = lock(&job.stats).clone();
+    for (index, r) in done_rx.iter() {
+        match r {
+            Ok((id, len, written)) => {
+                if written > 0 {
+                    stats.chunks_written += 1;
+                    stats.bytes_written += written;
+                } else {
+                    stats.chunks_deduplicated += 1;
+                }
+                if let Some(slot) = refs.get_mut(index) {
+                    *slot = Some(ChunkRef { id, len });
+                }
+            }
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    if lock(&job.state).aborted {
+        return Err(Arc::new(Error::Cancelled(format!(
+            "save of '{}' was abandoned",
+            job.name
+        ))));
+    }
+    let _lock = lock_guard.map_err(Arc::new)?;
+    if let Some(e) = first_err {
+        return Err(Arc::new(e));
+    }
+    let own: Vec<ChunkRef> = refs
+        .into_iter()
+        .map(|r| r.ok_or_else(|| Error::Cancelled("missing chunk result".into())))
+        .collect::<Result<_>>()
+        .map_err(Arc::new)?;
+    let own_ids: HashSet<ChunkId> = own.iter().map(|c| c.id).collect();
+    let _ = job.chunks.0.set(own);
+
+    // Resolve pending blobs; chunks from earlier saves must still exist.
+    let mut root = root;
+    let mut problem: Option<Error> = None;
+    let mut foreign: Vec<ChunkId> = Vec::new();
+    root.for_each_blob_mut(&mut |b| {
+        if let Some(p) = b.pending.take() {
+            match p.chunks.0.get() {
+                Some(all) if p.range.end <= all.len() => b.chunks = all[p.range.clone()].to_vec(),
+                _ => {
+                    problem.get_or_insert(Error::invalid(
+                        "save",
+                        format!("checkpoint '{}' reuses data of an earlier save that failed; save again", job.name),
+                    ));
+                }
+            }
+        }
+        foreign.extend(b.chunks.iter().map(|c| c.id).filter(|id| !own_ids.contains(id)));
+    });
+    if let Some(e) = problem {
+        return Err(Arc::new(e));
+    }
+    foreign.sort();
+    foreign.dedup();
+    for id in &foreign {
+        if !storage.has_chunk(id).map_err(Arc::new)? {
+            return Err(Arc::new(Error::corrupt(
+                storage.chunk_path(id),
+                format!("checkpoint '{}' reuses a chunk that is no longer in the store (removed by gc?); save again", job.name),
+            )));
+        }
+    }
+    storage.sync().map_err(Arc::new)?;
+    let manifest = Manifest {
+        format: FORMAT_VERSION,
+        name: job.name.clone(),
+        created_ms: job.created_ms,
+        meta,
+        root,
+    };
+    let bytes = manifest.encode();
+    storage.put_manifest(&job.name, &bytes).map_err(Arc::new)?;
+    stats.bytes_written += bytes.len() as u64;
+    stats.seconds_to_durable = job.started.elapsed().as_secs_f64();
+    Ok(stats)
+}
