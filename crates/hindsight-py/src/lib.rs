@@ -1,1 +1,344 @@
+//! pyo3 binding: reads arguments, then releases the GIL for the work.
+//! Torch and numpy specifics stay in Python (`hindsight/_store.py`), which
+//! passes the callables this module needs (describe, make_array, ...).
 
+mod buffer;
+mod errors;
+mod interrupt;
+mod tree;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use hindsight_core::{self as core, Codec, Error, StoreOptions, WriterOptions};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use errors::IntoPy;
+use tree::{CacheEntry, CacheKey};
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A checkpoint store and its background writer (see `hindsight.Store`).
+#[pyclass(module = "hindsight._native", frozen)]
+struct Store {
+    store: Arc<core::Store>,
+    writer: Mutex<Option<Arc<core::Writer>>>,
+    /// Unchanged-tensor cache: key path + identity -> the blob saved last time.
+    cache: Mutex<HashMap<CacheKey, CacheEntry>>,
+}
+
+impl Store {
+    fn writer(&self) -> PyResult<Arc<core::Writer>> {
+        lock(&self.writer)
+            .clone()
+            .ok_or_else(|| errors::to_py(Error::Cancelled(format!("store {} is closed", self.store.location()))))
+    }
+}
+
+#[pyclass(module = "hindsight._native", frozen)]
+struct SaveHandle {
+    inner: core::SaveHandle,
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: &core::SaveStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("bytes_staged", s.bytes_staged)?;
+    d.set_item("bytes_reused", s.bytes_reused)?;
+    d.set_item("chunks_written", s.chunks_written)?;
+    d.set_item("bytes_written", s.bytes_written)?;
+    d.set_item("chunks_deduplicated", s.chunks_deduplicated)?;
+    d.set_item("seconds_to_durable", s.seconds_to_durable)?;
+    Ok(d)
+}
+
+#[pymethods]
+impl SaveHandle {
+    #[getter]
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn done(&self) -> bool {
+        self.inner.is_done()
+    }
+
+    /// Block until durable; returns statistics, or None on timeout.
+    #[pyo3(signature = (timeout=None))]
+    fn wait<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let h = &self.inner;
+        let r = interrupt::wait_until(py, timeout, |slice| h.wait_timeout(Some(slice)))?;
+        r.map(|s| stats_dict(py, &s)).transpose()
+    }
+}
+
+#[pymethods]
+impl Store {
+    #[new]
+    #[pyo3(signature = (path, create=true, compression=None, zstd_level=None, chunk_size=None, staging_bytes=None, threads=None))]
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        create: bool,
+        compression: Option<&str>,
+        zstd_level: Option<i32>,
+        chunk_size: Option<usize>,
+        staging_bytes: Option<usize>,
+        threads: Option<usize>,
+    ) -> PyResult<Self> {
+        let options = if compression.is_some() || chunk_size.is_some() || zstd_level.is_some() {
+            let mut o = StoreOptions::default();
+            match compression {
+                None | Some("none") => o.codec = Codec::Raw,
+                Some("zstd") => o.codec = Codec::Zstd,
+                Some(other) => {
+                    return Err(errors::to_py(Error::invalid(
+                        "compression",
+                        format!("{other:?} is not one of None, 'none', 'zstd'"),
+                    )))
+                }
+            }
+            if let Some(l) = zstd_level {
+                o.zstd_level = l;
+            }
+            if let Some(c) = chunk_size {
+                o.chunk_size = c;
+            }
+            Some(o)
+        } else {
+            None
+        };
+        let mut wopts = WriterOptions::default();
+        if let Some(b) = staging_bytes {
+            wopts.staging_bytes = b;
+        }
+        if let Some(t) = threads {
+            wopts.threads = t;
+        }
+        let (store, writer) = interrupt::run(py, move |_| {
+            let store = Arc::new(core::Store::open_local(&path, create, options)?);
+            let writer = core::Writer::new(store.clone(), wopts)?;
+            Ok((store, writer))
+        })?;
+        Ok(Store { store, writer: Mutex::new(Some(Arc::new(writer))), cache: Default::default() })
+    }
+
+    #[getter]
+    fn path(&self) -> String {
+        self.store.location()
+    }
+
+    #[getter]
+    fn compression(&self) -> &'static str {
+        match self.store.options().codec {
+            Codec::Raw => "none",
+            Codec::Zstd => "zstd",
+        }
+    }
+
+    #[getter]
+    fn chunk_size(&self) -> usize {
+        self.store.options().chunk_size
+    }
+
+    #[getter]
+    fn staging_bytes(&self) -> PyResult<usize> {
+        Ok(self.writer()?.staging_limit())
+    }
+
+    fn staging_in_use(&self) -> PyResult<usize> {
+        Ok(self.writer()?.staging_in_use())
+    }
+
+    /// Snapshot `state` and return at once; the write continues in the background.
+    #[pyo3(signature = (name, state, describe, materialize, before_copy, meta=None, skip_unchanged=true, copy_threads=2))]
+    #[allow(clippy::too_many_arguments)]
+    fn save(
+        &self,
+        py: Python<'_>,
+        name: String,
+        state: &Bound<'_, PyAny>,
+        describe: &Bound<'_, PyAny>,
+        materialize: &Bound<'_, PyAny>,
+        before_copy: &Bound<'_, PyAny>,
+        meta: Option<BTreeMap<String, String>>,
+        skip_unchanged: bool,
+        copy_threads: usize,
+    ) -> PyResult<SaveHandle> {
+        let writer = self.writer()?;
+        // Surface an earlier failure before doing any work; cached blobs may
+        // refer to a save that failed, so forget them.
+        if let Err(e) = writer.take_error() {
+            lock(&self.cache).clear();
+            return Err(errors::to_py(e));
+        }
+        core::format::validate_name(&name).py_err()?;
+        let mut cache = if skip_unchanged { std::mem::take(&mut *lock(&self.cache)) } else { HashMap::new() };
+        let mut walk = tree::SaveWalk::new(describe, materialize, &mut cache, skip_unchanged);
+        let root = walk.node(state, &mut Vec::new())?;
+        let tree::SaveWalk { slots, sources, new_cache, keepalive, any_materialized, .. } = walk;
+        if any_materialized {
+            before_copy.call0()?;
+        }
+        let reused: u64 = slots.iter().map(|s| match s { tree::Slot::Reuse(b) => b.nbytes, _ => 0 }).sum();
+        let result = interrupt::run(py, |intr| {
+            let mut b = writer.begin(&name)?;
+            let srcs: Vec<&[u8]> = sources.iter().map(|s| s.as_slice()).collect();
+            let staged = b.stage_many(&srcs, copy_threads, &|| intr.check())?;
+            b.note_reused(reused);
+            let mut root = root;
+            let blobs = tree::fill_blobs(&mut root, slots, staged);
+            Ok((b.commit(root, meta.unwrap_or_default()), blobs))
+        });
+        drop(keepalive);
+        match result {
+            Ok((handle, blobs)) => {
+                if skip_unchanged {
+                    *lock(&self.cache) = new_cache
+                        .into_iter()
+                        .map(|(k, e, slot)| (k, e.with_blob(blobs.get(slot).cloned().unwrap_or_default())))
+                        .collect();
+                }
+                Ok(SaveHandle { inner: handle })
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Load a checkpoint (or the sub-tree at `path`) into Python objects.
+    #[pyo3(signature = (name, make_array, unpickle, path=None, threads=4))]
+    fn load<'py>(
+        &self,
+        py: Python<'py>,
+        name: String,
+        make_array: &Bound<'py, PyAny>,
+        unpickle: &Bound<'py, PyAny>,
+        path: Option<Vec<String>>,
+        threads: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let store = self.store.clone();
+        let path = path.unwrap_or_default();
+        let (manifest, node, buffers) = interrupt::run(py, |intr| {
+            let m = store.manifest(&name)?;
+            let node = m.root.select(&path).cloned().ok_or_else(|| Error::NotFound {
+                what: "key path",
+                name: path.join("/"),
+                location: format!("checkpoint '{name}' in store {}", store.location()),
+            })?;
+            let buffers = tree::read_blobs(&store, &name, &node, &path, threads, &|| intr.check())?;
+            Ok((m, node, buffers))
+        })?;
+        let _ = manifest;
+        tree::build(py, &node, &mut buffers.into_iter(), make_array, unpickle, &mut path.clone())
+    }
+
+    fn list(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        let store = self.store.clone();
+        interrupt::run(py, move |_| store.list())
+    }
+
+    /// Creation time (ms since epoch) and metadata of a checkpoint.
+    fn info<'py>(&self, py: Python<'py>, name: String) -> PyResult<Bound<'py, PyDict>> {
+        let store = self.store.clone();
+        let (m, rows) = interrupt::run(py, move |_| store.describe(&name))?;
+        let d = PyDict::new(py);
+        d.set_item("name", &m.name)?;
+        d.set_item("created_ms", m.created_ms)?;
+        d.set_item("meta", m.meta.clone())?;
+        d.set_item("nbytes", rows.iter().map(|r| r.2).sum::<u64>())?;
+        let keys = PyList::empty(py);
+        for (k, kind, n) in rows {
+            keys.append((k, kind, n))?;
+        }
+        d.set_item("entries", keys)?;
+        Ok(d)
+    }
+
+    /// Wait until all saves so far are durable. False on timeout.
+    #[pyo3(signature = (timeout=None))]
+    fn flush(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let writer = self.writer()?;
+        let r = interrupt::wait_until(py, timeout, |slice| {
+            Ok(writer.flush_timeout(Some(slice))?.then_some(()))
+        });
+        if r.is_err() {
+            lock(&self.cache).clear();
+        }
+        Ok(r?.is_some())
+    }
+
+    fn remove(&self, py: Python<'_>, name: String) -> PyResult<()> {
+        let store = self.store.clone();
+        interrupt::run(py, move |_| store.remove(&name))
+    }
+
+    #[pyo3(signature = (names=None))]
+    fn verify(&self, py: Python<'_>, names: Option<Vec<String>>) -> PyResult<(usize, Vec<String>)> {
+        let store = self.store.clone();
+        interrupt::run(py, move |_| {
+            let (n, problems) = store.verify(&names.unwrap_or_default(), |_| {})?;
+            Ok((n, problems.into_iter().map(|p| p.error.to_string()).collect()))
+        })
+    }
+
+    fn gc<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let store = self.store.clone();
+        let r = interrupt::run(py, move |_| store.gc())?;
+        let d = PyDict::new(py);
+        d.set_item("chunks_removed", r.chunks_removed)?;
+        d.set_item("bytes_removed", r.bytes_removed)?;
+        d.set_item("staging_files_removed", r.staging_files_removed)?;
+        Ok(d)
+    }
+
+    fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let store = self.store.clone();
+        let u = interrupt::run(py, move |_| store.usage())?;
+        let d = PyDict::new(py);
+        d.set_item("checkpoints", u.checkpoints)?;
+        d.set_item("logical_bytes", u.logical_bytes)?;
+        d.set_item("unique_bytes", u.unique_bytes)?;
+        d.set_item("stored_bytes", u.stored_bytes)?;
+        d.set_item("chunks", u.chunks)?;
+        d.set_item("unreferenced_chunks", u.unreferenced_chunks)?;
+        Ok(d)
+    }
+
+    /// Flush, then stop the writer threads. Later saves raise.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let Some(w) = lock(&self.writer).take() else { return Ok(()) };
+        lock(&self.cache).clear();
+        let r = interrupt::wait_until(py, None, |slice| Ok(w.flush_timeout(Some(slice))?.then_some(())));
+        py.detach(move || drop(w));
+        r.map(|_| ())
+    }
+
+    /// Forget the unchanged-tensor cache (the next save copies everything).
+    fn forget_unchanged(&self) {
+        lock(&self.cache).clear();
+    }
+}
+
+/// Run the `hindsight` command line in-process; returns (exit code, stdout, stderr).
+#[pyfunction]
+fn run_cli(py: Python<'_>, args: Vec<String>) -> (i32, String, String) {
+    py.detach(move || {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let code = hindsight_cli::run(args, &mut out, &mut err);
+        (code, String::from_utf8_lossy(&out).into_owned(), String::from_utf8_lossy(&err).into_owned())
+    })
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Store>()?;
+    m.add_class::<SaveHandle>()?;
+    m.add_class::<buffer::Buffer>()?;
+    m.add_function(wrap_pyfunction!(run_cli, m)?)?;
+    m.add("FORMAT_VERSION", core::format::FORMAT_VERSION)?;
+    m.add("DEFAULT_STAGING_BYTES", core::writer::default_staging_bytes())?;
+    Ok(())
+}

@@ -1,0 +1,321 @@
+"""The Python face of the checkpoint store. Torch and numpy knowledge lives
+here; bytes, hashing, threads and files are the Rust engine's (`_native`)."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import sys
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from hindsight import _native
+from hindsight._native import SaveHandle
+from hindsight.errors import HindsightError, UnsupportedTypeError, WrongProcessError
+
+MapLocation = Any  # None | str | torch.device | Mapping[str, str] | Callable
+
+_TORCH_DTYPES = frozenset(
+    "bool uint8 int8 int16 uint16 int32 uint32 int64 uint64 float16 bfloat16 float32 float64 "
+    "complex32 complex64 complex128 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz "
+    "float8_e8m0fnu".split()
+)
+
+_live: weakref.WeakSet[Store] = weakref.WeakSet()
+
+
+def _type_name(obj: object) -> str:
+    t = type(obj)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+class Store:
+    """A directory of deduplicated, checksummed checkpoints with a background writer.
+
+    ``save`` snapshots the state and returns a handle at once; hashing and
+    writing happen on Rust threads without the GIL. A checkpoint becomes
+    visible (``list``, ``load``) only once all of it is durable.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        create: bool = True,
+        compression: str | None = None,
+        zstd_level: int | None = None,
+        chunk_size: int | None = None,
+        staging_bytes: int | None = None,
+        threads: int | None = None,
+    ) -> None:
+        self._native = _native.Store(
+            os.fspath(path), create, compression, zstd_level, chunk_size, staging_bytes, threads
+        )
+        self._pid = os.getpid()
+        # Pinned host buffers for CUDA tensors, reused across saves.
+        self._pinned_free: dict[tuple[Any, tuple[int, ...]], list[Any]] = {}
+        self._pinned_used: list[tuple[tuple[Any, tuple[int, ...]], Any]] = []
+        self._cuda_devices: set[Any] = set()
+        _live.add(self)
+
+    # -- properties -------------------------------------------------------
+    @property
+    def path(self) -> str:
+        return self._native.path
+
+    @property
+    def compression(self) -> str:
+        return self._native.compression
+
+    @property
+    def staging_bytes(self) -> int:
+        """Most bytes of copied-but-unwritten data held at once; save waits beyond it."""
+        return self._native.staging_bytes
+
+    def __repr__(self) -> str:
+        return f"hindsight.Store({self.path!r})"
+
+    def _check_owner(self) -> None:
+        if os.getpid() != self._pid:
+            raise WrongProcessError(
+                f"store {self.path} was opened in process {self._pid}; this is process "
+                f"{os.getpid()} (a fork, e.g. a DataLoader worker). Open a new Store here to save."
+            )
+
+    # -- save ---------------------------------------------------------------
+    def save(
+        self,
+        name: str,
+        state: Any,
+        *,
+        meta: Mapping[str, object] | None = None,
+        allow_pickle: bool = False,
+        skip_unchanged: bool = True,
+    ) -> SaveHandle:
+        """Snapshot ``state`` under ``name`` and return while it is written.
+
+        ``state`` is a tree of dict / list / tuple / str / int / float / bool /
+        None / bytes, torch tensors and numpy arrays. Once ``save`` returns,
+        the caller may modify its tensors. Objects of other types are refused
+        (naming their key path) unless ``allow_pickle=True``.
+
+        With ``skip_unchanged``, a tensor whose version counter and sampled
+        content are the same as at the previous save of this store is neither
+        copied nor written again.
+        """
+        self._check_owner()
+
+        def describe(obj: Any, key: str) -> tuple[Any, ...]:
+            return self._describe(obj, key, allow_pickle)
+
+        meta_s = {str(k): str(v) for k, v in (meta or {}).items()}
+        try:
+            return self._native.save(
+                name, state, describe, self._materialize, self._before_copy, meta_s, skip_unchanged
+            )
+        finally:
+            for key, buf in self._pinned_used:
+                self._pinned_free.setdefault(key, []).append(buf)
+            self._pinned_used.clear()
+            self._cuda_devices.clear()
+
+    def _describe(self, obj: Any, key: str, allow_pickle: bool) -> tuple[Any, ...]:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            return self._describe_tensor(torch, obj, key)
+        np = sys.modules.get("numpy")
+        if np is not None:
+            if isinstance(obj, np.ndarray) and obj.dtype.kind in "biufc":
+                a = np.ascontiguousarray(obj)
+                if a.dtype.byteorder == ">":
+                    a = a.astype(a.dtype.newbyteorder("<"))
+                return ("array", "numpy", a.dtype.str, list(a.shape), a.ctypes.data, a.nbytes, a, "cpu", True, None)
+            if isinstance(obj, np.generic) and obj.dtype.kind in "biuf":
+                # numpy scalars load back as the equivalent Python scalar.
+                return ("value", obj.item())
+        if allow_pickle:
+            return ("pickle", pickle.dumps(obj, protocol=5))
+        raise UnsupportedTypeError(
+            f"unsupported type {_type_name(obj)} at key '{key}': hindsight stores dict, list, tuple, "
+            "str, int, float, bool, None, bytes, torch tensors and numpy arrays; pass "
+            "allow_pickle=True to pickle other objects (loading them then executes code)"
+        )
+
+    def _describe_tensor(self, torch: Any, t: Any, key: str) -> tuple[Any, ...]:
+        if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+            raise UnsupportedTypeError(
+                f"unsupported tensor at key '{key}': layout {t.layout}, device {t.device.type}, "
+                f"quantized={t.is_quantized}; convert it to a dense tensor first"
+            )
+        t = t.detach()
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in _TORCH_DTYPES:
+            raise UnsupportedTypeError(f"unsupported tensor dtype {t.dtype} at key '{key}'")
+        if not t.is_contiguous():
+            t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        host = t.device.type == "cpu"
+        return ("array", "torch", dtype, list(t.shape), t.data_ptr(), nbytes, t, str(t.device), host, t._version)
+
+    def _materialize(self, t: Any) -> tuple[int, Any]:
+        """Start copying a device tensor to host memory; `_before_copy` waits for it."""
+        import torch
+
+        if t.device.type == "cuda":
+            key = (t.dtype, tuple(t.shape))
+            free = self._pinned_free.get(key)
+            buf = free.pop() if free else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._pinned_used.append((key, buf))
+            buf.copy_(t, non_blocking=True)
+            self._cuda_devices.add(t.device)
+            return buf.data_ptr(), buf
+        host = t.to("cpu")
+        return host.data_ptr(), host
+
+    def _before_copy(self) -> None:
+        if self._cuda_devices:
+            import torch
+
+            for dev in self._cuda_devices:
+                torch.cuda.synchronize(dev)
+
+    # -- load ---------------------------------------------------------------
+    def load(
+        self,
+        name: str,
+        *,
+        path: str | Sequence[str] | None = None,
+        map_location: MapLocation = None,
+        allow_pickle: bool = False,
+        threads: int = 4,
+    ) -> Any:
+        """Load checkpoint ``name`` (or only the sub-tree at ``path``).
+
+        Every byte read is verified against its hash. ``path`` is a
+        "/"-separated key path ("model") or a sequence of keys. Tensors load
+        on the CPU unless ``map_location`` says otherwise (a device, a dict
+        from saved device to device, or a callable ``f(tensor, saved_device)``).
+        Pickled objects are refused unless ``allow_pickle=True``.
+        """
+        keys: list[str] | None
+        if path is None:
+            keys = None
+        elif isinstance(path, str):
+            keys = [p for p in path.split("/") if p]
+        else:
+            keys = [str(p) for p in path]
+
+        def make_array(lib: str, dtype: str, shape: tuple[int, ...], buf: Any, device: str | None, key: str) -> Any:
+            return _make_array(lib, dtype, shape, buf, device, map_location)
+
+        def unpickle(data: bytes, key: str) -> Any:
+            if not allow_pickle:
+                raise UnsupportedTypeError(
+                    f"checkpoint '{name}' holds a pickled object at key '{key}'; unpickling runs code "
+                    "from the file, so pass allow_pickle=True only for a store you trust"
+                )
+            return pickle.loads(data)
+
+        return self._native.load(name, make_array, unpickle, keys, threads)
+
+    # -- housekeeping ---------------------------------------------------------
+    def list(self) -> list[str]:
+        """Names of the committed checkpoints, sorted."""
+        return self._native.list()
+
+    def info(self, name: str) -> dict[str, Any]:
+        """Creation time, metadata and the (key, kind, bytes) entries of a checkpoint."""
+        return self._native.info(name)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every save so far is durable; raise the first unreported failure.
+        Returns False if ``timeout`` seconds passed first."""
+        self._check_owner()
+        return self._native.flush(timeout)
+
+    def remove(self, name: str) -> None:
+        self._native.remove(name)
+
+    def verify(self, names: Sequence[str] | None = None) -> list[str]:
+        """Check every byte of the named checkpoints (default all); returns problems."""
+        return self._native.verify(list(names) if names is not None else None)[1]
+
+    def gc(self) -> dict[str, int]:
+        """Delete chunks no checkpoint references. Safe while other processes save."""
+        return self._native.gc()
+
+    def usage(self) -> dict[str, int]:
+        """Logical bytes vs stored bytes (the dedup ratio), chunk counts."""
+        return self._native.usage()
+
+    def staging_in_use(self) -> int:
+        return self._native.staging_in_use()
+
+    def close(self) -> None:
+        """Flush and stop the writer threads."""
+        if os.getpid() != self._pid:
+            return
+        self._native.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _make_array(
+    lib: str, dtype: str, shape: tuple[int, ...], buf: Any, device: str | None, map_location: MapLocation
+) -> Any:
+    if lib == "numpy":
+        import numpy as np
+
+        dt = np.dtype(dtype)
+        if len(buf) == 0:
+            return np.empty(shape, dtype=dt)
+        return np.frombuffer(buf, dtype=dt).reshape(shape)
+    import torch
+
+    dt = getattr(torch, dtype, None)
+    if not isinstance(dt, torch.dtype):
+        raise UnsupportedTypeError(f"this torch has no dtype {dtype!r}")
+    if len(buf) == 0:
+        t = torch.empty(shape, dtype=dt)
+    else:
+        # Wrap the bytes read from disk (no copy), then reinterpret.
+        t = torch.frombuffer(buf, dtype=torch.uint8).view(dt).reshape(shape)
+    saved = device or "cpu"
+    if map_location is None:
+        return t
+    if callable(map_location):
+        return map_location(t, saved)
+    if isinstance(map_location, Mapping):
+        target = map_location.get(saved)
+        return t if target is None else t.to(target)
+    return t.to(map_location)
+
+
+def _flush_at_exit() -> None:
+    """Background failures must not vanish when the interpreter exits."""
+    failed = False
+    for store in list(_live):
+        if store._pid != os.getpid():
+            continue  # a forked child never touches its parent's writer
+        try:
+            store.close()
+        except HindsightError as e:
+            failed = True
+            sys.stderr.write(f"hindsight: error at exit: {e}\n")
+    if failed:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+atexit.register(_flush_at_exit)

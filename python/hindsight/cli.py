@@ -1,0 +1,20 @@
+"""Entry point of the `hindsight` command installed by pip (the logic is Rust)."""
+
+from __future__ import annotations
+
+import sys
+
+from hindsight import _native
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = ["hindsight", *(sys.argv[1:] if argv is None else argv)]
+    code, out, err = _native.run_cli(args)
+    sys.stdout.write(out)
+    sys.stderr.write(err)
+    sys.stdout.flush()
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
