@@ -1,1 +1,690 @@
+//! The `hindsight` command: housekeeping for checkpoint stores (list, show,
+//! verify, remove, gc, du).
+//!
+//! [`run`] is the whole program. It writes only to the writers it is given
+//! and never exits the process, so the Python package can call it too.
+//!
+//! Exit codes: 0 success, 1 an engine error (not found, corrupt, I/O) or
+//! problems found by `verify`, 2 a usage error.
 
+use std::collections::HashSet;
+use std::ffi::OsString;
+use std::fmt::{self, Write as _};
+use std::io::{self, Write};
+use std::path::PathBuf;
+
+use clap::builder::TypedValueParser as _;
+use clap::{Parser, Subcommand};
+use hindsight_core::{Manifest, Node, Store};
+use serde_json::json;
+
+/// Append one line to a `String` buffer (writing to a `String` cannot fail).
+macro_rules! outln {
+    ($buf:expr) => {
+        $buf.push('\n')
+    };
+    ($buf:expr, $($arg:tt)*) => {{
+        let _ = writeln!($buf, $($arg)*);
+    }};
+}
+
+/// Exit code for success.
+pub const EXIT_OK: i32 = 0;
+/// Exit code for an engine error or problems found by `verify`.
+pub const EXIT_FAILURE: i32 = 1;
+/// Exit code for a usage error.
+pub const EXIT_USAGE: i32 = 2;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "hindsight",
+    bin_name = "hindsight",
+    version,
+    about = "Housekeeping for hindsight checkpoint stores",
+    arg_required_else_help = true
+)]
+struct Cli {
+    /// The store directory
+    #[arg(
+        short = 's',
+        long = "store",
+        value_name = "PATH",
+        env = "HINDSIGHT_STORE",
+        global = true,
+        // Accept an empty value (`HINDSIGHT_STORE=`) and treat it as unset.
+        value_parser = clap::builder::OsStringValueParser::new().map(PathBuf::from)
+    )]
+    store: Option<PathBuf>,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// List the checkpoints in a store
+    Ls {
+        /// The store directory (overrides --store)
+        #[arg(value_name = "STORE")]
+        store_dir: Option<PathBuf>,
+        /// Print a JSON array instead of a table
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show the contents of one checkpoint
+    Show {
+        /// The checkpoint name
+        name: String,
+    },
+    /// Read back and check every byte of the checkpoints
+    Verify {
+        /// The store directory (overrides --store)
+        #[arg(value_name = "STORE")]
+        store_dir: Option<PathBuf>,
+        /// Verify only this checkpoint (repeatable; default: all)
+        #[arg(short = 'n', long = "name", value_name = "NAME")]
+        names: Vec<String>,
+    },
+    /// Remove checkpoints (run `hindsight gc` afterwards to reclaim space)
+    Rm {
+        /// The checkpoint names
+        #[arg(required = true, value_name = "NAME")]
+        names: Vec<String>,
+    },
+    /// Delete chunks no checkpoint references and stale staging files
+    Gc {
+        /// The store directory (overrides --store)
+        #[arg(value_name = "STORE")]
+        store_dir: Option<PathBuf>,
+    },
+    /// Show how much space the store uses and how well it deduplicates
+    Du {
+        /// The store directory (overrides --store)
+        #[arg(value_name = "STORE")]
+        store_dir: Option<PathBuf>,
+        /// Print a JSON object instead of text
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Why a command stopped.
+#[derive(Debug)]
+enum Failure {
+    Usage(String),
+    Engine(hindsight_core::Error),
+}
+
+impl Failure {
+    fn exit_code(&self) -> i32 {
+        match self {
+            Failure::Usage(_) => EXIT_USAGE,
+            Failure::Engine(_) => EXIT_FAILURE,
+        }
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::Usage(msg) => f.write_str(msg),
+            Failure::Engine(e) => e.fmt(f),
+        }
+    }
+}
+
+impl From<hindsight_core::Error> for Failure {
+    fn from(e: hindsight_core::Error) -> Self {
+        Failure::Engine(e)
+    }
+}
+
+/// Run the `hindsight` command with `args` (the first item is the program
+/// name). Normal output goes to `out`, errors to `err`; returns the exit code.
+pub fn run<I, T>(args: I, out: &mut dyn Write, err: &mut dyn Write) -> i32
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            let text = e.to_string();
+            let dest: &mut dyn Write = if e.use_stderr() { err } else { out };
+            let _ = dest.write_all(text.as_bytes());
+            let _ = dest.flush();
+            return e.exit_code();
+        }
+    };
+
+    // Output is collected first and written at the end, so a closed pipe
+    // (`hindsight ls | head`) cannot change the outcome of a command.
+    let mut buf = String::new();
+    let mut code = match execute(cli, &mut buf, err) {
+        Ok(code) => code,
+        Err(failure) => {
+            let _ = writeln!(err, "error: {failure}");
+            failure.exit_code()
+        }
+    };
+    if let Err(e) = out.write_all(buf.as_bytes()).and_then(|()| out.flush()) {
+        if e.kind() != io::ErrorKind::BrokenPipe {
+            let _ = writeln!(err, "error: cannot write output: {e}");
+            code = code.max(EXIT_FAILURE);
+        }
+    }
+    let _ = err.flush();
+    code
+}
+
+fn execute(cli: Cli, out: &mut String, err: &mut dyn Write) -> Result<i32, Failure> {
+    let global = cli.store;
+    match cli.command {
+        Command::Ls { store_dir, json } => {
+            let store = open_store(store_dir.or(global))?;
+            cmd_ls(&store, json, out, err)
+        }
+        Command::Show { name } => cmd_show(&open_store(global)?, &name, out),
+        Command::Verify { store_dir, names } => {
+            let store = open_store(store_dir.or(global))?;
+            cmd_verify(&store, names, out)
+        }
+        Command::Rm { names } => Ok(cmd_rm(&open_store(global)?, &names, out, err)),
+        Command::Gc { store_dir } => cmd_gc(&open_store(store_dir.or(global))?, out),
+        Command::Du { store_dir, json } => cmd_du(&open_store(store_dir.or(global))?, json, out),
+    }
+}
+
+/// Open an existing store; the CLI never creates one.
+fn open_store(path: Option<PathBuf>) -> Result<Store, Failure> {
+    let path = path.filter(|p| !p.as_os_str().is_empty()).ok_or_else(|| {
+        Failure::Usage("no store given: pass --store PATH or set HINDSIGHT_STORE".into())
+    })?;
+    Ok(Store::open_local(&path, false, None)?)
+}
+
+// ---------------------------------------------------------------------------
+// Commands
+
+/// What `ls` shows about one checkpoint.
+struct Summary {
+    name: String,
+    created_ms: u64,
+    logical_bytes: u64,
+    arrays: usize,
+    manifest: Manifest,
+}
+
+impl Summary {
+    fn of(manifest: Manifest) -> Self {
+        let mut logical_bytes = 0u64;
+        manifest
+            .root
+            .for_each_blob(&mut Vec::new(), &mut |_, b| logical_bytes += b.nbytes);
+        Summary {
+            name: manifest.name.clone(),
+            created_ms: manifest.created_ms,
+            logical_bytes,
+            arrays: count_arrays(&manifest.root),
+            manifest,
+        }
+    }
+}
+
+fn count_arrays(node: &Node) -> usize {
+    match node {
+        Node::Array(_) => 1,
+        Node::List(items) | Node::Tuple(items) => items.iter().map(count_arrays).sum(),
+        Node::Dict(items) => items.iter().map(|(_, v)| count_arrays(v)).sum(),
+        _ => 0,
+    }
+}
+
+fn cmd_ls(
+    store: &Store,
+    json: bool,
+    out: &mut String,
+    err: &mut dyn Write,
+) -> Result<i32, Failure> {
+    let mut code = EXIT_OK;
+    let mut summaries = Vec::new();
+    for name in store.list()? {
+        // One unreadable checkpoint must not hide the others.
+        match store.manifest(&name) {
+            Ok(m) => summaries.push(Summary::of(m)),
+            Err(e) => {
+                let _ = writeln!(err, "error: {e}");
+                code = EXIT_FAILURE;
+            }
+        }
+    }
+    if json {
+        let items: Vec<serde_json::Value> = summaries
+            .iter()
+            .map(|s| {
+                json!({
+                    "name": s.name,
+                    "created": format_iso8601(s.created_ms),
+                    "created_ms": s.created_ms,
+                    "logical_bytes": s.logical_bytes,
+                    "arrays": s.arrays,
+                    "meta": s.manifest.meta,
+                })
+            })
+            .collect();
+        outln!(out, "{}", to_json(&serde_json::Value::Array(items)));
+        return Ok(code);
+    }
+    let rows: Vec<Vec<String>> = summaries
+        .iter()
+        .map(|s| {
+            vec![
+                s.name.clone(),
+                format_utc(s.created_ms),
+                human_size(s.logical_bytes),
+                s.arrays.to_string(),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            ("NAME", Align::Left),
+            ("CREATED", Align::Left),
+            ("SIZE", Align::Right),
+            ("ARRAYS", Align::Right),
+        ],
+        &rows,
+        out,
+    );
+    Ok(code)
+}
+
+fn cmd_show(store: &Store, name: &str, out: &mut String) -> Result<i32, Failure> {
+    let (manifest, rows) = store.describe(name)?;
+    outln!(out, "checkpoint  {}", manifest.name);
+    outln!(out, "created     {} UTC", format_utc(manifest.created_ms));
+    outln!(out, "format      {}", manifest.format);
+    for (k, v) in &manifest.meta {
+        outln!(out, "meta        {k}={v}");
+    }
+    outln!(out);
+    let total: u64 = rows.iter().map(|(_, _, n)| n).sum();
+    let cells: Vec<Vec<String>> = rows
+        .into_iter()
+        .map(|(key, kind, bytes)| {
+            let size = if bytes == 0 {
+                "-".to_string()
+            } else {
+                human_size(bytes)
+            };
+            vec![key, kind, size]
+        })
+        .collect();
+    table(
+        &[
+            ("KEY", Align::Left),
+            ("TYPE", Align::Left),
+            ("SIZE", Align::Right),
+        ],
+        &cells,
+        out,
+    );
+    outln!(
+        out,
+        "total: {} ({total} bytes), {}",
+        human_size(total),
+        plural(count_arrays(&manifest.root) as u64, "array")
+    );
+    Ok(EXIT_OK)
+}
+
+fn cmd_verify(store: &Store, names: Vec<String>, out: &mut String) -> Result<i32, Failure> {
+    // A name given twice would be checked (and reported) twice.
+    let mut unique = HashSet::new();
+    let names: Vec<String> = names
+        .into_iter()
+        .filter(|n| unique.insert(n.clone()))
+        .collect();
+    let mut checked: Vec<String> = Vec::new();
+    let (count, problems) = store.verify(&names, |name| checked.push(name.to_string()))?;
+    for name in &checked {
+        let mut failed = false;
+        for p in problems
+            .iter()
+            .filter(|p| p.checkpoint.as_deref() == Some(name.as_str()))
+        {
+            outln!(out, "FAIL {name}: {}", p.error);
+            failed = true;
+        }
+        if !failed {
+            outln!(out, "ok   {name}");
+        }
+    }
+    // Problems not tied to a checkpoint that was checked (none today, but the API allows them).
+    for p in problems
+        .iter()
+        .filter(|p| !p.checkpoint.as_ref().is_some_and(|c| checked.contains(c)))
+    {
+        let label = p.checkpoint.clone().unwrap_or_else(|| store.location());
+        outln!(out, "FAIL {label}: {}", p.error);
+    }
+    let checkpoints = plural(count as u64, "checkpoint");
+    if problems.is_empty() {
+        outln!(out, "verified {checkpoints}: all intact");
+        Ok(EXIT_OK)
+    } else {
+        outln!(
+            out,
+            "verified {checkpoints}: {}",
+            plural(problems.len() as u64, "problem")
+        );
+        Ok(EXIT_FAILURE)
+    }
+}
+
+fn cmd_rm(store: &Store, names: &[String], out: &mut String, err: &mut dyn Write) -> i32 {
+    let mut code = EXIT_OK;
+    let mut removed = 0;
+    for name in names {
+        match store.remove(name) {
+            Ok(()) => {
+                outln!(out, "removed {name}");
+                removed += 1;
+            }
+            Err(e) => {
+                let _ = writeln!(err, "error: {e}");
+                code = EXIT_FAILURE;
+            }
+        }
+    }
+    if removed > 0 {
+        outln!(
+            out,
+            "note: the space is reclaimed when you run `hindsight gc`"
+        );
+    }
+    code
+}
+
+fn cmd_gc(store: &Store, out: &mut String) -> Result<i32, Failure> {
+    let report = store.gc()?;
+    outln!(
+        out,
+        "removed {} ({}), {}",
+        plural(report.chunks_removed as u64, "unreferenced chunk"),
+        human_size(report.bytes_removed),
+        plural(report.staging_files_removed, "staging file")
+    );
+    Ok(EXIT_OK)
+}
+
+fn cmd_du(store: &Store, json: bool, out: &mut String) -> Result<i32, Failure> {
+    let u = store.usage()?;
+    let ratio = (u.stored_bytes > 0).then(|| u.logical_bytes as f64 / u.stored_bytes as f64);
+    if json {
+        let v = json!({
+            "store": store.location(),
+            "checkpoints": u.checkpoints,
+            "logical_bytes": u.logical_bytes,
+            "unique_bytes": u.unique_bytes,
+            "stored_bytes": u.stored_bytes,
+            "dedup_ratio": ratio,
+            "chunks": u.chunks,
+            "unreferenced_chunks": u.unreferenced_chunks,
+        });
+        outln!(out, "{}", to_json(&v));
+        return Ok(EXIT_OK);
+    }
+    let sized = |n: u64| format!("{} ({n} bytes)", human_size(n));
+    outln!(out, "checkpoints          {}", u.checkpoints);
+    outln!(out, "logical size         {}", sized(u.logical_bytes));
+    outln!(out, "unique size          {}", sized(u.unique_bytes));
+    outln!(out, "stored size          {}", sized(u.stored_bytes));
+    match ratio {
+        Some(r) => outln!(out, "dedup ratio          {r:.2}x"),
+        None => outln!(out, "dedup ratio          -"),
+    }
+    outln!(out, "chunks               {}", u.chunks);
+    if u.unreferenced_chunks > 0 {
+        outln!(
+            out,
+            "unreferenced chunks  {} (run `hindsight gc` to remove them)",
+            u.unreferenced_chunks
+        );
+    } else {
+        outln!(out, "unreferenced chunks  0");
+    }
+    Ok(EXIT_OK)
+}
+
+// ---------------------------------------------------------------------------
+// Formatting helpers
+
+fn to_json(v: &serde_json::Value) -> String {
+    // Serializing a `Value` to a string cannot fail.
+    serde_json::to_string_pretty(v).unwrap_or_default()
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Align {
+    Left,
+    Right,
+}
+
+/// Aligned columns separated by two spaces, with a header line.
+fn table(columns: &[(&str, Align)], rows: &[Vec<String>], out: &mut String) {
+    let mut widths: Vec<usize> = columns.iter().map(|(h, _)| h.chars().count()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut line = |cells: &mut dyn Iterator<Item = &str>| {
+        let mut s = String::new();
+        for (i, cell) in cells.enumerate() {
+            if i > 0 {
+                s.push_str("  ");
+            }
+            let pad = widths[i].saturating_sub(cell.chars().count());
+            match columns[i].1 {
+                Align::Left => {
+                    s.push_str(cell);
+                    s.push_str(&" ".repeat(pad));
+                }
+                Align::Right => {
+                    s.push_str(&" ".repeat(pad));
+                    s.push_str(cell);
+                }
+            }
+        }
+        outln!(out, "{}", s.trim_end());
+    };
+    line(&mut columns.iter().map(|(h, _)| *h));
+    for row in rows {
+        line(&mut row.iter().map(String::as_str));
+    }
+}
+
+/// `1 chunk`, `2 chunks`.
+fn plural(n: u64, word: &str) -> String {
+    if n == 1 {
+        format!("{n} {word}")
+    } else {
+        format!("{n} {word}s")
+    }
+}
+
+/// A byte count for people: `512 B`, `1.5 KiB`, `3.0 MiB`, `1.2 GiB`, `2.0 TiB`.
+pub fn human_size(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    // Move up a unit whenever one decimal would round to 1024.0.
+    while unit + 1 < UNITS.len() && (value * 10.0).round() >= 10240.0 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
+/// Days since 1970-01-01 to a proleptic Gregorian (year, month, day).
+/// Howard Hinnant's `civil_from_days`.
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097); // [0, 146096]
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365; // [0, 399]
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100); // [0, 365]
+    let mp = (5 * doy + 2) / 153; // [0, 11], March-based
+    let day = doy - (153 * mp + 2) / 5 + 1; // [1, 31]
+    let month = if mp < 10 { mp + 3 } else { mp - 9 }; // [1, 12]
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month as u32, day as u32)
+}
+
+/// Milliseconds since the Unix epoch to UTC (year, month, day, hour, minute, second).
+fn utc_parts(ms: u64) -> (i64, u32, u32, u64, u64, u64) {
+    let secs = ms / 1000;
+    let (y, mo, d) = civil_from_days((secs / 86_400) as i64);
+    let rem = secs % 86_400;
+    (y, mo, d, rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+/// `YYYY-MM-DD HH:MM:SS` in UTC.
+pub fn format_utc(ms: u64) -> String {
+    let (y, mo, d, h, mi, s) = utc_parts(ms);
+    format!("{y:04}-{mo:02}-{d:02} {h:02}:{mi:02}:{s:02}")
+}
+
+/// `YYYY-MM-DDTHH:MM:SSZ` (RFC 3339, UTC).
+fn format_iso8601(ms: u64) -> String {
+    let (y, mo, d, h, mi, s) = utc_parts(ms);
+    format!("{y:04}-{mo:02}-{d:02}T{h:02}:{mi:02}:{s:02}Z")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates_match_known_instants() {
+        assert_eq!(format_utc(0), "1970-01-01 00:00:00");
+        assert_eq!(format_utc(999), "1970-01-01 00:00:00");
+        assert_eq!(format_utc(86_399_999), "1970-01-01 23:59:59");
+        assert_eq!(format_utc(951_782_400_000), "2000-02-29 00:00:00");
+        assert_eq!(format_utc(1_709_251_199_000), "2024-02-29 23:59:59");
+        assert_eq!(format_utc(1_709_251_200_000), "2024-03-01 00:00:00");
+        assert_eq!(format_utc(1_735_689_599_000), "2024-12-31 23:59:59");
+        assert_eq!(format_utc(4_107_542_400_000), "2100-03-01 00:00:00");
+        assert_eq!(format_utc(253_402_300_799_000), "9999-12-31 23:59:59");
+        assert_eq!(format_iso8601(1_700_000_000_123), "2023-11-14T22:13:20Z");
+    }
+
+    #[test]
+    fn civil_from_days_round_trips_every_day_for_centuries() {
+        // Walk day by day from 1970 to 2400 and check the calendar advances correctly.
+        let (mut y, mut m, mut d) = (1970i64, 1u32, 1u32);
+        for days in 0..(430 * 366) {
+            assert_eq!(civil_from_days(days), (y, m, d), "day {days}");
+            let leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+            let len = match m {
+                2 if leap => 29,
+                2 => 28,
+                4 | 6 | 9 | 11 => 30,
+                _ => 31,
+            };
+            d += 1;
+            if d > len {
+                d = 1;
+                m += 1;
+                if m > 12 {
+                    m = 1;
+                    y += 1;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn sizes_are_human() {
+        assert_eq!(human_size(0), "0 B");
+        assert_eq!(human_size(1023), "1023 B");
+        assert_eq!(human_size(1024), "1.0 KiB");
+        assert_eq!(human_size(1536), "1.5 KiB");
+        assert_eq!(human_size(1024 * 1024 - 1), "1.0 MiB");
+        assert_eq!(human_size(5 << 20), "5.0 MiB");
+        assert_eq!(human_size(3 << 30), "3.0 GiB");
+        assert_eq!(human_size(2 << 40), "2.0 TiB");
+        assert_eq!(human_size(2048 << 40), "2048.0 TiB");
+    }
+
+    #[test]
+    fn tables_align() {
+        let mut out = String::new();
+        table(
+            &[
+                ("A", Align::Left),
+                ("NUM", Align::Right),
+                ("C", Align::Left),
+            ],
+            &[
+                vec!["long".into(), "1".into(), "x".into()],
+                vec!["s".into(), "12345".into(), "".into()],
+            ],
+            &mut out,
+        );
+        assert_eq!(out, "A       NUM  C\nlong      1  x\ns     12345\n");
+    }
+
+    fn run_str(args: &[&str]) -> (i32, String, String) {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let code = run(
+            std::iter::once("hindsight").chain(args.iter().copied()),
+            &mut out,
+            &mut err,
+        );
+        (
+            code,
+            String::from_utf8(out).unwrap(),
+            String::from_utf8(err).unwrap(),
+        )
+    }
+
+    #[test]
+    fn help_and_version_go_to_out() {
+        let (code, out, err) = run_str(&["--help"]);
+        assert_eq!(code, 0);
+        assert!(out.contains("Usage: hindsight"), "{out}");
+        assert!(out.contains("verify"), "{out}");
+        assert_eq!(err, "");
+
+        let (code, out, err) = run_str(&["--version"]);
+        assert_eq!(code, 0);
+        assert_eq!(out, format!("hindsight {}\n", env!("CARGO_PKG_VERSION")));
+        assert_eq!(err, "");
+    }
+
+    #[test]
+    fn usage_errors_go_to_err_with_code_2() {
+        let (code, out, err) = run_str(&["frobnicate"]);
+        assert_eq!(code, 2);
+        assert_eq!(out, "");
+        assert!(
+            err.contains("unrecognized subcommand 'frobnicate'"),
+            "{err}"
+        );
+        // Plain text: no terminal colour codes in captured output.
+        assert!(!err.contains('\x1b'), "{err:?}");
+
+        let (code, _, err) = run_str(&["rm", "--store", "/nonexistent"]);
+        assert_eq!(code, 2);
+        assert!(err.contains("<NAME>..."), "{err}");
+
+        let (code, out, _) = run_str(&[]);
+        assert_eq!(code, 2);
+        assert_eq!(out, "");
+    }
+}

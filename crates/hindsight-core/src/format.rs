@@ -200,6 +200,14 @@ impl Node {
             Node::Bool(b) => b.to_string(),
             Node::None => "None".into(),
             Node::Float(bits) => f64::from_bits(*bits).to_string(),
+            Node::Tuple(items) => format!(
+                "({})",
+                items
+                    .iter()
+                    .map(|i| i.key_label())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
             other => format!("<{}>", other.kind()),
         }
     }

@@ -67,6 +67,9 @@ pub struct GcReport {
     pub staging_files_removed: u64,
 }
 
+/// One row of [`Store::describe`]: (key path, kind and detail, bytes).
+pub type DescribeRow = (String, String, u64);
+
 /// One problem found by `verify`.
 #[derive(Debug)]
 pub struct Problem {
@@ -283,9 +286,16 @@ impl Store {
     fn referenced(&self) -> Result<(usize, u64, HashMap<ChunkId, u64>)> {
         let mut refs = HashMap::new();
         let mut logical = 0u64;
-        let names = self.list()?;
-        for name in &names {
-            let m = self.manifest(name)?;
+        let mut count = 0;
+        for name in &self.list()? {
+            let m = match self.manifest(name) {
+                Ok(m) => m,
+                // Removed since it was listed (a concurrent `remove`, which takes
+                // no lock): its chunks need no protection.
+                Err(Error::NotFound { .. }) => continue,
+                Err(e) => return Err(e),
+            };
+            count += 1;
             m.root.for_each_blob(&mut Vec::new(), &mut |_, b| {
                 logical += b.nbytes;
                 for c in &b.chunks {
@@ -293,7 +303,7 @@ impl Store {
                 }
             });
         }
-        Ok((names.len(), logical, refs))
+        Ok((count, logical, refs))
     }
 
     pub fn usage(&self) -> Result<Usage> {
@@ -393,7 +403,7 @@ impl Store {
     }
 
     /// A tree summary of one checkpoint: (key path, kind, detail, bytes).
-    pub fn describe(&self, name: &str) -> Result<(Manifest, Vec<(String, String, u64)>)> {
+    pub fn describe(&self, name: &str) -> Result<(Manifest, Vec<DescribeRow>)> {
         let m = self.manifest(name)?;
         let mut rows = Vec::new();
         describe_node(&m.root, &mut Vec::new(), &mut rows);

@@ -94,11 +94,11 @@ impl Budget {
             }
         }
         drop(st);
-        let mut v = Vec::with_capacity(len);
-        // SAFETY: every byte is overwritten by the caller's copy before use;
-        // u8 has no invalid bit patterns.
-        unsafe { v.set_len(len) };
-        v
+        // Zeroed, not uninitialized: handing out `&mut [u8]` over uninitialized
+        // memory is undefined behaviour. Large fresh blocks are usually zero
+        // pages from mmap, and steady-state saves reuse pooled blocks, so the
+        // zeroing is rarely paid.
+        vec![0u8; len]
     }
 
     fn release(&self, buf: Vec<u8>) {
@@ -477,6 +477,7 @@ impl SaveBuilder<'_> {
         cancel: Cancel<'_>,
     ) -> Result<Vec<Blob>> {
         let block = self.writer.shared.store.options().chunk_size;
+        let start = self.next_index;
         // Plan: (source, offset, len, index) for every chunk.
         let mut plan = Vec::new();
         let mut blobs = Vec::with_capacity(sources.len());
@@ -533,8 +534,19 @@ impl SaveBuilder<'_> {
                 r
             })
         };
+        if let Err(e) = result {
+            // Cancelled part way: copy threads check before taking an index and
+            // stage every index they take, so exactly plan[..taken] was staged.
+            // The commit thread must wait for those chunks only, not the planned
+            // ones (it would wait forever, and every later save and flush with it).
+            let taken = (next.load(Ordering::Relaxed) as usize).min(plan.len());
+            self.next_index = start + taken;
+            let staged: u64 = plan[..taken].iter().map(|p| p.2 as u64).sum();
+            lock(&job.stats).bytes_staged += staged;
+            return Err(e);
+        }
         lock(&job.stats).bytes_staged += total;
-        result.map(|_| blobs)
+        Ok(blobs)
     }
 
     pub fn stage(&mut self, source: &[u8]) -> Result<Blob> {

@@ -33,9 +33,12 @@ struct Store {
 
 impl Store {
     fn writer(&self) -> PyResult<Arc<core::Writer>> {
-        lock(&self.writer)
-            .clone()
-            .ok_or_else(|| errors::to_py(Error::Cancelled(format!("store {} is closed", self.store.location()))))
+        lock(&self.writer).clone().ok_or_else(|| {
+            errors::to_py(Error::Cancelled(format!(
+                "store {} is closed",
+                self.store.location()
+            )))
+        })
     }
 }
 
@@ -68,7 +71,11 @@ impl SaveHandle {
 
     /// Block until durable; returns statistics, or None on timeout.
     #[pyo3(signature = (timeout=None))]
-    fn wait<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Option<Bound<'py, PyDict>>> {
+    fn wait<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: Option<f64>,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
         let h = &self.inner;
         let r = interrupt::wait_until(py, timeout, |slice| h.wait_timeout(Some(slice)))?;
         r.map(|s| stats_dict(py, &s)).transpose()
@@ -123,7 +130,11 @@ impl Store {
             let writer = core::Writer::new(store.clone(), wopts)?;
             Ok((store, writer))
         })?;
-        Ok(Store { store, writer: Mutex::new(Some(Arc::new(writer))), cache: Default::default() })
+        Ok(Store {
+            store,
+            writer: Mutex::new(Some(Arc::new(writer))),
+            cache: Default::default(),
+        })
     }
 
     #[getter]
@@ -176,14 +187,31 @@ impl Store {
             return Err(errors::to_py(e));
         }
         core::format::validate_name(&name).py_err()?;
-        let mut cache = if skip_unchanged { std::mem::take(&mut *lock(&self.cache)) } else { HashMap::new() };
+        let mut cache = if skip_unchanged {
+            std::mem::take(&mut *lock(&self.cache))
+        } else {
+            HashMap::new()
+        };
         let mut walk = tree::SaveWalk::new(describe, materialize, &mut cache, skip_unchanged);
         let root = walk.node(state, &mut Vec::new())?;
-        let tree::SaveWalk { slots, sources, new_cache, keepalive, any_materialized, .. } = walk;
+        let tree::SaveWalk {
+            slots,
+            sources,
+            new_cache,
+            keepalive,
+            any_materialized,
+            ..
+        } = walk;
         if any_materialized {
             before_copy.call0()?;
         }
-        let reused: u64 = slots.iter().map(|s| match s { tree::Slot::Reuse(b) => b.nbytes, _ => 0 }).sum();
+        let reused: u64 = slots
+            .iter()
+            .map(|s| match s {
+                tree::Slot::Reuse(b) => b.nbytes,
+                _ => 0,
+            })
+            .sum();
         let result = interrupt::run(py, |intr| {
             let mut b = writer.begin(&name)?;
             let srcs: Vec<&[u8]> = sources.iter().map(|s| s.as_slice()).collect();
@@ -199,7 +227,9 @@ impl Store {
                 if skip_unchanged {
                     *lock(&self.cache) = new_cache
                         .into_iter()
-                        .map(|(k, e, slot)| (k, e.with_blob(blobs.get(slot).cloned().unwrap_or_default())))
+                        .map(|(k, e, slot)| {
+                            (k, e.with_blob(blobs.get(slot).cloned().unwrap_or_default()))
+                        })
                         .collect();
                 }
                 Ok(SaveHandle { inner: handle })
@@ -223,16 +253,27 @@ impl Store {
         let path = path.unwrap_or_default();
         let (manifest, node, buffers) = interrupt::run(py, |intr| {
             let m = store.manifest(&name)?;
-            let node = m.root.select(&path).cloned().ok_or_else(|| Error::NotFound {
-                what: "key path",
-                name: path.join("/"),
-                location: format!("checkpoint '{name}' in store {}", store.location()),
-            })?;
+            let node = m
+                .root
+                .select(&path)
+                .cloned()
+                .ok_or_else(|| Error::NotFound {
+                    what: "key path",
+                    name: path.join("/"),
+                    location: format!("checkpoint '{name}' in store {}", store.location()),
+                })?;
             let buffers = tree::read_blobs(&store, &name, &node, &path, threads, &|| intr.check())?;
             Ok((m, node, buffers))
         })?;
         let _ = manifest;
-        tree::build(py, &node, &mut buffers.into_iter(), make_array, unpickle, &mut path.clone())
+        tree::build(
+            py,
+            &node,
+            &mut buffers.into_iter(),
+            make_array,
+            unpickle,
+            &mut path.clone(),
+        )
     }
 
     fn list(&self, py: Python<'_>) -> PyResult<Vec<String>> {
@@ -280,7 +321,10 @@ impl Store {
         let store = self.store.clone();
         interrupt::run(py, move |_| {
             let (n, problems) = store.verify(&names.unwrap_or_default(), |_| {})?;
-            Ok((n, problems.into_iter().map(|p| p.error.to_string()).collect()))
+            Ok((
+                n,
+                problems.into_iter().map(|p| p.error.to_string()).collect(),
+            ))
         })
     }
 
@@ -309,9 +353,13 @@ impl Store {
 
     /// Flush, then stop the writer threads. Later saves raise.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let Some(w) = lock(&self.writer).take() else { return Ok(()) };
+        let Some(w) = lock(&self.writer).take() else {
+            return Ok(());
+        };
         lock(&self.cache).clear();
-        let r = interrupt::wait_until(py, None, |slice| Ok(w.flush_timeout(Some(slice))?.then_some(())));
+        let r = interrupt::wait_until(py, None, |slice| {
+            Ok(w.flush_timeout(Some(slice))?.then_some(()))
+        });
         py.detach(move || drop(w));
         r.map(|_| ())
     }
@@ -328,7 +376,11 @@ fn run_cli(py: Python<'_>, args: Vec<String>) -> (i32, String, String) {
     py.detach(move || {
         let (mut out, mut err) = (Vec::new(), Vec::new());
         let code = hindsight_cli::run(args, &mut out, &mut err);
-        (code, String::from_utf8_lossy(&out).into_owned(), String::from_utf8_lossy(&err).into_owned())
+        (
+            code,
+            String::from_utf8_lossy(&out).into_owned(),
+            String::from_utf8_lossy(&err).into_owned(),
+        )
     })
 }
 
@@ -339,6 +391,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<buffer::Buffer>()?;
     m.add_function(wrap_pyfunction!(run_cli, m)?)?;
     m.add("FORMAT_VERSION", core::format::FORMAT_VERSION)?;
-    m.add("DEFAULT_STAGING_BYTES", core::writer::default_staging_bytes())?;
+    m.add(
+        "DEFAULT_STAGING_BYTES",
+        core::writer::default_staging_bytes(),
+    )?;
     Ok(())
 }

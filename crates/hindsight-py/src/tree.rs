@@ -7,7 +7,9 @@ use std::sync::Mutex;
 
 use hindsight_core::{self as core, Array, ArrayLib, Blob, Error, Node};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{
+    PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple,
+};
 
 use crate::buffer::Buffer;
 use crate::errors::to_py;
@@ -45,7 +47,12 @@ pub struct PartialEntry {
 
 impl PartialEntry {
     pub fn with_blob(self, blob: Blob) -> CacheEntry {
-        CacheEntry { version: self.version, fingerprint: self.fingerprint, blob, _keep: self.keep }
+        CacheEntry {
+            version: self.version,
+            fingerprint: self.fingerprint,
+            blob,
+            _keep: self.keep,
+        }
     }
 }
 
@@ -99,7 +106,11 @@ fn fingerprint(src: &[u8]) -> [u8; 32] {
 }
 
 fn unsupported(path: &[String], type_name: String, hint: &str) -> PyErr {
-    to_py(Error::UnsupportedType { key_path: path.join("/"), type_name, hint: hint.into() })
+    to_py(Error::UnsupportedType {
+        key_path: path.join("/"),
+        type_name,
+        hint: hint.into(),
+    })
 }
 
 impl<'a, 'py> SaveWalk<'a, 'py> {
@@ -130,7 +141,19 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
     }
 
     fn key(&self, k: &Bound<'py, PyAny>, path: &[String]) -> PyResult<Node> {
-        if k.is_none() || k.is_instance_of::<PyBool>() || k.is_instance_of::<PyInt>() || k.is_instance_of::<PyFloat>() || k.is_instance_of::<PyString>() {
+        if let Ok(t) = k.cast::<PyTuple>() {
+            return Ok(Node::Tuple(
+                t.iter()
+                    .map(|e| self.key(&e, path))
+                    .collect::<PyResult<_>>()?,
+            ));
+        }
+        if k.is_none()
+            || k.is_instance_of::<PyBool>()
+            || k.is_instance_of::<PyInt>()
+            || k.is_instance_of::<PyFloat>()
+            || k.is_instance_of::<PyString>()
+        {
             let mut dummy = HashMap::new();
             let mut w = SaveWalk::new(self.describe, self.materialize, &mut dummy, false);
             return w.node(k, &mut path.to_vec());
@@ -138,7 +161,7 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
         Err(unsupported(
             path,
             format!("dict key of type {}", k.get_type().name()?),
-            "dict keys must be str, int, float, bool or None",
+            "dict keys must be str, int, float, bool, None or tuples of them",
         ))
     }
 
@@ -213,7 +236,11 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
                 Ok(Node::Pickle(Blob::default()))
             }
             "value" => self.node(&d.get_item(1)?, path),
-            other => Err(unsupported(path, format!("describe() answered {other:?}"), "internal error")),
+            other => Err(unsupported(
+                path,
+                format!("describe() answered {other:?}"),
+                "internal error",
+            )),
         }
     }
 
@@ -231,9 +258,14 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
         let device: String = d.get_item(7)?.extract()?;
         let host: bool = d.get_item(8)?.extract()?;
         let version: Option<i64> = d.get_item(9)?.extract()?;
-        let expected = core::format::itemsize(lib, &dtype).map(|s| s * shape.iter().product::<u64>());
+        let expected =
+            core::format::itemsize(lib, &dtype).map(|s| s * shape.iter().product::<u64>());
         if expected != Some(nbytes as u64) {
-            return Err(unsupported(path, format!("array of dtype {dtype}"), "dtype not supported by the format"));
+            return Err(unsupported(
+                path,
+                format!("array of dtype {dtype}"),
+                "dtype not supported by the format",
+            ));
         }
         let node = Node::Array(Box::new(Array {
             lib,
@@ -244,23 +276,36 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
             data: Blob::default(),
         }));
         let tracked = self.skip && version.is_some() && nbytes >= MIN_TRACKED_BYTES;
-        let key = CacheKey { key_path: path.join("/"), ptr, nbytes, dtype, shape, device };
-        let fp = |ptr: usize| {
-            host.then(|| fingerprint(Source { ptr, len: nbytes }.as_slice()))
+        let key = CacheKey {
+            key_path: path.join("/"),
+            ptr,
+            nbytes,
+            dtype,
+            shape,
+            device,
         };
+        let fp = |ptr: usize| host.then(|| fingerprint(Source { ptr, len: nbytes }.as_slice()));
         if tracked {
             let version = version.unwrap_or_default();
             let fingerprint = fp(ptr);
             if let Some(old) = self.old.remove(&key) {
                 if old.version == version && old.fingerprint == fingerprint {
                     self.slots.push(Slot::Reuse(old.blob));
-                    let e = PartialEntry { version, fingerprint, keep: keep.clone().unbind() };
+                    let e = PartialEntry {
+                        version,
+                        fingerprint,
+                        keep: keep.clone().unbind(),
+                    };
                     self.new_cache.push((key, e, self.slots.len() - 1));
                     return Ok(node);
                 }
             }
             let slot = self.stage_array(ptr, nbytes, &keep, host)?;
-            let e = PartialEntry { version, fingerprint, keep: keep.unbind() };
+            let e = PartialEntry {
+                version,
+                fingerprint,
+                keep: keep.unbind(),
+            };
             self.new_cache.push((key, e, slot));
         } else {
             self.stage_array(ptr, nbytes, &keep, host)?;
@@ -268,7 +313,13 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
         Ok(node)
     }
 
-    fn stage_array(&mut self, ptr: usize, nbytes: usize, keep: &Bound<'py, PyAny>, host: bool) -> PyResult<usize> {
+    fn stage_array(
+        &mut self,
+        ptr: usize,
+        nbytes: usize,
+        keep: &Bound<'py, PyAny>,
+        host: bool,
+    ) -> PyResult<usize> {
         if host {
             return Ok(self.stage(ptr, nbytes, keep.clone().unbind()));
         }
@@ -308,8 +359,13 @@ pub fn read_blobs(
     cancel: &(dyn Fn() -> bool + Sync),
 ) -> core::Result<Vec<Vec<u8>>> {
     let mut blobs: Vec<(String, Blob)> = Vec::new();
-    node.for_each_blob(&mut base.to_vec(), &mut |p, b| blobs.push((p.join("/"), b.clone())));
-    let mut buffers: Vec<Vec<u8>> = blobs.iter().map(|(_, b)| vec![0u8; b.nbytes as usize]).collect();
+    node.for_each_blob(&mut base.to_vec(), &mut |p, b| {
+        blobs.push((p.join("/"), b.clone()))
+    });
+    let mut buffers: Vec<Vec<u8>> = blobs
+        .iter()
+        .map(|(_, b)| vec![0u8; b.nbytes as usize])
+        .collect();
     let mut work = Vec::new();
     for ((key, blob), buf) in blobs.iter().zip(buffers.iter_mut()) {
         let mut rest: &mut [u8] = buf;
@@ -328,7 +384,10 @@ pub fn read_blobs(
             return;
         }
         if cancel() {
-            let _ = failed.lock().map(|mut f| f.get_or_insert(Error::Cancelled("load interrupted".into())).to_string());
+            let _ = failed.lock().map(|mut f| {
+                f.get_or_insert(Error::Cancelled("load interrupted".into()))
+                    .to_string()
+            });
             return;
         }
         let item = queue.lock().ok().and_then(|mut q| q.next());
@@ -412,7 +471,14 @@ pub fn build<'py>(
             };
             let buf = Bound::new(py, Buffer::new(next(buffers)))?;
             let shape = PyTuple::new(py, a.shape.iter())?;
-            make_array.call1((lib, a.dtype.as_str(), shape, buf, a.device.as_deref(), path.join("/")))?
+            make_array.call1((
+                lib,
+                a.dtype.as_str(),
+                shape,
+                buf,
+                a.device.as_deref(),
+                path.join("/"),
+            ))?
         }
     })
 }

@@ -1,0 +1,65 @@
+# The single source of truth for building, testing and benchmarking hindsight.
+# `make help` lists the targets.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PYTHON ?= python3
+# The virtualenv lives outside the checkout so that fresh clones on the same
+# machine (CI) reuse the large torch install; it is rebuilt when
+# requirements-dev.txt changes (its hash names the directory).
+REQ_HASH := $(shell sha256sum requirements-dev.txt | cut -c1-12)
+VENV ?= $(HOME)/.cache/hindsight/venv-$(REQ_HASH)
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export PIP_CACHE_DIR ?= $(HOME)/.cache/hindsight/pip
+PYTEST_ARGS ?=
+
+.PHONY: help
+help: ## Show this help
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(STAMP):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $(STAMP)
+
+.PHONY: venv
+venv: $(STAMP) ## Create the Python environment (torch CPU, maturin, pytest)
+
+.PHONY: develop
+develop: $(STAMP) ## Build the extension into the environment (debug-info build)
+	VIRTUAL_ENV=$(VENV) PATH=$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --quiet
+
+.PHONY: develop-release
+develop-release: $(STAMP)
+	VIRTUAL_ENV=$(VENV) PATH=$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --quiet --release
+
+.PHONY: lint
+lint: ## cargo fmt --check and clippy -D warnings on every crate and test
+	cargo fmt --all -- --check
+	PYO3_PYTHON=$(PY) cargo clippy --workspace --all-targets -- -D warnings
+
+.PHONY: test-rust
+test-rust: ## Rust unit, property and integration tests (no Python needed)
+	cargo test --workspace --exclude hindsight-py
+
+.PHONY: test-python
+test-python: develop ## pytest suite against real torch
+	cd tests && $(PY) -m pytest -q $(PYTEST_ARGS)
+
+.PHONY: test
+test: venv lint test-rust test-python ## Everything CI runs: lint, Rust tests, pytest
+
+.PHONY: example
+example: develop-release ## Run the example: train a real model, checkpoint, resume, verify
+	$(PY) examples/train_checkpointed.py --store .hindsight/example-store
+
+.PHONY: bench
+bench: develop-release ## Benchmarks against torch.save / torch.load (prints a table)
+	$(PY) benches/bench_checkpoint.py
+
+.PHONY: clean
+clean:
+	cargo clean
+	rm -rf .hindsight bench-out

@@ -1,0 +1,1045 @@
+//! End-to-end tests of `Store` + `Writer` on real files in temporary
+//! directories. The only stand-in is `FailingStorage`, a wrapper around
+//! `LocalStorage` that can fail or slow down writes on demand.
+
+#![allow(clippy::unwrap_used)] // helpers outside #[test] fns are not covered by allow-unwrap-in-tests
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hindsight_core::storage::LockGuard;
+use hindsight_core::store::blobs_under;
+use hindsight_core::{
+    Array, ArrayLib, Blob, ChunkId, Codec, Error, LocalStorage, Node, SaveHandle, SaveStats,
+    Storage, Store, StoreOptions, Writer, WriterOptions,
+};
+
+const CS: usize = 4096;
+
+fn store_options() -> StoreOptions {
+    StoreOptions {
+        chunk_size: CS,
+        ..Default::default()
+    }
+}
+
+fn writer_options() -> WriterOptions {
+    WriterOptions {
+        staging_bytes: 64 * CS,
+        threads: 2,
+    }
+}
+
+fn new_store(dir: &Path) -> Arc<Store> {
+    Arc::new(Store::open_local(dir, true, Some(store_options())).unwrap())
+}
+
+/// Deterministic pseudo-random bytes (splitmix64); each seed gives other bytes.
+fn rand_bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0xA076_1D64_78BD_642F) ^ 0xE703_7ED1_A0B4_28DB;
+    let mut out = Vec::with_capacity(n + 8);
+    while out.len() < n {
+        x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        out.extend_from_slice(&z.to_le_bytes());
+    }
+    out.truncate(n);
+    out
+}
+
+fn key(k: &str) -> Node {
+    Node::Str(k.into())
+}
+
+fn dict(items: Vec<(&str, Node)>) -> Node {
+    Node::Dict(items.into_iter().map(|(k, v)| (key(k), v)).collect())
+}
+
+/// Stage each value as a `Bytes` entry of a flat dict and commit it.
+fn save(w: &Writer, name: &str, items: &[(&str, &[u8])]) -> SaveHandle {
+    let mut b = w.begin(name).unwrap();
+    let mut entries = Vec::new();
+    for (k, v) in items {
+        entries.push((*k, Node::Bytes(b.stage(v).unwrap())));
+    }
+    b.commit(dict(entries), BTreeMap::new())
+}
+
+fn save_wait(w: &Writer, name: &str, items: &[(&str, &[u8])]) -> SaveStats {
+    save(w, name, items).wait().unwrap()
+}
+
+fn read_blob(store: &Store, blob: &Blob) -> Vec<u8> {
+    let mut v = vec![0; blob.nbytes as usize];
+    store.read_blob_into(blob, &mut v).unwrap();
+    v
+}
+
+/// Every blob of a checkpoint, read and verified, by key path.
+fn load(store: &Store, name: &str) -> BTreeMap<String, Vec<u8>> {
+    let m = store.manifest(name).unwrap();
+    blobs_under(&m.root)
+        .into_iter()
+        .map(|(k, b)| {
+            let v = read_blob(store, &b);
+            (k, v)
+        })
+        .collect()
+}
+
+fn chunk_ids(store: &Store, name: &str) -> Vec<ChunkId> {
+    let m = store.manifest(name).unwrap();
+    let mut ids = Vec::new();
+    m.root.for_each_blob(&mut Vec::new(), &mut |_, b| {
+        ids.extend(b.chunks.iter().map(|c| c.id))
+    });
+    ids.sort();
+    ids.dedup();
+    ids
+}
+
+fn assert_verifies(store: &Store) {
+    let (n, problems) = store.verify(&[], |_| {}).unwrap();
+    assert_eq!(n, store.list().unwrap().len());
+    assert!(
+        problems.is_empty(),
+        "{:?}",
+        problems
+            .iter()
+            .map(|p| p.error.to_string())
+            .collect::<Vec<_>>()
+    );
+}
+
+/// The tree with blob contents erased, to compare structure and scalar values.
+fn shape_of(node: &Node) -> Node {
+    let mut n = node.clone();
+    n.for_each_blob_mut(&mut |b| {
+        b.chunks.clear();
+        b.pending = None;
+    });
+    n
+}
+
+fn chunks_for(n: usize) -> usize {
+    n.div_ceil(CS)
+}
+
+// ---------------------------------------------------------------------------
+// A storage wrapper that fails (ENOSPC) or slows down writes on demand.
+
+#[derive(Debug)]
+struct FailingStorage {
+    inner: LocalStorage,
+    fail_chunks: Arc<AtomicBool>,
+    fail_manifests: Arc<AtomicBool>,
+    /// Sleep this long in every `put_chunk` (a slow disk).
+    chunk_delay: Duration,
+}
+
+fn enospc(path: PathBuf) -> Error {
+    Error::io(path, std::io::Error::from_raw_os_error(libc::ENOSPC))
+}
+
+impl Storage for FailingStorage {
+    fn location(&self) -> String {
+        self.inner.location()
+    }
+    fn chunk_path(&self, id: &ChunkId) -> PathBuf {
+        self.inner.chunk_path(id)
+    }
+    fn manifest_path(&self, name: &str) -> PathBuf {
+        self.inner.manifest_path(name)
+    }
+    fn has_chunk(&self, id: &ChunkId) -> hindsight_core::Result<bool> {
+        self.inner.has_chunk(id)
+    }
+    fn put_chunk(&self, id: &ChunkId, parts: &[&[u8]]) -> hindsight_core::Result<()> {
+        if !self.chunk_delay.is_zero() {
+            std::thread::sleep(self.chunk_delay);
+        }
+        if self.fail_chunks.load(Ordering::SeqCst) {
+            return Err(enospc(self.inner.chunk_path(id)));
+        }
+        self.inner.put_chunk(id, parts)
+    }
+    fn open_chunk(&self, id: &ChunkId) -> hindsight_core::Result<Box<dyn Read + Send>> {
+        self.inner.open_chunk(id)
+    }
+    fn list_chunks(&self) -> hindsight_core::Result<Vec<(ChunkId, u64)>> {
+        self.inner.list_chunks()
+    }
+    fn delete_chunk(&self, id: &ChunkId) -> hindsight_core::Result<()> {
+        self.inner.delete_chunk(id)
+    }
+    fn sync(&self) -> hindsight_core::Result<()> {
+        self.inner.sync()
+    }
+    fn put_manifest(&self, name: &str, bytes: &[u8]) -> hindsight_core::Result<()> {
+        if self.fail_manifests.load(Ordering::SeqCst) {
+            return Err(enospc(self.inner.manifest_path(name)));
+        }
+        self.inner.put_manifest(name, bytes)
+    }
+    fn get_manifest(&self, name: &str) -> hindsight_core::Result<Vec<u8>> {
+        self.inner.get_manifest(name)
+    }
+    fn list_manifests(&self) -> hindsight_core::Result<Vec<String>> {
+        self.inner.list_manifests()
+    }
+    fn delete_manifest(&self, name: &str) -> hindsight_core::Result<bool> {
+        self.inner.delete_manifest(name)
+    }
+    fn manifest_size(&self, name: &str) -> hindsight_core::Result<u64> {
+        self.inner.manifest_size(name)
+    }
+    fn lock_shared(&self) -> hindsight_core::Result<Box<dyn LockGuard>> {
+        self.inner.lock_shared()
+    }
+    fn lock_exclusive(&self) -> hindsight_core::Result<Box<dyn LockGuard>> {
+        self.inner.lock_exclusive()
+    }
+    fn clean_staging(&self) -> hindsight_core::Result<u64> {
+        self.inner.clean_staging()
+    }
+}
+
+struct Faulty {
+    dir: tempfile::TempDir,
+    store: Arc<Store>,
+    fail_chunks: Arc<AtomicBool>,
+    fail_manifests: Arc<AtomicBool>,
+}
+
+fn faulty_store(chunk_delay: Duration) -> Faulty {
+    let dir = tempfile::tempdir().unwrap();
+    // Create it as a real local store (HINDSIGHT.json), so it can be reopened.
+    drop(new_store(dir.path()));
+    let fail_chunks = Arc::new(AtomicBool::new(false));
+    let fail_manifests = Arc::new(AtomicBool::new(false));
+    let storage = FailingStorage {
+        inner: LocalStorage::open(dir.path()).unwrap(),
+        fail_chunks: fail_chunks.clone(),
+        fail_manifests: fail_manifests.clone(),
+        chunk_delay,
+    };
+    let store = Arc::new(Store::with_storage(Arc::new(storage), store_options()).unwrap());
+    Faulty {
+        dir,
+        store,
+        fail_chunks,
+        fail_manifests,
+    }
+}
+
+// ---------------------------------------------------------------------------
+
+#[test]
+fn round_trip_of_every_node_kind() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = new_store(dir.path());
+    let w = Writer::new(store.clone(), writer_options()).unwrap();
+
+    let sizes = [
+        ("empty", 0),
+        ("one", 1),
+        ("exact", CS),
+        ("plus_one", CS + 1),
+        ("several", 5 * CS + 123),
+    ];
+    let mut expected: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    let weight = rand_bytes(32 * 128 * 4, 100); // torch float32 [32, 128]: 4 chunks exactly
+    let table = rand_bytes(1000 * 8, 101); // numpy <f8 [1000]
+    let pickled = rand_bytes(300, 102);
+
+    let mut b = w.begin("rt").unwrap();
+    let mut byte_nodes = Vec::new();
+    for (i, (k, n)) in sizes.iter().enumerate() {
+        let data = rand_bytes(*n, i as u64 + 1);
+        byte_nodes.push((*k, Node::Bytes(b.stage(&data).unwrap())));
+        expected.insert(format!("bytes/{k}"), data);
+    }
+    let arrays = b.stage_many(&[&weight, &table], 2, &|| false).unwrap();
+    let pickle_blob = b.stage(&pickled).unwrap();
+    let [wblob, tblob]: [Blob; 2] = arrays.try_into().unwrap();
+    expected.insert("model/weight".into(), weight.clone());
+    expected.insert("model/table".into(), table.clone());
+    expected.insert("tuple/4".into(), pickled.clone());
+
+    let tree = Node::Dict(vec![
+        (key("bytes"), dict(byte_nodes)),
+        (
+            key("model"),
+            dict(vec![
+                (
+                    "weight",
+                    Node::Array(Box::new(Array {
+                        lib: ArrayLib::Torch,
+                        dtype: "float32".into(),
+                        shape: vec![32, 128],
+                        byte_order: "little".into(),
+                        device: Some("cuda:0".into()),
+                        data: wblob,
+                    })),
+                ),
+                (
+                    "table",
+                    Node::Array(Box::new(Array {
+                        lib: ArrayLib::Numpy,
+                        dtype: "<f8".into(),
+                        shape: vec![1000],
+                        byte_order: "little".into(),
+                        device: None,
+                        data: tblob,
+                    })),
+                ),
+            ]),
+        ),
+        (
+            key("scalars"),
+            Node::List(vec![
+                Node::Int(0),
+                Node::Int(-1),
+                Node::Int(i64::MAX),
+                Node::Int(i64::MIN),
+                Node::BigInt("-123456789012345678901234567890".into()),
+                Node::BigInt("18446744073709551616".into()),
+                Node::Float(1.5f64.to_bits()),
+                Node::Float(f64::NAN.to_bits()),
+                Node::Float(0x7ff8_dead_beef_0001), // NaN with a payload
+                Node::Float(0xfff0_0000_0000_0001), // negative signalling NaN
+                Node::Float(f64::INFINITY.to_bits()),
+                Node::Float(f64::NEG_INFINITY.to_bits()),
+                Node::Float((-0.0f64).to_bits()),
+                Node::Float(f64::MIN_POSITIVE.to_bits() >> 1), // subnormal
+                Node::Bool(true),
+                Node::Bool(false),
+                Node::None,
+                Node::Str(String::new()),
+                Node::Str("unicode ✓ \u{0} \"quoted\"".into()),
+            ]),
+        ),
+        (
+            key("tuple"),
+            Node::Tuple(vec![
+                Node::Int(1),
+                Node::Tuple(vec![]),
+                Node::List(vec![]),
+                Node::Dict(vec![]),
+                Node::Pickle(pickle_blob),
+            ]),
+        ),
+        (Node::Int(7), key("int key")),
+        (Node::None, Node::Bool(true)),
+        (Node::Bool(false), Node::List(vec![Node::None])),
+    ]);
+    let meta: BTreeMap<String, String> = [("epoch", "3"), ("loss", "0.25")]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let stats = b.commit(tree.clone(), meta.clone()).wait().unwrap();
+
+    let total: usize = expected.values().map(|v| v.len()).sum();
+    let nchunks: usize = expected.values().map(|v| chunks_for(v.len())).sum();
+    assert_eq!(stats.bytes_staged, total as u64);
+    assert_eq!(stats.chunks_written, nchunks as u64);
+    assert_eq!(stats.chunks_deduplicated, 0);
+    assert!(stats.bytes_written > total as u64);
+    assert_eq!(w.staging_in_use(), 0);
+    drop(w);
+    drop(store);
+
+    // Reopen from disk, as another process would.
+    let store = Store::open_local(dir.path(), false, None).unwrap();
+    assert_eq!(store.options().chunk_size, CS);
+    assert_eq!(store.list().unwrap(), ["rt"]);
+    let m = store.manifest("rt").unwrap();
+    assert_eq!(m.name, "rt");
+    assert_eq!(m.meta, meta);
+    assert!(m.created_ms > 0);
+    assert_eq!(shape_of(&m.root), shape_of(&tree));
+    let blobs = blobs_under(&m.root);
+    assert_eq!(
+        blobs.keys().collect::<Vec<_>>(),
+        expected.keys().collect::<Vec<_>>()
+    );
+    for (k, blob) in &blobs {
+        let want = &expected[k];
+        assert!(blob.pending.is_none());
+        assert_eq!(blob.nbytes, want.len() as u64, "{k}");
+        assert_eq!(blob.chunks.len(), chunks_for(want.len()), "{k}");
+        assert!(blob.chunks.iter().all(|c| c.len > 0 && c.len <= CS as u64));
+        assert_eq!(&read_blob(&store, blob), want, "{k}");
+    }
+    // A destination of the wrong size is refused, not overrun.
+    let mut short = vec![0; CS];
+    assert!(matches!(
+        store.read_blob_into(&blobs["bytes/plus_one"], &mut short),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert_verifies(&store);
+}
+
+#[test]
+fn zstd_store_round_trips_and_compresses() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = StoreOptions {
+        codec: Codec::Zstd,
+        ..store_options()
+    };
+    let store = Arc::new(Store::open_local(dir.path(), true, Some(opts)).unwrap());
+    let w = Writer::new(store.clone(), writer_options()).unwrap();
+    let zeros_ish: Vec<u8> = (0..3 * CS).map(|i| (i / 100) as u8).collect();
+    let random = rand_bytes(2 * CS + 5, 1);
+    save_wait(&w, "z", &[("c", &zeros_ish), ("r", &random)]);
+    drop(w);
+    let store = Store::open_local(dir.path(), false, None).unwrap();
+    assert_eq!(store.options().codec, Codec::Zstd);
+    let got = load(&store, "z");
+    assert_eq!(got["c"], zeros_ish);
+    assert_eq!(got["r"], random);
+    let u = store.usage().unwrap();
+    assert!(u.stored_bytes < u.unique_bytes, "{u:?}");
+    assert_verifies(&store);
+    // Options are fixed at creation.
+    assert!(matches!(
+        Store::open_local(dir.path(), false, Some(store_options())),
+        Err(Error::InvalidArgument { .. })
+    ));
+}
+
+#[test]
+fn identical_data_is_stored_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = new_store(dir.path());
+    let w = Writer::new(store.clone(), writer_options()).unwrap();
+    let data = rand_bytes(6 * CS + 100, 7);
+    let small = rand_bytes(10, 8);
+    let n = (chunks_for(data.len()) + 1) as u64;
+
+    let first = save_wait(&w, "a", &[("w", &data), ("s", &small)]);
+    assert_eq!(first.chunks_written, n);
+    assert_eq!(first.chunks_deduplicated, 0);
+
+    let second = save_wait(&w, "b", &[("w", &data), ("s", &small)]);
+    assert_eq!(second.chunks_written, 0);
+    assert_eq!(second.chunks_deduplicated, n);
+    // Only the manifest was written.
+    assert_eq!(
+        second.bytes_written,
+        store.storage().manifest_size("b").unwrap()
+    );
+
+    let u = store.usage().unwrap();
+    let len = (data.len() + small.len()) as u64;
+    assert_eq!(u.checkpoints, 2);
+    assert_eq!(u.unique_bytes, len);
+    assert_eq!(u.logical_bytes, 2 * u.unique_bytes);
+    assert_eq!(u.chunks as u64, n);
+    assert_eq!(u.unreferenced_chunks, 0);
+    assert_eq!(store.storage().list_chunks().unwrap().len() as u64, n);
+    assert_eq!(chunk_ids(&store, "a"), chunk_ids(&store, "b"));
+    assert_eq!(load(&store, "b")["w"], data);
+
+    // The same bytes twice within one save (written concurrently by two threads).
+    let twice = rand_bytes(4 * CS, 9);
+    save_wait(&w, "c", &[("x", &twice), ("y", &twice)]);
+    let got = load(&store, "c");
+    assert_eq!((&got["x"], &got["y"]), (&twice, &twice));
+    assert_eq!(chunk_ids(&store, "c").len(), chunks_for(twice.len()));
+    assert_verifies(&store);
+}
+
+#[test]
+fn pending_blob_reused_by_a_later_save() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = new_store(dir.path());
+    let w = Writer::new(store.clone(), writer_options()).unwrap();
+    let frozen = rand_bytes(3 * CS + 5, 1);
+    let x: Vec<Vec<u8>> = (0..3).map(|i| rand_bytes(2 * CS, 10 + i)).collect();
+
+    // Save 1 stages the frozen tensor once; keep its (pending) blob.
+    let mut b = w.begin("s1").unwrap();
+    let fb = b.stage(&frozen).unwrap();
+    let x1 = b.stage(&x[0]).unwrap();
+    assert!(fb.pending.is_some() && fb.chunks.is_empty());
+    let h1 = b.commit(
+        dict(vec![
+            ("frozen", Node::Bytes(fb.clone())),
+            ("x", Node::Bytes(x1)),
+        ]),
+        BTreeMap::new(),
+    );
+
+    // Save 2, made without waiting for save 1, reuses it without staging.
+    let mut b = w.begin("s2").unwrap();
+    b.note_reused(frozen.len() as u64);
+    let x2 = b.stage(&x[1]).unwrap();
+    let h2 = b.commit(
+        dict(vec![
+            ("frozen", Node::Bytes(fb.clone())),
+            ("x", Node::Bytes(x2)),
+        ]),
+        BTreeMap::new(),
+    );
+    let s2 = h2.wait().unwrap();
+    assert_eq!(s2.bytes_reused, frozen.len() as u64);
+    assert_eq!(s2.bytes_staged, x[1].len() as u64);
+    assert_eq!(s2.chunks_written, chunks_for(x[1].len()) as u64);
+    h1.wait().unwrap();
+
+    // Save 3, after both are durable, still resolves the same blob.
+    let mut b = w.begin("s3").unwrap();
+    let x3 = b.stage(&x[2]).unwrap();
+    b.commit(
+        dict(vec![
+            ("frozen", Node::Bytes(fb.clone())),
+            ("x", Node::Bytes(x3)),
+        ]),
+        BTreeMap::new(),
+    )
+    .wait()
+    .unwrap();
+
+    let frozen_chunks = |name: &str| {
+        blobs_under(&store.manifest(name).unwrap().root)["frozen"]
+            .chunks
+            .clone()
+    };
+    assert_eq!(frozen_chunks("s1").len(), chunks_for(frozen.len()));
+    assert_eq!(frozen_chunks("s1"), frozen_chunks("s2"));
+    assert_eq!(frozen_chunks("s1"), frozen_chunks("s3"));
+    for (i, name) in ["s1", "s2", "s3"].into_iter().enumerate() {
+        let got = load(&store, name);
+        assert_eq!(got["frozen"], frozen, "{name}");
+        assert_eq!(got["x"], x[i], "{name}");
+    }
+
+    // The reused chunks outlive the checkpoint that wrote them.
+    store.remove("s1").unwrap();
+    store.gc().unwrap();
+    assert_eq!(load(&store, "s3")["frozen"], frozen);
+    assert_verifies(&store);
+}
+
+#[test]
+fn staged_bytes_are_a_snapshot() {
+    // A slow disk, so the chunks are written well after the source changed.
+    let f = faulty_store(Duration::from_millis(5));
+    let w = Writer::new(f.store.clone(), writer_options()).unwrap();
+    let mut buf = rand_bytes(6 * CS + 17, 3);
+    let original = buf.clone();
+    let mut b = w.begin("snap").unwrap();
+    let blob = b.stage(&buf).unwrap();
+    buf.fill(0xAB);
+    let h = b.commit(dict(vec![("w", Node::Bytes(blob))]), BTreeMap::new());
+    buf.fill(0xCD);
+    h.wait().unwrap();
+    assert_eq!(load(&f.store, "snap")["w"], original);
+}
+
+#[test]
+fn staging_stays_within_its_budget() {
+    let f = faulty_store(Duration::from_millis(5));
+    let limit = 3 * CS;
+    let w = Writer::new(
+        f.store.clone(),
+        WriterOptions {
+            staging_bytes: limit,
+            threads: 1,
+        },
+    )
+    .unwrap();
+    assert_eq!(w.staging_limit(), limit);
+    let data = rand_bytes(50 * CS, 9);
+    let stop = AtomicBool::new(false);
+    let max_seen = AtomicUsize::new(0);
+    let samples = AtomicUsize::new(0);
+    let staged_in = std::thread::scope(|sc| {
+        sc.spawn(|| {
+            while !stop.load(Ordering::SeqCst) {
+                max_seen.fetch_max(w.staging_in_use(), Ordering::SeqCst);
+                samples.fetch_add(1, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        });
+        let t = Instant::now();
+        let mut b = w.begin("big").unwrap();
+        let blob = b.stage(&data).unwrap();
+        let staged_in = t.elapsed();
+        b.commit(dict(vec![("w", Node::Bytes(blob))]), BTreeMap::new())
+            .wait()
+            .unwrap();
+        stop.store(true, Ordering::SeqCst);
+        staged_in
+    });
+    let max_seen = max_seen.load(Ordering::SeqCst);
+    assert!(max_seen <= limit, "{max_seen} > {limit}");
+    assert!(max_seen > 0, "sampler never saw staging in use");
+    assert!(samples.load(Ordering::SeqCst) > 10);
+    // Staging had to wait for at least 47 of the slow writes to free budget.
+    assert!(staged_in >= Duration::from_millis(47 * 5), "{staged_in:?}");
+    assert_eq!(w.staging_in_use(), 0);
+    assert_eq!(load(&f.store, "big")["w"], data);
+}
+
+#[test]
+fn a_budget_smaller_than_one_chunk_still_makes_progress() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = new_store(dir.path());
+    let w = Writer::new(
+        store.clone(),
+        WriterOptions {
+            staging_bytes: CS / 2,
+            threads: 2,
+        },
+    )
+    .unwrap();
+    let data = rand_bytes(4 * CS + 10, 6);
+    save_wait(&w, "tiny-budget", &[("w", &data)]);
+    assert_eq!(load(&store, "tiny-budget")["w"], data);
+    assert_eq!(w.staging_in_use(), 0);
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Fail {
+    Chunk,
+    Manifest,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Observe {
+    /// The save's own handle.
+    Wait,
+    /// The next `begin`.
+    Begin,
+    /// `flush`.
+    Flush,
+}
+
+fn wait_done(h: &SaveHandle) {
+    let t = Instant::now();
+    while !h.is_done() {
+        assert!(t.elapsed() < Duration::from_secs(20), "save never finished");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn storage_failure(fail: Fail, observe: Observe) {
+    let ctx = format!("{fail:?}/{observe:?}");
+    let f = faulty_store(Duration::ZERO);
+    let w = Writer::new(f.store.clone(), writer_options()).unwrap();
+    let good = rand_bytes(3 * CS, 1);
+    save_wait(&w, "good", &[("w", &good)]);
+
+    let flag = match fail {
+        Fail::Chunk => &f.fail_chunks,
+        Fail::Manifest => &f.fail_manifests,
+    };
+    flag.store(true, Ordering::SeqCst);
+    // New bytes, so the chunks are not deduplicated away.
+    let bad = rand_bytes(3 * CS, 2);
+    let h = save(&w, "bad", &[("w", &bad)]);
+    let err = match observe {
+        Observe::Wait => {
+            let e = h.wait().unwrap_err();
+            // Reported once, to the handle: not again.
+            w.flush().unwrap();
+            drop(w.begin("unused").unwrap());
+            w.flush().unwrap();
+            e
+        }
+        Observe::Begin => {
+            wait_done(&h);
+            let e = w.begin("next").unwrap_err();
+            w.flush().unwrap();
+            e
+        }
+        Observe::Flush => {
+            let e = w.flush().unwrap_err();
+            w.flush().unwrap();
+            e
+        }
+    };
+    let Error::Background { checkpoint, .. } = &err else {
+        panic!("{ctx}: expected Background, got {err:?}");
+    };
+    assert!(checkpoint.starts_with("bad"), "{ctx}: {checkpoint}");
+    let Error::StorageFull { path, source } = err.root() else {
+        panic!("{ctx}: expected StorageFull, got {:?}", err.root());
+    };
+    assert_eq!(source.raw_os_error(), Some(libc::ENOSPC), "{ctx}");
+    match fail {
+        Fail::Chunk => assert!(
+            path.starts_with(f.dir.path().join("chunks")),
+            "{ctx}: {path:?}"
+        ),
+        Fail::Manifest => assert_eq!(path, &f.store.storage().manifest_path("bad"), "{ctx}"),
+    }
+    let msg = err.to_string();
+    assert!(
+        msg.contains("bad") && msg.contains(&*path.to_string_lossy()),
+        "{ctx}: {msg}"
+    );
+    // The handle keeps its outcome even when someone else reported it.
+    assert!(matches!(
+        h.wait().unwrap_err().root(),
+        Error::StorageFull { .. }
+    ));
+    w.flush().unwrap();
+
+    // Nothing half-written became visible; earlier checkpoints are intact.
+    assert_eq!(f.store.list().unwrap(), ["good"], "{ctx}");
+    assert_eq!(load(&f.store, "good")["w"], good, "{ctx}");
+    assert!(matches!(
+        f.store.manifest("bad"),
+        Err(Error::NotFound { .. })
+    ));
+
+    // Once there is space again, saving works.
+    flag.store(false, Ordering::SeqCst);
+    save_wait(&w, "later", &[("w", &bad)]);
+    w.flush().unwrap();
+    assert_eq!(f.store.list().unwrap(), ["good", "later"], "{ctx}");
+    assert_eq!(load(&f.store, "later")["w"], bad, "{ctx}");
+    assert_verifies(&f.store);
+}
+
+#[test]
+fn storage_full_is_reported_once_and_leaves_no_checkpoint() {
+    for fail in [Fail::Chunk, Fail::Manifest] {
+        for observe in [Observe::Wait, Observe::Begin, Observe::Flush] {
+            storage_failure(fail, observe);
+        }
+    }
+}
+
+#[test]
+fn later_save_reusing_a_failed_saves_blob_fails_cleanly() {
+    let f = faulty_store(Duration::ZERO);
+    let w = Writer::new(f.store.clone(), writer_options()).unwrap();
+    f.fail_chunks.store(true, Ordering::SeqCst);
+    let data = rand_bytes(2 * CS, 4);
+    let mut b = w.begin("bad").unwrap();
+    let blob = b.stage(&data).unwrap();
+    let h1 = b.commit(
+        dict(vec![("w", Node::Bytes(blob.clone()))]),
+        BTreeMap::new(),
+    );
+    assert!(h1.wait().is_err());
+    f.fail_chunks.store(false, Ordering::SeqCst);
+    let b = w.begin("reuser").unwrap();
+    let e = b
+        .commit(dict(vec![("w", Node::Bytes(blob))]), BTreeMap::new())
+        .wait()
+        .unwrap_err();
+    assert!(e.to_string().contains("reuser"), "{e}");
+    assert!(f.store.list().unwrap().is_empty());
+}
+
+#[test]
+fn corruption_is_detected_and_located() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = new_store(dir.path());
+    let w = Writer::new(store.clone(), writer_options()).unwrap();
+    let weight = rand_bytes(3 * CS, 1);
+    let other = rand_bytes(2 * CS, 2);
+    let mut b = w.begin("c1").unwrap();
+    let wb = b.stage(&weight).unwrap();
+    let ob = b.stage(&other).unwrap();
+    b.commit(
+        dict(vec![
+            ("model", dict(vec![("w", Node::Bytes(wb))])),
+            ("other", Node::Bytes(ob)),
+        ]),
+        BTreeMap::new(),
+    )
+    .wait()
+    .unwrap();
+    let c2_data = rand_bytes(CS, 3);
+    save_wait(&w, "c2", &[("x", &c2_data)]);
+    drop(w);
+    assert_verifies(&store);
+
+    // Flip one payload byte in the second chunk of model/w.
+    let blobs = blobs_under(&store.manifest("c1").unwrap().root);
+    let wblob = &blobs["model/w"];
+    let chunk = store.storage().chunk_path(&wblob.chunks[1].id);
+    let mut bytes = fs::read(&chunk).unwrap();
+    bytes[16 + 100] ^= 0x04;
+    fs::write(&chunk, &bytes).unwrap();
+
+    let mut dest = vec![0; wblob.nbytes as usize];
+    match store.read_blob_into(wblob, &mut dest) {
+        Err(Error::Corrupt { path, .. }) => assert_eq!(path, chunk),
+        other => panic!("expected Corrupt, got {other:?}"),
+    }
+    assert_eq!(read_blob(&store, &blobs["other"]), other);
+
+    let (n, problems) = store.verify(&[], |_| {}).unwrap();
+    assert_eq!(n, 2);
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert_eq!(problems[0].checkpoint.as_deref(), Some("c1"));
+    let msg = problems[0].error.to_string();
+    for part in ["c1", "model/w", &*chunk.to_string_lossy()] {
+        assert!(msg.contains(part), "{part:?} not in {msg}");
+    }
+    let (_, only_c2) = store.verify(&["c2".into()], |_| {}).unwrap();
+    assert!(only_c2.is_empty());
+
+    // A missing chunk file is reported too.
+    let gone = store.storage().chunk_path(&blobs["other"].chunks[0].id);
+    fs::remove_file(&gone).unwrap();
+    let (_, problems) = store.verify(&[], |_| {}).unwrap();
+    assert_eq!(problems.len(), 2, "{problems:?}");
+    let msg = problems[1].error.to_string();
+    assert!(
+        msg.contains("c1") && msg.contains("other") && msg.contains(&*gone.to_string_lossy()),
+        "{msg}"
+    );
+
+    // A truncated manifest is corruption naming its file.
+    let mpath = store.storage().manifest_path("c2");
+    let bytes = fs::read(&mpath).unwrap();
+    fs::write(&mpath, &bytes[..bytes.len() - 10]).unwrap();
+    match store.manifest("c2") {
+        Err(e @ Error::Corrupt { .. }) => {
+            let Error::Corrupt { path, .. } = &e else {
+                unreachable!()
+            };
+            assert_eq!(path, &mpath);
+            assert!(e.to_string().contains(&*mpath.to_string_lossy()), "{e}");
+        }
+        other => panic!("expected Corrupt, got {other:?}"),
+    }
+    let (_, problems) = store.verify(&["c2".into()], |_| {}).unwrap();
+    assert_eq!(problems.len(), 1);
+    assert_eq!(problems[0].checkpoint.as_deref(), Some("c2"));
+    assert!(matches!(problems[0].error, Error::Corrupt { .. }));
+    // gc refuses to delete anything on partial knowledge.
+    assert!(store.gc().is_err());
+
+    // A manifest copied under another name is not taken for that checkpoint.
+    fs::copy(store.storage().manifest_path("c1"), &mpath).unwrap();
+    let e = store.manifest("c2").unwrap_err();
+    assert!(matches!(e, Error::Corrupt { .. }), "{e:?}");
+    assert!(e.to_string().contains("'c1' under the name 'c2'"), "{e}");
+}
+
+#[test]
+fn gc_removes_exactly_the_unreferenced_chunks() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = new_store(dir.path());
+    let w = Writer::new(store.clone(), writer_options()).unwrap();
+    let shared = rand_bytes(3 * CS, 1);
+    let only_a = rand_bytes(2 * CS + 1, 2);
+    let only_b = rand_bytes(CS, 3);
+    save_wait(&w, "a", &[("shared", &shared), ("mine", &only_a)]);
+    save_wait(&w, "b", &[("shared", &shared), ("mine", &only_b)]);
+    drop(w);
+    let a = chunk_ids(&store, "a");
+    let b = chunk_ids(&store, "b");
+    let a_only: Vec<ChunkId> = a.iter().filter(|id| !b.contains(id)).copied().collect();
+    assert_eq!(a_only.len(), chunks_for(only_a.len()));
+
+    // A leftover of a crashed writer.
+    let stale = dir.path().join("tmp").join("4242-1-1.tmp");
+    fs::write(&stale, b"half a chunk").unwrap();
+
+    // Nothing to collect while both checkpoints exist (except the stale file).
+    let r = store.gc().unwrap();
+    assert_eq!((r.chunks_removed, r.bytes_removed), (0, 0));
+    assert_eq!(r.staging_files_removed, 1);
+    assert!(!stale.exists());
+
+    fs::write(&stale, b"again").unwrap();
+    store.remove("a").unwrap();
+    assert!(matches!(store.remove("a"), Err(Error::NotFound { .. })));
+    let sizes: BTreeMap<ChunkId, u64> =
+        store.storage().list_chunks().unwrap().into_iter().collect();
+    let r = store.gc().unwrap();
+    assert_eq!(r.chunks_removed, a_only.len());
+    assert_eq!(
+        r.bytes_removed,
+        a_only.iter().map(|id| sizes[id]).sum::<u64>()
+    );
+    assert_eq!(r.staging_files_removed, 1);
+    assert!(!stale.exists());
+    assert_eq!(fs::read_dir(dir.path().join("tmp")).unwrap().count(), 0);
+
+    let left: Vec<ChunkId> = store
+        .storage()
+        .list_chunks()
+        .unwrap()
+        .into_iter()
+        .map(|c| c.0)
+        .collect();
+    assert_eq!(left, b);
+    assert_verifies(&store);
+    let got = load(&store, "b");
+    assert_eq!(got["shared"], shared);
+    assert_eq!(got["mine"], only_b);
+
+    let again = store.gc().unwrap();
+    assert_eq!(again, Default::default());
+    assert_eq!(store.usage().unwrap().unreferenced_chunks, 0);
+}
+
+#[test]
+fn gc_running_beside_a_writer_never_breaks_a_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = new_store(dir.path());
+    let w = Writer::new(store.clone(), writer_options()).unwrap();
+    let frozen = rand_bytes(2 * CS + 3, 1);
+    let stop = AtomicBool::new(false);
+
+    let (saves, gcs, collected) = std::thread::scope(|sc| {
+        let gc = sc.spawn(|| {
+            let (mut runs, mut removed) = (0usize, 0usize);
+            while !stop.load(Ordering::SeqCst) {
+                removed += store.gc().unwrap().chunks_removed;
+                runs += 1;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            (runs, removed)
+        });
+        let saver = sc.spawn(|| {
+            let deadline = Instant::now() + Duration::from_millis(1500);
+            let mut frozen_blob: Option<Blob> = None;
+            let mut previous: Option<SaveHandle> = None;
+            let mut i = 0usize;
+            while Instant::now() < deadline || i < 4 {
+                let data = rand_bytes(3 * CS + i, 1000 + i as u64);
+                let mut b = w.begin(&format!("step-{i:04}")).unwrap();
+                let fb = match &frozen_blob {
+                    Some(fb) => {
+                        b.note_reused(fb.nbytes);
+                        fb.clone()
+                    }
+                    None => {
+                        let fb = b.stage(&frozen).unwrap();
+                        frozen_blob = Some(fb.clone());
+                        fb
+                    }
+                };
+                let x = b.stage(&data).unwrap();
+                let h = b.commit(
+                    dict(vec![("frozen", Node::Bytes(fb)), ("x", Node::Bytes(x))]),
+                    BTreeMap::new(),
+                );
+                // Keep one save in flight while the previous one is waited on,
+                // then apply a keep-the-last-two retention.
+                if let Some(p) = previous.replace(h) {
+                    p.wait().unwrap();
+                }
+                if i >= 3 {
+                    store.remove(&format!("step-{:04}", i - 3)).unwrap();
+                }
+                i += 1;
+            }
+            previous.take().unwrap().wait().unwrap();
+            stop.store(true, Ordering::SeqCst);
+            i
+        });
+        let saves = saver.join().unwrap();
+        let (gcs, collected) = gc.join().unwrap();
+        (saves, gcs, collected)
+    });
+    w.flush().unwrap();
+    assert!(saves >= 4 && gcs >= 2, "saves {saves}, gc runs {gcs}");
+
+    let names = store.list().unwrap();
+    assert_eq!(names.len(), 3, "{names:?}");
+    assert_eq!(names.last().unwrap(), &format!("step-{:04}", saves - 1));
+    assert_verifies(&store);
+    for name in &names {
+        let i: usize = name["step-".len()..].parse().unwrap();
+        let got = load(&store, name);
+        assert_eq!(got["frozen"], frozen, "{name}");
+        assert_eq!(got["x"], rand_bytes(3 * CS + i, 1000 + i as u64), "{name}");
+    }
+    let last = store.gc().unwrap();
+    assert!(
+        collected + last.chunks_removed > 0,
+        "gc never collected the removed checkpoints' chunks"
+    );
+    assert_eq!(store.usage().unwrap().unreferenced_chunks, 0);
+    assert_verifies(&store);
+}
+
+#[test]
+fn abandoned_saves_leave_nothing_and_block_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = new_store(dir.path());
+    let w = Writer::new(store.clone(), writer_options()).unwrap();
+    let flushes = |w: &Writer| w.flush_timeout(Some(Duration::from_secs(20))).unwrap();
+
+    // Dropped with data staged, and dropped with nothing staged.
+    let mut b = w.begin("abandoned").unwrap();
+    let _ = b.stage(&rand_bytes(5 * CS, 1)).unwrap();
+    drop(b);
+    drop(w.begin("empty").unwrap());
+    assert!(flushes(&w));
+    assert!(store.list().unwrap().is_empty());
+
+    let data = rand_bytes(2 * CS, 2);
+    save_wait(&w, "next", &[("w", &data)]);
+
+    // A stage interrupted part way (Ctrl-C), then the builder is dropped.
+    let big = rand_bytes(10 * CS, 3);
+    let calls = AtomicUsize::new(0);
+    let cancel_after_3 = || calls.fetch_add(1, Ordering::SeqCst) >= 3;
+    let mut b = w.begin("interrupted").unwrap();
+    let e = b.stage_many(&[&big], 1, &cancel_after_3).unwrap_err();
+    assert!(matches!(e, Error::Cancelled(_)), "{e:?}");
+    drop(b);
+    if !flushes(&w) {
+        // Dropping the writer would wait for the stuck save forever.
+        std::mem::forget(w);
+        panic!("flush never finished after an interrupted stage");
+    }
+
+    // An interrupted stage, then a commit of what was staged before it.
+    let small = rand_bytes(CS + 1, 4);
+    calls.store(0, Ordering::SeqCst);
+    let mut b = w.begin("partial").unwrap();
+    let ok = b.stage(&small).unwrap();
+    assert!(b.stage_many(&[&big], 1, &cancel_after_3).is_err());
+    let h = b.commit(dict(vec![("w", Node::Bytes(ok))]), BTreeMap::new());
+    match h.wait_timeout(Some(Duration::from_secs(20))) {
+        Ok(Some(_)) => {}
+        other => {
+            std::mem::forget(w);
+            panic!("commit after an interrupted stage: {other:?}");
+        }
+    }
+    assert!(flushes(&w));
+
+    assert_eq!(store.list().unwrap(), ["next", "partial"]);
+    assert_eq!(load(&store, "next")["w"], data);
+    assert_eq!(load(&store, "partial")["w"], small);
+    store.gc().unwrap();
+    assert_verifies(&store);
+    assert_eq!(w.staging_in_use(), 0);
+}
+
+#[test]
+fn dropping_the_writer_finishes_committed_saves() {
+    let f = faulty_store(Duration::from_millis(2));
+    let data = rand_bytes(8 * CS, 5);
+    {
+        let w = Writer::new(f.store.clone(), writer_options()).unwrap();
+        let _ = save(&w, "pending", &[("w", &data)]);
+    }
+    let store = Store::open_local(f.dir.path(), false, None).unwrap();
+    assert_eq!(store.list().unwrap(), ["pending"]);
+    assert_eq!(load(&store, "pending")["w"], data);
+}

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def store_dir(tmp_path: Path) -> Path:
+    return tmp_path / "store"
+
+
+def run_py(code: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess[str]:
+    """Run a Python snippet in a fresh interpreter (real process, real signals)."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        **kw,
+    )
+
+
+def hindsight_cmd() -> list[str]:
+    """The `hindsight` console script installed next to this interpreter."""
+    exe = Path(sys.executable).parent / "hindsight"
+    assert exe.exists(), f"console script missing: {exe}"
+    return [str(exe)]

@@ -1,0 +1,116 @@
+"""Every byte is verified on load; nothing executes code on load."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import hindsight as hs
+from conftest import hindsight_cmd
+
+
+def chunk_files(store_dir: Path) -> list[Path]:
+    return sorted(p for p in (store_dir / "chunks").rglob("*") if p.is_file())
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_byte_in_a_chunk_is_detected_and_named(store_dir):
+    store = hs.Store(store_dir)
+    store.save("ep1", {"model": {"layer.weight": torch.randn(1000)}}).wait()
+    [chunk] = chunk_files(store_dir)
+    flip_byte(chunk, 100)
+    with pytest.raises(hs.CorruptError) as e:
+        store.load("ep1")
+    msg = str(e.value)
+    assert "ep1" in msg and "model/layer.weight" in msg and chunk.name in msg
+    problems = store.verify()
+    assert len(problems) == 1 and chunk.name in problems[0]
+    # The CLI reports the same and exits non-zero.
+    r = subprocess.run([*hindsight_cmd(), "verify", str(store_dir)], capture_output=True, text=True)
+    assert r.returncode == 1 and "FAIL ep1" in r.stdout and "model/layer.weight" in r.stdout
+
+
+def test_flipped_byte_anywhere_in_a_manifest_is_detected(store_dir):
+    store = hs.Store(store_dir)
+    store.save("m", {"x": torch.arange(10), "s": "text"}).wait()
+    manifest = store_dir / "manifests" / "m.hsm"
+    size = manifest.stat().st_size
+    original = manifest.read_bytes()
+    for offset in range(0, size, max(1, size // 40)):
+        flip_byte(manifest, offset)
+        with pytest.raises(hs.CorruptError, match="m.hsm"):
+            store.load("m")
+        manifest.write_bytes(original)
+    assert torch.equal(store.load("m")["x"], torch.arange(10))
+
+
+def test_truncated_and_missing_chunks_are_corruption_not_wrong_data(store_dir):
+    store = hs.Store(store_dir, chunk_size=4096)
+    store.save("t", {"a": torch.randn(4096)}).wait()  # 4 chunks
+    files = chunk_files(store_dir)
+    files[0].write_bytes(files[0].read_bytes()[:-10])
+    os.remove(files[1])
+    with pytest.raises(hs.CorruptError):
+        store.load("t")
+    problems = store.verify()
+    assert len(problems) == 2
+    assert any("truncated" in p for p in problems) and any("missing" in p for p in problems)
+
+
+def test_unsupported_object_is_refused_with_its_key_path(store_dir):
+    class Custom:
+        pass
+
+    store = hs.Store(store_dir)
+    with pytest.raises(hs.UnsupportedTypeError, match=r"Custom at key 'optim/extra/1'"):
+        store.save("x", {"optim": {"extra": [1, Custom()]}})
+    with pytest.raises(TypeError):  # also a TypeError for generic handlers
+        store.save("x", {"f": lambda: 0})
+    assert store.list() == []
+    # Sparse tensors are refused too rather than silently densified.
+    with pytest.raises(hs.UnsupportedTypeError, match="sparse"):
+        store.save("x", {"s": torch.eye(3).to_sparse()})
+
+
+class Exploit:
+    """Unpickling this would create a file: proof of code execution."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickle_only_by_explicit_opt_in_on_both_sides(store_dir, tmp_path):
+    marker = tmp_path / "pwned"
+    store = hs.Store(store_dir)
+    with pytest.raises(hs.UnsupportedTypeError):
+        store.save("p", {"obj": Exploit(str(marker))})
+    store.save("p", {"obj": Exploit(str(marker)), "w": torch.ones(2)}, allow_pickle=True).wait()
+    assert not marker.exists()
+    with pytest.raises(hs.UnsupportedTypeError, match="pickled object at key 'obj'"):
+        store.load("p")
+    assert not marker.exists(), "loading without allow_pickle must never run code"
+    # A partial load that avoids the pickled key works without opting in.
+    assert torch.equal(store.load("p", path="w"), torch.ones(2))
+    store.load("p", allow_pickle=True)["obj"].close()
+    assert marker.exists()
+
+
+def test_pickle_round_trip_of_plain_objects(store_dir):
+    from fractions import Fraction
+
+    store = hs.Store(store_dir)
+    store.save("f", {"frac": Fraction(1, 3), "set": {1, 2}}, allow_pickle=True).wait()
+    got = store.load("f", allow_pickle=True)
+    assert got == {"frac": Fraction(1, 3), "set": {1, 2}}
