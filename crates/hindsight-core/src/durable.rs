@@ -51,10 +51,11 @@ pub fn write_durable(
             .create_new(true)
             .open(&staging)
             .map_err(|e| Error::io(&staging, e))?;
+        // Name the destination: that is what the user knows about.
         for p in parts {
-            f.write_all(p).map_err(|e| Error::io(&staging, e))?;
+            f.write_all(p).map_err(|e| Error::io(dest, e))?;
         }
-        f.sync_all().map_err(|e| Error::io(&staging, e))?;
+        f.sync_all().map_err(|e| Error::io(dest, e))?;
         drop(f);
         if let Some(parent) = dest.parent() {
             fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;

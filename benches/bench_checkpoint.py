@@ -1,0 +1,485 @@
+"""hindsight vs torch.save / torch.load, measured in one run on one disk.
+
+    make bench                      # builds the release extension first
+    python benches/bench_checkpoint.py [--json results.json] [--keep]
+
+Everything is written under ``bench-out/`` in the repository root (git-ignored)
+and removed at the end. Cases:
+
+A  ~1 GiB float32 state dict, every tensor changed before every save:
+   time the caller is blocked in save, time until durable, full / partial load.
+B  fine-tuning: ~1 GiB, 90% of the bytes frozen, 10% changed before each of
+   10 saves: bytes written and blocked time.
+C  compression: 128 MiB float32 (random normal) and bfloat16 weights,
+   zstd vs the raw default: bytes stored and time until durable.
+
+Page caches cannot be dropped reliably here, so loads read warm files (for
+both sides) and, before every timed save, ``os.sync()`` (untimed) flushes
+earlier dirty data so no measurement pays for another one's writeback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import hindsight
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "bench-out"
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+# Case sizes.
+A_TENSORS = 16
+A_NUMEL = 16 * MiB  # float32 elements per tensor: 64 MiB each, 1 GiB total
+A_SAVES = 5  # save #1 (cold staging) and steady state over saves 2..5
+TORCH_REPS = 3
+LOAD_REPS = 3
+B_FROZEN = 18  # tensors of B_NUMEL: 90% of the bytes
+B_TRAINABLE = 8  # tensors of B_NUMEL // 4: 10% of the bytes
+B_NUMEL = GiB // 4 // (B_FROZEN + B_TRAINABLE // 4)
+B_SAVES = 10
+C_BYTES = 128 * MiB
+C_REPS = 4  # the first save of a fresh store pays for fresh staging memory; report 2..4
+
+
+# --------------------------------------------------------------------------
+# helpers
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+def quiesce() -> None:
+    """Untimed: collect garbage and push earlier dirty pages to disk."""
+    gc.collect()
+    os.sync()
+
+
+def nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def touch(state: dict[str, torch.Tensor], keys: list[str] | None = None) -> None:
+    """An optimizer step: change every element in place (bumps version counters)."""
+    with torch.no_grad():
+        for k in keys if keys is not None else list(state):
+            state[k].add_(1e-3)
+
+
+def random_state(count: int, numel: int, prefix: str, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    return {f"{prefix}{i}.weight": torch.empty(numel).normal_(generator=gen) for i in range(count)}
+
+
+def torch_save_timed(state: Any, path: Path, fsync: bool) -> float:
+    """Seconds for torch.save(state, path) [+ fsync of the file]."""
+    if path.exists():
+        path.unlink()
+    quiesce()
+    t0 = now()
+    torch.save(state, path)
+    if fsync:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return now() - t0
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def fmt_s(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1000:.0f} ms" if x < 10 else f"{x:.1f} s"
+
+
+def fmt_b(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if x >= GiB:
+        return f"{x / GiB:.3f} GiB"
+    return f"{x / MiB:.1f} MiB"
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    ram = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                ram = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        df = subprocess.run(
+            ["df", "-T", str(OUT)], capture_output=True, text=True, check=True
+        ).stdout.splitlines()[-1].split()
+        fs = f"{df[1]} on {df[0]} (mounted at {df[-1]})"
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        fs = "unknown"
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+        rev += " (+ uncommitted changes)" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        rev = "unknown"
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_bytes": ram,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "filesystem": fs,
+        "git": rev,
+    }
+
+
+class Table:
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def section(self, title: str) -> None:
+        self.rows.append({"section": title})
+
+    def add(
+        self,
+        metric: str,
+        hs: float | None,
+        th: float | None,
+        *,
+        unit: str = "s",
+        target: float | None = None,
+        note: str = "",
+        ratio: float | None = None,
+    ) -> None:
+        if ratio is None and hs is not None and th:
+            ratio = hs / th
+        verdict = ""
+        if target is not None and ratio is not None:
+            verdict = "<= %.2f %s" % (target, "ok" if ratio <= target else "MISS")
+        self.rows.append(
+            {
+                "metric": metric, "hindsight": hs, "torch": th, "unit": unit,
+                "ratio": ratio, "target": target, "verdict": verdict or note,
+            }
+        )
+
+    def render(self, headers: tuple[str, ...] = ("metric", "hindsight", "torch", "ratio", "target")) -> str:
+        fmt = {"s": fmt_s, "B": fmt_b, "x": lambda v: "-" if v is None else f"{v:.2f}"}
+        body: list[list[str] | str] = []
+        for r in self.rows:
+            if "section" in r:
+                body.append(r["section"])
+                continue
+            f = fmt[r["unit"]]
+            body.append([
+                r["metric"], f(r["hindsight"]), f(r["torch"]),
+                "-" if r["ratio"] is None else f"{r['ratio']:.3f}", r["verdict"],
+            ])
+        cells = [list(headers)] + [b for b in body if isinstance(b, list)]
+        w = [max(len(c[i]) for c in cells) for i in range(len(headers))]
+        total = sum(w) + 3 * (len(w) - 1)
+
+        def line(c: list[str]) -> str:
+            return " | ".join(
+                c[i].ljust(w[i]) if i in (0, len(c) - 1) else c[i].rjust(w[i]) for i in range(len(c))
+            )
+
+        out = [line(list(headers)), "-" * total]
+        for b in body:
+            out.append(("-- " + b + " ").ljust(total, "-") if isinstance(b, str) else line(b))
+        return "\n".join(out)
+
+
+# --------------------------------------------------------------------------
+# case A: 1 GiB, everything changes
+
+
+def case_a(tab: Table, raw: dict[str, Any]) -> None:
+    gen = torch.Generator().manual_seed(1)
+    state = random_state(A_TENSORS, A_NUMEL, "layer", gen)
+    size = nbytes(state)
+    raw["a_bytes"] = size
+    tab.section(f"A: {fmt_b(size)} float32, {A_TENSORS} tensors, all changed before each save")
+
+    # Physical floor: copy the same bytes into preallocated (already touched) memory.
+    dst = {k: torch.zeros_like(t) for k, t in state.items()}
+    memcpy = []
+    for _ in range(3):
+        gc.collect()
+        t0 = now()
+        for k, t in state.items():
+            dst[k].copy_(t)
+        memcpy.append(now() - t0)
+    del dst
+    gc.collect()
+    raw["a_memcpy_s"] = memcpy
+
+    # hindsight: save #1 (fresh staging memory), then steady state.
+    store = hindsight.Store(OUT / "hs-a")
+    blocked, durable, engine_durable, stats = [], [], [], []
+    for i in range(1, A_SAVES + 1):
+        touch(state)
+        quiesce()
+        t0 = now()
+        h = store.save(f"a{i}", state)
+        t1 = now()
+        st = h.wait()
+        t2 = now()
+        blocked.append(t1 - t0)
+        durable.append(t2 - t0)
+        engine_durable.append(st["seconds_to_durable"])
+        stats.append(st)
+    raw.update(a_hs_blocked_s=blocked, a_hs_durable_s=durable, a_hs_stats=stats)
+    last = f"a{A_SAVES}"
+    saved = {k: t.clone() for k, t in list(state.items())[:1]}  # for verification
+
+    # torch.save without and with fsync.
+    tpath = OUT / "torch-a.pt"
+    t_plain, t_fsync = [], []
+    for _ in range(TORCH_REPS):
+        touch(state)
+        t_plain.append(torch_save_timed(state, tpath, fsync=False))
+    for _ in range(TORCH_REPS):
+        touch(state)
+        t_fsync.append(torch_save_timed(state, tpath, fsync=True))
+    raw.update(a_torch_save_s=t_plain, a_torch_save_fsync_s=t_fsync, a_torch_file_bytes=tpath.stat().st_size)
+    tsaved = {k: t.clone() for k, t in state.items()}  # what the last torch file holds
+    del state
+    quiesce()
+
+    # Loads, warm cache for both; verify hindsight read back what was saved.
+    key = next(iter(saved))
+    hs_load, th_load, hs_part, th_part, th_mmap = [], [], [], [], []
+    for _ in range(LOAD_REPS):
+        gc.collect()
+        t0 = now()
+        got = store.load(last)
+        hs_load.append(now() - t0)
+        assert set(got) == set(tsaved) and torch.equal(got[key], saved[key]), "hindsight load mismatch"
+        del got
+        gc.collect()
+        t0 = now()
+        got = torch.load(tpath, weights_only=True)
+        th_load.append(now() - t0)
+        assert torch.equal(got[key], tsaved[key])
+        del got
+        gc.collect()
+        t0 = now()
+        one = store.load(last, path=key)
+        hs_part.append(now() - t0)
+        assert torch.equal(one, saved[key])
+        del one
+        gc.collect()
+        t0 = now()
+        one = torch.load(tpath, weights_only=True, mmap=True)[key].clone()
+        th_mmap.append(now() - t0)
+        del one
+    raw.update(a_hs_load_s=hs_load, a_torch_load_s=th_load, a_hs_load_key_s=hs_part, a_torch_mmap_key_s=th_mmap)
+    del tsaved, saved
+    store.close()
+    del store
+    gc.collect()
+
+    steady_b = statistics.median(blocked[1:])
+    steady_d = statistics.median(durable[1:])
+    t_save = statistics.median(t_plain)
+    t_save_fs = statistics.median(t_fsync)
+    tab.add("blocked: save #1 (fresh staging) vs torch.save", blocked[0], t_save, target=0.10)
+    tab.add(f"blocked: steady, median saves 2-{A_SAVES} vs torch.save", steady_b, t_save, target=0.10)
+    tab.add("  floor: memcpy into preallocated, best of 3", min(memcpy), None,
+            ratio=steady_b / min(memcpy), note="ratio = steady blocked / memcpy")
+    tab.add("durable: save -> wait(), save #1 vs torch.save+fsync", durable[0], t_save_fs)
+    tab.add(f"durable: save -> wait(), median 2-{A_SAVES} vs torch.save+fsync", steady_d, t_save_fs)
+    tab.add("  same, vs torch.save without fsync", steady_d, t_save)
+    tab.add("  engine stat seconds_to_durable, median 2-%d" % A_SAVES,
+            statistics.median(engine_durable[1:]), None)
+    tab.add("load all, best of 3 vs torch.load(weights_only)", min(hs_load), min(th_load))
+    tab.add("load one key (64 MiB) vs torch.load of everything", min(hs_part), min(th_load))
+    tab.add("  same, vs torch.load(mmap=True)[key].clone()", min(hs_part), min(th_mmap))
+    tab.add("bytes written per save vs torch file", stats[-1]["bytes_written"], raw["a_torch_file_bytes"], unit="B")
+
+
+# --------------------------------------------------------------------------
+# case B: fine-tuning, 90% frozen
+
+
+def case_b(tab: Table, raw: dict[str, Any]) -> None:
+    gen = torch.Generator().manual_seed(2)
+    state = random_state(B_FROZEN, B_NUMEL, "frozen", gen)
+    trainable = random_state(B_TRAINABLE, B_NUMEL // 4, "adapter", gen)
+    state.update(trainable)
+    tkeys = list(trainable)
+    del trainable
+    size = nbytes(state)
+    tsize = sum(state[k].numel() * 4 for k in tkeys)
+    raw.update(b_bytes=size, b_trainable_bytes=tsize)
+    tab.section(
+        f"B: fine-tuning, {fmt_b(size)}, {100 * tsize / size:.0f}% changed before each of {B_SAVES} saves"
+    )
+
+    store = hindsight.Store(OUT / "hs-b")
+    blocked, stats = [], []
+    for i in range(B_SAVES):
+        touch(state, tkeys)
+        quiesce()
+        t0 = now()
+        h = store.save(f"b{i}", state)
+        blocked.append(now() - t0)
+        stats.append(h.wait())
+    store.flush()
+    usage = store.usage()
+    raw.update(b_hs_blocked_s=blocked, b_hs_stats=stats, b_hs_usage=usage)
+    store.close()
+    del store
+
+    tpath = OUT / "torch-b.pt"
+    t_blocked, t_sizes = [], []
+    for _ in range(B_SAVES):
+        touch(state, tkeys)
+        t_blocked.append(torch_save_timed(state, tpath, fsync=False))
+        t_sizes.append(tpath.stat().st_size)
+        tpath.unlink()  # only its size matters; spares the disk the writeback
+    raw.update(b_torch_blocked_s=t_blocked, b_torch_sizes=t_sizes)
+    del state
+    gc.collect()
+
+    hs_written = sum(s["bytes_written"] for s in stats)
+    hs_inc = sum(s["bytes_written"] for s in stats[1:])
+    floor = (size + (B_SAVES - 1) * tsize) / (B_SAVES * size)
+    raw["b_floor_ratio"] = floor
+    tab.add(f"bytes written, {B_SAVES} saves (sum of stats) vs file sizes", hs_written, sum(t_sizes),
+            unit="B", target=0.15)
+    tab.add(f"  floor for this case: 1 full + {B_SAVES - 1} x {100 * tsize / size:.0f}%", None, None,
+            ratio=floor, note="the 0.15 target is below it")
+    tab.add(f"bytes written, saves 2-{B_SAVES} (incremental)", hs_inc, sum(t_sizes[1:]), unit="B", target=0.15)
+    tab.add("  cross-check: store.usage() stored_bytes", usage["stored_bytes"], sum(t_sizes), unit="B",
+            note="logical %s, unique %s" % (fmt_b(usage["logical_bytes"]), fmt_b(usage["unique_bytes"])))
+    tab.add(f"blocked: mean of {B_SAVES} saves vs torch.save", statistics.mean(blocked),
+            statistics.mean(t_blocked))
+    tab.add(f"blocked: mean saves 2-{B_SAVES}", statistics.mean(blocked[1:]), statistics.mean(t_blocked[1:]))
+
+
+# --------------------------------------------------------------------------
+# case C: compression
+
+
+def case_c(tab: Table, raw: dict[str, Any]) -> None:
+    gen = torch.Generator().manual_seed(3)
+    n32 = C_BYTES // 4 // 8
+    f32 = {f"w{i}": torch.empty(n32).normal_(std=0.02, generator=gen) for i in range(8)}
+    bf16 = {f"w{i}": torch.empty(2 * n32).normal_(std=0.02, generator=gen).to(torch.bfloat16) for i in range(8)}
+    tab.section(f"C: compression, {fmt_b(C_BYTES)} of weights; columns: hindsight = zstd, torch = raw default")
+    for label, state in (("float32 normal", f32), ("bfloat16 normal", bf16)):
+        res: dict[str, dict[str, Any]] = {}
+        for codec in ("zstd", None):
+            name = codec or "raw"
+            store = hindsight.Store(OUT / f"hs-c-{label.split()[0]}-{name}", compression=codec)
+            blocked, durable = [], []
+            for i in range(C_REPS):
+                touch(state)
+                quiesce()
+                t0 = now()
+                h = store.save(f"c{i}", state)
+                t1 = now()
+                h.wait()
+                durable.append(now() - t0)
+                blocked.append(t1 - t0)
+            usage = store.usage()
+            store.close()
+            del store
+            res[name] = {"blocked_s": blocked, "durable_s": durable, "stored_bytes": usage["stored_bytes"],
+                         "logical_bytes": usage["logical_bytes"]}
+        raw[f"c_{label.split()[0]}"] = res
+        z, r = res["zstd"], res["raw"]
+        tab.add(f"{label}: bytes stored ({C_REPS} saves)", z["stored_bytes"], r["stored_bytes"], unit="B")
+        tab.add(f"{label}: save -> durable, median 2-{C_REPS}", statistics.median(z["durable_s"][1:]),
+                statistics.median(r["durable_s"][1:]))
+        tab.add(f"{label}: blocked in save, median 2-{C_REPS}", statistics.median(z["blocked_s"][1:]),
+                statistics.median(r["blocked_s"][1:]))
+    del f32, bf16
+    gc.collect()
+
+
+# --------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--keep", action="store_true", help="leave bench-out/ in place")
+    ap.add_argument("--only", default="ABC", help="cases to run (default ABC)")
+    args = ap.parse_args()
+
+    shutil.rmtree(OUT, ignore_errors=True)
+    OUT.mkdir()
+    started = now()
+    try:
+        info = machine_info()
+        ram = info["ram_bytes"]
+        print("hindsight benchmark (one run, one disk; timings from time.perf_counter)")
+        print(f"  cpu        {info['cpu']}, {info['cores']} cores (torch threads: {info['torch_threads']})")
+        print(f"  ram        {fmt_b(ram) if ram else 'unknown'}")
+        print(f"  torch      {info['torch']}, python {info['python']}, kernel {info['kernel']}")
+        print(f"  filesystem {info['filesystem']}  [bench-out/]")
+        print(f"  git        {info['git']}")
+        print(flush=True)
+
+        tab = Table()
+        raw: dict[str, Any] = {}
+        cases = {"A": case_a, "B": case_b, "C": case_c}
+        for c in args.only.upper():
+            t0 = now()
+            cases[c](tab, raw)
+            raw[f"case_{c}_seconds"] = now() - t0
+            print(f"  (case {c} took {now() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+        print(tab.render())
+        print()
+        print("ratio = hindsight / torch (lower is better). blocked = time the calling thread spends")
+        print("in the save call; durable = until the data is on disk (hindsight: h.wait()).")
+        print(f"total run time {now() - started:.0f} s")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"machine": info, "rows": tab.rows, "raw": raw}, indent=1))
+    finally:
+        if not args.keep:
+            shutil.rmtree(OUT, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
