@@ -85,6 +85,7 @@ impl SaveHandle {
 #[pymethods]
 impl Store {
     #[new]
+    #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (path, create=true, compression=None, zstd_level=None, chunk_size=None, staging_bytes=None, threads=None))]
     fn new(
         py: Python<'_>,
