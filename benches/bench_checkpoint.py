@@ -1,7 +1,7 @@
 """hindsight vs torch.save / torch.load, measured in one run on one disk.
 
     make bench                      # builds the release extension first
-    python benches/bench_checkpoint.py [--json results.json] [--keep]
+    python benches/bench_checkpoint.py [--json results.json] [--keep] [--only AB]
 
 Everything is written under ``bench-out/`` in the repository root (git-ignored)
 and removed at the end. Cases:
@@ -16,6 +16,11 @@ C  compression: 128 MiB float32 (random normal) and bfloat16 weights,
 Page caches cannot be dropped reliably here, so loads read warm files (for
 both sides) and, before every timed save, ``os.sync()`` (untimed) flushes
 earlier dirty data so no measurement pays for another one's writeback.
+hindsight and torch runs are interleaved and each side keeps one checkpoint
+on disk in case A, so both see the same memory and page-cache conditions:
+on VMs that hand freed memory back to the host (reported in the header),
+touching new memory is several times slower than reusing mapped memory, and
+single timings swing widely; the raw repetitions are printed after the table.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ GiB = 1 << 30
 A_TENSORS = 16
 A_NUMEL = 16 * MiB  # float32 elements per tensor: 64 MiB each, 1 GiB total
 A_SAVES = 5  # save #1 (cold staging) and steady state over saves 2..5
-TORCH_REPS = 3
+MEMCPY_REPS = 5
 LOAD_REPS = 3
 B_FROZEN = 18  # tensors of B_NUMEL: 90% of the bytes
 B_TRAINABLE = 8  # tensors of B_NUMEL // 4: 10% of the bytes
@@ -168,6 +173,33 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def balloon_reporting() -> bool | None:
+    """Whether a virtio balloon returns freed guest memory to the host (free
+    page reporting): then memory touched for the first time since it was
+    freed is slow to fault in, and timings depend on allocation history."""
+    found = None
+    for dev in Path("/sys/bus/virtio/devices").glob("*"):
+        try:
+            if (dev / "device").read_text().strip() == "0x0005":
+                found = (dev / "features").read_text().strip()[5:6] == "1"
+        except OSError:
+            continue
+    return found
+
+
+def memory_probe() -> tuple[float, float]:
+    """Seconds per GiB to fill newly allocated memory, and to fill it again."""
+    a = torch.empty(GiB // 4)
+    t0 = now()
+    a.fill_(1.0)
+    t1 = now()
+    a.fill_(2.0)
+    t2 = now()
+    del a
+    gc.collect()
+    return t1 - t0, t2 - t1
+
+
 class Table:
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
@@ -239,7 +271,7 @@ def case_a(tab: Table, raw: dict[str, Any]) -> None:
     # Physical floor: copy the same bytes into preallocated (already touched) memory.
     dst = {k: torch.zeros_like(t) for k, t in state.items()}
     memcpy = []
-    for _ in range(3):
+    for _ in range(MEMCPY_REPS):
         gc.collect()
         t0 = now()
         for k, t in state.items():
@@ -249,11 +281,22 @@ def case_a(tab: Table, raw: dict[str, Any]) -> None:
     gc.collect()
     raw["a_memcpy_s"] = memcpy
 
-    # hindsight: save #1 (fresh staging memory), then steady state.
+    # Interleaved, so both sides see the same machine state: each round saves
+    # with hindsight (save #1 has fresh staging memory, later saves reuse it),
+    # then with torch.save, then with torch.save + fsync. Each side keeps one
+    # checkpoint on disk: torch overwrites its file, hindsight removes the
+    # previous checkpoint and collects its chunks (untimed) before saving.
     store = hindsight.Store(OUT / "hs-a")
+    tpath = OUT / "torch-a.pt"
+    key = next(iter(state))
     blocked, durable, engine_durable, stats = [], [], [], []
+    t_plain, t_fsync = [], []
+    prev = None
     for i in range(1, A_SAVES + 1):
         touch(state)
+        if prev is not None:
+            store.remove(prev)
+            store.gc()
         quiesce()
         t0 = now()
         h = store.save(f"a{i}", state)
@@ -264,45 +307,39 @@ def case_a(tab: Table, raw: dict[str, Any]) -> None:
         durable.append(t2 - t0)
         engine_durable.append(st["seconds_to_durable"])
         stats.append(st)
-    raw.update(a_hs_blocked_s=blocked, a_hs_durable_s=durable, a_hs_stats=stats)
-    last = f"a{A_SAVES}"
-    saved = {k: t.clone() for k, t in list(state.items())[:1]}  # for verification
-
-    # torch.save without and with fsync.
-    tpath = OUT / "torch-a.pt"
-    t_plain, t_fsync = [], []
-    for _ in range(TORCH_REPS):
+        prev = f"a{i}"
+        hs_key = state[key].clone()  # what the latest hindsight checkpoint holds
         touch(state)
         t_plain.append(torch_save_timed(state, tpath, fsync=False))
-    for _ in range(TORCH_REPS):
         touch(state)
         t_fsync.append(torch_save_timed(state, tpath, fsync=True))
-    raw.update(a_torch_save_s=t_plain, a_torch_save_fsync_s=t_fsync, a_torch_file_bytes=tpath.stat().st_size)
-    tsaved = {k: t.clone() for k, t in state.items()}  # what the last torch file holds
+    th_key = state[key].clone()  # what the torch file holds
+    raw.update(a_hs_blocked_s=blocked, a_hs_durable_s=durable, a_hs_engine_durable_s=engine_durable,
+               a_hs_stats=stats, a_torch_save_s=t_plain, a_torch_save_fsync_s=t_fsync,
+               a_torch_file_bytes=tpath.stat().st_size)
     del state
     quiesce()
 
-    # Loads, warm cache for both; verify hindsight read back what was saved.
-    key = next(iter(saved))
-    hs_load, th_load, hs_part, th_part, th_mmap = [], [], [], [], []
+    # Loads, warm cache for both (just written); check what was read back.
+    hs_load, th_load, hs_part, th_mmap = [], [], [], []
     for _ in range(LOAD_REPS):
         gc.collect()
         t0 = now()
-        got = store.load(last)
+        got = store.load(prev)
         hs_load.append(now() - t0)
-        assert set(got) == set(tsaved) and torch.equal(got[key], saved[key]), "hindsight load mismatch"
+        assert len(got) == A_TENSORS and torch.equal(got[key], hs_key), "hindsight load mismatch"
         del got
         gc.collect()
         t0 = now()
         got = torch.load(tpath, weights_only=True)
         th_load.append(now() - t0)
-        assert torch.equal(got[key], tsaved[key])
+        assert len(got) == A_TENSORS and torch.equal(got[key], th_key), "torch load mismatch"
         del got
         gc.collect()
         t0 = now()
-        one = store.load(last, path=key)
+        one = store.load(prev, path=key)
         hs_part.append(now() - t0)
-        assert torch.equal(one, saved[key])
+        assert torch.equal(one, hs_key)
         del one
         gc.collect()
         t0 = now()
@@ -310,28 +347,37 @@ def case_a(tab: Table, raw: dict[str, Any]) -> None:
         th_mmap.append(now() - t0)
         del one
     raw.update(a_hs_load_s=hs_load, a_torch_load_s=th_load, a_hs_load_key_s=hs_part, a_torch_mmap_key_s=th_mmap)
-    del tsaved, saved
     store.close()
-    del store
+    del store, hs_key, th_key
     gc.collect()
 
     steady_b = statistics.median(blocked[1:])
     steady_d = statistics.median(durable[1:])
     t_save = statistics.median(t_plain)
     t_save_fs = statistics.median(t_fsync)
+    floor = min(memcpy)
     tab.add("blocked: save #1 (fresh staging) vs torch.save", blocked[0], t_save, target=0.10)
     tab.add(f"blocked: steady, median saves 2-{A_SAVES} vs torch.save", steady_b, t_save, target=0.10)
-    tab.add("  floor: memcpy into preallocated, best of 3", min(memcpy), None,
-            ratio=steady_b / min(memcpy), note="ratio = steady blocked / memcpy")
+    tab.add(f"  floor: memcpy into preallocated, best of {MEMCPY_REPS}", floor, t_save,
+            note="= best possible ratio here")
+    tab.add("  steady blocked / memcpy floor", None, None, ratio=steady_b / floor, unit="x")
     tab.add("durable: save -> wait(), save #1 vs torch.save+fsync", durable[0], t_save_fs)
     tab.add(f"durable: save -> wait(), median 2-{A_SAVES} vs torch.save+fsync", steady_d, t_save_fs)
     tab.add("  same, vs torch.save without fsync", steady_d, t_save)
-    tab.add("  engine stat seconds_to_durable, median 2-%d" % A_SAVES,
+    tab.add(f"  engine stat seconds_to_durable, median 2-{A_SAVES}",
             statistics.median(engine_durable[1:]), None)
-    tab.add("load all, best of 3 vs torch.load(weights_only)", min(hs_load), min(th_load))
+    tab.add(f"load all, best of {LOAD_REPS} vs torch.load(weights_only)", min(hs_load), min(th_load))
     tab.add("load one key (64 MiB) vs torch.load of everything", min(hs_part), min(th_load))
     tab.add("  same, vs torch.load(mmap=True)[key].clone()", min(hs_part), min(th_mmap))
     tab.add("bytes written per save vs torch file", stats[-1]["bytes_written"], raw["a_torch_file_bytes"], unit="B")
+    spread = raw.setdefault("spread", [])
+    spread.append(("A hindsight blocked", blocked))
+    spread.append(("A hindsight durable", durable))
+    spread.append(("A torch.save", t_plain))
+    spread.append(("A torch.save+fsync", t_fsync))
+    spread.append(("A memcpy", memcpy))
+    spread.append(("A hindsight load", hs_load))
+    spread.append(("A torch.load", th_load))
 
 
 # --------------------------------------------------------------------------
@@ -352,8 +398,10 @@ def case_b(tab: Table, raw: dict[str, Any]) -> None:
         f"B: fine-tuning, {fmt_b(size)}, {100 * tsize / size:.0f}% changed before each of {B_SAVES} saves"
     )
 
+    # Interleaved: one hindsight save, then one torch.save, per step.
     store = hindsight.Store(OUT / "hs-b")
-    blocked, stats = [], []
+    tpath = OUT / "torch-b.pt"
+    blocked, stats, t_blocked, t_sizes = [], [], [], []
     for i in range(B_SAVES):
         touch(state, tkeys)
         quiesce()
@@ -361,22 +409,17 @@ def case_b(tab: Table, raw: dict[str, Any]) -> None:
         h = store.save(f"b{i}", state)
         blocked.append(now() - t0)
         stats.append(h.wait())
-    store.flush()
-    usage = store.usage()
-    raw.update(b_hs_blocked_s=blocked, b_hs_stats=stats, b_hs_usage=usage)
-    store.close()
-    del store
-
-    tpath = OUT / "torch-b.pt"
-    t_blocked, t_sizes = [], []
-    for _ in range(B_SAVES):
         touch(state, tkeys)
         t_blocked.append(torch_save_timed(state, tpath, fsync=False))
         t_sizes.append(tpath.stat().st_size)
-        tpath.unlink()  # only its size matters; spares the disk the writeback
-    raw.update(b_torch_blocked_s=t_blocked, b_torch_sizes=t_sizes)
-    del state
+        tpath.unlink()  # only its size matters
+    store.flush()
+    usage = store.usage()
+    store.close()
+    del store, state
     gc.collect()
+    raw.update(b_hs_blocked_s=blocked, b_hs_stats=stats, b_hs_usage=usage,
+               b_torch_blocked_s=t_blocked, b_torch_sizes=t_sizes)
 
     hs_written = sum(s["bytes_written"] for s in stats)
     hs_inc = sum(s["bytes_written"] for s in stats[1:])
@@ -385,13 +428,14 @@ def case_b(tab: Table, raw: dict[str, Any]) -> None:
     tab.add(f"bytes written, {B_SAVES} saves (sum of stats) vs file sizes", hs_written, sum(t_sizes),
             unit="B", target=0.15)
     tab.add(f"  floor for this case: 1 full + {B_SAVES - 1} x {100 * tsize / size:.0f}%", None, None,
-            ratio=floor, note="the 0.15 target is below it")
+            ratio=floor, unit="x", note="the 0.15 target is below it")
     tab.add(f"bytes written, saves 2-{B_SAVES} (incremental)", hs_inc, sum(t_sizes[1:]), unit="B", target=0.15)
     tab.add("  cross-check: store.usage() stored_bytes", usage["stored_bytes"], sum(t_sizes), unit="B",
             note="logical %s, unique %s" % (fmt_b(usage["logical_bytes"]), fmt_b(usage["unique_bytes"])))
     tab.add(f"blocked: mean of {B_SAVES} saves vs torch.save", statistics.mean(blocked),
             statistics.mean(t_blocked))
     tab.add(f"blocked: mean saves 2-{B_SAVES}", statistics.mean(blocked[1:]), statistics.mean(t_blocked[1:]))
+    raw.setdefault("spread", []).extend([("B hindsight blocked", blocked), ("B torch.save", t_blocked)])
 
 
 # --------------------------------------------------------------------------
@@ -457,6 +501,10 @@ def main() -> int:
         print(f"  torch      {info['torch']}, python {info['python']}, kernel {info['kernel']}")
         print(f"  filesystem {info['filesystem']}  [bench-out/]")
         print(f"  git        {info['git']}")
+        fresh, mapped = memory_probe()
+        info.update(fill_fresh_s_per_gib=fresh, fill_mapped_s_per_gib=mapped, balloon_reporting=balloon_reporting())
+        print(f"  memory     filling 1 GiB: {fmt_s(fresh)} newly allocated, {fmt_s(mapped)} once mapped", end="")
+        print("; VM returns freed memory to the host" if info["balloon_reporting"] else "")
         print(flush=True)
 
         tab = Table()
@@ -472,6 +520,10 @@ def main() -> int:
         print()
         print("ratio = hindsight / torch (lower is better). blocked = time the calling thread spends")
         print("in the save call; durable = until the data is on disk (hindsight: h.wait()).")
+        print()
+        print("repeated measurements, in order (ms):")
+        for label, xs in raw.get("spread", []):
+            print(f"  {label:<22} " + " ".join(f"{x * 1000:6.0f}" for x in xs))
         print(f"total run time {now() - started:.0f} s")
         if args.json:
             Path(args.json).write_text(json.dumps({"machine": info, "rows": tab.rows, "raw": raw}, indent=1))

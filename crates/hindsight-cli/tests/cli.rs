@@ -27,6 +27,7 @@ impl TestStore {
             WriterOptions {
                 staging_bytes: 16 << 20,
                 threads: 2,
+                nice: 0,
             },
         )
         .unwrap();

@@ -64,6 +64,11 @@ pub enum Error {
         current: u32,
     },
 
+    /// The run/log database (SQLite) failed or is of an unknown schema
+    /// version; `path` is the database file.
+    #[error("log database {}: {detail}", path.display())]
+    Database { path: PathBuf, detail: String },
+
     /// The caller asked to stop (Ctrl-C) or the store was closed.
     #[error("{0}")]
     Cancelled(String),

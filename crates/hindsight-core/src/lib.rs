@@ -4,12 +4,20 @@
 pub mod durable;
 pub mod error;
 pub mod format;
+pub mod logdb;
+pub mod plan;
 pub mod storage;
 pub mod store;
 pub mod writer;
 
 pub use error::{Error, Result};
 pub use format::{Array, ArrayLib, Blob, ChunkId, Codec, Manifest, Node};
+pub use logdb::{
+    Divergence, IterationRow, LogDb, LogRecord, LogRow, NewRun, Phase, RunRow, RunStatus,
+};
+pub use plan::{
+    partition, plan_partial, plan_segments, AdaptivePolicy, PartialPlan, PartialStep, Segment,
+};
 pub use storage::{LocalStorage, Storage};
 pub use store::{GcReport, Store, StoreOptions, Usage};
 pub use writer::{SaveBuilder, SaveHandle, SaveStats, Writer, WriterOptions};

@@ -199,18 +199,26 @@ impl Store {
                 ),
             ));
         }
-        match codec {
+        let actual = match codec {
             Codec::Raw => {
-                r.read_exact(dest).map_err(|e| match e.kind() {
-                    std::io::ErrorKind::UnexpectedEof => {
-                        Error::corrupt(&path, "chunk is truncated")
-                    }
-                    _ => Error::io(&path, e),
-                })?;
+                // Hash each piece right after reading it, while it is still in
+                // cache: one pass over memory instead of two.
+                const PIECE: usize = 256 << 10;
+                let mut hasher = blake3::Hasher::new();
+                for piece in dest.chunks_mut(PIECE) {
+                    r.read_exact(piece).map_err(|e| match e.kind() {
+                        std::io::ErrorKind::UnexpectedEof => {
+                            Error::corrupt(&path, "chunk is truncated")
+                        }
+                        _ => Error::io(&path, e),
+                    })?;
+                    hasher.update(piece);
+                }
                 let mut extra = [0u8; 1];
                 if r.read(&mut extra).map_err(|e| Error::io(&path, e))? != 0 {
                     return Err(Error::corrupt(&path, "chunk has trailing bytes"));
                 }
+                ChunkId(*hasher.finalize().as_bytes())
             }
             Codec::Zstd => {
                 let mut payload = Vec::new();
@@ -225,9 +233,10 @@ impl Store {
                         format!("zstd payload decodes to {n} bytes, expected {}", dest.len()),
                     ));
                 }
+                ChunkId::of(dest)
             }
-        }
-        if ChunkId::of(dest) != *id {
+        };
+        if actual != *id {
             return Err(Error::corrupt(
                 &path,
                 "chunk content does not match its hash",

@@ -29,6 +29,8 @@ pub struct WriterOptions {
     pub staging_bytes: usize,
     /// Threads that hash, encode and write chunks.
     pub threads: usize,
+    /// Nice increment of those threads (0 keeps the caller's priority).
+    pub nice: i32,
 }
 
 impl Default for WriterOptions {
@@ -40,6 +42,7 @@ impl Default for WriterOptions {
         WriterOptions {
             staging_bytes: default_staging_bytes(),
             threads,
+            nice: 10,
         }
     }
 }
@@ -285,12 +288,13 @@ impl Writer {
         let (task_tx, task_rx) = mpsc::channel::<Task>();
         let task_rx = Arc::new(Mutex::new(task_rx));
         let mut threads = Vec::new();
+        let nice = options.nice;
         for i in 0..options.threads {
             let rx = task_rx.clone();
             let sh = shared.clone();
             let t = std::thread::Builder::new()
                 .name(format!("hindsight-io-{i}"))
-                .spawn(move || worker_loop(&sh, &rx))
+                .spawn(move || worker_loop(&sh, &rx, nice))
                 .map_err(|e| Error::io("<thread>", e))?;
             threads.push(t);
         }
@@ -585,7 +589,16 @@ impl Drop for SaveBuilder<'_> {
     }
 }
 
-fn worker_loop(shared: &Shared, rx: &Mutex<mpsc::Receiver<Task>>) {
+fn worker_loop(shared: &Shared, rx: &Mutex<mpsc::Receiver<Task>>, nice: i32) {
+    if nice != 0 {
+        // Background work yields to the training threads. On Linux a thread id
+        // given to setpriority changes that thread only. Best effort.
+        // SAFETY: plain syscalls on this thread's own id.
+        unsafe {
+            let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+            libc::setpriority(libc::PRIO_PROCESS, tid, nice);
+        }
+    }
     loop {
         let task = lock(rx).recv();
         let Ok((staged, job, done)) = task else {
@@ -648,7 +661,11 @@ fn run_job(
     let mut sent = 0usize;
     let (root, meta, n) = loop {
         let mut st = lock(&job.state);
-        if let Some(s) = st.staged.pop_front() {
+        // Leave the CPU to the copy while the caller is blocked in `save`:
+        // start hashing and writing once the save is sealed, or earlier only
+        // when staging memory runs short (a state larger than the budget).
+        let go = st.sealed.is_some() || shared.budget.used() * 2 > shared.budget.limit;
+        if let Some(s) = go.then(|| st.staged.pop_front()).flatten() {
             drop(st);
             if tasks.send((s, job.clone(), done_tx.clone())).is_err() {
                 return Err(Arc::new(Error::Cancelled("writer threads stopped".into())));

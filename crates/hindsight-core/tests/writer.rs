@@ -32,6 +32,7 @@ fn writer_options() -> WriterOptions {
     WriterOptions {
         staging_bytes: 64 * CS,
         threads: 2,
+        nice: 0,
     }
 }
 
@@ -555,6 +556,7 @@ fn staging_stays_within_its_budget() {
         WriterOptions {
             staging_bytes: limit,
             threads: 1,
+            nice: 0,
         },
     )
     .unwrap();
@@ -600,6 +602,7 @@ fn a_budget_smaller_than_one_chunk_still_makes_progress() {
         WriterOptions {
             staging_bytes: CS / 2,
             threads: 2,
+            nice: 0,
         },
     )
     .unwrap();
