@@ -8,13 +8,17 @@
 
 from __future__ import annotations
 
+from hindsight._query import dataframe
+from hindsight._run import arg, checkpointing, log, loop, run_id
 from hindsight._store import SaveHandle, Store
 from hindsight.errors import (
     CancelledError,
     CorruptError,
+    DatabaseError,
     HindsightError,
     InvalidArgumentError,
     NotFoundError,
+    ReplayError,
     StorageError,
     StorageFullError,
     UnsupportedTypeError,
@@ -22,6 +26,12 @@ from hindsight.errors import (
 )
 
 __all__ = [
+    "arg",
+    "log",
+    "loop",
+    "checkpointing",
+    "dataframe",
+    "run_id",
     "Store",
     "SaveHandle",
     "HindsightError",
@@ -33,5 +43,7 @@ __all__ = [
     "StorageFullError",
     "WrongProcessError",
     "CancelledError",
+    "DatabaseError",
+    "ReplayError",
 ]
 __version__ = "0.1.0"

@@ -8,7 +8,13 @@ from hindsight import _native
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = ["hindsight", *(sys.argv[1:] if argv is None else argv)]
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "replay":
+        # Replay runs Python workers: it lives in the Python package.
+        from hindsight.replay import main as replay_main
+
+        return replay_main(argv[1:])
+    args = ["hindsight", *argv]
     code, out, err = _native.run_cli(args)
     sys.stdout.write(out)
     sys.stderr.write(err)

@@ -39,6 +39,14 @@ class WrongProcessError(HindsightError):
     """A Store used in a process other than the one that opened it (e.g. a fork)."""
 
 
+class DatabaseError(HindsightError):
+    """The run/log database failed (locked too long, unreadable, newer schema)."""
+
+
+class ReplayError(HindsightError):
+    """A replay cannot run as asked (script changed beyond logging, missing checkpoint, ...)."""
+
+
 class CancelledError(HindsightError):
     """The operation was abandoned (closed store, interrupted save)."""
 
@@ -53,4 +61,6 @@ __all__ = [
     "StorageFullError",
     "WrongProcessError",
     "CancelledError",
+    "DatabaseError",
+    "ReplayError",
 ]

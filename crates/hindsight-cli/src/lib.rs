@@ -1,21 +1,26 @@
 //! The `hindsight` command: housekeeping for checkpoint stores (list, show,
-//! verify, remove, gc, du).
+//! verify, remove, gc, du) and queries over the runs a project recorded
+//! (runs, logs, show RUN).
 //!
 //! [`run`] is the whole program. It writes only to the writers it is given
 //! and never exits the process, so the Python package can call it too.
 //!
-//! Exit codes: 0 success, 1 an engine error (not found, corrupt, I/O) or
-//! problems found by `verify`, 2 a usage error.
+//! Where things are: a project's run database is `<home>/logs.db` and its
+//! checkpoint store `<home>/store`, with the home found by
+//! [`home::project_home`] from the current directory (or given by `--home`).
+//!
+//! Exit codes: 0 success, 1 an engine error (not found, corrupt, I/O), a
+//! missing project or problems found by `verify`, 2 a usage error.
 
 use std::collections::HashSet;
 use std::ffi::OsString;
 use std::fmt::{self, Write as _};
 use std::io::{self, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::builder::TypedValueParser as _;
 use clap::{Parser, Subcommand};
-use hindsight_core::{Manifest, Node, Store};
+use hindsight_core::{LogDb, Manifest, Node, Store};
 use serde_json::json;
 
 /// Append one line to a `String` buffer (writing to a `String` cannot fail).
@@ -27,6 +32,12 @@ macro_rules! outln {
         let _ = writeln!($buf, $($arg)*);
     }};
 }
+
+pub mod home;
+mod jsontext;
+mod runcmds;
+
+use runcmds::PhaseFilter;
 
 /// Exit code for success.
 pub const EXIT_OK: i32 = 0;
@@ -40,7 +51,7 @@ pub const EXIT_USAGE: i32 = 2;
     name = "hindsight",
     bin_name = "hindsight",
     version,
-    about = "Housekeeping for hindsight checkpoint stores",
+    about = "Query hindsight runs and their logs; look after checkpoint stores",
     arg_required_else_help = true
 )]
 struct Cli {
@@ -55,6 +66,18 @@ struct Cli {
         value_parser = clap::builder::OsStringValueParser::new().map(PathBuf::from)
     )]
     store: Option<PathBuf>,
+
+    /// The project home, holding logs.db and store/
+    ///
+    /// Default: $HINDSIGHT_HOME if set, else .hindsight in the nearest
+    /// enclosing git work tree, else .hindsight in the current directory.
+    #[arg(
+        long = "home",
+        value_name = "PATH",
+        global = true,
+        value_parser = clap::builder::OsStringValueParser::new().map(PathBuf::from)
+    )]
+    home: Option<PathBuf>,
 
     #[command(subcommand)]
     command: Command,
@@ -71,9 +94,33 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Show the contents of one checkpoint
+    /// List the recorded runs, newest first
+    Runs {
+        /// Show at most N runs
+        #[arg(short = 'n', long, value_name = "N")]
+        limit: Option<usize>,
+        /// Print a JSON array instead of a table
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show logged values, one row per loop iteration
+    Logs {
+        /// The run (default: the latest; a first argument that is not a run id is a NAME)
+        #[arg(value_name = "RUN")]
+        run: Option<String>,
+        /// The logged values to show (default: all)
+        #[arg(value_name = "NAME")]
+        names: Vec<String>,
+        /// Which phase's values to show
+        #[arg(long, value_enum, default_value_t = PhaseFilter::All)]
+        phase: PhaseFilter,
+        /// Print a JSON array instead of a table
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show a run, or the contents of one checkpoint
     Show {
-        /// The checkpoint name
+        /// A run id, or a checkpoint name
         name: String,
     },
     /// Read back and check every byte of the checkpoints
@@ -106,12 +153,21 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Re-run a recorded run with new log statements (provided by the Python package)
+    #[command(disable_help_flag = true)]
+    Replay {
+        /// Arguments for `python -m hindsight replay`
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 /// Why a command stopped.
 #[derive(Debug)]
 enum Failure {
     Usage(String),
+    /// Not an engine error, but a failure all the same (exit code 1).
+    Failed(String),
     Engine(hindsight_core::Error),
 }
 
@@ -119,7 +175,7 @@ impl Failure {
     fn exit_code(&self) -> i32 {
         match self {
             Failure::Usage(_) => EXIT_USAGE,
-            Failure::Engine(_) => EXIT_FAILURE,
+            Failure::Failed(_) | Failure::Engine(_) => EXIT_FAILURE,
         }
     }
 }
@@ -127,7 +183,7 @@ impl Failure {
 impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Failure::Usage(msg) => f.write_str(msg),
+            Failure::Usage(msg) | Failure::Failed(msg) => f.write_str(msg),
             Failure::Engine(e) => e.fmt(f),
         }
     }
@@ -178,29 +234,127 @@ where
 }
 
 fn execute(cli: Cli, out: &mut String, err: &mut dyn Write) -> Result<i32, Failure> {
-    let global = cli.store;
+    let places = Places {
+        store: cli.store,
+        home: cli.home,
+    };
     match cli.command {
-        Command::Ls { store_dir, json } => {
-            let store = open_store(store_dir.or(global))?;
-            cmd_ls(&store, json, out, err)
-        }
-        Command::Show { name } => cmd_show(&open_store(global)?, &name, out),
+        Command::Ls { store_dir, json } => cmd_ls(&places.open_store(store_dir)?, json, out, err),
+        Command::Show { name } => cmd_show_any(&places, &name, out, err),
         Command::Verify { store_dir, names } => {
-            let store = open_store(store_dir.or(global))?;
-            cmd_verify(&store, names, out)
+            cmd_verify(&places.open_store(store_dir)?, names, out)
         }
-        Command::Rm { names } => Ok(cmd_rm(&open_store(global)?, &names, out, err)),
-        Command::Gc { store_dir } => cmd_gc(&open_store(store_dir.or(global))?, out),
-        Command::Du { store_dir, json } => cmd_du(&open_store(store_dir.or(global))?, json, out),
+        Command::Rm { names } => Ok(cmd_rm(&places.open_store(None)?, &names, out, err)),
+        Command::Gc { store_dir } => cmd_gc(&places.open_store(store_dir)?, out),
+        Command::Du { store_dir, json } => cmd_du(&places.open_store(store_dir)?, json, out),
+        Command::Runs { limit, json } => runcmds::cmd_runs(&places.open_db()?, limit, json, out),
+        Command::Logs {
+            run,
+            names,
+            phase,
+            json,
+        } => runcmds::cmd_logs(&places.open_db()?, run, names, phase, json, out),
+        Command::Replay { args: _ } => Err(Failure::Usage(
+            "hindsight replay is provided by the Python package: run \
+             `python -m hindsight replay ...` (or the `hindsight` command installed by pip)"
+                .into(),
+        )),
     }
 }
 
-/// Open an existing store; the CLI never creates one.
-fn open_store(path: Option<PathBuf>) -> Result<Store, Failure> {
-    let path = path.filter(|p| !p.as_os_str().is_empty()).ok_or_else(|| {
-        Failure::Usage("no store given: pass --store PATH or set HINDSIGHT_STORE".into())
-    })?;
-    Ok(Store::open_local(&path, false, None)?)
+/// Where the commands find the store and the run database.
+#[derive(Debug)]
+struct Places {
+    /// `--store` or `$HINDSIGHT_STORE`.
+    store: Option<PathBuf>,
+    /// `--home`.
+    home: Option<PathBuf>,
+}
+
+fn non_empty(p: Option<PathBuf>) -> Option<PathBuf> {
+    p.filter(|p| !p.as_os_str().is_empty())
+}
+
+impl Places {
+    /// The project home: `--home`, else found from the current directory.
+    fn home(&self) -> PathBuf {
+        non_empty(self.home.clone()).unwrap_or_else(|| {
+            let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
+            home::project_home(&cwd)
+        })
+    }
+
+    /// Open an existing store (the CLI never creates one): the positional
+    /// STORE, else `--store`/`$HINDSIGHT_STORE`, else the project's store if
+    /// it exists.
+    fn open_store(&self, positional: Option<PathBuf>) -> Result<Store, Failure> {
+        let path = match non_empty(positional).or_else(|| non_empty(self.store.clone())) {
+            Some(path) => path,
+            None => self.home_store()?,
+        };
+        Ok(Store::open_local(&path, false, None)?)
+    }
+
+    /// The store of the project home, if it exists.
+    fn home_store(&self) -> Result<PathBuf, Failure> {
+        let home = self.home();
+        let store = home::store_path(&home);
+        if store.is_dir() {
+            Ok(store)
+        } else {
+            Err(Failure::Usage(format!(
+                "no store given: pass --store PATH or set HINDSIGHT_STORE \
+                 (the project home {} has no store)",
+                home.display()
+            )))
+        }
+    }
+
+    /// Open the project's run database; an error if there is none (the CLI
+    /// never creates one).
+    fn open_db(&self) -> Result<LogDb, Failure> {
+        let home = self.home();
+        let path = home::db_path(&home);
+        if !path.is_file() {
+            return Err(no_project(&home));
+        }
+        Ok(LogDb::open(&path)?)
+    }
+}
+
+fn no_project(home: &Path) -> Failure {
+    Failure::Failed(format!(
+        "no hindsight project at {} (no logs.db): run a script that uses hindsight first",
+        home.display()
+    ))
+}
+
+/// `show NAME`: the run NAME if the project has one, else the checkpoint NAME.
+fn cmd_show_any(
+    places: &Places,
+    name: &str,
+    out: &mut String,
+    err: &mut dyn Write,
+) -> Result<i32, Failure> {
+    let db_path = home::db_path(&places.home());
+    let mut db_problem = None;
+    if db_path.is_file() {
+        match LogDb::open(&db_path).and_then(|db| db.run(name).map(|run| (db, run))) {
+            Ok((db, run)) => return runcmds::cmd_show_run(&db, &run, out),
+            Err(hindsight_core::Error::NotFound { .. }) => {}
+            Err(e) => db_problem = Some(e),
+        }
+    }
+    let result = places
+        .open_store(None)
+        .and_then(|store| cmd_show(&store, name, out));
+    if result.is_err() {
+        // The run database might have known NAME: say why it was not asked.
+        if let Some(e) = db_problem {
+            let _ = writeln!(err, "warning: cannot look for a run named {name}: {e}");
+        }
+    }
+    result
 }
 
 // ---------------------------------------------------------------------------
@@ -560,7 +714,7 @@ pub fn format_utc(ms: u64) -> String {
 }
 
 /// `YYYY-MM-DDTHH:MM:SSZ` (RFC 3339, UTC).
-fn format_iso8601(ms: u64) -> String {
+pub(crate) fn format_iso8601(ms: u64) -> String {
     let (y, mo, d, h, mi, s) = utc_parts(ms);
     format!("{y:04}-{mo:02}-{d:02}T{h:02}:{mi:02}:{s:02}Z")
 }

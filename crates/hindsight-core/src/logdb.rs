@@ -866,6 +866,27 @@ impl LogDb {
         Ok(())
     }
 
+    /// Replace a run's recorded arguments (a JSON object): arguments are
+    /// discovered one `hs.arg` call at a time, after the run was created.
+    pub fn set_args(&self, run_id: &str, args_json: &str) -> Result<()> {
+        let v: serde_json::Value = serde_json::from_str(args_json)
+            .map_err(|e| Error::invalid("args", format!("not JSON: {e}")))?;
+        if !v.is_object() {
+            return Err(Error::invalid("args", "must be a JSON object"));
+        }
+        let changed = self.write(|tx| {
+            tx.execute(
+                "UPDATE runs SET args = ?2 WHERE id = ?1",
+                params![run_id, args_json],
+            )
+            .db(&self.path)
+        })?;
+        if changed == 0 {
+            return Err(self.not_found("run", run_id));
+        }
+        Ok(())
+    }
+
     /// One run; `NotFound` naming the id if there is none.
     pub fn run(&self, run_id: &str) -> Result<RunRow> {
         self.conn

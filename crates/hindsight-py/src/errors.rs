@@ -17,6 +17,7 @@ fn class_name(e: &Error) -> &'static str {
         Error::Io { .. } => "StorageError",
         Error::WrongProcess { .. } => "WrongProcessError",
         Error::Cancelled(_) => "CancelledError",
+        Error::Database { .. } => "DatabaseError",
         _ => "HindsightError",
     }
 }

@@ -5,6 +5,7 @@
 mod buffer;
 mod errors;
 mod interrupt;
+mod runs;
 mod tree;
 
 use std::collections::{BTreeMap, HashMap};
@@ -391,6 +392,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SaveHandle>()?;
     m.add_class::<buffer::Buffer>()?;
     m.add_function(wrap_pyfunction!(run_cli, m)?)?;
+    runs::register(m)?;
     m.add("FORMAT_VERSION", core::format::FORMAT_VERSION)?;
     m.add(
         "DEFAULT_STAGING_BYTES",

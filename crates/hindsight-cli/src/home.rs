@@ -1,0 +1,131 @@
+//! The project home: the directory holding a project's run database
+//! (`logs.db`) and its checkpoint store (`store/`).
+//!
+//! `$HINDSIGHT_HOME`, when set and not empty, is the home itself. Otherwise
+//! the home is `.hindsight` in the nearest enclosing git work tree (the
+//! first directory, walking up from the start, that contains a `.git`
+//! directory or file), or in the start directory when there is none. The
+//! Python package applies the same rule, starting from the training
+//! script's directory; the CLI starts from the current directory.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+/// The environment variable naming the project home.
+pub const HOME_ENV: &str = "HINDSIGHT_HOME";
+
+/// Name of the home directory inside a project.
+pub const HOME_DIR: &str = ".hindsight";
+
+/// The run database inside a home.
+pub const DB_FILE: &str = "logs.db";
+
+/// The checkpoint store inside a home.
+pub const STORE_DIR: &str = "store";
+
+/// The project home for a program started in `start` (see the module docs).
+pub fn project_home(start: &Path) -> PathBuf {
+    resolve_home(std::env::var_os(HOME_ENV), start)
+}
+
+/// [`project_home`] with the value of `$HINDSIGHT_HOME` given explicitly.
+///
+/// A relative `start` is taken relative to the current directory, so the
+/// walk up can leave it; symbolic links are not resolved (like Python's
+/// `os.path.abspath`).
+pub fn resolve_home(env: Option<OsString>, start: &Path) -> PathBuf {
+    if let Some(home) = env.filter(|h| !h.is_empty()) {
+        return PathBuf::from(home);
+    }
+    let start = std::path::absolute(start).unwrap_or_else(|_| start.to_path_buf());
+    start
+        .ancestors()
+        .find(|dir| dir.join(".git").exists())
+        .unwrap_or(&start)
+        .join(HOME_DIR)
+}
+
+/// The run database of a home.
+pub fn db_path(home: &Path) -> PathBuf {
+    home.join(DB_FILE)
+}
+
+/// The checkpoint store of a home.
+pub fn store_path(home: &Path) -> PathBuf {
+    home.join(STORE_DIR)
+}
+
+#[cfg(test)]
+mod tests {
+    // A panic is a test failure.
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use std::fs;
+
+    #[test]
+    fn env_value_is_the_home_itself() {
+        let start = Path::new("/somewhere");
+        assert_eq!(
+            resolve_home(Some("/data/proj-home".into()), start),
+            PathBuf::from("/data/proj-home")
+        );
+        // Relative values are kept as given.
+        assert_eq!(
+            resolve_home(Some("rel/home".into()), start),
+            PathBuf::from("rel/home")
+        );
+    }
+
+    #[test]
+    fn empty_env_value_counts_as_unset() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("repo");
+        fs::create_dir_all(root.join(".git")).unwrap();
+        assert_eq!(
+            resolve_home(Some(OsString::new()), &root),
+            root.join(".hindsight")
+        );
+    }
+
+    #[test]
+    fn nearest_git_work_tree_wins() {
+        let dir = tempfile::tempdir().unwrap();
+        let outer = dir.path().join("outer");
+        let inner = outer.join("vendor/inner");
+        let deep = inner.join("src/models");
+        fs::create_dir_all(&deep).unwrap();
+        fs::create_dir_all(outer.join(".git")).unwrap();
+        assert_eq!(resolve_home(None, &deep), outer.join(".hindsight"));
+        assert_eq!(resolve_home(None, &outer), outer.join(".hindsight"));
+        // A `.git` file (worktree, submodule) marks a work tree too.
+        fs::write(inner.join(".git"), "gitdir: ../../.git/modules/inner\n").unwrap();
+        assert_eq!(resolve_home(None, &deep), inner.join(".hindsight"));
+    }
+
+    #[test]
+    fn without_git_the_start_directory_is_the_project() {
+        let dir = tempfile::tempdir().unwrap();
+        let start = dir.path().join("a/b");
+        fs::create_dir_all(&start).unwrap();
+        if start.ancestors().any(|d| d.join(".git").exists()) {
+            eprintln!("skipped: the temporary directory is inside a git work tree");
+            return;
+        }
+        assert_eq!(resolve_home(None, &start), start.join(".hindsight"));
+    }
+
+    #[test]
+    fn relative_start_is_made_absolute() {
+        let home = resolve_home(None, Path::new("."));
+        assert!(home.is_absolute(), "{}", home.display());
+        assert!(home.ends_with(".hindsight"), "{}", home.display());
+    }
+
+    #[test]
+    fn files_of_a_home() {
+        let home = Path::new("/p/.hindsight");
+        assert_eq!(db_path(home), PathBuf::from("/p/.hindsight/logs.db"));
+        assert_eq!(store_path(home), PathBuf::from("/p/.hindsight/store"));
+    }
+}

@@ -1,0 +1,388 @@
+//! Binding of the run/log database and the replay planner.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use hindsight_core::logdb::{
+    self, IterationRow, LogDb as CoreDb, LogRow, NewRun, Phase, RunRow, RunStatus,
+};
+use hindsight_core::plan::{self, AdaptivePolicy as CorePolicy, PartialStep};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::IntoPy;
+use crate::interrupt;
+
+fn run_dict<'py>(py: Python<'py>, r: &RunRow) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("id", &r.id)?;
+    d.set_item("script", &r.script)?;
+    d.set_item("script_abs", &r.script_abs)?;
+    d.set_item("project_root", &r.project_root)?;
+    d.set_item("source_hash", &r.source_hash)?;
+    d.set_item("git_commit", &r.git_commit)?;
+    d.set_item("git_dirty", r.git_dirty)?;
+    d.set_item("args_json", &r.args_json)?;
+    d.set_item("status", r.status.as_str())?;
+    d.set_item("started_ms", r.started_ms)?;
+    d.set_item("ended_ms", r.ended_ms)?;
+    d.set_item("host", &r.host)?;
+    d.set_item("versions_json", &r.versions_json)?;
+    d.set_item("pid", r.pid)?;
+    d.set_item("resume_key", &r.resume_key)?;
+    Ok(d)
+}
+
+fn status(s: &str) -> PyResult<RunStatus> {
+    s.parse::<RunStatus>().py_err()
+}
+
+fn phase(s: &str) -> PyResult<Phase> {
+    s.parse::<Phase>().py_err()
+}
+
+/// The project's run and log database (SQLite, WAL). One connection per object.
+#[pyclass(module = "hindsight._native", frozen)]
+pub struct LogDb {
+    db: Mutex<CoreDb>,
+}
+
+impl std::fmt::Debug for LogDb {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LogDb")
+    }
+}
+
+impl LogDb {
+    fn with<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&CoreDb) -> hindsight_core::Result<T> + Send,
+    ) -> PyResult<T> {
+        interrupt::run(py, |_| {
+            f(&self.db.lock().unwrap_or_else(|p| p.into_inner()))
+        })
+    }
+}
+
+#[pymethods]
+impl LogDb {
+    #[new]
+    fn new(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
+        let db = interrupt::run(py, move |_| CoreDb::open(&path))?;
+        Ok(LogDb { db: Mutex::new(db) })
+    }
+
+    #[pyo3(signature = (script, script_abs, project_root, source_hash, args_json, host, versions_json, git_commit=None, git_dirty=None, resume_key=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn create_run(
+        &self,
+        py: Python<'_>,
+        script: String,
+        script_abs: String,
+        project_root: String,
+        source_hash: String,
+        args_json: String,
+        host: String,
+        versions_json: String,
+        git_commit: Option<String>,
+        git_dirty: Option<bool>,
+        resume_key: Option<String>,
+    ) -> PyResult<String> {
+        let run = NewRun {
+            script,
+            script_abs,
+            project_root,
+            source_hash,
+            git_commit,
+            git_dirty,
+            args_json,
+            started_ms: None,
+            host,
+            versions_json,
+            pid: std::process::id(),
+            resume_key,
+        };
+        self.with(py, |db| db.create_run(&run))
+    }
+
+    #[pyo3(signature = (run_id, status_name, ended=true))]
+    fn set_status(
+        &self,
+        py: Python<'_>,
+        run_id: String,
+        status_name: &str,
+        ended: bool,
+    ) -> PyResult<()> {
+        let st = status(status_name)?;
+        self.with(py, |db| {
+            db.set_status(&run_id, st, ended.then(logdb::now_ms))
+        })
+    }
+
+    fn set_args(&self, py: Python<'_>, run_id: String, args_json: String) -> PyResult<()> {
+        self.with(py, |db| db.set_args(&run_id, &args_json))
+    }
+
+    fn run<'py>(&self, py: Python<'py>, run_id: String) -> PyResult<Bound<'py, PyDict>> {
+        let r = self.with(py, |db| db.run(&run_id))?;
+        run_dict(py, &r)
+    }
+
+    #[pyo3(signature = (limit=None))]
+    fn runs<'py>(
+        &self,
+        py: Python<'py>,
+        limit: Option<usize>,
+    ) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let rs = self.with(py, |db| db.runs(limit))?;
+        rs.iter().map(|r| run_dict(py, r)).collect()
+    }
+
+    #[pyo3(signature = (script_abs=None))]
+    fn latest_run<'py>(
+        &self,
+        py: Python<'py>,
+        script_abs: Option<String>,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let r = self.with(py, |db| db.latest_run(script_abs.as_deref()))?;
+        r.map(|r| run_dict(py, &r)).transpose()
+    }
+
+    fn find_resumable<'py>(
+        &self,
+        py: Python<'py>,
+        resume_key: String,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let r = self.with(py, |db| db.find_resumable(&resume_key))?;
+        r.map(|r| run_dict(py, &r)).transpose()
+    }
+
+    fn put_source(&self, py: Python<'_>, files: BTreeMap<String, String>) -> PyResult<String> {
+        self.with(py, |db| db.put_source(&files))
+    }
+
+    fn get_source(&self, py: Python<'_>, hash: String) -> PyResult<BTreeMap<String, String>> {
+        self.with(py, |db| db.get_source(&hash))
+    }
+
+    /// rows: (name, [(loop, index), ...], value as JSON text)
+    fn append_logs(
+        &self,
+        py: Python<'_>,
+        run_id: String,
+        phase_name: &str,
+        rows: Vec<(String, Vec<(String, i64)>, String)>,
+    ) -> PyResult<()> {
+        let ph = phase(phase_name)?;
+        let rows: Vec<LogRow> = rows
+            .into_iter()
+            .map(|(name, ctx, value_json)| LogRow {
+                name,
+                ctx,
+                value_json,
+            })
+            .collect();
+        self.with(py, |db| db.append_logs(&run_id, ph, &rows))
+    }
+
+    /// [(name, ctx, value_json, phase, seq)] ordered by seq; empty names = all.
+    #[pyo3(signature = (run_id, names=Vec::new()))]
+    #[allow(clippy::type_complexity)]
+    fn logs(
+        &self,
+        py: Python<'_>,
+        run_id: String,
+        names: Vec<String>,
+    ) -> PyResult<Vec<(String, Vec<(String, i64)>, String, String, i64)>> {
+        let recs = self.with(py, |db| db.logs(&run_id, &names))?;
+        Ok(recs
+            .into_iter()
+            .map(|r| {
+                (
+                    r.name,
+                    r.ctx,
+                    r.value_json,
+                    r.phase.as_str().to_string(),
+                    r.seq,
+                )
+            })
+            .collect())
+    }
+
+    fn log_names(&self, py: Python<'_>, run_id: String) -> PyResult<Vec<String>> {
+        self.with(py, |db| db.log_names(&run_id))
+    }
+
+    /// [(name, ctx, record_value, replay_value)] first differing context first.
+    #[allow(clippy::type_complexity)]
+    fn divergences(
+        &self,
+        py: Python<'_>,
+        run_id: String,
+    ) -> PyResult<Vec<(String, Vec<(String, i64)>, String, String)>> {
+        let ds = self.with(py, |db| db.divergences(&run_id))?;
+        Ok(ds
+            .into_iter()
+            .map(|d| (d.name, d.ctx, d.record_value, d.replay_value))
+            .collect())
+    }
+
+    #[pyo3(signature = (run_id, loop_name, idx, seconds, checkpoint=None, materialize_seconds=None))]
+    fn record_iteration(
+        &self,
+        py: Python<'_>,
+        run_id: String,
+        loop_name: String,
+        idx: u64,
+        seconds: f64,
+        checkpoint: Option<String>,
+        materialize_seconds: Option<f64>,
+    ) -> PyResult<()> {
+        let row = IterationRow {
+            loop_name,
+            idx,
+            seconds,
+            checkpoint,
+            materialize_seconds,
+            restore_seconds: None,
+        };
+        self.with(py, |db| db.record_iteration(&run_id, &row))
+    }
+
+    fn set_restore_seconds(
+        &self,
+        py: Python<'_>,
+        run_id: String,
+        loop_name: String,
+        idx: u64,
+        seconds: f64,
+    ) -> PyResult<()> {
+        self.with(py, |db| {
+            db.set_restore_seconds(&run_id, &loop_name, idx, seconds)
+        })
+    }
+
+    /// [(idx, seconds, checkpoint, materialize_seconds, restore_seconds)]
+    #[allow(clippy::type_complexity)]
+    fn iterations(
+        &self,
+        py: Python<'_>,
+        run_id: String,
+        loop_name: String,
+    ) -> PyResult<Vec<(u64, f64, Option<String>, Option<f64>, Option<f64>)>> {
+        let rows = self.with(py, |db| db.iterations(&run_id, &loop_name))?;
+        Ok(rows
+            .into_iter()
+            .map(|r| {
+                (
+                    r.idx,
+                    r.seconds,
+                    r.checkpoint,
+                    r.materialize_seconds,
+                    r.restore_seconds,
+                )
+            })
+            .collect())
+    }
+}
+
+/// The Joint Invariant of Flor (seed 001): checkpoint only while it keeps
+/// recording overhead under epsilon and replay latency bounded.
+#[pyclass(module = "hindsight._native")]
+#[derive(Debug)]
+pub struct AdaptivePolicy {
+    inner: CorePolicy,
+}
+
+#[pymethods]
+impl AdaptivePolicy {
+    #[new]
+    #[pyo3(signature = (epsilon=plan::DEFAULT_EPSILON))]
+    fn new(epsilon: f64) -> Self {
+        AdaptivePolicy {
+            inner: CorePolicy::new(epsilon),
+        }
+    }
+
+    fn observe_iteration(&mut self, compute_secs: f64, expected_materialize_secs: f64) -> bool {
+        self.inner
+            .observe_iteration(compute_secs, expected_materialize_secs)
+    }
+
+    fn observe_materialize(&mut self, actual_secs: f64) {
+        self.inner.observe_materialize(actual_secs)
+    }
+
+    fn observe_restore(&mut self, restore_secs: f64, materialize_secs: f64) {
+        self.inner.observe_restore(restore_secs, materialize_secs)
+    }
+
+    fn overhead(&self) -> f64 {
+        self.inner.overhead()
+    }
+
+    #[getter]
+    fn c(&self) -> f64 {
+        self.inner.c
+    }
+
+    #[getter]
+    fn epsilon(&self) -> f64 {
+        self.inner.epsilon
+    }
+}
+
+/// Outer-loop probes: one (mode, restore_from) per iteration, mode in
+/// "skip" | "restore" | "execute".
+#[pyfunction]
+pub fn plan_partial(
+    n_iters: usize,
+    checkpoints: Vec<bool>,
+    selected: Vec<bool>,
+) -> Vec<(&'static str, Option<usize>)> {
+    plan::plan_partial(n_iters, &checkpoints, &selected)
+        .steps
+        .into_iter()
+        .map(|s| match s {
+            PartialStep::Skip => ("skip", None),
+            PartialStep::Restore => ("restore", None),
+            PartialStep::Execute { restore_from } => ("execute", restore_from),
+        })
+        .collect()
+}
+
+/// Inner-loop probes: segments (worker, start, end, restore_from, gap_start, gap_end, est_seconds).
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+pub fn plan_segments(
+    n_iters: usize,
+    times: Vec<f64>,
+    checkpoints: Vec<bool>,
+    selected: Vec<bool>,
+    workers: usize,
+) -> Vec<(usize, usize, usize, Option<usize>, usize, usize, f64)> {
+    plan::plan_segments(n_iters, &times, &checkpoints, &selected, workers)
+        .into_iter()
+        .map(|s| {
+            (
+                s.worker,
+                s.range.start,
+                s.range.end,
+                s.restore_from,
+                s.pseudo_resume.start,
+                s.pseudo_resume.end,
+                s.est_seconds,
+            )
+        })
+        .collect()
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<LogDb>()?;
+    m.add_class::<AdaptivePolicy>()?;
+    m.add_function(wrap_pyfunction!(plan_partial, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_segments, m)?)?;
+    Ok(())
+}

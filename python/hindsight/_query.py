@@ -1,0 +1,60 @@
+"""Reading logs back: hs.dataframe."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hindsight import _native, _run
+from hindsight.errors import NotFoundError
+
+
+def _db() -> Any:
+    if _run._RUN is not None:
+        return _run._RUN.db
+    home = _run.project_home(_run._script_path().parent)
+    path = home / "logs.db"
+    if not path.exists():
+        raise NotFoundError(f"no hindsight project at {home} (no logs.db); record a run first")
+    return _native.LogDb(str(path))
+
+
+def dataframe(*names: str, run: str | list[str] | None = None) -> Any:
+    """One pandas row per (run, loop context), one column per loop and per name.
+
+    Values written by a replay appear beside the recorded ones in the same
+    run; where both exist for a context, the replayed value is shown (they
+    are equal unless the divergence check reported otherwise).
+    """
+    import pandas as pd
+
+    db = _db()
+    if run is None:
+        if _run._RUN is not None:
+            runs = [_run._RUN.run_id]
+        else:
+            latest = db.runs(1)
+            if not latest:
+                raise NotFoundError("no runs recorded in this project yet")
+            runs = [latest[0]["id"]]
+    else:
+        runs = [run] if isinstance(run, str) else list(run)
+    rows: dict[tuple[str, tuple[tuple[str, int], ...]], dict[str, Any]] = {}
+    loops: list[str] = []
+    for r in runs:
+        if _run._RUN is not None and r == _run._RUN.run_id:
+            _run._RUN.flush_logs()
+        for name, ctx, value, phase, _seq in db.logs(r, list(names)):
+            for loop, _ in ctx:
+                if loop not in loops:
+                    loops.append(loop)
+            row = rows.setdefault((r, tuple(ctx)), {"run": r, **dict(ctx)})
+            if phase == "replay" or name not in row:
+                row[name] = json.loads(value)
+    order = sorted(rows, key=lambda k: (runs.index(k[0]), [v for _, v in k[1]], len(k[1])))
+    columns = ["run", *loops, *names]
+    df = pd.DataFrame([rows[k] for k in order], columns=columns)
+    for loop in loops:
+        df[loop] = df[loop].astype("Int64")
+    return df

@@ -1,0 +1,255 @@
+"""`hindsight replay`: add log statements to a recorded script, then compute
+their values without re-training.
+
+    hindsight replay train.py [--run ID ...] [-j G] [--where "epoch >= 10"] [--force] [--strict]
+
+New statements outside the inner loops: partial replay (the training steps
+are skipped; each probed iteration's state comes from its checkpoint).
+New statements inside an inner loop: parallel replay (the probed iterations
+are split over G worker processes, each resuming from a checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import selectors
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hindsight import _native
+from hindsight._analysis import Analysis, analyze
+from hindsight._run import ENV_HOME, ENV_REPLAY, project_home
+from hindsight.errors import HindsightError, NotFoundError, ReplayError
+
+
+def _where(expr: str | None, loop: str) -> Any:
+    """A restricted predicate over the outer loop's index, e.g. 'epoch >= 10 and epoch % 2 == 0'."""
+    if not expr:
+        return lambda i: True
+    tree = ast.parse(expr, mode="eval")
+    allowed = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub, ast.Compare,
+               ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In, ast.NotIn, ast.BinOp, ast.Mod,
+               ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Name, ast.Load, ast.Constant, ast.Tuple, ast.List)
+    for node in ast.walk(tree):
+        if not isinstance(node, allowed):
+            raise ReplayError(f"--where {expr!r}: only comparisons and arithmetic on '{loop}' are allowed")
+        if isinstance(node, ast.Name) and node.id != loop:
+            raise ReplayError(f"--where {expr!r}: unknown name '{node.id}' (the outer loop is '{loop}')")
+    code = compile(tree, "<--where>", "eval")
+    return lambda i: bool(eval(code, {"__builtins__": {}}, {loop: i}))  # noqa: S307 - validated above
+
+
+@dataclass
+class Worker:
+    index: int
+    modes: dict[int, str]
+    proc: subprocess.Popen[bytes] | None = None
+    read_fd: int = -1
+    done: int = 0
+    returncode: int | None = None
+    stderr_tail: str = ""
+
+
+def _progress(workers: list[Worker], total: int, start: float, final: bool = False) -> None:
+    done = sum(w.done for w in workers)
+    width = 30
+    filled = int(width * done / max(total, 1))
+    per = " ".join(f"w{w.index}:{w.done}/{sum(1 for m in w.modes.values() if m != 'skip')}" for w in workers)
+    line = f"\rreplay [{'#' * filled}{'-' * (width - filled)}] {done}/{total} iterations  {per}  {time.monotonic() - start:.1f}s"
+    if sys.stderr.isatty():
+        sys.stderr.write(line + ("\n" if final else ""))
+    elif final:
+        sys.stderr.write(line.lstrip("\r") + "\n")
+    sys.stderr.flush()
+
+
+def plan_run(db: Any, store_names: set[str], run: dict[str, Any], analysis: Analysis, jobs: int,
+             where: str | None) -> tuple[str, list[dict[int, str]], dict[int, str]]:
+    outer = analysis.outer_loops[0] if analysis.outer_loops else None
+    if outer is None:
+        raise ReplayError("the script has no hs.loop: nothing to replay")
+    rows = db.iterations(run["id"], outer)
+    if not rows:
+        raise ReplayError(f"run {run['id']} recorded no iterations of loop '{outer}'")
+    n = max(r[0] for r in rows) + 1
+    times = [0.0] * n
+    checkpoints: dict[int, str] = {}
+    for idx, secs, ckpt, _m, _r in rows:
+        times[idx] = secs
+        if ckpt is not None and ckpt in store_names:
+            checkpoints[idx] = ckpt
+    pred = _where(where, outer)
+    selected = [pred(i) for i in range(n)]
+    has_ck = [i in checkpoints for i in range(n)]
+    if not any(selected):
+        raise ReplayError(f"--where {where!r} selects none of the {n} recorded iterations")
+    per_worker: list[dict[int, str]] = []
+    if analysis.needs_inner_execution:
+        segs = _native.plan_segments(n, times, has_ck, selected, max(1, jobs))
+        by_worker: dict[int, dict[int, str]] = {}
+        for worker, start, end, restore_from, gap_start, gap_end, _est in segs:
+            modes = by_worker.setdefault(worker, {})
+            if restore_from is not None:
+                modes.setdefault(restore_from, "restore")
+            for i in range(gap_start, gap_end):
+                modes[i] = "execute"
+            for i in range(start, end):
+                modes[i] = "execute"
+        per_worker = [by_worker[w] for w in sorted(by_worker)]
+        kind = "parallel"
+    else:
+        modes: dict[int, str] = {}
+        for i, (mode, restore_from) in enumerate(_native.plan_partial(n, has_ck, selected)):
+            if mode == "skip":
+                continue
+            if restore_from is not None and modes.get(restore_from, "skip") == "skip":
+                modes[restore_from] = "restore"
+            modes[i] = mode
+        per_worker = [modes]
+        kind = "partial"
+    for modes in per_worker:
+        for i, m in modes.items():
+            if m == "restore" and i not in checkpoints:
+                raise ReplayError(f"iteration {outer}={i} needs checkpoint of run {run['id']} that is not in the "
+                                  f"store (removed?); replay an earlier range with --where or re-record")
+    return kind, per_worker, checkpoints
+
+
+def replay(args: argparse.Namespace) -> int:
+    script = Path(args.script).resolve()
+    if not script.exists():
+        raise NotFoundError(f"script not found: {args.script}")
+    home = Path(args.home).resolve() if args.home else project_home(script.parent)
+    db_path = home / "logs.db"
+    if not db_path.exists():
+        raise NotFoundError(f"no hindsight project at {home} (no logs.db): record a run of {args.script} first")
+    db = _native.LogDb(str(db_path))
+    if args.run:
+        runs = [db.run(r) for r in args.run]
+    else:
+        latest = db.latest_run(str(script))
+        if latest is None:
+            raise NotFoundError(f"no recorded run of {script} in {home}")
+        runs = [latest]
+    from hindsight._store import Store
+
+    store = Store(home / "store", create=True)
+    store_names = set(store.list())
+    current = script.read_text()
+    status = 0
+    for run in runs:
+        status |= replay_one(args, db, store_names, run, current, home)
+    return status
+
+
+def replay_one(args: argparse.Namespace, db: Any, store_names: set[str], run: dict[str, Any], current: str,
+               home: Path) -> int:
+    files = db.get_source(run["source_hash"])
+    recorded = files.get(run["script"])
+    if recorded is None:
+        raise NotFoundError(f"run {run['id']} has no recorded source for {run['script']}")
+    analysis = analyze(recorded, current, run["script"])
+    if not analysis.compatible and not args.force:
+        diff = "\n".join("  " + line for line in analysis.differences[:60])
+        raise ReplayError(f"{run['script']} changed since run {run['id']} in ways other than added hs.log "
+                          f"statements; replaying would not reproduce the run. Differences:\n{diff}\n"
+                          "(pass --force to replay anyway)")
+    if not analysis.new_probes:
+        print(f"run {run['id']}: no new hs.log statements; nothing to compute")
+        return 0
+    kind, per_worker, checkpoints = plan_run(db, store_names, run, analysis, args.jobs, args.where)
+    names = ", ".join(sorted({p.name for p in analysis.new_probes}))
+    print(f"run {run['id']}: {kind} replay of {names} on {len(per_worker)} worker(s)", flush=True)
+    versions = json.loads(run["versions_json"] or "{}")
+    argv = versions.get("argv") or [run["script_abs"]]
+    cwd = versions.get("cwd") if versions.get("cwd") and Path(versions["cwd"]).is_dir() else str(Path(run["script_abs"]).parent)
+    workers = [Worker(i, m) for i, m in enumerate(per_worker)]
+    total = sum(sum(1 for m in w.modes.values() if m != "skip") for w in workers)
+    start = time.monotonic()
+    sel = selectors.DefaultSelector()
+    with tempfile.TemporaryDirectory(prefix="hindsight-replay-") as tmp:
+        for w in workers:
+            r, wfd = os.pipe()
+            plan = {"run_id": run["id"], "worker": w.index, "modes": {str(k): v for k, v in w.modes.items()},
+                    "checkpoints": {str(k): v for k, v in checkpoints.items()}, "progress_fd": wfd}
+            plan_path = Path(tmp) / f"worker-{w.index}.json"
+            plan_path.write_text(json.dumps(plan))
+            env = {**os.environ, ENV_REPLAY: str(plan_path), ENV_HOME: str(home)}
+            w.proc = subprocess.Popen([sys.executable, run["script_abs"], *argv[1:]], cwd=cwd, env=env,
+                                      pass_fds=(wfd,), stdout=subprocess.DEVNULL if args.quiet else None,
+                                      stderr=subprocess.PIPE)
+            os.close(wfd)
+            w.read_fd = r
+            os.set_blocking(r, False)
+            sel.register(r, selectors.EVENT_READ, w)
+        open_fds = len(workers)
+        while open_fds:
+            for key, _ in sel.select(timeout=0.5):
+                w = key.data
+                chunk = os.read(w.read_fd, 4096)
+                if not chunk:
+                    sel.unregister(w.read_fd)
+                    os.close(w.read_fd)
+                    open_fds -= 1
+                    continue
+                w.done += chunk.count(b"\n")
+            _progress(workers, total, start)
+        for w in workers:
+            assert w.proc is not None
+            _, err = w.proc.communicate()
+            w.returncode = w.proc.returncode
+            w.stderr_tail = err.decode(errors="replace")[-2000:]
+        _progress(workers, total, start, final=True)
+    failed = [w for w in workers if w.returncode != 0]
+    for w in failed:
+        iters = sorted(i for i, m in w.modes.items() if m != "skip")
+        print(f"worker {w.index} (iterations {iters[0]}..{iters[-1]}) failed with exit code {w.returncode}; "
+              f"the values of finished iterations are kept:\n{w.stderr_tail}", file=sys.stderr)
+    for w in workers:
+        if w.returncode == 0 and w.stderr_tail.strip():
+            sys.stderr.write(w.stderr_tail)
+    divergences = db.divergences(run["id"])
+    if divergences:
+        name, ctx, rec, rep = divergences[0]
+        where = ", ".join(f"{k}={v}" for k, v in ctx) or "top level"
+        print(f"DIVERGENCE in run {run['id']}: {len(divergences)} value(s) differ between record and replay; "
+              f"first: {name} at {where}: recorded {rec}, replayed {rep}", file=sys.stderr)
+    print(f"replayed {total} iteration(s) in {time.monotonic() - start:.1f}s; new values: {names}")
+    if failed:
+        return 1
+    if divergences and args.strict:
+        return 3
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hindsight replay", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("script", help="the training script, with new hs.log statements")
+    p.add_argument("--run", action="append", help="run id to replay (repeatable; default: the latest run of SCRIPT)")
+    p.add_argument("-j", "--jobs", type=int, default=1, help="worker processes for inner-loop probes")
+    p.add_argument("--where", help="only these outer iterations, e.g. 'epoch >= 10'")
+    p.add_argument("--force", action="store_true", help="replay even if the script changed beyond logging")
+    p.add_argument("--strict", action="store_true", help="exit 3 if replayed values differ from recorded ones")
+    p.add_argument("--home", help="project home (default: $HINDSIGHT_HOME or <git root>/.hindsight)")
+    p.add_argument("-q", "--quiet", action="store_true", help="hide the workers' standard output")
+    args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error("-j must be at least 1")
+    try:
+        return replay(args)
+    except HindsightError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
