@@ -38,6 +38,7 @@ T = TypeVar("T")
 ENV_HOME = "HINDSIGHT_HOME"
 ENV_REPLAY = "HINDSIGHT_REPLAY"
 ENV_EPSILON = "HINDSIGHT_EPSILON"
+ENV_EVERY = "HINDSIGHT_CHECKPOINT_EVERY"
 LOG_BATCH = 1024
 MAX_LOGGED_ELEMENTS = 10_000
 _SKIP_DIRS = {".git", ".hindsight", "__pycache__", "node_modules", "site-packages", ".venv", "venv", "build", "target"}
@@ -211,6 +212,8 @@ class Run:
         self.finished = False
         eps = float(os.environ.get(ENV_EPSILON, 1.0 / 15.0))
         self.policy = _native.AdaptivePolicy(eps)
+        every = os.environ.get(ENV_EVERY)
+        self.every: int | None = int(every) if every else None
         plan_path = os.environ.get(ENV_REPLAY)
         self.plan: dict[str, Any] | None = None
         if plan_path:
@@ -278,6 +281,11 @@ class Run:
             return
         self.finished = True
         self.flush_logs()
+        if self.mode == "replay" and self.progress is not None:
+            try:
+                os.write(self.progress, f"steps {self.inner_steps_executed} restored {self.blocks_restored}\n".encode())
+            except OSError:
+                pass
         if self._store is not None:
             self._store.flush()
         if self.mode == "record":
@@ -376,7 +384,10 @@ class Run:
             return
         compute = time.perf_counter() - self.iter_start
         expected = self.last_blocked if self.last_blocked is not None else self._estimate_materialize()
-        if not self.policy.observe_iteration(compute, expected):
+        if self.every is not None:
+            if i % self.every != 0:
+                return
+        elif not self.policy.observe_iteration(compute, expected):
             return
         name = f"{self.run_id}.{self.outer_name}-{i:06d}"
         t0 = time.perf_counter()
@@ -502,10 +513,17 @@ def loop(name: str, iterable: Iterable[T]) -> Iterator[T]:
 
 
 @contextmanager
-def checkpointing(**objects: Any) -> Iterator[None]:
+def checkpointing(*, every: int | None = None, **objects: Any) -> Iterator[None]:
     """Objects (modules, optimizers, schedulers, grad scalers, tensors) whose
     state is checkpointed at the end of each outer-loop iteration's training
-    steps and restored during replay and resume."""
+    steps and restored during replay and resume.
+
+    By default the period adapts (seed 001's Joint Invariant, epsilon 1/15 or
+    $HINDSIGHT_EPSILON) so checkpointing costs at most epsilon of training
+    time; ``every=N`` (or $HINDSIGHT_CHECKPOINT_EVERY) checkpoints every Nth
+    outer iteration instead."""
+    if every is not None and every < 1:
+        raise InvalidArgumentError(f"hs.checkpointing(every={every}): must be at least 1")
     for key, obj in objects.items():
         torch = sys.modules.get("torch")
         if not hasattr(obj, "state_dict") and not (torch is not None and isinstance(obj, torch.Tensor)):
@@ -513,6 +531,8 @@ def checkpointing(**objects: Any) -> Iterator[None]:
                                        "state_dict/load_state_dict nor is a tensor")
     run = current()
     run.objects.update(objects)
+    if every is not None:
+        run.every = every
     try:
         yield
     finally:

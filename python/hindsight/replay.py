@@ -54,6 +54,8 @@ class Worker:
     proc: subprocess.Popen[bytes] | None = None
     read_fd: int = -1
     done: int = 0
+    steps: int = 0
+    restored: int = 0
     returncode: int | None = None
     stderr_tail: str = ""
 
@@ -200,7 +202,12 @@ def replay_one(args: argparse.Namespace, db: Any, store_names: set[str], run: di
                     os.close(w.read_fd)
                     open_fds -= 1
                     continue
-                w.done += chunk.count(b"\n")
+                for line in chunk.decode().splitlines():
+                    if line.startswith("steps "):
+                        parts = line.split()
+                        w.steps, w.restored = int(parts[1]), int(parts[3])
+                    elif line.strip():
+                        w.done += 1
             _progress(workers, total, start)
         for w in workers:
             assert w.proc is not None
@@ -222,7 +229,10 @@ def replay_one(args: argparse.Namespace, db: Any, store_names: set[str], run: di
         where = ", ".join(f"{k}={v}" for k, v in ctx) or "top level"
         print(f"DIVERGENCE in run {run['id']}: {len(divergences)} value(s) differ between record and replay; "
               f"first: {name} at {where}: recorded {rec}, replayed {rep}", file=sys.stderr)
-    print(f"replayed {total} iteration(s) in {time.monotonic() - start:.1f}s; new values: {names}")
+    steps = sum(w.steps for w in workers)
+    restored = sum(w.restored for w in workers)
+    print(f"replayed {total} iteration(s) in {time.monotonic() - start:.1f}s: {restored} restored from "
+          f"checkpoints, {steps} inner-loop steps executed; new values: {names}")
     if failed:
         return 1
     if divergences and args.strict:

@@ -30,14 +30,17 @@ pub fn project_home(start: &Path) -> PathBuf {
 
 /// [`project_home`] with the value of `$HINDSIGHT_HOME` given explicitly.
 ///
-/// A relative `start` is taken relative to the current directory, so the
-/// walk up can leave it; symbolic links are not resolved (like Python's
-/// `os.path.abspath`).
+/// `start` is made absolute and its symbolic links resolved first (as
+/// Python's `Path.resolve()` does), so the walk up follows the real
+/// directory tree. The value of `$HINDSIGHT_HOME` is used as given.
 pub fn resolve_home(env: Option<OsString>, start: &Path) -> PathBuf {
     if let Some(home) = env.filter(|h| !h.is_empty()) {
         return PathBuf::from(home);
     }
-    let start = std::path::absolute(start).unwrap_or_else(|_| start.to_path_buf());
+    let start = start
+        .canonicalize()
+        .or_else(|_| std::path::absolute(start))
+        .unwrap_or_else(|_| start.to_path_buf());
     start
         .ancestors()
         .find(|dir| dir.join(".git").exists())
@@ -80,7 +83,7 @@ mod tests {
     #[test]
     fn empty_env_value_counts_as_unset() {
         let dir = tempfile::tempdir().unwrap();
-        let root = dir.path().join("repo");
+        let root = dir.path().canonicalize().unwrap().join("repo");
         fs::create_dir_all(root.join(".git")).unwrap();
         assert_eq!(
             resolve_home(Some(OsString::new()), &root),
@@ -91,7 +94,7 @@ mod tests {
     #[test]
     fn nearest_git_work_tree_wins() {
         let dir = tempfile::tempdir().unwrap();
-        let outer = dir.path().join("outer");
+        let outer = dir.path().canonicalize().unwrap().join("outer");
         let inner = outer.join("vendor/inner");
         let deep = inner.join("src/models");
         fs::create_dir_all(&deep).unwrap();
@@ -106,13 +109,35 @@ mod tests {
     #[test]
     fn without_git_the_start_directory_is_the_project() {
         let dir = tempfile::tempdir().unwrap();
-        let start = dir.path().join("a/b");
+        let start = dir.path().canonicalize().unwrap().join("a/b");
         fs::create_dir_all(&start).unwrap();
         if start.ancestors().any(|d| d.join(".git").exists()) {
             eprintln!("skipped: the temporary directory is inside a git work tree");
             return;
         }
         assert_eq!(resolve_home(None, &start), start.join(".hindsight"));
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn symbolic_links_are_resolved_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().canonicalize().unwrap();
+        let repo = real.join("repo");
+        fs::create_dir_all(repo.join(".git")).unwrap();
+        fs::create_dir_all(repo.join("src")).unwrap();
+        // elsewhere/link -> repo/src: the walk up goes through repo.
+        fs::create_dir(real.join("elsewhere")).unwrap();
+        std::os::unix::fs::symlink(repo.join("src"), real.join("elsewhere/link")).unwrap();
+        assert_eq!(
+            resolve_home(None, &real.join("elsewhere/link")),
+            repo.join(".hindsight")
+        );
+        // A start that does not exist is still made absolute.
+        let missing = real.join("elsewhere/missing");
+        if !missing.ancestors().any(|d| d.join(".git").exists()) {
+            assert_eq!(resolve_home(None, &missing), missing.join(".hindsight"));
+        }
     }
 
     #[test]

@@ -99,11 +99,17 @@ struct Output {
     stderr: String,
 }
 
+/// A project home that does not exist: the tests here never fall back to a
+/// project's store (see `runs.rs` for those that do).
+const NO_HOME: &str = "/nonexistent/hindsight-home";
+
 /// Run `hindsight ARGS` with HINDSIGHT_STORE unset (or set to `env_store`),
 /// replacing `store` in the output with `<STORE>`.
 fn hindsight_env(args: &[&str], store: Option<&Path>, env_store: Option<&str>) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_hindsight"));
-    cmd.args(args).env_remove("HINDSIGHT_STORE");
+    cmd.args(args)
+        .env_remove("HINDSIGHT_STORE")
+        .env("HINDSIGHT_HOME", NO_HOME);
     if let Some(s) = env_store {
         cmd.env("HINDSIGHT_STORE", s);
     }
@@ -437,7 +443,8 @@ fn no_store_given_is_a_usage_error() {
         assert_eq!(o.stdout, "");
         assert_eq!(
             o.stderr,
-            "error: no store given: pass --store PATH or set HINDSIGHT_STORE\n"
+            "error: no store given: pass --store PATH or set HINDSIGHT_STORE \
+             (the project home /nonexistent/hindsight-home has no store)\n"
         );
     }
     // An empty HINDSIGHT_STORE counts as unset.
@@ -445,7 +452,8 @@ fn no_store_given_is_a_usage_error() {
     assert_eq!(o.code, 2);
     assert_eq!(
         o.stderr,
-        "error: no store given: pass --store PATH or set HINDSIGHT_STORE\n"
+        "error: no store given: pass --store PATH or set HINDSIGHT_STORE \
+         (the project home /nonexistent/hindsight-home has no store)\n"
     );
 }
 

@@ -19,22 +19,30 @@ const HOUR: u64 = 3_600_000;
 
 /// A project home (`$HINDSIGHT_HOME`) in a temporary directory.
 struct Project {
-    dir: tempfile::TempDir,
+    _dir: tempfile::TempDir,
+    /// The temporary directory, symbolic links resolved (as the current
+    /// directory of a process appears to it).
+    root: PathBuf,
     home: PathBuf,
     /// Run ids, in the order created, and the placeholders that replace
     /// their random suffixes in output.
     ids: Vec<String>,
+    /// A source hash, replaced by `<SOURCE>` in output.
+    source: Option<String>,
 }
 
 impl Project {
     /// A home without a database or store.
     fn empty() -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let home = dir.path().join("home");
+        let root = dir.path().canonicalize().unwrap();
+        let home = root.join("home");
         Project {
-            dir,
+            _dir: dir,
+            root,
             home,
             ids: Vec::new(),
+            source: None,
         }
     }
 
@@ -54,7 +62,7 @@ impl Project {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_hindsight"));
         cmd.env("HINDSIGHT_HOME", &self.home)
             .env_remove("HINDSIGHT_STORE")
-            .current_dir(self.dir.path());
+            .current_dir(&self.root);
         cmd
     }
 
@@ -72,8 +80,11 @@ impl Project {
                 // Same width: keeps table columns aligned.
                 s = s.replace(id, &format!("{}<run{}>", &id[..16], i + 1));
             }
+            if let Some(hash) = &self.source {
+                s = s.replace(hash, "<SOURCE>");
+            }
             s.replace(self.home.to_str().unwrap(), "<HOME>")
-                .replace(self.dir.path().to_str().unwrap(), "<TMP>")
+                .replace(self.root.to_str().unwrap(), "<TMP>")
         };
         Output {
             code: o.status.code().unwrap(),
@@ -152,6 +163,7 @@ fn project() -> Project {
         r#"{"lr": 0.1, "epochs": 2, "tags": ["a", "b"]}"#,
     );
     r.source_hash = db.put_source(&files).unwrap();
+    p.source = Some(r.source_hash.clone());
     r.git_commit = Some("0123456789abcdef0123456789abcdef01234567".into());
     r.git_dirty = Some(true);
     r.versions_json = r#"{"python": "3.11.4", "torch": "2.3.0", "cuda": null}"#.into();
@@ -159,7 +171,8 @@ fn project() -> Project {
     let mut rec = Vec::new();
     for e in 0..2 {
         for s in 0..2 {
-            let loss = format!("{}", 1.0 / (1 + 2 * e + s) as f64);
+            // As Python writes floats: `1.0`, `0.5`.
+            let loss = format!("{:?}", 1.0 / (1 + 2 * e + s) as f64);
             rec.push(row("loss", &[("epoch", e), ("step", s)], &loss));
         }
         rec.push(row("acc", &[("epoch", e)], &format!("0.{}", 6 + e)));
@@ -224,7 +237,7 @@ fn runs_lists_newest_first() {
             0,
             "\
 RUN                     STATUS     STARTED              DURATION  SCRIPT    ARGS
-20240302-083000-<run3>  running    2024-03-02 08:30:00   running  eval.py   {\"checkpoint\":\"runs/very/long/path/to/...
+20240302-083000-<run3>  running    2024-03-02 08:30:00   running  eval.py   {\"checkpoint\":\"runs/very/long/path/to...
 20240301-180000-<run2>  failed     2024-03-01 18:00:00         -  train.py  {}
 20240301-120000-<run1>  completed  2024-03-01 12:00:00   1:02:03  train.py  {\"lr\":0.1,\"epochs\":2,\"tags\":[\"a\",\"b\"]}
 ",
@@ -346,13 +359,13 @@ fn logs_of_a_run_show_record_values_and_mark_differing_replays() {
         expect(
             0,
             "\
-epoch  step                 loss  acc  grad_norm
-    0                              0.6
-    0     0                  1.0            2.5
-    0     1                  0.5
-    1                              0.7
-    1     0  0.3333333333333333 (replay: 0.34)            NaN
-    1     1                 0.25
+epoch  step                               loss  acc  grad_norm
+    0                                           0.6
+    0     0                                1.0             2.5
+    0     1                                0.5
+    1                                           0.7
+    1     0  0.3333333333333333 (replay: 0.34)             NaN
+    1     1                               0.25
 ",
             ""
         )
@@ -390,14 +403,14 @@ epoch  step  loss  grad_norm
         expect(
             0,
             "\
-epoch  step                                 loss  acc                    final  grad_norm
-                                                       {\"best\":0.7,\"note\":\"ok\"}
-    0                                              0.6
-    0     0                                  1.0                                      2.5
-    0     1                                  0.5
-    1                                              0.7
-    1     0  0.3333333333333333 (replay: 0.34)                                        NaN
-    1     1                                 0.25
+epoch  step                               loss  acc                     final  grad_norm
+                                                     {\"best\":0.7,\"note\":\"ok\"}
+    0                                           0.6
+    0     0                                1.0                                       2.5
+    0     1                                0.5
+    1                                           0.7
+    1     0  0.3333333333333333 (replay: 0.34)                                       NaN
+    1     1                               0.25
 ",
             ""
         )
@@ -497,7 +510,7 @@ ended       2024-03-01 13:02:03 UTC
 duration    1:02:03
 host        box (pid 4242)
 git         0123456789abcdef0123456789abcdef01234567 (dirty)
-source      b1d7ecd1b8b1d4e3c6d0b0c8c1a4aa1f0d7e0c0d6e1d9b4a1a3b5c2e8f9d0a1b (2 files)
+source      <SOURCE> (2 files)
 args        {
               \"lr\": 0.1,
               \"epochs\": 2,
@@ -561,7 +574,7 @@ fn save_checkpoint(home: &Path, name: &str) {
     let root = Node::Dict(vec![(
         Node::Str("w".into()),
         Node::Array(Box::new(Array {
-            lib: ArrayLib::Numpy,
+            lib: ArrayLib::Torch,
             dtype: "float32".into(),
             shape: vec![16],
             byte_order: "little".into(),
@@ -613,8 +626,8 @@ checkpoint  ck-epoch-0
 created     YYYY-MM-DD hh:mm:ss UTC
 format      1
 
-KEY  TYPE                 SIZE
-w    ndarray float32[16]  64 B
+KEY  TYPE                SIZE
+w    tensor float32[16]  64 B
 total: 64 B (64 bytes), 1 array
 "
             .to_string(),
@@ -651,7 +664,7 @@ fn store_commands_default_to_the_project_store() {
         expect(0, "ok   a\nverified 1 checkpoint: all intact\n", "")
     );
     // --store, $HINDSIGHT_STORE and the positional STORE still win.
-    let other = p.dir.path().join("other");
+    let other = p.root.join("other");
     std::fs::create_dir(&other).unwrap();
     let msg = "error: store not found: <TMP>/other (no HINDSIGHT.json in that directory)\n";
     let other = other.to_str().unwrap();
@@ -723,7 +736,7 @@ fn runs_in(p: &Project, cwd: &Path, extra: &[&str]) -> Output {
 #[test]
 fn home_is_found_from_the_git_work_tree() {
     let mut p = Project::empty();
-    let repo = p.dir.path().join("repo");
+    let repo = p.root.join("repo");
     let cwd = repo.join("src/models");
     std::fs::create_dir_all(&cwd).unwrap();
     std::fs::create_dir(repo.join(".git")).unwrap();
@@ -788,7 +801,7 @@ fn home_is_found_from_the_git_work_tree() {
 #[test]
 fn home_without_git_is_in_the_current_directory() {
     let mut p = Project::empty();
-    let cwd = p.dir.path().join("plain/dir");
+    let cwd = p.root.join("plain/dir");
     std::fs::create_dir_all(&cwd).unwrap();
     if cwd.ancestors().any(|d| d.join(".git").exists()) {
         eprintln!("skipped: the temporary directory is inside a git work tree");

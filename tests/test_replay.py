@@ -1,0 +1,196 @@
+"""Hindsight logging end to end: record a real training script, add log
+statements, replay, and compare with a run that logged them from the start."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, hindsight_cmd
+
+ARGS = ["--epochs", "5", "--batches", "6"]
+OUTER_PROBE = ('        sched.step()\n',
+               '        sched.step()\n        hs.log("weight_norm", sum(p.norm().item() ** 2 for p in net.parameters()) ** 0.5)\n')
+INNER_PROBE = ('            opt.step()\n',
+               '            hs.log("grad_norm", sum(p.grad.norm().item() ** 2 for p in net.parameters()) ** 0.5)\n            opt.step()\n')
+
+
+def make_project(root: Path, *edits: tuple[str, str]) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    src = (REPO / "examples" / "train.py").read_text()
+    for old, new in edits:
+        assert old in src
+        src = src.replace(old, new, 1)
+    (root / "train.py").write_text(src)
+    return root / "train.py"
+
+
+def edit(script: Path, *edits: tuple[str, str]) -> None:
+    src = script.read_text()
+    for old, new in edits:
+        assert old in src
+        src = src.replace(old, new, 1)
+    script.write_text(src)
+
+
+def env_for(home: Path, **extra: str) -> dict[str, str]:
+    # Tiny epochs: the adaptive policy would rightly skip most checkpoints.
+    return {**os.environ, "HINDSIGHT_HOME": str(home), "HINDSIGHT_CHECKPOINT_EVERY": "1", **extra}
+
+
+def record(script: Path, home: Path, **env: str) -> None:
+    r = subprocess.run([sys.executable, str(script), *ARGS], env=env_for(home, **env), capture_output=True, text=True,
+                       timeout=300, cwd=script.parent)
+    assert r.returncode == 0, r.stderr
+
+
+def replay(script: Path, home: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*hindsight_cmd(), "replay", str(script), "-q", *extra], env=env_for(home),
+                          capture_output=True, text=True, timeout=300, cwd=script.parent)
+
+
+def values(home: Path, *names: str) -> dict[tuple, dict[str, object]]:
+    """{ctx tuple: {name: value}} of the latest run, via hs.dataframe in a fresh process."""
+    code = (
+        "import json, sys, hindsight as hs\n"
+        "df = hs.dataframe(*sys.argv[1:])\n"
+        "print(df.drop(columns=['run']).to_json(orient='records'))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, *names], env=env_for(home), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    out: dict[tuple, dict[str, object]] = {}
+    for row in json.loads(r.stdout):
+        ctx = tuple((k, row[k]) for k in ("epoch", "step") if row.get(k) is not None)
+        out[ctx] = {n: row[n] for n in names if row.get(n) is not None}
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run that logged the probes from the start."""
+    root = tmp_path_factory.mktemp("reference")
+    script = make_project(root, OUTER_PROBE, INNER_PROBE)
+    record(script, root / ".hindsight")
+    return root / ".hindsight"
+
+
+@pytest.fixture
+def recorded(tmp_path: Path) -> tuple[Path, Path]:
+    script = make_project(tmp_path / "proj")
+    home = tmp_path / "proj" / ".hindsight"
+    record(script, home)
+    return script, home
+
+
+def test_outer_loop_probe_replays_without_running_any_step(recorded, reference):
+    script, home = recorded
+    edit(script, OUTER_PROBE)
+    r = replay(script, home, "--strict")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "partial replay of weight_norm" in r.stdout
+    assert "5 restored from checkpoints, 0 inner-loop steps executed" in r.stdout
+    got = values(home, "weight_norm")
+    want = values(reference, "weight_norm")
+    epochs = {ctx: v for ctx, v in want.items() if "weight_norm" in v}
+    assert len(epochs) == 5
+    for ctx, v in epochs.items():
+        assert got[ctx]["weight_norm"] == v["weight_norm"], ctx
+
+
+def test_inner_loop_probe_with_two_workers_matches_reference(recorded, reference):
+    script, home = recorded
+    edit(script, INNER_PROBE)
+    r = replay(script, home, "-j", "2", "--strict")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "parallel replay of grad_norm on 2 worker(s)" in r.stdout
+    got = values(home, "grad_norm", "loss")
+    want = values(reference, "grad_norm", "loss")
+    steps = {ctx: v for ctx, v in want.items() if "grad_norm" in v}
+    assert len(steps) == 5 * 6
+    for ctx, v in steps.items():
+        assert got[ctx]["grad_norm"] == v["grad_norm"], ctx
+        assert got[ctx]["loss"] == v["loss"], ctx  # record-time losses equal the reference's
+
+
+def test_missing_checkpoints_are_recomputed_from_the_nearest_earlier_one(tmp_path, reference):
+    script = make_project(tmp_path / "proj")
+    home = tmp_path / "proj" / ".hindsight"
+    record(script, home, HINDSIGHT_CHECKPOINT_EVERY="2")  # epochs 0, 2, 4 checkpointed
+    edit(script, OUTER_PROBE)
+    r = replay(script, home, "--strict")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "3 restored from checkpoints, 12 inner-loop steps executed" in r.stdout  # epochs 1 and 3 rerun
+    got, want = values(home, "weight_norm"), values(reference, "weight_norm")
+    for ctx, v in want.items():
+        if "weight_norm" in v:
+            assert got[ctx]["weight_norm"] == v["weight_norm"], ctx
+
+
+def test_where_limits_the_replayed_iterations(recorded):
+    script, home = recorded
+    edit(script, INNER_PROBE)
+    r = replay(script, home, "--where", "epoch >= 3")
+    assert r.returncode == 0, r.stderr
+    got = values(home, "grad_norm")
+    epochs = {ctx[0][1] for ctx, v in got.items() if "grad_norm" in v}
+    assert epochs == {3, 4}
+
+
+def test_script_changed_beyond_logging_is_refused(recorded):
+    script, home = recorded
+    edit(script, OUTER_PROBE, ("lr = hs.arg(\"lr\", 1e-2)", "lr = hs.arg(\"lr\", 1e-2) * 2"))
+    r = replay(script, home)
+    assert r.returncode == 1
+    assert "changed since run" in r.stderr and "* 2" in r.stderr and "--force" in r.stderr
+
+
+def test_nondeterministic_script_is_caught_by_the_divergence_check(recorded):
+    script, home = recorded
+    # Forced past the source check: the model now trains on noisy inputs.
+    edit(script, INNER_PROBE, ("loss = nn.functional.cross_entropy(net(x), y)",
+                               "loss = nn.functional.cross_entropy(net(x + 0.1 * torch.randn(x.shape)), y)"))
+    r = replay(script, home, "--force", "--strict")
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "DIVERGENCE" in r.stderr and "first: loss at epoch=0, step=0" in r.stderr
+
+
+def test_unknown_run_and_missing_script_are_clear_errors(recorded):
+    script, home = recorded
+    r = replay(script, home, "--run", "nope")
+    assert r.returncode == 1 and "nope" in r.stderr
+    r = replay(script.parent / "missing.py", home)
+    assert r.returncode == 1 and "missing.py" in r.stderr
+
+
+def test_two_concurrent_recordings_in_one_project(tmp_path):
+    script = make_project(tmp_path / "proj")
+    home = tmp_path / "proj" / ".hindsight"
+    procs = [subprocess.Popen([sys.executable, str(script), *ARGS, "--seed", str(s)], env=env_for(home),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=script.parent)
+             for s in (1, 2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    code = (
+        "import json, hindsight as hs\n"
+        "from hindsight import _native\n"
+        "import os\n"
+        "db = _native.LogDb(os.path.join(os.environ['HINDSIGHT_HOME'], 'logs.db'))\n"
+        "out = []\n"
+        "for r in db.runs():\n"
+        "    out.append([r['status'], json.loads(r['args_json'])['seed'], len(db.logs(r['id'], ['loss'])),"
+        " len(db.logs(r['id'], ['val_acc'])), len(db.iterations(r['id'], 'epoch'))])\n"
+        "print(json.dumps(sorted(out, key=lambda x: x[1])))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], env=env_for(home), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [["completed", 1, 30, 5, 5], ["completed", 2, 30, 5, 5]]
+    r = subprocess.run([*hindsight_cmd(), "verify", str(home / "store")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout
