@@ -52,7 +52,11 @@ test-python: develop ## pytest suite against real torch
 test: venv lint test-rust test-python ## Everything CI runs: lint, Rust tests, pytest
 
 .PHONY: example
-example: develop-release ## Run the example: train a real model, checkpoint, resume, verify
+example: develop-release ## The main job: record a real training run, then question it by replay
+	$(PY) examples/demo.py --dir .hindsight-demo
+
+.PHONY: example-resume
+example-resume: develop-release ## Checkpoint every epoch, interrupt, resume bit-exactly, verify
 	$(PY) examples/train_checkpointed.py --store .hindsight/example-store
 
 .PHONY: bench
