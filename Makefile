@@ -60,8 +60,9 @@ example-resume: develop-release ## Checkpoint every epoch, interrupt, resume bit
 	$(PY) examples/train_checkpointed.py --store .hindsight/example-store
 
 .PHONY: bench
-bench: develop-release ## Benchmarks against torch.save / torch.load (prints a table)
+bench: develop-release ## Benchmarks: checkpoints vs torch.save / torch.load, record overhead and replay speed (tables)
 	$(PY) benches/bench_checkpoint.py
+	$(PY) benches/bench_replay.py
 
 .PHONY: clean
 clean:

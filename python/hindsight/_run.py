@@ -21,9 +21,12 @@ import json
 import os
 import platform
 import random
+import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -39,6 +42,62 @@ ENV_HOME = "HINDSIGHT_HOME"
 ENV_REPLAY = "HINDSIGHT_REPLAY"
 ENV_EPSILON = "HINDSIGHT_EPSILON"
 ENV_EVERY = "HINDSIGHT_CHECKPOINT_EVERY"
+ENV_RUN_NAME = "HINDSIGHT_RUN_NAME"
+ENV_RESUME = "HINDSIGHT_RESUME"
+DEFAULT_EXIT_CODE = 85
+# <run>.<outer loop>-<epoch>[.step-<step>|.end]
+_CKPT_RE = re.compile(r"^(?P<run>[^.]+)\.(?P<loop>.+?)-(?P<i>\d{6})(?P<kind>\.step-\d{8}|\.end)?$")
+
+
+def _env_float(name: str, scale: float) -> float | None:
+    v = os.environ.get(name)
+    return float(v) * scale if v else None
+
+
+def _resumable(prev: dict[str, Any], explicit: bool) -> bool:
+    """An interrupted run resumes; a 'running' one only if it is certainly dead."""
+    if prev["status"] == "interrupted" or explicit:
+        return True
+    if prev["status"] != "running":
+        return False
+    versions = json.loads(prev["versions_json"] or "{}")
+    job = os.environ.get("SLURM_JOB_ID")
+    if job and versions.get("slurm_job_id") == job:
+        return True  # a requeued batch job: the earlier attempt is gone
+    if prev["host"] == socket.gethostname():
+        try:
+            os.kill(int(prev["pid"]), 0)
+        except ProcessLookupError:
+            return True  # crashed (kill -9, OOM) on this host
+        except PermissionError:
+            return False
+        return False  # a live run of the same command: start a new one
+    return False
+
+
+def _checkpoint_exit_code() -> int:
+    """HTCondor's CheckpointExitCode from the job ad if present, else $HINDSIGHT_EXIT_CODE or 85."""
+    ad = os.environ.get("_CONDOR_JOB_AD")
+    if ad:
+        try:
+            m = re.search(r"^\s*CheckpointExitCode\s*=\s*(\d+)", Path(ad).read_text(), re.MULTILINE)
+            if m:
+                return int(m.group(1))
+        except OSError:
+            pass
+    return int(os.environ.get("HINDSIGHT_EXIT_CODE", DEFAULT_EXIT_CODE))
+
+
+def _advance(it: Iterator[Any], n: int) -> None:
+    """Skip n items. For a single-process DataLoader, skip indices without loading the samples."""
+    sampler_iter = getattr(it, "_sampler_iter", None)
+    if sampler_iter is not None and getattr(it, "_num_workers", 1) == 0 and hasattr(it, "_num_yielded"):
+        for _ in range(n):
+            next(sampler_iter)
+        it._num_yielded += n  # type: ignore[attr-defined]
+        return
+    for _ in range(n):
+        next(it)
 LOG_BATCH = 1024
 MAX_LOGGED_ELEMENTS = 10_000
 _SKIP_DIRS = {".git", ".hindsight", "__pycache__", "node_modules", "site-packages", ".venv", "venv", "build", "target"}
@@ -210,6 +269,16 @@ class Run:
         self.inner_steps_executed = 0
         self.blocks_restored = 0
         self.finished = False
+        # Preemption: set by signal handlers, acted on at the next step boundary.
+        self.stop_signal: int | None = None
+        self.exit_code: int | None = None
+        self.requeue = os.environ.get("HINDSIGHT_SLURM_REQUEUE") == "1"
+        self.safety_seconds: float | None = _env_float("HINDSIGHT_SAFETY_MINUTES", 60.0)
+        self.last_checkpoint_time = time.monotonic()
+        self.retention: dict[str, Any] = {}
+        self.resume: dict[str, Any] | None = None
+        self.block_rng: dict[str, Any] | None = None
+        self.block_iterable: Any = None
         eps = float(os.environ.get(ENV_EPSILON, 1.0 / 15.0))
         self.policy = _native.AdaptivePolicy(eps)
         every = os.environ.get(ENV_EVERY)
@@ -228,16 +297,35 @@ class Run:
             self.progress = self.plan.get("progress_fd")
         else:
             self.mode = "record"
+            self._start_record()
+        atexit.register(self.finish)
+
+    def _start_record(self) -> None:
+        explicit = os.environ.get(ENV_RUN_NAME)
+        key = explicit or hashlib.sha256(json.dumps([str(self.script), sys.argv[1:]]).encode()).hexdigest()[:32]
+        prev = None
+        if os.environ.get(ENV_RESUME, "1") != "0":
+            prev = self.db.find_resumable(key)
+            if prev is not None and not _resumable(prev, explicit is not None):
+                prev = None
+        if prev is not None:
+            self.run_id = prev["id"]
+            self.args = json.loads(prev["args_json"] or "{}")
+            self.db.set_status(self.run_id, "running", False)
+            self.resume = self._latest_checkpoint()
+            where = "the start" if self.resume is None else f"checkpoint {self.resume['name']}"
+            print(f"hindsight: resuming run {self.run_id} from {where}", file=sys.stderr, flush=True)
+        else:
             files = _snapshot_source(self.root, self.script)
             source_hash = self.db.put_source(files)
             commit, dirty = _git(self.root)
             versions = {"python": platform.python_version(), "hindsight": _native.FORMAT_VERSION,
-                        "argv": sys.argv[:], "cwd": os.getcwd(), "executable": sys.executable}
+                        "argv": sys.argv[:], "cwd": os.getcwd(), "executable": sys.executable,
+                        "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
             for mod in ("torch", "numpy"):
                 m = sys.modules.get(mod)
                 if m is not None:
                     versions[mod] = getattr(m, "__version__", "?")
-            key = hashlib.sha256(json.dumps([str(self.script), sys.argv[1:]]).encode()).hexdigest()[:32]
             try:
                 script_rel = str(self.script.relative_to(self.root))
             except ValueError:
@@ -246,8 +334,144 @@ class Run:
                 script_rel, str(self.script), str(self.root), source_hash, "{}", socket.gethostname(),
                 json.dumps(versions), commit, dirty, key,
             )
-            self._wrap_excepthook()
-        atexit.register(self.finish)
+        self._wrap_excepthook()
+        self._install_signals()
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        sigs = [signal.SIGTERM, signal.SIGUSR1]
+        if os.environ.get("HINDSIGHT_CATCH_SIGINT") == "1":
+            sigs.append(signal.SIGINT)
+
+        def handler(signum: int, frame: Any) -> None:
+            # Only a flag: the checkpoint is written on the training thread at
+            # the next step boundary, never inside the handler.
+            if self.stop_signal is None:
+                self.stop_signal = signum
+
+        for sig in sigs:
+            signal.signal(sig, handler)
+
+    def _latest_checkpoint(self) -> dict[str, Any] | None:
+        """The newest complete checkpoint of this run (listed = complete)."""
+        found = []
+        for name in self.store.list():
+            m = _CKPT_RE.match(name)
+            if m and m["run"] == self.run_id:
+                i = int(m["i"])
+                kind = m["kind"] or ""
+                order = (i, 2, 0) if kind == ".end" else (i, 1, 0) if not kind else (i, 0, int(kind[len(".step-"):]))
+                found.append((order, name))
+        for order, name in sorted(found, reverse=True):
+            try:
+                state = self.store.load(name)
+            except Exception as e:  # noqa: BLE001 - try the previous one, say why
+                print(f"hindsight: cannot resume from {name}: {e}", file=sys.stderr)
+                continue
+            kind = "end" if order[1] == 2 else "block" if order[1] == 1 else "step"
+            if kind == "block" and state.get("at") == "iteration":
+                kind = "end"  # taken at the end of an outer iteration without an inner hs.loop
+            return {"name": name, "kind": kind, "epoch": order[0], "step": order[2], "state": state}
+        return None
+
+    def _checkpoint_name(self, i: int, suffix: str = "") -> str:
+        loop = re.sub(r"[^A-Za-z0-9_=+@,-]", "_", self.outer_name or "loop")
+        return f"{self.run_id}.{loop}-{i:06d}{suffix}"
+
+    def _save_now(self, name: str, extra: dict[str, Any], wait: bool) -> None:
+        state = self.capture()
+        state.update(extra)
+        t0 = time.perf_counter()
+        h = self.store.save(name, state, meta={"run": self.run_id, "loop": self.outer_name or "", "index": self.outer_idx})
+        self.last_blocked = time.perf_counter() - t0
+        self.last_checkpoint_time = time.monotonic()
+        if wait:
+            h.wait()
+            self.store.flush()
+
+    def _step_boundary(self, i: int, j: int) -> None:
+        """Between two training steps: act on a signal or a due safety checkpoint."""
+        if self.mode != "record" or not self.objects:
+            if self.stop_signal is not None and self.mode == "record":
+                self._exit_for_signal()
+            return
+        mid = {"block_rng": self.block_rng, "position": [i, j]}
+        loader = self.block_iterable
+        if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict") and not hasattr(loader, "parameters"):
+            mid["loader_state"] = loader.state_dict()
+        if self.stop_signal is not None:
+            self.flush_logs()
+            self._save_now(self._checkpoint_name(i, f".step-{j:08d}"), mid, wait=True)
+            self._exit_for_signal()
+        if self.safety_seconds is not None and time.monotonic() - self.last_checkpoint_time > self.safety_seconds:
+            self.flush_logs()
+            self._save_now(self._checkpoint_name(i, f".step-{j:08d}"), mid, wait=False)
+
+    def _iteration_boundary(self, i: int) -> None:
+        """After outer iteration i: act on a signal (the next iteration starts afresh on resume)."""
+        if self.stop_signal is None or self.mode != "record":
+            return
+        self.flush_logs()
+        if self.objects:
+            self._save_now(self._checkpoint_name(i, ".end"), {}, wait=True)
+        self._exit_for_signal()
+
+    def _exit_for_signal(self) -> None:
+        sig = self.stop_signal
+        self.flush_logs()
+        if self._store is not None:
+            self._store.flush()
+        self.db.set_status(self.run_id, "interrupted")
+        self.finished = True
+        code = self.exit_code if self.exit_code is not None else _checkpoint_exit_code()
+        if self.requeue and os.environ.get("SLURM_JOB_ID"):
+            try:
+                subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], timeout=60, check=False)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                print(f"hindsight: scontrol requeue failed: {e}", file=sys.stderr)
+        name = signal.Signals(sig).name if sig is not None else "signal"
+        print(f"hindsight: {name}: checkpointed run {self.run_id}; exiting with {code} to be rescheduled",
+              file=sys.stderr, flush=True)
+        raise SystemExit(code)
+
+    def apply_retention(self, final: bool = False) -> None:
+        if self.mode != "record" or not self.retention or self._store is None:
+            return
+        ckpts: list[tuple[int, str]] = []
+        superseded: list[str] = []
+        newest_block = -1
+        for name in self.store.list():
+            m = _CKPT_RE.match(name)
+            if not m or m["run"] != self.run_id:
+                continue
+            if m["kind"]:
+                superseded.append(name)
+            else:
+                ckpts.append((int(m["i"]), name))
+                newest_block = max(newest_block, int(m["i"]))
+        metric = self.retention.get("best_metric")
+        values: dict[int, float] = {}
+        if metric:
+            self.flush_logs()
+            for _name, ctx, value, _phase, _seq in self.db.logs(self.run_id, [metric]):
+                if len(ctx) == 1:
+                    try:
+                        values[ctx[0][1]] = float(json.loads(value))
+                    except (TypeError, ValueError):
+                        pass
+        keep = _native.retention_keep(
+            [(i, values.get(i)) for i, _ in ckpts], self.retention.get("keep_last"),
+            self.retention.get("keep_best"), self.retention.get("best_mode", "min"), self.retention.get("keep_every"))
+        for (i, name), k in zip(ckpts, keep):
+            if not k:
+                self.store.remove(name)
+        for name in superseded:
+            m = _CKPT_RE.match(name)
+            if m is not None and int(m["i"]) < newest_block:
+                self.store.remove(name)
+        if final:
+            self.store.gc()
 
     # -- plumbing ------------------------------------------------------------
     @property
@@ -288,6 +512,8 @@ class Run:
                 pass
         if self._store is not None:
             self._store.flush()
+            if status == "completed":
+                self.apply_retention(final=True)
         if self.mode == "record":
             self.db.set_status(self.run_id, status)
 
@@ -330,6 +556,7 @@ class Run:
         self.stack.append(entry)
         self.outer_name = name
         last_needed = max(self.modes, default=-1) if self.mode == "replay" else None
+        resume = self.resume
         try:
             for i, x in enumerate(iterable):
                 if self.mode == "replay":
@@ -338,6 +565,13 @@ class Run:
                         break
                     if self.modes.get(i, "skip") == "skip":
                         continue
+                if resume is not None:
+                    first = resume["epoch"] + 1 if resume["kind"] == "end" else resume["epoch"]
+                    if i < first:
+                        continue  # done before the interruption; its state is in the checkpoint
+                    if resume["kind"] == "end":
+                        self._apply(resume["state"], resume["name"])
+                        resume = self.resume = None
                 entry[1] = i
                 self.outer_idx = i
                 self.iter_start = time.perf_counter()
@@ -346,8 +580,10 @@ class Run:
                 self.iter_materialize = None
                 yield x
                 if not self.block_done:
-                    self._end_block(i)
+                    self._end_block(i, at="iteration")
                 self._end_iteration(i)
+                resume = self.resume
+                self._iteration_boundary(i)
         finally:
             self.stack.remove(entry)
             self.flush_logs()
@@ -359,26 +595,62 @@ class Run:
             self.block_done = True
             self._restore(i)
             return
+        resume = self.resume
+        if resume is not None and resume["epoch"] == i and resume["kind"] == "block":
+            # Interrupted after this block's checkpoint: restore it, skip the steps.
+            self.resume = None
+            self.block_done = True
+            self._apply(resume["state"], resume["name"])
+            return
         entry: list[Any] = [name, -1]
         self.stack.append(entry)
         ok = False
+        start = 0
+        self.block_iterable = iterable
         try:
-            for j, x in enumerate(iterable):
+            if resume is not None and resume["epoch"] == i and resume["kind"] == "step":
+                self.resume = None
+                it, start = self._resume_steps(iterable, resume)
+            else:
+                self.block_rng = rng_state()  # before iter(): a DataLoader draws its order here
+                it = iter(iterable)
+            for j, x in enumerate(it, start):
                 entry[1] = j
                 if self.mode == "replay":
                     self.inner_steps_executed += 1
                 yield x
+                self._step_boundary(i, j)
             ok = True
         except GeneratorExit:
             ok = True  # `break` out of the steps: the block still ended
             raise
         finally:
             self.stack.remove(entry)
+            self.block_iterable = None
             if ok and not self.block_done:
                 self._end_block(i)
 
+    def _resume_steps(self, iterable: Any, resume: dict[str, Any]) -> tuple[Iterator[Any], int]:
+        """Continue an interrupted block exactly: same data order, no sample repeated or skipped."""
+        state = resume["state"]
+        self._apply_objects(state, resume["name"])
+        done = int(state["position"][1]) + 1
+        if "loader_state" in state and hasattr(iterable, "load_state_dict"):
+            iterable.load_state_dict(state["loader_state"])  # a stateful loader knows its own position
+            self.block_rng = state["block_rng"]
+            it = iter(iterable)
+        else:
+            # Re-create the epoch's order from the RNG state it was drawn from,
+            # then step over what was consumed before the interruption.
+            set_rng_state(state["block_rng"])
+            self.block_rng = state["block_rng"]
+            it = iter(iterable)
+            _advance(it, done)
+        set_rng_state(state["rng"])
+        return it, done
+
     # -- checkpoints -------------------------------------------------------------
-    def _end_block(self, i: int) -> None:
+    def _end_block(self, i: int, at: str = "block") -> None:
         self.block_done = True
         if self.mode != "record" or not self.objects:
             return
@@ -389,14 +661,11 @@ class Run:
                 return
         elif not self.policy.observe_iteration(compute, expected):
             return
-        name = f"{self.run_id}.{self.outer_name}-{i:06d}"
-        t0 = time.perf_counter()
-        self.store.save(name, self.capture(), meta={"run": self.run_id, "loop": self.outer_name or "", "index": i})
-        blocked = time.perf_counter() - t0
-        self.policy.observe_materialize(blocked)
-        self.last_blocked = blocked
+        name = self._checkpoint_name(i)
+        self._save_now(name, {"at": at}, wait=False)
+        self.policy.observe_materialize(self.last_blocked or 0.0)
         self.iter_checkpoint = name
-        self.iter_materialize = blocked
+        self.iter_materialize = self.last_blocked
 
     def _estimate_materialize(self) -> float:
         nbytes = 0
@@ -409,6 +678,9 @@ class Run:
         if self.mode == "record":
             self.db.record_iteration(self.run_id, self.outer_name, i, time.perf_counter() - self.iter_start,
                                      self.iter_checkpoint, self.iter_materialize)
+            if self.retention and self.iter_checkpoint is not None:
+                self.flush_logs()
+                self.apply_retention()
         elif self.progress is not None:
             try:
                 os.write(self.progress, f"{i}\n".encode())
@@ -422,14 +694,19 @@ class Run:
             objs[key] = obj.state_dict() if hasattr(obj, "state_dict") else obj
         return {"objects": objs, "rng": rng_state(), "loop": [(e[0], e[1]) for e in self.stack]}
 
+    def _apply_objects(self, state: dict[str, Any], name: str) -> None:
+        apply_state(self.objects, state["objects"], name)
+
+    def _apply(self, state: dict[str, Any], name: str) -> None:
+        self._apply_objects(state, name)
+        set_rng_state(state["rng"])
+
     def _restore(self, i: int) -> None:
         name = self.checkpoints.get(i)
         if name is None:
             raise ReplayError(f"replay plan has no checkpoint for {self.outer_name} {i}")
         t0 = time.perf_counter()
-        state = self.store.load(name)
-        apply_state(self.objects, state["objects"], name)
-        set_rng_state(state["rng"])
+        self._apply(self.store.load(name), name)
         self.blocks_restored += 1
         try:
             self.db.set_restore_seconds(self.run_id, self.outer_name or "", i, time.perf_counter() - t0)
@@ -513,17 +790,45 @@ def loop(name: str, iterable: Iterable[T]) -> Iterator[T]:
 
 
 @contextmanager
-def checkpointing(*, every: int | None = None, **objects: Any) -> Iterator[None]:
+def checkpointing(
+    *,
+    every: int | None = None,
+    keep_last: int | None = None,
+    keep_best: int | None = None,
+    best_metric: str | None = None,
+    best_mode: str = "min",
+    keep_every: int | None = None,
+    safety_minutes: float | None = None,
+    exit_code: int | None = None,
+    requeue: bool | None = None,
+    **objects: Any,
+) -> Iterator[None]:
     """Objects (modules, optimizers, schedulers, grad scalers, tensors) whose
     state is checkpointed at the end of each outer-loop iteration's training
-    steps and restored during replay and resume.
+    steps, restored during replay, and resumed after preemption.
 
-    By default the period adapts (seed 001's Joint Invariant, epsilon 1/15 or
-    $HINDSIGHT_EPSILON) so checkpointing costs at most epsilon of training
-    time; ``every=N`` (or $HINDSIGHT_CHECKPOINT_EVERY) checkpoints every Nth
-    outer iteration instead."""
+    Period: adaptive by default (seed 001's Joint Invariant, epsilon 1/15 or
+    $HINDSIGHT_EPSILON, so checkpointing costs at most epsilon of training
+    time); ``every=N`` (or $HINDSIGHT_CHECKPOINT_EVERY) fixes it.
+
+    Preemption: SIGTERM and SIGUSR1 (SIGINT with $HINDSIGHT_CATCH_SIGINT=1)
+    make the loop checkpoint at the next step boundary, wait until durable,
+    and exit with ``exit_code`` (default: HTCondor's CheckpointExitCode, else
+    $HINDSIGHT_EXIT_CODE, else 85); ``requeue=True`` (or
+    $HINDSIGHT_SLURM_REQUEUE=1) runs ``scontrol requeue $SLURM_JOB_ID`` first.
+    ``safety_minutes`` (or $HINDSIGHT_SAFETY_MINUTES) adds a time-based
+    checkpoint so a kill -9 loses at most that much work.
+
+    Retention (a union; the newest checkpoint is always kept): ``keep_last=N``,
+    ``keep_best=K`` by the epoch-level log ``best_metric`` (``best_mode`` "min"
+    or "max"), ``keep_every=N`` epochs.
+    """
     if every is not None and every < 1:
         raise InvalidArgumentError(f"hs.checkpointing(every={every}): must be at least 1")
+    if keep_best is not None and not best_metric:
+        raise InvalidArgumentError("hs.checkpointing(keep_best=...) needs best_metric='<logged name>'")
+    if best_mode not in ("min", "max"):
+        raise InvalidArgumentError(f"hs.checkpointing(best_mode={best_mode!r}): use 'min' or 'max'")
     for key, obj in objects.items():
         torch = sys.modules.get("torch")
         if not hasattr(obj, "state_dict") and not (torch is not None and isinstance(obj, torch.Tensor)):
@@ -533,6 +838,16 @@ def checkpointing(*, every: int | None = None, **objects: Any) -> Iterator[None]
     run.objects.update(objects)
     if every is not None:
         run.every = every
+    if safety_minutes is not None:
+        run.safety_seconds = safety_minutes * 60.0
+    if exit_code is not None:
+        run.exit_code = exit_code
+    if requeue is not None:
+        run.requeue = requeue
+    policy = {"keep_last": keep_last, "keep_best": keep_best, "best_metric": best_metric,
+              "best_mode": best_mode, "keep_every": keep_every}
+    if any(v is not None for k, v in policy.items() if k != "best_mode"):
+        run.retention = policy
     try:
         yield
     finally:

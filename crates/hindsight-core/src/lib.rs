@@ -6,6 +6,7 @@ pub mod error;
 pub mod format;
 pub mod logdb;
 pub mod plan;
+pub mod retention;
 pub mod storage;
 pub mod store;
 pub mod writer;

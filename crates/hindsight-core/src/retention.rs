@@ -1,0 +1,173 @@
+//! Which checkpoints a retention policy keeps. Pure: the caller lists the
+//! complete checkpoints and removes the others (durably, then gc).
+//!
+//! Policies combine as a union: a checkpoint is kept when any policy keeps
+//! it. The newest checkpoint is always kept, whatever the policy says, so a
+//! resume always has somewhere to start.
+
+use crate::error::{Error, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BestMode {
+    Min,
+    Max,
+}
+
+impl std::str::FromStr for BestMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "min" => Ok(BestMode::Min),
+            "max" => Ok(BestMode::Max),
+            other => Err(Error::invalid(
+                "best mode",
+                format!("{other:?} is not 'min' or 'max'"),
+            )),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Retention {
+    /// Keep the N newest.
+    pub keep_last: Option<usize>,
+    /// Keep the K best by a metric.
+    pub keep_best: Option<(usize, BestMode)>,
+    /// Keep every checkpoint whose index is a multiple of N.
+    pub keep_every: Option<u64>,
+}
+
+impl Retention {
+    pub fn is_empty(&self) -> bool {
+        self.keep_last.is_none() && self.keep_best.is_none() && self.keep_every.is_none()
+    }
+}
+
+/// One complete checkpoint: its position (e.g. epoch) and, if known, its metric.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Candidate {
+    pub index: u64,
+    pub metric: Option<f64>,
+}
+
+/// A keep flag for each candidate. With no policy, everything is kept.
+pub fn select(candidates: &[Candidate], policy: &Retention) -> Vec<bool> {
+    if policy.is_empty() || candidates.is_empty() {
+        return vec![true; candidates.len()];
+    }
+    let mut keep = vec![false; candidates.len()];
+    let mut by_age: Vec<usize> = (0..candidates.len()).collect();
+    by_age.sort_by_key(|&i| std::cmp::Reverse(candidates[i].index));
+    keep[by_age[0]] = true;
+    if let Some(n) = policy.keep_last {
+        by_age.iter().take(n).for_each(|&i| keep[i] = true);
+    }
+    if let Some(every) = policy.keep_every.filter(|&e| e > 0) {
+        for (i, c) in candidates.iter().enumerate() {
+            if c.index % every == 0 {
+                keep[i] = true;
+            }
+        }
+    }
+    if let Some((k, mode)) = policy.keep_best {
+        let mut scored: Vec<(usize, f64)> = candidates
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| c.metric.filter(|m| !m.is_nan()).map(|m| (i, m)))
+            .collect();
+        // Best first; among equal metrics the newer wins.
+        scored.sort_by(|a, b| {
+            let ord = a.1.total_cmp(&b.1);
+            let ord = if mode == BestMode::Max {
+                ord.reverse()
+            } else {
+                ord
+            };
+            ord.then(candidates[b.0].index.cmp(&candidates[a.0].index))
+        });
+        scored.iter().take(k).for_each(|&(i, _)| keep[i] = true);
+    }
+    keep
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn c(index: u64, metric: Option<f64>) -> Candidate {
+        Candidate { index, metric }
+    }
+
+    #[test]
+    fn last_two_plus_best_one() {
+        let cs: Vec<_> = [0.9, 0.5, 0.7, 0.8, 0.6]
+            .iter()
+            .enumerate()
+            .map(|(i, &m)| c(i as u64, Some(m)))
+            .collect();
+        let p = Retention {
+            keep_last: Some(2),
+            keep_best: Some((1, BestMode::Min)),
+            keep_every: None,
+        };
+        assert_eq!(select(&cs, &p), vec![false, true, false, true, true]);
+        let p = Retention {
+            keep_best: Some((2, BestMode::Max)),
+            ..Default::default()
+        };
+        // best by max: 0 (0.9) and 3 (0.8); newest (4) always kept
+        assert_eq!(select(&cs, &p), vec![true, false, false, true, true]);
+    }
+
+    #[test]
+    fn keep_every_and_missing_metrics() {
+        let cs = vec![
+            c(0, None),
+            c(1, None),
+            c(2, Some(f64::NAN)),
+            c(3, None),
+            c(4, None),
+        ];
+        let p = Retention {
+            keep_every: Some(2),
+            keep_best: Some((3, BestMode::Min)),
+            ..Default::default()
+        };
+        assert_eq!(select(&cs, &p), vec![true, false, true, false, true]);
+    }
+
+    #[test]
+    fn no_policy_keeps_all() {
+        assert_eq!(
+            select(&[c(1, None), c(0, None)], &Retention::default()),
+            vec![true, true]
+        );
+        assert!(select(
+            &[],
+            &Retention {
+                keep_last: Some(1),
+                ..Default::default()
+            }
+        )
+        .is_empty());
+    }
+
+    proptest! {
+        #[test]
+        fn newest_is_always_kept_and_keep_last_counts(
+            idx in prop::collection::btree_set(0u64..1000, 1..40),
+            n in 0usize..5, k in 0usize..4, every in 0u64..5,
+        ) {
+            let cs: Vec<_> = idx.iter().map(|&i| c(i, Some((i * 7919 % 101) as f64))).collect();
+            let p = Retention { keep_last: Some(n), keep_best: Some((k, BestMode::Min)), keep_every: Some(every) };
+            let keep = select(&cs, &p);
+            let newest = cs.iter().enumerate().max_by_key(|(_, c)| c.index).map(|(i, _)| i).unwrap();
+            prop_assert!(keep[newest]);
+            let kept = keep.iter().filter(|&&b| b).count();
+            let every_kept = if every > 0 { cs.iter().filter(|c| c.index % every == 0).count() } else { 0 };
+            prop_assert!(kept <= 1 + n + k + every_kept);
+            prop_assert!(kept >= n.min(cs.len()).max(1));
+        }
+    }
+}
