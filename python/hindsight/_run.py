@@ -49,6 +49,15 @@ DEFAULT_EXIT_CODE = 85
 _CKPT_RE = re.compile(r"^(?P<run>[^.]+)\.(?P<loop>.+?)-(?P<i>\d{6})(?P<kind>\.step-\d{8}|\.end)?$")
 
 
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("hindsight")
+    except Exception:  # noqa: BLE001 - informational only
+        return "unknown"
+
+
 def _env_float(name: str, scale: float) -> float | None:
     v = os.environ.get(name)
     return float(v) * scale if v else None
@@ -319,7 +328,7 @@ class Run:
             files = _snapshot_source(self.root, self.script)
             source_hash = self.db.put_source(files)
             commit, dirty = _git(self.root)
-            versions = {"python": platform.python_version(), "hindsight": _native.FORMAT_VERSION,
+            versions = {"python": platform.python_version(), "hindsight": _package_version(),
                         "argv": sys.argv[:], "cwd": os.getcwd(), "executable": sys.executable,
                         "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
             for mod in ("torch", "numpy"):
