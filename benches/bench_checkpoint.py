@@ -3,8 +3,9 @@
     make bench                      # builds the release extension first
     python benches/bench_checkpoint.py [--json results.json] [--keep] [--only AB]
 
-Everything is written under ``bench-out/`` in the repository root (git-ignored)
-and removed at the end. Cases:
+Everything is written under ``bench-out/checkpoint/`` in the repository root
+(git-ignored) and removed at the end (``bench-out/`` too, if nothing else is in
+it: other benchmarks use their own directories beside this one). Cases:
 
 A  ~1 GiB float32 state dict, every tensor changed before every save:
    time the caller is blocked in save, time until durable, full / partial load.
@@ -43,7 +44,7 @@ import torch
 import hindsight
 
 REPO = Path(__file__).resolve().parent.parent
-OUT = REPO / "bench-out"
+OUT = REPO / "bench-out" / "checkpoint"
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -498,12 +499,12 @@ def case_c(tab: Table, raw: dict[str, Any]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    ap.add_argument("--keep", action="store_true", help="leave bench-out/ in place")
+    ap.add_argument("--keep", action="store_true", help="leave bench-out/checkpoint/ in place")
     ap.add_argument("--only", default="ABC", help="cases to run (default ABC)")
     args = ap.parse_args()
 
     shutil.rmtree(OUT, ignore_errors=True)
-    OUT.mkdir()
+    OUT.mkdir(parents=True)
     started = now()
     cpu0 = cpu_snapshot()
     try:
@@ -513,7 +514,7 @@ def main() -> int:
         print(f"  cpu        {info['cpu']}, {info['cores']} cores (torch threads: {info['torch_threads']})")
         print(f"  ram        {fmt_b(ram) if ram else 'unknown'}")
         print(f"  torch      {info['torch']}, python {info['python']}, kernel {info['kernel']}")
-        print(f"  filesystem {info['filesystem']}  [bench-out/]")
+        print(f"  filesystem {info['filesystem']}  [bench-out/checkpoint/]")
         print(f"  git        {info['git']}")
         fresh, mapped = memory_probe()
         info.update(fill_fresh_s_per_gib=fresh, fill_mapped_s_per_gib=mapped, balloon_reporting=balloon_reporting())
@@ -534,8 +535,9 @@ def main() -> int:
         print()
         print("ratio = hindsight / torch (lower is better). blocked = time the calling thread spends")
         print("in the save call; durable = until the data is on disk (hindsight: h.wait()).")
-        print()
-        print("repeated measurements, in order (ms):")
+        if raw.get("spread"):
+            print()
+            print("repeated measurements, in order (ms):")
         for label, xs in raw.get("spread", []):
             print(f"  {label:<22} " + " ".join(f"{x * 1000:6.0f}" for x in xs))
         busy, steal, own = (b - a for a, b in zip(cpu0, cpu_snapshot()))
@@ -554,6 +556,10 @@ def main() -> int:
     finally:
         if not args.keep:
             shutil.rmtree(OUT, ignore_errors=True)
+            try:
+                OUT.parent.rmdir()  # bench-out/, if nothing else is in it
+            except OSError:
+                pass
     return 0
 
 

@@ -101,7 +101,7 @@ impl Budget {
         // memory is undefined behaviour. Large fresh blocks are usually zero
         // pages from mmap, and steady-state saves reuse pooled blocks, so the
         // zeroing is rarely paid.
-        vec![0u8; len]
+        crate::mem::zeroed(len)
     }
 
     fn release(&self, buf: Vec<u8>) {

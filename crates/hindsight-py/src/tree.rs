@@ -364,7 +364,7 @@ pub fn read_blobs(
     });
     let mut buffers: Vec<Vec<u8>> = blobs
         .iter()
-        .map(|(_, b)| vec![0u8; b.nbytes as usize])
+        .map(|(_, b)| core::mem::zeroed(b.nbytes as usize))
         .collect();
     let mut work = Vec::new();
     for ((key, blob), buf) in blobs.iter().zip(buffers.iter_mut()) {
