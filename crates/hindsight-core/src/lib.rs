@@ -5,6 +5,7 @@ pub mod durable;
 pub mod error;
 pub mod format;
 pub mod logdb;
+pub mod mem;
 pub mod plan;
 pub mod retention;
 pub mod storage;
