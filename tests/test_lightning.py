@@ -1,0 +1,348 @@
+"""hindsight.lightning: the PyTorch Lightning callback and CheckpointIO, on CPU
+with real Trainer.fit runs and real signals. Skipped when Lightning is absent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import run_py
+
+torch = pytest.importorskip("torch")
+
+# Lightning (with torch 2.15) warns about its own use of a deprecated torch API,
+# and about mid-epoch resume with a plain DataLoader (documented behaviour).
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:.*dataloader is not resumable.*"),
+]
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+@pytest.fixture
+def pl(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """lightning.pytorch; global state Trainer(deterministic=True) and
+    seed_everything change is put back afterwards, signal handlers too."""
+    pytest.importorskip("lightning")
+    import lightning.pytorch as pl
+
+    for var in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "CUBLAS_WORKSPACE_CONFIG", "HINDSIGHT_EXIT_CODE",
+                "_CONDOR_JOB_AD", "SLURM_JOB_ID", "HINDSIGHT_SLURM_REQUEUE"):
+        monkeypatch.delenv(var, raising=False)
+    det = torch.are_deterministic_algorithms_enabled()
+    handlers = {s: signal.getsignal(s) for s in SIGNALS}
+    yield pl
+    torch.use_deterministic_algorithms(det)
+    for s, h in handlers.items():
+        signal.signal(s, h)
+
+
+def _classes(pl: Any) -> Any:
+    class Tiny(pl.LightningModule):
+        """Linear-dropout-linear regression; logs a per-epoch score for keep_best."""
+
+        def __init__(self, lr: float = 0.05, scores: list[float] | None = None, signal_at: int | None = None,
+                     extra: Any = None) -> None:
+            super().__init__()
+            self.save_hyperparameters("lr", "extra")
+            self.scores = scores
+            self.signal_at = signal_at
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
+            self.epochs_trained: list[int] = []  # epochs in which training steps ran
+            self.first_step: int | None = None  # global step before the first training step
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            if self.first_step is None:
+                self.first_step = self.global_step
+            if self.current_epoch not in self.epochs_trained:
+                self.epochs_trained.append(self.current_epoch)
+            if self.signal_at is not None and self.global_step == self.signal_at:
+                os.kill(os.getpid(), signal.SIGUSR1)  # preemption notice, handled at the batch end
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            if self.scores is not None:
+                self.log("score", self.scores[self.current_epoch], on_step=False, on_epoch=True)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.9)}
+
+    return Tiny
+
+
+def _loader() -> Any:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+    return DataLoader(ds, batch_size=8, shuffle=True)  # 8 steps per epoch, order drawn from the global RNG
+
+
+def _fit(pl: Any, root: Path, epochs: int, callbacks: list[Any], ckpt_path: str | None = None,
+         **model_kw: Any) -> tuple[Any, Any]:
+    pl.seed_everything(0, verbose=False)
+    model = _classes(pl)(**model_kw)
+    trainer = pl.Trainer(max_epochs=epochs, callbacks=callbacks, deterministic=True, default_root_dir=root,
+                         enable_progress_bar=False, logger=False, enable_checkpointing=False,
+                         enable_model_summary=False)
+    trainer.fit(model, _loader(), ckpt_path=ckpt_path)
+    return model, trainer
+
+
+def _same_weights(a: Any, b: Any) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_epochs_retention_and_exact_resume(pl: Any, tmp_path: Path) -> None:
+    import hindsight as hs
+    from hindsight.lightning import HindsightCheckpoint
+
+    reference, _ = _fit(pl, tmp_path, 5, [])
+
+    store = hs.Store(tmp_path / "store")
+    cb = HindsightCheckpoint(store, keep_last=2)
+    saved: list[str | None] = []
+
+    class Probe(pl.Callback):  # runs after cb (callbacks run in list order)
+        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            saved.append(cb.last_saved)
+
+    original = {s: signal.getsignal(s) for s in SIGNALS}
+    model3, t3 = _fit(pl, tmp_path, 3, [cb, Probe()])
+    assert saved == ["lightning.epoch-000000", "lightning.epoch-000001", "lightning.epoch-000002"]
+    # retention keep_last=2 after fit end (removed durably, chunks gc'ed)
+    assert store.list() == ["lightning.epoch-000001", "lightning.epoch-000002"]
+    assert store.verify() == []
+    assert {s: signal.getsignal(s) for s in SIGNALS} == original  # handlers put back
+    info = store.info("lightning.epoch-000002")
+    assert info["meta"]["epoch"] == "2" and info["meta"]["global_step"] == "24"
+
+    ckpt = hs.lightning.load(store)  # the dict Lightning would restore
+    assert ckpt["epoch"] == 2 and ckpt["global_step"] == 24
+    assert ckpt["hyper_parameters"] == {"lr": 0.05, "extra": None}
+    assert set(ckpt) >= {"state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks"}
+    assert torch.equal(ckpt["state_dict"]["net.0.weight"], model3.net[0].weight)
+    assert list(ckpt["state_dict"]) == list(model3.state_dict())
+
+    path = HindsightCheckpoint.latest_path(store)
+    assert path == "hindsight://lightning.epoch-000002"
+    assert HindsightCheckpoint.latest_path(tmp_path / "store") == path  # a path works too
+    assert HindsightCheckpoint.latest_path(tmp_path / "missing") is None
+
+    cb5 = HindsightCheckpoint(store, keep_last=2)
+    assert cb5.resume_path() == path
+    model5, t5 = _fit(pl, tmp_path, 5, [cb5], ckpt_path=path)
+    assert model5.epochs_trained == [3, 4] and model5.first_step == 24  # resumed at epoch 3
+    assert t5.global_step == 40
+    assert _same_weights(model5, reference)  # bit-identical to the uninterrupted 5-epoch fit
+    assert store.list() == ["lightning.epoch-000003", "lightning.epoch-000004"]
+
+    # The installed CheckpointIO passes ordinary paths through and writes hindsight:// ones.
+    t5.save_checkpoint(tmp_path / "plain.ckpt")
+    assert (tmp_path / "plain.ckpt").exists()
+    t5.save_checkpoint("hindsight://manual")
+    store.flush()
+    assert "manual" in store.list()
+
+
+def test_keep_best_and_keep_every(pl: Any, tmp_path: Path) -> None:
+    import hindsight as hs
+    from hindsight.lightning import HindsightCheckpoint
+
+    store = hs.Store(tmp_path / "store")
+    scores = [3.0, 1.0, 2.0, 4.0, 5.0, 6.0]
+    cb = HindsightCheckpoint(store, keep_last=1, keep_best=1, monitor="score", mode="min", keep_every=4)
+    _fit(pl, tmp_path, 6, [cb], scores=scores)
+    # best (epoch 1, score 1.0), every 4th (epochs 0, 4), newest (epoch 5)
+    assert store.list() == ["lightning.epoch-000000", "lightning.epoch-000001", "lightning.epoch-000004",
+                            "lightning.epoch-000005"]
+    assert store.info("lightning.epoch-000001")["meta"]["metric"] == "1.0"
+
+
+def test_signal_in_process_then_resume(pl: Any, tmp_path: Path) -> None:
+    import hindsight as hs
+    from hindsight.lightning import HindsightCheckpoint
+
+    store = hs.Store(tmp_path / "store")
+    cb = HindsightCheckpoint(store)
+    original = {s: signal.getsignal(s) for s in SIGNALS}
+    with pytest.raises(SystemExit) as exc:
+        _fit(pl, tmp_path, 2, [cb], signal_at=11)  # epoch 1, 4th batch
+    assert exc.value.code == 85
+    assert {s: signal.getsignal(s) for s in SIGNALS} == original  # handlers put back
+    assert cb.stop_signal == signal.SIGUSR1
+    # global step 12 was done when the flag was seen; the checkpoint is durable
+    assert store.list() == ["lightning.epoch-000000", "lightning.epoch-000001.step-000000012"]
+    assert store.verify() == []
+    assert HindsightCheckpoint.latest(store) == "lightning.epoch-000001.step-000000012"
+
+    cb2 = HindsightCheckpoint(store, keep_last=1)
+    model, t = _fit(pl, tmp_path, 2, [cb2], ckpt_path=cb2.resume_path())
+    assert model.epochs_trained == [1] and model.first_step == 12  # resumed at the next step
+    assert t.global_step == 16
+    assert store.list() == ["lightning.epoch-000001"]  # the mid-epoch one is superseded
+    # Not compared with `reference`: with a plain DataLoader Lightning draws the
+    # rest of the epoch from a fresh iterator (documented limitation).
+
+
+def test_signal_exit_code_from_environment(pl: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hindsight as hs
+    from hindsight.lightning import HindsightCheckpoint
+
+    ad = tmp_path / "job.ad"
+    ad.write_text('Owner = "me"\nCheckpointExitCode = 77\n')
+    monkeypatch.setenv("_CONDOR_JOB_AD", str(ad))
+    store = hs.Store(tmp_path / "store")
+    with pytest.raises(SystemExit) as exc:
+        _fit(pl, tmp_path, 1, [HindsightCheckpoint(store)], signal_at=2)
+    assert exc.value.code == 77
+    with pytest.raises(SystemExit) as exc:
+        _fit(pl, tmp_path, 1, [HindsightCheckpoint(store, exit_code=3)], signal_at=2)
+    assert exc.value.code == 3
+
+
+def test_unsupported_hyperparameters_fail_at_fit_start(pl: Any, tmp_path: Path) -> None:
+    import hindsight as hs
+    from hindsight.lightning import HindsightCheckpoint
+
+    store = hs.Store(tmp_path / "store")
+    with pytest.raises(hs.UnsupportedTypeError, match=r"hyper_parameters/extra .*PosixPath.*allow_pickle"):
+        _fit(pl, tmp_path, 1, [HindsightCheckpoint(store)], extra=Path("/data"))
+    assert store.list() == []
+
+    _fit(pl, tmp_path, 1, [HindsightCheckpoint(store, allow_pickle=True)], extra=Path("/data"))
+    with pytest.raises(hs.UnsupportedTypeError, match="allow_pickle"):
+        hs.lightning.load(store)
+    assert hs.lightning.load(store, allow_pickle=True)["hyper_parameters"]["extra"] == Path("/data")
+    # resume through the CheckpointIO the callback installs (with its allow_pickle)
+    cb = HindsightCheckpoint(store, allow_pickle=True)
+    model, t = _fit(pl, tmp_path, 2, [cb], ckpt_path=cb.resume_path(), extra=Path("/data"))
+    assert model.epochs_trained == [1]
+
+
+def test_arguments_are_checked(pl: Any, tmp_path: Path) -> None:
+    import hindsight as hs
+    from hindsight.lightning import HindsightCheckpoint
+
+    with pytest.raises(hs.InvalidArgumentError, match="monitor"):
+        HindsightCheckpoint(tmp_path, keep_best=1)
+    with pytest.raises(hs.InvalidArgumentError, match="mode"):
+        HindsightCheckpoint(tmp_path, monitor="x", mode="best")
+    with pytest.raises(hs.InvalidArgumentError, match="every_n_train_steps"):
+        HindsightCheckpoint(tmp_path, every_n_train_steps=0)
+    with pytest.raises(hs.InvalidArgumentError, match="prefix"):
+        HindsightCheckpoint(tmp_path, prefix="a/b")
+
+
+def test_every_n_train_steps(pl: Any, tmp_path: Path) -> None:
+    import hindsight as hs
+    from hindsight.lightning import HindsightCheckpoint
+
+    store = hs.Store(tmp_path / "store")
+    cb = HindsightCheckpoint(store, every_n_epochs=None, every_n_train_steps=3)
+    _fit(pl, tmp_path, 2, [cb])
+    # steps 3, 6, 9, 12, 15 (step 8 and 16 end an epoch: no step checkpoint there)
+    assert store.list() == [f"lightning.epoch-{s // 8:06d}.step-{s:09d}" for s in (3, 6, 9, 12, 15)]
+    assert hs.lightning.load(store)["global_step"] == 15
+
+
+TRAIN_SCRIPT = """
+import sys, time
+import torch
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, TensorDataset
+from hindsight.lightning import HindsightCheckpoint
+
+store = sys.argv[1]
+
+class M(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        print(f"step {self.current_epoch} {self.global_step}", flush=True)
+        time.sleep(0.03)
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+pl.seed_everything(0, verbose=False)
+g = torch.Generator().manual_seed(0)
+dl = DataLoader(TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)), batch_size=4)
+trainer = pl.Trainer(max_epochs=2, enable_progress_bar=False, logger=False, enable_checkpointing=False,
+                     enable_model_summary=False, default_root_dir=sys.argv[2],
+                     callbacks=[HindsightCheckpoint(store, keep_last=2)])
+trainer.fit(M(), dl, ckpt_path=HindsightCheckpoint.latest_path(store))
+print("done", trainer.current_epoch, trainer.global_step, flush=True)
+"""
+
+
+def test_sigterm_subprocess_exits_85_and_resumes(pl: Any, tmp_path: Path) -> None:
+    import hindsight as hs
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(TRAIN_SCRIPT))
+    store_dir = tmp_path / "store"
+    cmd = [sys.executable, str(script), str(store_dir), str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 90
+        for line in proc.stdout:
+            if line.startswith("step 1 20"):  # 16 steps per epoch: mid-epoch 1
+                proc.send_signal(signal.SIGTERM)
+                break
+            assert time.monotonic() < deadline
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 85, err[-2000:]
+    assert "exiting with 85" in err
+    names = hs.Store(store_dir).list()
+    mid = [n for n in names if ".step-" in n]
+    assert len(mid) == 1 and mid[0].startswith("lightning.epoch-000001.step-0000000")
+    step = int(mid[0].rsplit("-", 1)[1])
+    assert 21 <= step < 32
+
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    lines = again.stdout.splitlines()
+    assert lines[0] == f"step 1 {step}"  # resumed at the next step
+    assert lines[-1] == "done 2 32"
+    assert hs.Store(store_dir).list() == ["lightning.epoch-000000", "lightning.epoch-000001"]
+
+
+def test_import_error_names_the_package() -> None:
+    r = run_py(
+        """
+        import sys
+        sys.modules["lightning"] = None
+        sys.modules["lightning.pytorch"] = None
+        sys.modules["pytorch_lightning"] = None
+        import hindsight.lightning as hl    # importing the module needs no Lightning
+        assert hl.latest("/nonexistent/store") is None
+        try:
+            hl.HindsightCheckpoint
+        except ImportError as e:
+            print("ImportError:", e)
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert "ImportError: hindsight.lightning needs PyTorch Lightning: `pip install lightning`" in r.stdout
