@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import platform
+import queue
 import random
 import re
 import signal
@@ -45,6 +46,7 @@ ENV_EVERY = "HINDSIGHT_CHECKPOINT_EVERY"
 ENV_RUN_NAME = "HINDSIGHT_RUN_NAME"
 ENV_RESUME = "HINDSIGHT_RESUME"
 DEFAULT_EXIT_CODE = 85
+_INF = float("inf")
 # <run>.<outer loop>-<epoch>[.step-<step>|.end]
 _CKPT_RE = re.compile(r"^(?P<run>[^.]+)\.(?P<loop>.+?)-(?P<i>\d{6})(?P<kind>\.step-\d{8}|\.end)?$")
 
@@ -266,6 +268,11 @@ class Run:
         self._store: Any = None
         self.args: dict[str, Any] = {}
         self.buffer: list[tuple[str, list[tuple[str, int]], str]] = []
+        self.log_queue: queue.Queue[Any] = queue.Queue()
+        self.log_error: BaseException | None = None
+        self.log_thread: threading.Thread | None = threading.Thread(
+            target=self._log_writer, name="hindsight-logs", daemon=True)
+        self.log_thread.start()
         self.stack: list[list[Any]] = []  # [loop name, index]
         self.objects: dict[str, Any] = {}
         self.outer_name: str | None = None
@@ -504,16 +511,47 @@ class Run:
 
         sys.excepthook = hook
 
+    def _log_writer(self) -> None:
+        """Background thread: full batches go to SQLite off the training thread
+        (the database call releases the GIL)."""
+        while True:
+            rows = self.log_queue.get()
+            try:
+                if rows is None:
+                    return
+                if self.log_error is None:
+                    self.db.append_logs(self.run_id, self.phase, rows)
+            except BaseException as e:  # noqa: BLE001 - surfaced by the next log/flush
+                self.log_error = e
+            finally:
+                self.log_queue.task_done()
+
+    def _raise_log_error(self) -> None:
+        if self.log_error is not None:
+            e, self.log_error = self.log_error, None
+            raise e
+
+    def _submit(self, rows: list[tuple[str, list[tuple[str, int]], str]]) -> None:
+        if self.log_thread is not None and self.log_thread.is_alive():
+            self.log_queue.put(rows)
+        else:  # after finish (or in a process without the thread): write directly
+            self.db.append_logs(self.run_id, self.phase, rows)
+
     def flush_logs(self) -> None:
+        """Everything logged so far is in the database when this returns."""
         if self.buffer:
             rows, self.buffer = self.buffer, []
-            self.db.append_logs(self.run_id, self.phase, rows)
+            self._submit(rows)
+        if self.log_thread is not None and self.log_thread.is_alive():
+            self.log_queue.join()
+        self._raise_log_error()
 
     def finish(self, status: str = "completed") -> None:
         if self.finished:
             return
         self.finished = True
         self.flush_logs()
+        self.log_queue.put(None)
         if self.mode == "replay" and self.progress is not None:
             try:
                 os.write(self.progress, f"steps {self.inner_steps_executed} restored {self.blocks_restored}\n".encode())
@@ -538,9 +576,18 @@ class Run:
 
     def log(self, name: str, value: Any) -> None:
         ctx = [(e[0], e[1]) for e in self.stack]
-        self.buffer.append((name, ctx, json.dumps(_to_json(value, name))))
+        t = type(value)
+        if t is float and value == value and value not in (_INF, -_INF):
+            text = repr(value)  # the JSON of a finite float, without the encoder's overhead
+        elif t is int or t is bool:
+            text = "true" if value is True else "false" if value is False else str(value)
+        else:
+            text = json.dumps(_to_json(value, name))
+        self.buffer.append((name, ctx, text))
         if len(self.buffer) >= LOG_BATCH:
-            self.flush_logs()
+            self._raise_log_error()
+            rows, self.buffer = self.buffer, []
+            self._submit(rows)
 
     # -- loops -------------------------------------------------------------------
     def loop(self, name: str, iterable: Iterable[T]) -> Iterator[T]:
