@@ -49,6 +49,7 @@ from hindsight import _native
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench-out" / "replay"
+PKG = OUT / "pkg"  # the hindsight package as it is when the benchmark starts
 PY = sys.executable
 
 REPS = 3  # plain / rec alternations
@@ -99,7 +100,7 @@ def training_script(variant: str, epochs: int) -> str:
         "opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)",
         "sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)",
         "",
-        "t0 = time.perf_counter()",
+        "t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()",
     ]
     body = [
         "for epoch in hs.loop(\"epoch\", range(epochs)):" if rec else "for epoch in range(epochs):",
@@ -116,7 +117,8 @@ def training_script(variant: str, epochs: int) -> str:
         body = ["with hs.checkpointing(model=net, optimizer=opt, scheduler=sched):"] + ["    " + b for b in body]
     tail = [
         "loop_s = time.perf_counter() - t0",
-        'result = json.dumps({"loop_s": loop_s, "pid": os.getpid()})',
+        "thread_cpu_s, process_cpu_s = time.thread_time() - c0, time.process_time() - p0",
+        'result = json.dumps({"loop_s": loop_s, "thread_cpu_s": thread_cpu_s, "process_cpu_s": process_cpu_s})',
         'if os.environ.get("BENCH_TIMES"):  # replay workers: their stdout is hidden by -q',
         '    with open(os.environ["BENCH_TIMES"], "a") as f:',
         '        f.write(result + "\\n")',
@@ -153,10 +155,7 @@ for epoch in hs.loop("epoch", range(6)):
         for step in range(N):
             values.append(0.5)
         res["range_append"].append(time.perf_counter() - t)
-best = {{k: min(v) / N * 1e9 for k, v in res.items()}}
-best["hs_log"] = best["hs_loop_log"] - best["hs_loop"]
-best["append"] = best["range_append"] - best["range"]
-print(json.dumps(best))
+print(json.dumps({{k: min(v) / N * 1e9 for k, v in res.items()}}))
 '''
 
 
@@ -168,18 +167,36 @@ def now() -> float:
     return time.perf_counter()
 
 
+def snapshot_package() -> dict[str, Any]:
+    """Copy the package (with the extension as built now) for every child process, so that a rebuild of
+    the editable install while the benchmark runs (other work on the machine) cannot change what is measured."""
+    src = Path(_native.__file__).resolve().parent
+    shutil.copytree(src, PKG / "hindsight", ignore=shutil.ignore_patterns("__pycache__"))
+    so = Path(_native.__file__).resolve()
+    st = so.stat()
+    return {"extension": str(so.relative_to(REPO)) if so.is_relative_to(REPO) else str(so),
+            "extension_bytes": st.st_size, "extension_mtime": time.strftime("%Y-%m-%d %H:%M:%S",
+                                                                           time.localtime(st.st_mtime))}
+
+
 def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HINDSIGHT_") and k != "BENCH_TIMES"}
+    env["PYTHONPATH"] = str(PKG) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(extra)
     return env
 
 
 def run(cmd: list[str], cwd: Path, env: dict[str, str], what: str, ok: tuple[int, ...] = (0,)) -> dict[str, Any]:
     """Run a command, timing the whole of it (fork, interpreter start-up, exit)."""
+    busy0, _, own0 = cpu_snapshot()
     t0 = now()
     p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     wall = now() - t0
-    res = {"what": what, "wall_s": wall, "rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
+    busy1, _, own1 = cpu_snapshot()
+    # cores kept busy by everything else on the machine while the command ran
+    others = max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
+    res = {"what": what, "wall_s": wall, "rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr,
+           "others_cores": others}
     if p.returncode not in ok:
         raise RuntimeError(f"{what}: exit code {p.returncode}\n--- stdout\n{p.stdout[-3000:]}\n--- stderr\n"
                            f"{p.stderr[-3000:]}")
@@ -238,7 +255,6 @@ def machine_info() -> dict[str, Any]:
     return {
         "cpu": cpu, "cores": os.cpu_count(), "ram_bytes": ram, "torch": torch.__version__, "cpu_capability": cap,
         "python": platform.python_version(), "kernel": platform.release(), "git": rev,
-        "hindsight_native": Path(_native.__file__).name,
     }
 
 
@@ -327,7 +343,7 @@ def part_record(tab: Table, raw: dict[str, Any], epochs: int) -> Path:
     run([PY, "-c", "import torch, hindsight"], OUT, child_env(), "warm-up")
     for k in range(REPS):
         r = run([PY, "plain.py"], plain_dir, child_env(), f"plain #{k + 1}")
-        r["loop_s"] = last_json(r["stdout"])["loop_s"]
+        r.update(last_json(r["stdout"]))
         plain_runs.append(r)
         d = OUT / f"rec-{k + 1}"
         d.mkdir()
@@ -335,11 +351,13 @@ def part_record(tab: Table, raw: dict[str, Any], epochs: int) -> Path:
         home = d / ".hindsight"
         r = run([PY, "rec.py"], d, child_env(HINDSIGHT_HOME=str(home), HINDSIGHT_CHECKPOINT_EVERY="1"),
                 f"rec #{k + 1}")
-        r["loop_s"] = last_json(r["stdout"])["loop_s"]
+        r.update(last_json(r["stdout"]))
         r["dir"] = d
         rec_runs.append(r)
-        print(f"  plain #{k + 1}: loop {plain_runs[-1]['loop_s']:.2f} s, whole {plain_runs[-1]['wall_s']:.2f} s;"
-              f"  rec #{k + 1}: loop {r['loop_s']:.2f} s, whole {r['wall_s']:.2f} s", file=sys.stderr, flush=True)
+        for x in (plain_runs[-1], r):
+            print(f"  {x['what']}: loop {x['loop_s']:.2f} s (main thread CPU {x['thread_cpu_s']:.2f} s, process "
+                  f"CPU {x['process_cpu_s']:.2f} s), whole {x['wall_s']:.2f} s; other processes kept "
+                  f"{x['others_cores']:.2f} cores busy", file=sys.stderr, flush=True)
 
     pl = statistics.median(r["loop_s"] for r in plain_runs)
     rl = statistics.median(r["loop_s"] for r in rec_runs)
@@ -356,7 +374,11 @@ def part_record(tab: Table, raw: dict[str, Any], epochs: int) -> Path:
     store_mib = dir_bytes(last["dir"] / ".hindsight" / "store") / (1 << 20)
 
     tab.section(f"1. record overhead: {epochs} epochs, checkpoint every epoch, median of {REPS} alternated runs")
-    tab.add("training loop (rec.py vs plain.py)", rl, pl, target=RECORD_TARGET)
+    tab.add("training loop, wall (rec.py vs plain.py)", rl, pl, target=RECORD_TARGET)
+    tab.add("training loop, main-thread CPU", statistics.median(r["thread_cpu_s"] for r in rec_runs),
+            statistics.median(r["thread_cpu_s"] for r in plain_runs), note="less sensitive to other load")
+    tab.add("training loop, process CPU (all threads)", statistics.median(r["process_cpu_s"] for r in rec_runs),
+            statistics.median(r["process_cpu_s"] for r in plain_runs), note="incl. hashing/writing threads")
     tab.add("whole command incl. start-up", rw, pw)
     tab.add("checkpoint save, caller blocked (median/epoch)", statistics.median(blocked) if blocked else None,
             statistics.median(epoch_s), note=f"{len(blocked)} checkpoints; baseline = recorded epoch time")
@@ -368,20 +390,24 @@ def part_record(tab: Table, raw: dict[str, Any], epochs: int) -> Path:
     d.mkdir()
     (d / "micro.py").write_text(MICRO)
     m = last_json(run([PY, "micro.py"], d, child_env(HINDSIGHT_HOME=str(d / ".hindsight")), "micro")["stdout"])
-    tab.add(f"hs.log call, one per step ({LOG_CALLS // 1000}k; vs list.append)", m["hs_log"], m["append"],
-            unit="ns", note="in-process, best of 3, incl. its SQLite writes")
-    tab.add("hs.loop step iteration (vs a plain for over range)", m["hs_loop"], m["range"], unit="ns",
-            note="best of 3")
+    tab.add(f"step: hs.loop + hs.log (vs for + list.append), {LOG_CALLS // 1000}k", m["hs_loop_log"],
+            m["range_append"], unit="ns",
+            note=f"per step, best of 3; hs.log alone ~{m['hs_loop_log'] - m['hs_loop']:.0f} ns incl. SQLite writes")
+    tab.add("step: hs.loop alone (vs for over range)", m["hs_loop"], m["range"], unit="ns", note="per step, best of 3")
 
     raw["record"] = {
-        "plain": [{"loop_s": r["loop_s"], "wall_s": r["wall_s"]} for r in plain_runs],
-        "rec": [{"loop_s": r["loop_s"], "wall_s": r["wall_s"]} for r in rec_runs],
+        "plain": [{k: r[k] for k in ("loop_s", "thread_cpu_s", "process_cpu_s", "wall_s", "others_cores")}
+                  for r in plain_runs],
+        "rec": [{k: r[k] for k in ("loop_s", "thread_cpu_s", "process_cpu_s", "wall_s", "others_cores")}
+                for r in rec_runs],
         "rec_epoch_s": epoch_s, "rec_blocked_s": blocked, "micro_ns": m,
     }
     raw["spread"] = [("plain loop", [r["loop_s"] for r in plain_runs]), ("rec loop", [r["loop_s"] for r in rec_runs]),
-                     ("plain whole", [r["wall_s"] for r in plain_runs]), ("rec whole", [r["wall_s"] for r in rec_runs])]
+                     ("plain whole", [r["wall_s"] for r in plain_runs]), ("rec whole", [r["wall_s"] for r in rec_runs]),
+                     ("plain others", [r["others_cores"] for r in plain_runs]),
+                     ("rec others", [r["others_cores"] for r in rec_runs])]
     raw["_last_rec"] = {"dir": str(last["dir"]), "wall_s": last["wall_s"], "loop_s": last["loop_s"],
-                        "run_id": run_row["id"]}
+                        "run_id": run_row["id"], "plain_outside_loop_s": pw - pl}
     return last["dir"]
 
 
@@ -394,13 +420,13 @@ def part_partial(tab: Table, raw: dict[str, Any], proj: Path, epochs: int) -> No
     times = OUT / "times-partial.jsonl"
     env = child_env(HINDSIGHT_HOME=str(proj / ".hindsight"), BENCH_TIMES=str(times))
     r = run([PY, "-m", "hindsight", "replay", "rec.py", "-q", "--strict"], proj, env, "partial replay", ok=(0, 1, 3))
-    print(f"  partial replay: whole {r['wall_s']:.2f} s (exit {r['rc']}): {replay_summary(r['stdout'])}",
-          file=sys.stderr, flush=True)
+    print(f"  partial replay: whole {r['wall_s']:.2f} s (exit {r['rc']}; other processes kept {r['others_cores']:.2f} "
+          f"cores busy): {replay_summary(r['stdout'])}", file=sys.stderr, flush=True)
     loops = read_times(times)
     db = _native.LogDb(str(proj / ".hindsight" / "logs.db"))
     wn = replay_values(db, info["run_id"], "weight_norm")
-    raw["partial"] = {"wall_s": r["wall_s"], "rc": r["rc"], "worker_loop_s": loops, "weight_norm": list(wn.values()),
-                      "stdout": r["stdout"], "stderr": r["stderr"][-3000:]}
+    raw["partial"] = {"wall_s": r["wall_s"], "rc": r["rc"], "worker_loop_s": loops, "others_cores": r["others_cores"],
+                      "weight_norm": list(wn.values()), "stdout": r["stdout"], "stderr": r["stderr"][-3000:]}
     raw["_weight_norm_partial"] = wn
     status = f"exit {r['rc']}, {len(wn)}/{epochs} weight_norm values"
     tab.section(f"2. partial replay: outer-loop probe weight_norm, {epochs} epochs restored from checkpoints")
@@ -409,6 +435,8 @@ def part_partial(tab: Table, raw: dict[str, Any], proj: Path, epochs: int) -> No
     if loops:
         tab.add("training loop only (replay worker vs recording)", sum(loops), info["loop_s"],
                 note=f"{info['loop_s'] / sum(loops):.0f}x faster")
+        tab.add("outside the loop (replay vs plain.py start-up + exit)", r["wall_s"] - sum(loops),
+                info["plain_outside_loop_s"], note="interpreter, torch import, data, model; exit")
     if r["rc"] != 0:
         raw.setdefault("problems", []).append(f"partial replay exited {r['rc']}: {r['stderr'][-2000:]}")
 
@@ -432,7 +460,8 @@ def part_parallel(tab: Table, raw: dict[str, Any], proj: Path, epochs: int) -> N
         r["divergences"] = db.divergences(info["run_id"])
         results[jobs] = r
         print(f"  replay -j {jobs}: whole {r['wall_s']:.2f} s (exit {r['rc']}), worker loops "
-              f"{', '.join(f'{x:.2f}' for x in r['worker_loop_s'])} s: {replay_summary(r['stdout'])}",
+              f"{', '.join(f'{x:.2f}' for x in r['worker_loop_s'])} s; other processes kept "
+              f"{r['others_cores']:.2f} cores busy: {replay_summary(r['stdout'])}",
               file=sys.stderr, flush=True)
         if r["rc"] != 0:
             raw.setdefault("problems", []).append(f"replay -j {jobs} exited {r['rc']}: {r['stderr'][-2000:]}")
@@ -450,7 +479,8 @@ def part_parallel(tab: Table, raw: dict[str, Any], proj: Path, epochs: int) -> N
     tab.add("whole command -j 2 (vs -j 1)", t2, t1,
             note=f"exit {results[2]['rc']}, {len(results[2]['grad_norm'])}/{steps} grad_norm")
     tab.add("efficiency T1 / (2 * T2), whole command", t1 / (2 * t2), 1.0, unit="x",
-            note=f"ideal 1.0; this machine has {os.cpu_count()} cores")
+            note=f"ideal 1.0; {os.cpu_count()} cores; others kept {results[1]['others_cores']:.2f} / "
+                 f"{results[2]['others_cores']:.2f} cores busy during -j 1 / -j 2")
     if l1 and l2:
         tab.add("training loop -j 2 (slowest worker vs -j 1 worker)", l2, l1)
         tab.add("efficiency, training loops only", l1 / (2 * l2), 1.0, unit="x", note="ideal 1.0")
@@ -467,6 +497,7 @@ def part_parallel(tab: Table, raw: dict[str, Any], proj: Path, epochs: int) -> N
     checks.append(f"divergences between recorded and replayed loss: -j 1: {divs[0]}, -j 2: {divs[1]}")
     raw["parallel"] = {
         str(j): {"wall_s": r["wall_s"], "rc": r["rc"], "worker_loop_s": r["worker_loop_s"],
+                 "others_cores": r["others_cores"],
                  "divergences": len(r["divergences"]), "stdout": r["stdout"], "stderr": r["stderr"][-3000:]}
         for j, r in results.items()
     }
@@ -486,12 +517,15 @@ def main() -> int:
     cpu0 = cpu_snapshot()
     try:
         info = machine_info()
+        info.update(snapshot_package())
         print("hindsight replay benchmark (one run, fresh processes; timings from time.perf_counter)")
         print(f"  cpu        {info['cpu']} ({info['cpu_capability']}), {info['cores']} cores"
               f"{', ' + format(info['ram_bytes'] / (1 << 30), '.0f') + ' GiB RAM' if info['ram_bytes'] else ''}")
         print(f"  torch      {info['torch']} (training scripts: torch.set_num_threads(1)), python {info['python']}, "
               f"kernel {info['kernel']}")
         print(f"  git        {info['git']}")
+        print(f"  hindsight  {info['extension']}: {info['extension_bytes'] / (1 << 20):.1f} MiB, built "
+              f"{info['extension_mtime']} (copied to bench-out/replay/pkg for the run)")
         print(f"  workload   MLP {D_IN}-{HIDDEN}-{HIDDEN}-{CLASSES} (dropout), SGD momentum, StepLR, "
               f"{SAMPLES} synthetic samples, batch {BATCH}: {SAMPLES // BATCH} steps/epoch, {args.epochs} epochs")
         print(flush=True)
@@ -518,7 +552,7 @@ def main() -> int:
         for c in raw.get("checks", []):
             print(f"  {c}")
         print()
-        print("repeated measurements, in order (s):")
+        print("repeated measurements, in order (s; 'others' = cores kept busy by other processes meanwhile):")
         for label, xs in raw.get("spread", []):
             print(f"  {label:<12} " + " ".join(f"{x:7.2f}" for x in xs))
         for p in raw.get("problems", []):

@@ -37,6 +37,13 @@ class Store:
     ``save`` snapshots the state and returns a handle at once; hashing and
     writing happen on Rust threads without the GIL. A checkpoint becomes
     visible (``list``, ``load``) only once all of it is durable.
+
+    ``path`` is a local directory or ``"s3://bucket/prefix"`` for S3-compatible
+    object storage, configured by the standard AWS environment variables
+    (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+    ``AWS_REGION``). There too a checkpoint is listed only once every object of
+    it is uploaded; ``gc`` waits up to 10 minutes for the lease of a writer that
+    was killed (see docs/format.md, "Object storage").
     """
 
     def __init__(

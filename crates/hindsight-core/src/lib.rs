@@ -8,6 +8,8 @@ pub mod logdb;
 pub mod mem;
 pub mod plan;
 pub mod retention;
+#[cfg(feature = "s3")]
+pub mod s3;
 pub mod storage;
 pub mod store;
 pub mod writer;
@@ -20,6 +22,8 @@ pub use logdb::{
 pub use plan::{
     partition, plan_partial, plan_segments, AdaptivePolicy, PartialPlan, PartialStep, Segment,
 };
+#[cfg(feature = "s3")]
+pub use s3::S3Storage;
 pub use storage::{LocalStorage, Storage};
 pub use store::{GcReport, Store, StoreOptions, Usage};
 pub use writer::{SaveBuilder, SaveHandle, SaveStats, Writer, WriterOptions};

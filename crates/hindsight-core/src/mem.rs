@@ -25,7 +25,11 @@ fn advise_huge(v: &[u8]) {
         // SAFETY: the range lies inside this allocation; MADV_HUGEPAGE only
         // changes how future faults are served, never the contents.
         unsafe {
-            libc::madvise(aligned as *mut libc::c_void, end - aligned, libc::MADV_HUGEPAGE);
+            libc::madvise(
+                aligned as *mut libc::c_void,
+                end - aligned,
+                libc::MADV_HUGEPAGE,
+            );
         }
     }
 }

@@ -21,6 +21,9 @@ use crate::durable::{self, DirSync};
 use crate::error::{Error, Result};
 use crate::format::ChunkId;
 
+/// Name of the store options file at the root of every store.
+pub const CONFIG_FILE: &str = "HINDSIGHT.json";
+
 /// A held lock; released on drop.
 pub trait LockGuard: Send + fmt::Debug {}
 
@@ -55,6 +58,26 @@ pub trait Storage: Send + Sync + fmt::Debug {
     fn lock_exclusive(&self) -> Result<Box<dyn LockGuard>>;
     /// Remove staging files left behind by crashed writers (call under the exclusive lock).
     fn clean_staging(&self) -> Result<u64>;
+
+    /// Where the store options file lives (for messages).
+    fn config_path(&self) -> PathBuf {
+        PathBuf::from(self.location()).join(CONFIG_FILE)
+    }
+    /// The store options file; Ok(None) when the store has none yet.
+    /// Backends that cannot hold one are opened with `Store::with_storage`.
+    fn get_config(&self) -> Result<Option<Vec<u8>>> {
+        Err(Error::invalid(
+            "storage",
+            format!("{} keeps no store options file", self.location()),
+        ))
+    }
+    /// Atomically replace-or-create the store options file, durable on return.
+    fn put_config(&self, _bytes: &[u8]) -> Result<()> {
+        Err(Error::invalid(
+            "storage",
+            format!("{} keeps no store options file", self.location()),
+        ))
+    }
 }
 
 #[derive(Debug)]
@@ -264,6 +287,23 @@ impl Storage for LocalStorage {
 
     fn lock_exclusive(&self) -> Result<Box<dyn LockGuard>> {
         self.lock(libc::LOCK_EX)
+    }
+
+    fn config_path(&self) -> PathBuf {
+        self.root.join(CONFIG_FILE)
+    }
+
+    fn get_config(&self) -> Result<Option<Vec<u8>>> {
+        let p = self.config_path();
+        match fs::read(&p) {
+            Ok(b) => Ok(Some(b)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(Error::io(p, e)),
+        }
+    }
+
+    fn put_config(&self, bytes: &[u8]) -> Result<()> {
+        durable::write_durable(&self.config_path(), &self.tmp, &[bytes], DirSync::Now)
     }
 
     fn clean_staging(&self) -> Result<u64> {

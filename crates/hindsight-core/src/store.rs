@@ -8,13 +8,11 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::durable::{self, DirSync};
 use crate::error::{Error, Result};
 use crate::format::{self, Blob, ChunkId, Codec, Manifest, Node, CHUNK_HEADER_LEN, FORMAT_VERSION};
-use crate::storage::{LocalStorage, Storage};
+use crate::storage::{LocalStorage, Storage, CONFIG_FILE};
 
 pub const DEFAULT_CHUNK_SIZE: usize = 4 << 20;
-const CONFIG_FILE: &str = "HINDSIGHT.json";
 
 /// Per-store options, fixed when the store is created.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -80,27 +78,59 @@ pub struct Problem {
 impl Store {
     /// Open a store in a local directory; create it (with `options`) if `create` and missing.
     pub fn open_local(root: &Path, create: bool, options: Option<StoreOptions>) -> Result<Store> {
-        let config = root.join(CONFIG_FILE);
-        if !config.exists() {
+        if !create && !root.join(CONFIG_FILE).exists() {
+            // Checked before `LocalStorage::open`, which creates directories.
+            return Err(Error::NotFound {
+                what: "store",
+                name: root.display().to_string(),
+                location: format!("no {CONFIG_FILE} in that directory"),
+            });
+        }
+        Store::open_storage(Arc::new(LocalStorage::open(root)?), create, options)
+    }
+
+    /// Open a store by location: `s3://bucket/prefix` (with the `s3` feature;
+    /// connection settings from the AWS environment variables) or a local directory.
+    pub fn open_url(url: &str, create: bool, options: Option<StoreOptions>) -> Result<Store> {
+        if url.starts_with("s3://") {
+            #[cfg(feature = "s3")]
+            return Store::open_storage(
+                Arc::new(crate::s3::S3Storage::open(url)?),
+                create,
+                options,
+            );
+            #[cfg(not(feature = "s3"))]
+            return Err(Error::invalid(
+                "store URL",
+                format!("{url}: this build of hindsight has no S3 support (cargo feature `s3`)"),
+            ));
+        }
+        Store::open_local(Path::new(url), create, options)
+    }
+
+    /// Open the store kept in `storage` (its options file says how it was
+    /// created); create it with `options` if `create` and it has none.
+    pub fn open_storage(
+        storage: Arc<dyn Storage>,
+        create: bool,
+        options: Option<StoreOptions>,
+    ) -> Result<Store> {
+        let config = storage.config_path();
+        let Some(bytes) = storage.get_config()? else {
             if !create {
                 return Err(Error::NotFound {
                     what: "store",
-                    name: root.display().to_string(),
-                    location: format!("no {CONFIG_FILE} in that directory"),
+                    name: storage.location(),
+                    location: format!("no {CONFIG_FILE} there"),
                 });
             }
-            let storage = LocalStorage::open(root)?;
             let options = options.unwrap_or_default();
             check_options(&options)?;
             let bytes = serde_json::to_vec_pretty(&options).unwrap_or_default();
-            // Two processes creating one store write the same options; last rename wins.
-            durable::write_durable(&config, &root.join("tmp"), &[&bytes], DirSync::Now)?;
-            return Ok(Store {
-                storage: Arc::new(storage),
-                options,
-            });
-        }
-        let bytes = std::fs::read(&config).map_err(|e| Error::io(&config, e))?;
+            // Two processes creating one store write the same options; the last write wins.
+            storage.put_config(&bytes)?;
+            return Ok(Store { storage, options });
+        };
         let stored: StoreOptions = serde_json::from_slice(&bytes)
             .map_err(|e| Error::corrupt(&config, format!("store options do not parse: {e}")))?;
         if stored.format != FORMAT_VERSION {
@@ -119,7 +149,7 @@ impl Store {
                     "store options",
                     format!(
                         "store {} was created with codec {:?} and chunk size {}; options are fixed at creation",
-                        root.display(),
+                        storage.location(),
                         stored.codec,
                         stored.chunk_size
                     ),
@@ -127,7 +157,7 @@ impl Store {
             }
         }
         Ok(Store {
-            storage: Arc::new(LocalStorage::open(root)?),
+            storage,
             options: stored,
         })
     }

@@ -288,3 +288,217 @@ fn local_storage_conforms() {
         2
     });
 }
+
+/// The same suite against S3-compatible object storage. Runs when
+/// `HINDSIGHT_TEST_S3_URL=s3://bucket/prefix` names a bucket it may write to
+/// (endpoint and credentials from the usual `AWS_*` variables); `tests/test_s3.py`
+/// runs it against a local moto server.
+#[cfg(feature = "s3")]
+mod s3 {
+    use super::*;
+    use futures_util::TryStreamExt;
+    use hindsight_core::{S3Storage, Store, StoreOptions};
+    use object_store::aws::{AmazonS3, AmazonS3Builder};
+    use object_store::path::Path as Key;
+    use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+    use std::time::Instant;
+
+    const LEASE: Duration = Duration::from_secs(3);
+
+    /// Raw access to the bucket, to leave behind what crashed processes leave.
+    struct Raw {
+        rt: tokio::runtime::Runtime,
+        s3: AmazonS3,
+        bucket: String,
+    }
+
+    impl Raw {
+        fn new(url: &str) -> Raw {
+            let bucket = url
+                .strip_prefix("s3://")
+                .unwrap()
+                .split('/')
+                .next()
+                .unwrap()
+                .to_string();
+            let s3 = AmazonS3Builder::from_env()
+                .with_bucket_name(&bucket)
+                .with_allow_http(true)
+                .build()
+                .unwrap();
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            Raw { rt, s3, bucket }
+        }
+
+        /// The key of `rel` under a storage's location.
+        fn key(&self, s: &dyn Storage, rel: &str) -> Key {
+            let loc = s.location();
+            let prefix = loc
+                .strip_prefix(&format!("s3://{}", self.bucket))
+                .unwrap()
+                .trim_matches('/');
+            Key::from(format!("{prefix}/{rel}"))
+        }
+
+        fn put(&self, key: &Key, body: &'static [u8]) {
+            self.rt
+                .block_on(self.s3.put(key, PutPayload::from_static(body)))
+                .unwrap();
+        }
+
+        fn list(&self, dir: &Key) -> Vec<Key> {
+            self.rt
+                .block_on(self.s3.list(Some(dir)).try_collect::<Vec<_>>())
+                .unwrap()
+                .into_iter()
+                .map(|m| m.location)
+                .collect()
+        }
+
+        fn delete(&self, key: &Key) {
+            self.rt.block_on(self.s3.delete(key)).unwrap();
+        }
+    }
+
+    fn unique() -> String {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        format!("{}-{nanos}", std::process::id())
+    }
+
+    /// Fresh, empty storages, each under its own prefix below `base`.
+    fn factory(base: String, lease: Option<Duration>) -> impl Fn() -> Arc<dyn Storage> {
+        let n = AtomicUsize::new(0);
+        let run = unique();
+        move || {
+            let url = format!(
+                "{base}/conformance-{run}-{}",
+                n.fetch_add(1, Ordering::Relaxed)
+            );
+            let mut s = S3Storage::open(&url).unwrap();
+            if let Some(t) = lease {
+                s = s.with_lease_timeout(t);
+            }
+            Arc::new(s)
+        }
+    }
+
+    /// A writer killed mid-save leaves its lease behind: gc waits until the
+    /// lease is stale, then proceeds; a dead gc's lease stops saves only as long.
+    fn dead_leases_expire(make: impl Fn() -> Arc<dyn Storage>, raw: &Raw) {
+        let s = make();
+        raw.put(&raw.key(&*s, "locks/writer-dead"), b"{}");
+        let t = Instant::now();
+        drop(s.lock_exclusive().unwrap());
+        let waited = t.elapsed();
+        assert!(
+            waited >= LEASE - Duration::from_millis(1500),
+            "gc ignored a fresh writer lease ({waited:?})"
+        );
+        assert!(waited < LEASE * 4, "gc waited {waited:?}");
+
+        raw.put(&raw.key(&*s, "locks/gc"), b"{}");
+        let t = Instant::now();
+        drop(s.lock_shared().unwrap());
+        let waited = t.elapsed();
+        assert!(
+            waited >= LEASE - Duration::from_millis(1500),
+            "save ignored a fresh gc lease ({waited:?})"
+        );
+        assert!(waited < LEASE * 4, "save waited {waited:?}");
+        // The stale gc lease is replaced by the next gc.
+        drop(s.lock_exclusive().unwrap());
+        assert!(
+            raw.list(&raw.key(&*s, "locks")).is_empty(),
+            "leases left behind"
+        );
+    }
+
+    /// A save whose lease was removed (a gc took it for dead) must not commit.
+    fn lost_lease_blocks_commit(make: impl Fn() -> Arc<dyn Storage>, raw: &Raw) {
+        let s = make();
+        let g = s.lock_shared().unwrap();
+        let leases = raw.list(&raw.key(&*s, "locks"));
+        assert_eq!(leases.len(), 1, "{leases:?}");
+        raw.delete(&leases[0]);
+        let e = s.put_manifest("m", b"manifest").unwrap_err();
+        assert!(e.to_string().contains("lease"), "{e}");
+        assert!(s.list_manifests().unwrap().is_empty());
+        drop(g);
+        let g = s.lock_shared().unwrap();
+        s.put_manifest("m", b"manifest").unwrap();
+        drop(g);
+        assert_eq!(s.list_manifests().unwrap(), ["m"]);
+        assert!(raw.list(&raw.key(&*s, "locks")).is_empty());
+    }
+
+    fn store_by_url(base: &str) {
+        let url = format!("{base}/store-{}", unique());
+        assert!(matches!(
+            Store::open_url(&url, false, None),
+            Err(Error::NotFound { .. })
+        ));
+        let opts = StoreOptions {
+            chunk_size: 1 << 20,
+            ..Default::default()
+        };
+        let store = Store::open_url(&url, true, Some(opts.clone())).unwrap();
+        assert_eq!(store.location(), url);
+        assert_eq!(store.options(), &opts);
+        let id = ChunkId::of(b"unreferenced");
+        assert!(store.put_chunk(b"unreferenced", &id).unwrap() > 0);
+        assert_eq!(store.put_chunk(b"unreferenced", &id).unwrap(), 0, "dedup");
+        let again = Store::open_url(&url, false, None).unwrap();
+        assert_eq!(again.options(), &opts);
+        let report = again.gc().unwrap();
+        assert_eq!(report.chunks_removed, 1);
+        assert!(!again.storage().has_chunk(&id).unwrap());
+        let other = StoreOptions {
+            chunk_size: 2 << 20,
+            ..Default::default()
+        };
+        assert!(matches!(
+            Store::open_url(&url, false, Some(other)),
+            Err(Error::InvalidArgument { .. })
+        ));
+    }
+
+    #[test]
+    fn s3_storage_conforms() {
+        let Some(base) = std::env::var("HINDSIGHT_TEST_S3_URL")
+            .ok()
+            .filter(|u| !u.is_empty())
+        else {
+            eprintln!(
+                "note: S3 conformance skipped; set HINDSIGHT_TEST_S3_URL=s3://bucket/prefix \
+                 (with AWS_ENDPOINT_URL and credentials) to run it"
+            );
+            return;
+        };
+        let base = base.trim_end_matches('/').to_string();
+        let raw = Raw::new(&base);
+        check_backend(factory(base.clone(), None));
+        check_staging_cleanup(factory(base.clone(), Some(LEASE)), |s| {
+            // Two writers and a gc killed mid-run; their leases go stale.
+            raw.put(&raw.key(s, "locks/writer-1-dead"), b"{}");
+            raw.put(&raw.key(s, "locks/writer-2-dead"), b"{}");
+            raw.put(&raw.key(s, "locks/gc"), b"{}");
+            std::thread::sleep(LEASE + Duration::from_millis(1500));
+            2
+        });
+        dead_leases_expire(factory(base.clone(), Some(LEASE)), &raw);
+        lost_lease_blocks_commit(factory(base.clone(), Some(LEASE)), &raw);
+        store_by_url(&base);
+    }
+}
+
+#[cfg(not(feature = "s3"))]
+#[test]
+fn s3_storage_conforms() {
+    eprintln!("note: S3 conformance skipped; build with `--features s3` to run it");
+}

@@ -128,7 +128,13 @@ impl Store {
             wopts.threads = t;
         }
         let (store, writer) = interrupt::run(py, move |_| {
-            let store = Arc::new(core::Store::open_local(&path, create, options)?);
+            // `s3://bucket/prefix` selects object storage; anything else is a directory.
+            let store = Arc::new(match path.to_str() {
+                Some(url) if url.starts_with("s3://") => {
+                    core::Store::open_url(url, create, options)?
+                }
+                _ => core::Store::open_local(&path, create, options)?,
+            });
             let writer = core::Writer::new(store.clone(), wopts)?;
             Ok((store, writer))
         })?;
