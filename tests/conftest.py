@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from s3util import prefix, s3_server  # noqa: F401  (fixtures: the loopback S3 server)
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -9,13 +9,10 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,88 +20,14 @@ import pytest
 if importlib.util.find_spec("moto") is None or importlib.util.find_spec("boto3") is None:
     pytest.skip("moto[server] is not installed (see requirements-dev.txt)", allow_module_level=True)
 
-import boto3
 import numpy as np
 import torch
 
 import hindsight as hs
 
+from s3util import BUCKET, keys, s3, url_of
+
 REPO = Path(__file__).resolve().parent.parent
-BUCKET = "hindsight-test"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A moto S3 server on loopback with one bucket; AWS_* variables point at it."""
-    port = _free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(endpoint + "/", timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto server did not start (see {log.name})") from None
-                time.sleep(0.1)
-        with pytest.MonkeyPatch.context() as mp:
-            for var in ("AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-                mp.delenv(var, raising=False)
-            mp.setenv("AWS_ENDPOINT_URL", endpoint)
-            mp.setenv("AWS_ACCESS_KEY_ID", "testing")
-            mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-            mp.setenv("AWS_REGION", "us-east-1")
-            s3().create_bucket(Bucket=BUCKET)
-            yield endpoint
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
-def s3():
-    """A boto3 client for the server the AWS_* variables name."""
-    return boto3.client(
-        "s3",
-        endpoint_url=os.environ["AWS_ENDPOINT_URL"],
-        aws_access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],
-        region_name=os.environ["AWS_REGION"],
-    )
-
-
-@pytest.fixture
-def prefix(s3_server: str, request: pytest.FixtureRequest) -> str:
-    """A fresh key prefix of its own for each test."""
-    return f"{request.node.name}-{uuid.uuid4().hex[:8]}"
-
-
-def url_of(prefix: str) -> str:
-    return f"s3://{BUCKET}/{prefix}"
-
-
-def keys(prefix: str, sub: str) -> list[str]:
-    out = []
-    full = f"{prefix}/{sub}/" if sub else f"{prefix}/"
-    for page in s3().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=full):
-        out += [o["Key"] for o in page.get("Contents", [])]
-    return out
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -287,6 +210,99 @@ def test_corrupt_chunk_object_raises_naming_the_checkpoint(prefix):
     client.delete_object(Bucket=BUCKET, Key=key)
     with hs.Store(url, create=False) as store, pytest.raises(hs.CorruptError, match="good-one"):
         store.load("good-one")
+
+
+LOCAL_FIRST_WRITER = """
+import sys, torch, hindsight as hs
+url, local = sys.argv[1], sys.argv[2]
+store = hs.Store(url, local_first=local, chunk_size=1 << 20)
+g = torch.Generator().manual_seed(5)
+store.save("big", {"w": torch.randn(24 << 20, generator=g)}).wait()  # 96 MiB, durable locally
+print("local", store.uploads_pending(), flush=True)
+import time; time.sleep(60)
+"""
+
+
+def test_local_first_commits_locally_then_uploads_and_flush_waits(prefix, tmp_path):
+    url, local = url_of(prefix), tmp_path / "local"
+    want = state_dict(21)
+    with hs.Store(url, local_first=local) as store:
+        assert (store.path, store.local_first) == (url, str(local))
+        h = store.save("ckpt-1", want)
+        h.wait()  # durable in the local copy
+        assert "ckpt-1" in store.list()
+        assert store.flush() is True
+        assert store.uploads_pending() == 0
+        # Uploaded: the destination alone has it, complete and bit-exact.
+        with hs.Store(url, create=False) as remote:
+            assert remote.list() == ["ckpt-1"]
+            assert_same_state(remote.load("ckpt-1"), want)
+            assert remote.verify() == []
+        # An unchanged second save uploads no chunk again.
+        before = set(keys(prefix, "chunks"))
+        store.save("ckpt-2", want)
+        store.flush()
+        assert set(keys(prefix, "chunks")) == before
+        # Remove reaches both copies; gc both.
+        store.remove("ckpt-1")
+        assert store.list() == ["ckpt-2"]
+        assert [k.rsplit("/", 1)[1] for k in keys(prefix, "manifests")] == ["ckpt-2.hsm"]
+        with pytest.raises(hs.NotFoundError, match="ckpt-1"):
+            store.remove("ckpt-1")
+    # On a fresh node (no local copy) the checkpoint is read from the destination.
+    with hs.Store(url, local_first=tmp_path / "other-node") as store:
+        assert store.list() == ["ckpt-2"]
+        assert_same_state(store.load("ckpt-2"), want)
+
+
+def test_local_first_killed_mid_upload_uploads_on_next_open(prefix, tmp_path):
+    url, local = url_of(prefix), tmp_path / "local"
+    proc = subprocess.Popen([sys.executable, "-c", LOCAL_FIRST_WRITER, url, str(local)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().split()
+        assert line[0] == "local", line
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    with hs.Store(url, create=False) as remote:
+        # Killed while uploading (or just after): never listed half-uploaded.
+        listed = remote.list()
+        assert listed in ([], ["big"])
+        assert remote.verify() == []
+    if listed == []:
+        assert int(line[1]) == 1  # the upload was still pending when the process died
+    # The next process on this node finds the un-uploaded checkpoint and finishes the job.
+    with hs.Store(url, local_first=local) as store:
+        assert store.flush() is True
+    with hs.Store(url, create=False) as remote:
+        assert remote.list() == ["big"]
+        assert remote.verify() == []
+        w = remote.load("big")["w"]
+        assert torch.equal(w, torch.randn(24 << 20, generator=torch.Generator().manual_seed(5)))
+
+
+def test_local_first_upload_failure_surfaces_at_flush_and_keeps_the_local_copy(s3_server, tmp_path):
+    bucket = f"hindsight-fail-{uuid.uuid4().hex[:8]}"
+    s3().create_bucket(Bucket=bucket)
+    url, local = f"s3://{bucket}/ckpts", tmp_path / "local"
+    with hs.Store(url, local_first=local) as store:
+        store.save("a", {"x": torch.ones(10)})
+        store.flush()
+        # The destination goes away: every upload now fails.
+        for page in s3().get_paginator("list_objects_v2").paginate(Bucket=bucket):
+            for o in page.get("Contents", []):
+                s3().delete_object(Bucket=bucket, Key=o["Key"])
+        s3().delete_bucket(Bucket=bucket)
+        store.save("b", {"x": torch.zeros(10)}).wait()  # locally durable: the save itself succeeds
+        with pytest.raises(hs.HindsightError, match=rf"b: upload to s3://{bucket}/ckpts"):
+            store.flush()
+        # Reported once; the checkpoint is safe in the local copy (a later process uploads it).
+        assert store.flush() is True
+    with hs.Store(local, create=False) as copy:
+        assert copy.list() == ["a", "b"]
+        assert torch.equal(copy.load("b")["x"], torch.zeros(10))
 
 
 @pytest.mark.skipif(shutil.which("cargo") is None, reason="cargo is not on PATH")

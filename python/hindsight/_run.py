@@ -45,6 +45,8 @@ ENV_EPSILON = "HINDSIGHT_EPSILON"
 ENV_EVERY = "HINDSIGHT_CHECKPOINT_EVERY"
 ENV_RUN_NAME = "HINDSIGHT_RUN_NAME"
 ENV_RESUME = "HINDSIGHT_RESUME"
+ENV_STORE = "HINDSIGHT_STORE"
+ENV_LOCAL_FIRST = "HINDSIGHT_LOCAL_FIRST"
 DEFAULT_EXIT_CODE = 85
 _INF = float("inf")
 # <run>.<outer loop>-<epoch>[.step-<step>|.end]
@@ -58,6 +60,20 @@ def _package_version() -> str:
         return version("hindsight")
     except Exception:  # noqa: BLE001 - informational only
         return "unknown"
+
+
+def _normalize_store(location: str | os.PathLike[str], what: str) -> str:
+    """`s3://bucket/prefix` as given (no trailing slash); a directory made absolute."""
+    text = os.fspath(location)
+    if not isinstance(text, str) or not text:
+        raise InvalidArgumentError(f"{what}: empty store location")
+    if text.startswith("s3://"):
+        if len(text.rstrip("/")) <= len("s3://"):
+            raise InvalidArgumentError(f"{what}={text!r}: give s3://bucket or s3://bucket/prefix")
+        return text.rstrip("/")
+    if "://" in text:
+        raise InvalidArgumentError(f"{what}={text!r}: only local directories and s3:// URLs are supported")
+    return str(Path(text).expanduser().absolute())
 
 
 def _env_float(name: str, scale: float) -> float | None:
@@ -266,6 +282,13 @@ class Run:
         self.home.mkdir(parents=True, exist_ok=True)
         self.db = _native.LogDb(str(self.home / "logs.db"))
         self._store: Any = None
+        # Where checkpoints go: hs.checkpointing(store=, local_first=), else
+        # $HINDSIGHT_STORE / $HINDSIGHT_LOCAL_FIRST, else <home>/store. Read at
+        # the first store access, so hs.checkpointing may come after hs.arg.
+        self.store_location: str | None = None
+        self.local_first: str | None = None
+        self.recorded_store: str | None = None
+        self.resume_pending = False
         self.args: dict[str, Any] = {}
         self.buffer: list[tuple[str, list[tuple[str, int]], str]] = []
         self.log_queue: queue.Queue[Any] = queue.Queue()
@@ -307,6 +330,7 @@ class Run:
                 self.plan = json.load(f)
             self.run_id = self.plan["run_id"]
             row = self.db.run(self.run_id)
+            self.recorded_store = row.get("store")
             self.args = json.loads(row["args_json"] or "{}")
             self.modes = {int(k): v for k, v in self.plan["modes"].items()}
             self.checkpoints = {int(k): v for k, v in self.plan["checkpoints"].items()}
@@ -328,9 +352,11 @@ class Run:
             self.run_id = prev["id"]
             self.args = json.loads(prev["args_json"] or "{}")
             self.db.set_status(self.run_id, "running", False)
-            self.resume = self._latest_checkpoint()
-            where = "the start" if self.resume is None else f"checkpoint {self.resume['name']}"
-            print(f"hindsight: resuming run {self.run_id} from {where}", file=sys.stderr, flush=True)
+            self.recorded_store = prev.get("store")
+            # The checkpoint is looked up when the outer loop starts: by then
+            # hs.checkpointing has said where the store is.
+            self.resume_pending = True
+            print(f"hindsight: resuming run {self.run_id}", file=sys.stderr, flush=True)
         else:
             files = _snapshot_source(self.root, self.script)
             source_hash = self.db.put_source(files)
@@ -490,12 +516,57 @@ class Run:
             self.store.gc()
 
     # -- plumbing ------------------------------------------------------------
+    def _find_resume(self) -> None:
+        if not self.resume_pending:
+            return
+        self.resume_pending = False
+        self.resume = self._latest_checkpoint()
+        where = "the start" if self.resume is None else f"checkpoint {self.resume['name']}"
+        print(f"hindsight: run {self.run_id} continues from {where} (store {self.store.path})",
+              file=sys.stderr, flush=True)
+
+    def set_store(self, location: str | os.PathLike[str] | None, local_first: str | os.PathLike[str] | None) -> None:
+        """hs.checkpointing(store=..., local_first=...): only before the store is first used."""
+        loc = None if location is None else _normalize_store(location, "store")
+        local = None if local_first is None else _normalize_store(local_first, "local_first")
+        if local is not None and local.startswith("s3://"):
+            raise InvalidArgumentError(f"hs.checkpointing(local_first={local_first!r}): must be a local directory")
+        if self._store is not None and (loc, local) != (self.store_location, self.local_first) and (
+                loc is not None or local is not None):
+            raise InvalidArgumentError(
+                f"hs.checkpointing(store={location!r}): this run already uses the store {self._store.path}; "
+                "give store= at the first hs.checkpointing of the script")
+        if loc is not None:
+            self.store_location = loc
+        if local is not None:
+            self.local_first = local
+
     @property
     def store(self) -> Any:
         if self._store is None:
             from hindsight._store import Store
 
-            self._store = Store(self.home / "store")
+            default = str(self.home / "store")
+            env = os.environ.get(ENV_STORE) or None
+            configured = self.store_location or (None if env is None else _normalize_store(env, ENV_STORE))
+            if self.mode == "replay" or self.recorded_store:
+                # Replay and resume read where the run wrote.
+                location = self.recorded_store or default
+                if configured is not None and configured != location and self.mode == "record":
+                    print(f"hindsight: resuming in the run's store {location} (not {configured})",
+                          file=sys.stderr, flush=True)
+            else:
+                location = configured or default
+            local = self.local_first
+            if local is None and os.environ.get(ENV_LOCAL_FIRST):
+                local = _normalize_store(os.environ[ENV_LOCAL_FIRST], ENV_LOCAL_FIRST)
+            if self.mode == "replay" or local == location:
+                local = None
+            self._store = Store(location, local_first=local)
+            self.store_location, self.local_first = location, local
+            if self.mode == "record" and self.recorded_store != location:
+                self.db.set_store(self.run_id, location)
+                self.recorded_store = location
         return self._store
 
     @property
@@ -612,6 +683,8 @@ class Run:
         self.stack.append(entry)
         self.outer_name = name
         last_needed = max(self.modes, default=-1) if self.mode == "replay" else None
+        if self.mode == "record":
+            self._find_resume()
         resume = self.resume
         try:
             for i, x in enumerate(iterable):
@@ -857,6 +930,8 @@ def checkpointing(
     safety_minutes: float | None = None,
     exit_code: int | None = None,
     requeue: bool | None = None,
+    store: str | os.PathLike[str] | None = None,
+    local_first: str | os.PathLike[str] | None = None,
     **objects: Any,
 ) -> Iterator[None]:
     """Objects (modules, optimizers, schedulers, grad scalers, tensors) whose
@@ -878,6 +953,14 @@ def checkpointing(
     Retention (a union; the newest checkpoint is always kept): ``keep_last=N``,
     ``keep_best=K`` by the epoch-level log ``best_metric`` (``best_mode`` "min"
     or "max"), ``keep_every=N`` epochs.
+
+    Destination: ``store`` is a directory (local or a shared file system) or
+    ``"s3://bucket/prefix"`` (AWS_* variables configure the endpoint and
+    credentials); default $HINDSIGHT_STORE, else the project's
+    ``.hindsight/store``. The run remembers it: replay and resume read there.
+    ``local_first`` (or $HINDSIGHT_LOCAL_FIRST) is a local directory each
+    checkpoint is committed to first and then uploaded from in the
+    background; the exit on a signal waits for the upload.
     """
     if every is not None and every < 1:
         raise InvalidArgumentError(f"hs.checkpointing(every={every}): must be at least 1")
@@ -891,6 +974,7 @@ def checkpointing(
             raise InvalidArgumentError(f"hs.checkpointing({key}=...): {type(obj).__qualname__} has neither "
                                        "state_dict/load_state_dict nor is a tensor")
     run = current()
+    run.set_store(store, local_first)
     run.objects.update(objects)
     if every is not None:
         run.every = every

@@ -44,6 +44,14 @@ class Store:
     ``AWS_REGION``). There too a checkpoint is listed only once every object of
     it is uploaded; ``gc`` waits up to 10 minutes for the lease of a writer that
     was killed (see docs/format.md, "Object storage").
+
+    ``local_first`` names a local directory: each save then commits there
+    (fast, durable, visible in ``list``) and a background thread uploads it to
+    ``path``, chunks first and the manifest last. ``flush``, ``close`` and the
+    exit wait for the uploads; an upload failure surfaces there or at the next
+    save. Checkpoints a killed process left un-uploaded are uploaded by the
+    next ``Store`` opened on the same pair. ``load`` reads the local copy when
+    it has one.
     """
 
     def __init__(
@@ -56,9 +64,11 @@ class Store:
         chunk_size: int | None = None,
         staging_bytes: int | None = None,
         threads: int | None = None,
+        local_first: str | os.PathLike[str] | None = None,
     ) -> None:
         self._native = _native.Store(
-            os.fspath(path), create, compression, zstd_level, chunk_size, staging_bytes, threads
+            os.fspath(path), create, compression, zstd_level, chunk_size, staging_bytes, threads,
+            None if local_first is None else os.fspath(local_first),
         )
         self._pid = os.getpid()
         # Pinned host buffers for CUDA tensors, reused across saves.
@@ -71,6 +81,15 @@ class Store:
     @property
     def path(self) -> str:
         return self._native.path
+
+    @property
+    def local_first(self) -> str | None:
+        """The local directory saves commit to first (None: they go to ``path`` directly)."""
+        return self._native.local_first
+
+    def uploads_pending(self) -> int:
+        """Checkpoints committed locally and not yet uploaded (local-first mode)."""
+        return self._native.uploads_pending()
 
     @property
     def compression(self) -> str:

@@ -143,12 +143,15 @@ def replay(args: argparse.Namespace) -> int:
         runs = [latest]
     from hindsight._store import Store
 
-    store = Store(home / "store", create=True)
-    store_names = set(store.list())
     current = script.read_text()
     status = 0
+    names_at: dict[str, set[str]] = {}
     for run in runs:
-        status |= replay_one(args, db, store_names, run, current, home)
+        # Each run's checkpoints are where it wrote them (recorded in logs.db).
+        location = run.get("store") or str(home / "store")
+        if location not in names_at:
+            names_at[location] = set(Store(location, create=True).list())
+        status |= replay_one(args, db, names_at[location], run, current, home)
     return status
 
 

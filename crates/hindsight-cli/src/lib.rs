@@ -55,7 +55,7 @@ pub const EXIT_USAGE: i32 = 2;
     arg_required_else_help = true
 )]
 struct Cli {
-    /// The store directory
+    /// The store: a directory, or s3://bucket/prefix (AWS_* variables)
     #[arg(
         short = 's',
         long = "store",
@@ -292,7 +292,11 @@ impl Places {
             Some(path) => path,
             None => self.home_store()?,
         };
-        Ok(Store::open_local(&path, false, None)?)
+        // `s3://bucket/prefix` too: the `hindsight` of the Python package has S3 support.
+        Ok(match path.to_str() {
+            Some(url) if url.starts_with("s3://") => Store::open_url(url, false, None)?,
+            _ => Store::open_local(&path, false, None)?,
+        })
     }
 
     /// The store of the project home, if it exists.

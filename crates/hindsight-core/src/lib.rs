@@ -12,6 +12,7 @@ pub mod retention;
 pub mod s3;
 pub mod storage;
 pub mod store;
+pub mod upload;
 pub mod writer;
 
 pub use error::{Error, Result};
@@ -26,4 +27,5 @@ pub use plan::{
 pub use s3::S3Storage;
 pub use storage::{LocalStorage, Storage};
 pub use store::{GcReport, Store, StoreOptions, Usage};
+pub use upload::{copy_checkpoint, CopyStats, Uploader};
 pub use writer::{SaveBuilder, SaveHandle, SaveStats, Writer, WriterOptions};

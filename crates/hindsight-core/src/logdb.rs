@@ -31,7 +31,7 @@ use rusqlite::{
 use crate::error::{Error, Result};
 
 /// Schema version this build writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
 
 /// How long a writer waits for another process's transaction.
 pub const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -88,9 +88,13 @@ CREATE TABLE IF NOT EXISTS iterations (
 );
 "#;
 
+/// Version 2: the checkpoint store a run writes to (a directory or
+/// `s3://bucket/prefix`), so replay and resume read the same one.
+const SCHEMA_V2: &str = "ALTER TABLE runs ADD COLUMN store TEXT;";
+
 const RUN_COLUMNS: &str =
     "id, script, script_abs, project_root, source_hash, git_commit, git_dirty, \
-     args, status, started_ms, ended_ms, host, versions, pid, resume_key";
+     args, status, started_ms, ended_ms, host, versions, pid, resume_key, store";
 
 /// State of a recorded run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -211,6 +215,8 @@ pub struct RunRow {
     pub versions_json: String,
     pub pid: u32,
     pub resume_key: Option<String>,
+    /// Where the run's checkpoints are (`None`: the project's default store).
+    pub store: Option<String>,
 }
 
 /// One value to log: `name` at loop context `ctx` (outermost loop first,
@@ -695,6 +701,7 @@ fn run_from_row(row: &Row<'_>) -> rusqlite::Result<RunRow> {
         versions_json: row.get(12)?,
         pid: u32::try_from(row.get::<_, i64>(13)?).unwrap_or(0),
         resume_key: row.get(14)?,
+        store: row.get(15)?,
     })
 }
 
@@ -738,8 +745,14 @@ impl LogDb {
             return Ok(());
         }
         let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate)?;
-        if Self::schema_version(&tx, path)? < SCHEMA_VERSION {
+        let found = Self::schema_version(&tx, path)?;
+        if found < 1 {
             tx.execute_batch(SCHEMA_V1)?;
+        }
+        if found < 2 {
+            tx.execute_batch(SCHEMA_V2)?;
+        }
+        if found < SCHEMA_VERSION {
             tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
         }
         Ok(tx.commit()?)
@@ -815,7 +828,7 @@ impl LogDb {
             let inserted = self.write(|tx| {
                 tx.prepare_cached(&format!(
                     "INSERT INTO runs ({RUN_COLUMNS}) VALUES \
-                     (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 'running', ?9, NULL, ?10, ?11, ?12, ?13) \
+                     (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 'running', ?9, NULL, ?10, ?11, ?12, ?13, NULL) \
                      ON CONFLICT (id) DO NOTHING"
                 ))
                 .and_then(|mut st| {
@@ -878,6 +891,21 @@ impl LogDb {
             tx.execute(
                 "UPDATE runs SET args = ?2 WHERE id = ?1",
                 params![run_id, args_json],
+            )
+            .db(&self.path)
+        })?;
+        if changed == 0 {
+            return Err(self.not_found("run", run_id));
+        }
+        Ok(())
+    }
+
+    /// Record the store the run's checkpoints go to (a directory or URL).
+    pub fn set_store(&self, run_id: &str, store: &str) -> Result<()> {
+        let changed = self.write(|tx| {
+            tx.execute(
+                "UPDATE runs SET store = ?2 WHERE id = ?1",
+                params![run_id, store],
             )
             .db(&self.path)
         })?;
@@ -1803,6 +1831,48 @@ mod tests {
     }
 
     #[test]
+    fn version_1_database_is_upgraded_in_place_and_keeps_its_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("old.db");
+        {
+            // A database as the first release wrote it.
+            let conn = Connection::open(&path).unwrap();
+            conn.execute_batch(SCHEMA_V1).unwrap();
+            conn.pragma_update(None, "user_version", 1).unwrap();
+            conn.execute(
+                "INSERT INTO runs (id, script, script_abs, project_root, source_hash, args, \
+                 status, started_ms, host, versions, pid) VALUES ('r1', 't.py', '/p/t.py', '/p', \
+                 'h', '{}', 'completed', 5, 'host', '{}', 7)",
+                [],
+            )
+            .unwrap();
+        }
+        let db = LogDb::open(&path).unwrap();
+        let r = db.run("r1").unwrap();
+        assert_eq!((r.status, r.store), (RunStatus::Completed, None));
+        db.set_store("r1", "s3://bucket/ckpts").unwrap();
+        assert_eq!(
+            db.run("r1").unwrap().store.as_deref(),
+            Some("s3://bucket/ckpts")
+        );
+        assert!(matches!(
+            db.set_store("nope", "/x"),
+            Err(Error::NotFound { .. })
+        ));
+        drop(db);
+        // Opening again does not try to add the column twice.
+        assert_eq!(
+            LogDb::open(&path)
+                .unwrap()
+                .run("r1")
+                .unwrap()
+                .store
+                .as_deref(),
+            Some("s3://bucket/ckpts")
+        );
+    }
+
+    #[test]
     fn newer_schema_version_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("future.db");
@@ -1815,7 +1885,8 @@ mod tests {
         assert!(matches!(e, Error::Database { .. }), "{e}");
         let msg = e.to_string();
         assert!(
-            msg.contains("future.db") && msg.contains("schema version 2"),
+            msg.contains("future.db")
+                && msg.contains(&format!("schema version {}", SCHEMA_VERSION + 1)),
             "{msg}"
         );
     }

@@ -17,6 +17,7 @@ use crate::format::{
     self, Blob, ChunkId, ChunkRef, Manifest, Node, Pending, StagedChunks, FORMAT_VERSION,
 };
 use crate::store::Store;
+use crate::upload::Uploader;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic elsewhere must not turn every later call into a panic.
@@ -248,6 +249,8 @@ struct Shared {
     next_id: AtomicU64,
     /// Only one save is built at a time (see `Writer::begin`).
     building: Mutex<()>,
+    /// Local-first mode: committed checkpoints are handed to it for upload.
+    uploader: Option<Arc<Uploader>>,
 }
 
 type Task = (
@@ -267,6 +270,20 @@ pub struct Writer {
 
 impl Writer {
     pub fn new(store: Arc<Store>, options: WriterOptions) -> Result<Writer> {
+        Writer::build(store, options, None)
+    }
+
+    /// A writer whose saves commit to the uploader's local store and are then
+    /// uploaded to its destination; `flush` waits for both.
+    pub fn local_first(uploader: Arc<Uploader>, options: WriterOptions) -> Result<Writer> {
+        Writer::build(uploader.local().clone(), options, Some(uploader))
+    }
+
+    fn build(
+        store: Arc<Store>,
+        options: WriterOptions,
+        uploader: Option<Arc<Uploader>>,
+    ) -> Result<Writer> {
         if options.threads == 0 {
             return Err(Error::invalid("threads", "must be at least 1"));
         }
@@ -284,6 +301,7 @@ impl Writer {
             errors: Default::default(),
             next_id: AtomicU64::new(1),
             building: Mutex::new(()),
+            uploader,
         });
         let (task_tx, task_rx) = mpsc::channel::<Task>();
         let task_rx = Arc::new(Mutex::new(task_rx));
@@ -317,6 +335,10 @@ impl Writer {
         &self.shared.store
     }
 
+    pub fn uploader(&self) -> Option<&Arc<Uploader>> {
+        self.shared.uploader.as_ref()
+    }
+
     fn check_process(&self) -> Result<()> {
         let current = std::process::id();
         if current != self.owner_pid {
@@ -333,7 +355,10 @@ impl Writer {
     pub fn take_error(&self) -> Result<()> {
         let all: Vec<_> = lock(&self.shared.errors).drain(..).collect();
         let Some((_, name, first)) = all.first() else {
-            return Ok(());
+            return match &self.shared.uploader {
+                Some(u) => u.take_error(),
+                None => Ok(()),
+            };
         };
         let more = if all.len() > 1 {
             format!(" (and {} later saves failed too)", all.len() - 1)
@@ -414,6 +439,12 @@ impl Writer {
             }
         }
         drop(q);
+        if let Some(u) = &self.shared.uploader {
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if !u.flush_timeout(left)? {
+                return Ok(false);
+            }
+        }
         self.take_error()?;
         Ok(true)
     }
@@ -636,10 +667,13 @@ fn dispatcher_loop(shared: &Shared, tasks: &mpsc::Sender<Task>) {
         };
         let result = run_job(shared, &job, tasks);
         let aborted = lock(&job.state).aborted;
-        if let Err(e) = &result {
-            if !aborted {
+        match (&result, &shared.uploader) {
+            (Err(e), _) if !aborted => {
                 lock(&shared.errors).push((job.id, job.name.clone(), e.clone()));
             }
+            // Queued before `running` drops, so a flush never sees a gap.
+            (Ok(_), Some(u)) => u.enqueue(&job.name),
+            _ => {}
         }
         *lock(&job.handle.result) = Some(result);
         job.handle.cv.notify_all();

@@ -26,13 +26,31 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// A checkpoint store and its background writer (see `hindsight.Store`).
 #[pyclass(module = "hindsight._native", frozen)]
 struct Store {
+    /// Where saves commit: the destination, or the local copy in local-first mode.
     store: Arc<core::Store>,
+    /// Local-first mode: the destination the uploader copies to.
+    remote: Option<Arc<core::Store>>,
     writer: Mutex<Option<Arc<core::Writer>>>,
     /// Unchanged-tensor cache: key path + identity -> the blob saved last time.
     cache: Mutex<HashMap<CacheKey, CacheEntry>>,
 }
 
 impl Store {
+    /// The store that holds `name`: the local copy if it has it, else the destination.
+    fn holder(&self, name: &str) -> core::Result<Arc<core::Store>> {
+        match &self.remote {
+            Some(remote) if !self.store.list()?.iter().any(|n| n == name) => Ok(remote.clone()),
+            _ => Ok(self.store.clone()),
+        }
+    }
+
+    /// Every store this object spans, destination last.
+    fn all(&self) -> Vec<Arc<core::Store>> {
+        std::iter::once(self.store.clone())
+            .chain(self.remote.clone())
+            .collect()
+    }
+
     fn writer(&self) -> PyResult<Arc<core::Writer>> {
         lock(&self.writer).clone().ok_or_else(|| {
             errors::to_py(Error::Cancelled(format!(
@@ -87,7 +105,7 @@ impl SaveHandle {
 impl Store {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (path, create=true, compression=None, zstd_level=None, chunk_size=None, staging_bytes=None, threads=None))]
+    #[pyo3(signature = (path, create=true, compression=None, zstd_level=None, chunk_size=None, staging_bytes=None, threads=None, local_first=None))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
@@ -97,6 +115,7 @@ impl Store {
         chunk_size: Option<usize>,
         staging_bytes: Option<usize>,
         threads: Option<usize>,
+        local_first: Option<PathBuf>,
     ) -> PyResult<Self> {
         let options = if compression.is_some() || chunk_size.is_some() || zstd_level.is_some() {
             let mut o = StoreOptions::default();
@@ -127,27 +146,53 @@ impl Store {
         if let Some(t) = threads {
             wopts.threads = t;
         }
-        let (store, writer) = interrupt::run(py, move |_| {
+        let (store, remote, writer) = interrupt::run(py, move |_| {
             // `s3://bucket/prefix` selects object storage; anything else is a directory.
-            let store = Arc::new(match path.to_str() {
+            let dest = Arc::new(match path.to_str() {
                 Some(url) if url.starts_with("s3://") => {
                     core::Store::open_url(url, create, options)?
                 }
                 _ => core::Store::open_local(&path, create, options)?,
             });
-            let writer = core::Writer::new(store.clone(), wopts)?;
-            Ok((store, writer))
+            let Some(local_path) = local_first else {
+                let writer = core::Writer::new(dest.clone(), wopts)?;
+                return Ok((dest, None, writer));
+            };
+            // The local copy takes the destination's options, so chunks are cut alike.
+            let local = match core::Store::open_local(&local_path, false, None) {
+                Err(Error::NotFound { .. }) => {
+                    core::Store::open_local(&local_path, true, Some(dest.options().clone()))?
+                }
+                other => other?,
+            };
+            let uploader = Arc::new(core::Uploader::new(Arc::new(local), dest.clone())?);
+            let local = uploader.local().clone();
+            let writer = core::Writer::local_first(uploader, wopts)?;
+            Ok((local, Some(dest), writer))
         })?;
         Ok(Store {
             store,
+            remote,
             writer: Mutex::new(Some(Arc::new(writer))),
             cache: Default::default(),
         })
     }
 
+    /// The destination (in local-first mode, not the local copy).
     #[getter]
     fn path(&self) -> String {
-        self.store.location()
+        self.remote.as_ref().unwrap_or(&self.store).location()
+    }
+
+    /// The local copy in local-first mode, else None.
+    #[getter]
+    fn local_first(&self) -> Option<String> {
+        self.remote.as_ref().map(|_| self.store.location())
+    }
+
+    /// Checkpoints committed locally and not yet uploaded (0 unless local-first).
+    fn uploads_pending(&self) -> PyResult<usize> {
+        Ok(self.writer()?.uploader().map_or(0, |u| u.pending()))
     }
 
     #[getter]
@@ -257,9 +302,9 @@ impl Store {
         path: Option<Vec<String>>,
         threads: usize,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let store = self.store.clone();
         let path = path.unwrap_or_default();
         let (manifest, node, buffers) = interrupt::run(py, |intr| {
+            let store = self.holder(&name)?;
             let m = store.manifest(&name)?;
             let node = m
                 .root
@@ -284,15 +329,23 @@ impl Store {
         )
     }
 
+    /// Complete checkpoints; in local-first mode also those complete only locally.
     fn list(&self, py: Python<'_>) -> PyResult<Vec<String>> {
-        let store = self.store.clone();
-        interrupt::run(py, move |_| store.list())
+        let stores = self.all();
+        interrupt::run(py, move |_| {
+            let mut names = Vec::new();
+            for s in &stores {
+                names.extend(s.list()?);
+            }
+            names.sort();
+            names.dedup();
+            Ok(names)
+        })
     }
 
     /// Creation time (ms since epoch) and metadata of a checkpoint.
     fn info<'py>(&self, py: Python<'py>, name: String) -> PyResult<Bound<'py, PyDict>> {
-        let store = self.store.clone();
-        let (m, rows) = interrupt::run(py, move |_| store.describe(&name))?;
+        let (m, rows) = interrupt::run(py, |_| self.holder(&name)?.describe(&name))?;
         let d = PyDict::new(py);
         d.set_item("name", &m.name)?;
         d.set_item("created_ms", m.created_ms)?;
@@ -319,26 +372,76 @@ impl Store {
         Ok(r?.is_some())
     }
 
+    /// Remove a checkpoint (local-first: locally first, then at the destination,
+    /// so a crash in between never leaves a local copy that would be uploaded again).
     fn remove(&self, py: Python<'_>, name: String) -> PyResult<()> {
-        let store = self.store.clone();
-        interrupt::run(py, move |_| store.remove(&name))
+        let uploader = self.writer()?.uploader().cloned();
+        interrupt::run(py, |_| {
+            let Some(remote) = &self.remote else {
+                return self.store.remove(&name);
+            };
+            if let Some(u) = uploader {
+                u.forget(&name);
+            }
+            let here = match self.store.remove(&name) {
+                Err(Error::NotFound { .. }) => false,
+                r => r.map(|_| true)?,
+            };
+            match remote.remove(&name) {
+                Err(Error::NotFound { .. }) if here => Ok(()),
+                r => r,
+            }
+        })
     }
 
+    /// Verify checkpoints (all by default); local-first checks each where it is.
     #[pyo3(signature = (names=None))]
     fn verify(&self, py: Python<'_>, names: Option<Vec<String>>) -> PyResult<(usize, Vec<String>)> {
-        let store = self.store.clone();
-        interrupt::run(py, move |_| {
-            let (n, problems) = store.verify(&names.unwrap_or_default(), |_| {})?;
-            Ok((
-                n,
-                problems.into_iter().map(|p| p.error.to_string()).collect(),
-            ))
+        let names = names.unwrap_or_default();
+        interrupt::run(py, |_| {
+            let dest = self.remote.as_ref().unwrap_or(&self.store);
+            let mut jobs = vec![(dest.clone(), names.clone())];
+            if self.remote.is_some() {
+                // Uploaded ones at the destination, the rest (and unknown names,
+                // reported as missing) where they are.
+                let at_dest = dest.list()?;
+                let local = self.store.list()?;
+                let wanted = if names.is_empty() {
+                    let mut all: Vec<String> = at_dest.iter().chain(&local).cloned().collect();
+                    all.sort();
+                    all.dedup();
+                    all
+                } else {
+                    names
+                };
+                let (there, here): (Vec<String>, Vec<String>) = wanted
+                    .into_iter()
+                    .partition(|x| at_dest.contains(x) || !local.contains(x));
+                jobs = vec![(dest.clone(), there), (self.store.clone(), here)];
+                jobs.retain(|(_, n)| !n.is_empty());
+            }
+            let (mut n, mut problems) = (0, Vec::new());
+            for (store, names) in jobs {
+                let (k, p) = store.verify(&names, |_| {})?;
+                n += k;
+                problems.extend(p.into_iter().map(|p| p.error.to_string()));
+            }
+            Ok((n, problems))
         })
     }
 
     fn gc<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let store = self.store.clone();
-        let r = interrupt::run(py, move |_| store.gc())?;
+        let stores = self.all();
+        let r = interrupt::run(py, move |_| {
+            let mut total = core::GcReport::default();
+            for s in &stores {
+                let r = s.gc()?;
+                total.chunks_removed += r.chunks_removed;
+                total.bytes_removed += r.bytes_removed;
+                total.staging_files_removed += r.staging_files_removed;
+            }
+            Ok(total)
+        })?;
         let d = PyDict::new(py);
         d.set_item("chunks_removed", r.chunks_removed)?;
         d.set_item("bytes_removed", r.bytes_removed)?;
@@ -346,8 +449,9 @@ impl Store {
         Ok(d)
     }
 
+    /// Space used at the destination.
     fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let store = self.store.clone();
+        let store = self.remote.clone().unwrap_or_else(|| self.store.clone());
         let u = interrupt::run(py, move |_| store.usage())?;
         let d = PyDict::new(py);
         d.set_item("checkpoints", u.checkpoints)?;

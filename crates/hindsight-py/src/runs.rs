@@ -34,6 +34,7 @@ fn run_dict<'py>(py: Python<'py>, r: &RunRow) -> PyResult<Bound<'py, PyDict>> {
     d.set_item("versions_json", &r.versions_json)?;
     d.set_item("pid", r.pid)?;
     d.set_item("resume_key", &r.resume_key)?;
+    d.set_item("store", &r.store)?;
     Ok(d)
 }
 
@@ -126,6 +127,10 @@ impl LogDb {
 
     fn set_args(&self, py: Python<'_>, run_id: String, args_json: String) -> PyResult<()> {
         self.with(py, |db| db.set_args(&run_id, &args_json))
+    }
+
+    fn set_store(&self, py: Python<'_>, run_id: String, store: String) -> PyResult<()> {
+        self.with(py, |db| db.set_store(&run_id, &store))
     }
 
     fn run<'py>(&self, py: Python<'py>, run_id: String) -> PyResult<Bound<'py, PyDict>> {

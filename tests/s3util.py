@@ -1,0 +1,97 @@
+"""A real S3-protocol server for the tests: moto's server in its own process
+on loopback, with one bucket; the AWS_* variables point at it while it runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+BUCKET = "hindsight-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A moto S3 server on loopback with one bucket; AWS_* variables point at it."""
+    if importlib.util.find_spec("moto") is None or importlib.util.find_spec("boto3") is None:
+        pytest.skip("moto[server] is not installed (see requirements-dev.txt)")
+    port = _free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(endpoint + "/", timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto server did not start (see {log.name})") from None
+                time.sleep(0.1)
+        with pytest.MonkeyPatch.context() as mp:
+            for var in ("AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+                mp.delenv(var, raising=False)
+            mp.setenv("AWS_ENDPOINT_URL", endpoint)
+            mp.setenv("AWS_ACCESS_KEY_ID", "testing")
+            mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+            mp.setenv("AWS_REGION", "us-east-1")
+            s3().create_bucket(Bucket=BUCKET)
+            yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def s3() -> Any:
+    """A boto3 client for the server the AWS_* variables name."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=os.environ["AWS_ENDPOINT_URL"],
+        aws_access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],
+        region_name=os.environ["AWS_REGION"],
+    )
+
+
+@pytest.fixture
+def prefix(s3_server: str, request: pytest.FixtureRequest) -> str:
+    """A fresh key prefix of its own for each test."""
+    return f"{request.node.name}-{uuid.uuid4().hex[:8]}"
+
+
+def url_of(prefix: str) -> str:
+    return f"s3://{BUCKET}/{prefix}"
+
+
+def keys(prefix: str, sub: str) -> list[str]:
+    out = []
+    full = f"{prefix}/{sub}/" if sub else f"{prefix}/"
+    for page in s3().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=full):
+        out += [o["Key"] for o in page.get("Contents", [])]
+    return out
