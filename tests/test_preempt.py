@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import hindsight as hs
 from conftest import REPO, hindsight_cmd
+from s3util import url_of
 
 SCRIPT = REPO / "examples" / "preemptible_train.py"
 TOTAL_STEPS = 4 * 20  # 4 epochs of 20 batches
@@ -60,9 +63,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch
     return torch.load(d / "final.pt"), series(d / "home")
 
 
-def interrupt_and_resume(tmp: Path, sig: int, at_step: int) -> tuple[dict[str, torch.Tensor], dict, str]:
+def interrupt_and_resume(tmp: Path, sig: int, at_step: int, env: dict[str, str] | None = None,
+                         resume_env: dict[str, str] | None = None) -> tuple[dict[str, torch.Tensor], dict, str]:
     home, out = tmp / "home", tmp / "final.pt"
-    p = start(home, out)
+    env = env or {}
+    p = start(home, out, **env)
     assert p.stdout is not None
     seen = 0
     while seen < at_step:
@@ -74,7 +79,7 @@ def interrupt_and_resume(tmp: Path, sig: int, at_step: int) -> tuple[dict[str, t
     assert p.returncode == 85, err
     assert "checkpointed run" in err
     assert not out.exists()
-    r = run_to_end(home, out)
+    r = run_to_end(home, out, **(env if resume_env is None else resume_env))
     assert r.returncode == 0, r.stderr
     assert "resuming run" in r.stderr
     return torch.load(out), series(home), r.stdout
@@ -160,3 +165,83 @@ def test_htcondor_exit_code_from_job_ad(tmp_path, reference):
     p.send_signal(signal.SIGTERM)
     p.communicate(timeout=120)
     assert p.returncode == 77
+
+
+def checkpoint_epochs(store: hs.Store) -> list[str]:
+    return sorted(n.rsplit("-", 1)[1] for n in store.list())
+
+
+def expected_retained(logs: dict) -> list[str]:
+    """keep_last=2 + keep_best=1 by val_loss (min) of the example's 4 epochs."""
+    val = {json.loads(ctx)[0][1]: v for ctx, v in logs["val_loss"].items()}
+    best = min(val, key=lambda e: val[e])
+    return sorted({f"{e:06d}" for e in (best, 2, 3)})
+
+
+def test_preemption_resume_and_retention_on_object_storage(tmp_path, reference, prefix):
+    """The run's checkpoints live in S3 only: SIGTERM -> 85 -> resume from S3 ->
+    bit-identical; retention leaves exactly the expected checkpoints there."""
+    ref_weights, ref_series = reference
+    url = url_of(prefix)
+    at = random.Random(3).randrange(25, TOTAL_STEPS - 5)
+    weights, got, _ = interrupt_and_resume(tmp_path, signal.SIGTERM, at, env={"HINDSIGHT_STORE": url})
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+    assert got["logs"] == ref_series["logs"]
+    assert not (tmp_path / "home" / "store").exists()  # nothing went to the local default
+    with hs.Store(url, create=False) as store:
+        assert checkpoint_epochs(store) == expected_retained(got["logs"])
+        assert store.verify() == []
+        assert store.usage()["unreferenced_chunks"] == 0
+    # The CLI of the package reads the same store.
+    ls = subprocess.run([*hindsight_cmd(), "ls", "--json", url], capture_output=True, text=True, timeout=60)
+    assert ls.returncode == 0, ls.stderr
+    assert sorted(c["name"].rsplit("-", 1)[1] for c in json.loads(ls.stdout)) == expected_retained(got["logs"])
+    # Replay of the script with a new epoch-level log statement restores the
+    # checkpoints from S3 (the run remembers its store) and recomputes the rest.
+    probe = tmp_path / "probe.py"
+    probe.write_text(SCRIPT.read_text().replace(
+        "        sched.step()\n",
+        "        sched.step()\n        hs.log(\"weight_norm\", sum(p.detach().norm().item() for p in net.parameters()))\n"))
+    from hindsight import _native
+
+    run_id = _native.LogDb(str(tmp_path / "home" / "logs.db")).runs()[0]["id"]
+    (tmp_path / "final.pt").unlink()
+    rp = subprocess.run([*hindsight_cmd(), "replay", str(probe), "--run", run_id, "-q", "--strict"],
+                        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                        env={**os.environ, "HINDSIGHT_HOME": str(tmp_path / "home")})
+    assert rp.returncode == 0, rp.stdout + rp.stderr
+    assert "restored from" in rp.stdout, rp.stdout
+    after = series(tmp_path / "home")["logs"]
+    assert len(after["weight_norm"]) == 4 and after["val_loss"] == got["logs"]["val_loss"]
+    replayed = torch.load(tmp_path / "final.pt")
+    assert all(torch.equal(replayed[k], ref_weights[k]) for k in ref_weights)
+
+
+def test_local_first_exit_waits_for_upload_and_resumes_on_another_node(tmp_path, reference, prefix):
+    """SIGUSR1 with a local-first store: at exit 85 the step checkpoint is already
+    in S3; the rerun on a 'node' without the local copy resumes from S3 exactly."""
+    ref_weights, ref_series = reference
+    url = url_of(prefix)
+    home, out = tmp_path / "home", tmp_path / "final.pt"
+    p = start(home, out, HINDSIGHT_STORE=url, HINDSIGHT_LOCAL_FIRST=str(tmp_path / "node1"))
+    assert p.stdout is not None
+    for _ in range(random.Random(4).randrange(25, TOTAL_STEPS - 5)):
+        assert p.stdout.readline()
+    p.send_signal(signal.SIGUSR1)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 85, err
+    with hs.Store(url, create=False) as store:
+        step = [n for n in store.list() if ".step-" in n]
+        assert len(step) == 1, store.list()
+        assert store.verify() == []
+    shutil.rmtree(tmp_path / "node1")
+    r = run_to_end(home, out, HINDSIGHT_STORE=url, HINDSIGHT_LOCAL_FIRST=str(tmp_path / "node2"))
+    assert r.returncode == 0, r.stderr
+    assert f"continues from checkpoint {step[0]}" in r.stderr
+    weights = torch.load(out)
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+    got = series(home)
+    assert got["logs"] == ref_series["logs"]
+    with hs.Store(url, create=False) as store:
+        assert checkpoint_epochs(store) == expected_retained(got["logs"])
+        assert store.verify() == []

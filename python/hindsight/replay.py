@@ -151,12 +151,12 @@ def replay(args: argparse.Namespace) -> int:
         location = run.get("store") or str(home / "store")
         if location not in names_at:
             names_at[location] = set(Store(location, create=True).list())
-        status |= replay_one(args, db, names_at[location], run, current, home)
+        status |= replay_one(args, db, names_at[location], run, script, current, home)
     return status
 
 
-def replay_one(args: argparse.Namespace, db: Any, store_names: set[str], run: dict[str, Any], current: str,
-               home: Path) -> int:
+def replay_one(args: argparse.Namespace, db: Any, store_names: set[str], run: dict[str, Any], script: Path,
+               current: str, home: Path) -> int:
     files = db.get_source(run["source_hash"])
     recorded = files.get(run["script"])
     if recorded is None:
@@ -188,7 +188,9 @@ def replay_one(args: argparse.Namespace, db: Any, store_names: set[str], run: di
             plan_path = Path(tmp) / f"worker-{w.index}.json"
             plan_path.write_text(json.dumps(plan))
             env = {**os.environ, ENV_REPLAY: str(plan_path), ENV_HOME: str(home)}
-            w.proc = subprocess.Popen([sys.executable, run["script_abs"], *argv[1:]], cwd=cwd, env=env,
+            # The script as it is now (the one analysed above), which may be a
+            # copy of the recorded one elsewhere, run in the recorded directory.
+            w.proc = subprocess.Popen([sys.executable, str(script), *argv[1:]], cwd=cwd, env=env,
                                       pass_fds=(wfd,), stdout=subprocess.DEVNULL if args.quiet else None,
                                       stderr=subprocess.PIPE)
             os.close(wfd)
