@@ -605,3 +605,21 @@ fn an_unreadable_manifest_is_reported_without_hiding_the_others() {
         o.stdout
     );
 }
+
+/// This binary is built without the `s3` feature of hindsight-core (the
+/// Python package's `hindsight` has it): an S3 URL is refused by name, not
+/// taken for a directory.
+#[cfg(not(feature = "s3"))]
+#[test]
+fn an_s3_url_without_s3_support_is_a_clear_error() {
+    let o = hindsight_env(&["ls", "s3://bucket/ckpts"], None, None);
+    assert_eq!(o.code, 1);
+    assert_eq!(o.stdout, "");
+    assert!(
+        o.stderr.contains("s3://bucket/ckpts")
+            && o.stderr.contains("no S3 support")
+            && !o.stderr.contains("HINDSIGHT.json"),
+        "{}",
+        o.stderr
+    );
+}
