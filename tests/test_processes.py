@@ -103,9 +103,9 @@ def test_ctrl_c_interrupts_a_blocked_wait(store_dir):
 import sys, time, torch, hindsight as hs
 store = hs.Store(sys.argv[1])
 h = store.save("blocked", {"w": torch.ones(10)})
-print("waiting", flush=True)
 t0 = time.monotonic()
-try:
+try:  # from before "waiting": a late-scheduled child must not die at top level and block in the exit flush
+    print("waiting", flush=True)
     h.wait()
     print("finished?!")
 except KeyboardInterrupt:
