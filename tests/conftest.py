@@ -13,6 +13,18 @@ from s3util import prefix, s3_server  # noqa: F401  (fixtures: the loopback S3 s
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`cuda` tests run where a GPU is; elsewhere they are skipped, saying why."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device visible to torch")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def store_dir(tmp_path: Path) -> Path:
     return tmp_path / "store"

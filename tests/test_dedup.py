@@ -55,7 +55,7 @@ def test_frozen_half_adds_only_the_other_half(store_dir):
 
 
 def test_write_through_dot_data_is_not_missed(store_dir):
-    # `.data` writes bypass the version counter; the sampled fingerprint catches them.
+    # `.data` writes bypass the version counter; the full-content fingerprint catches them.
     p = torch.nn.Parameter(torch.zeros(64, 1024))
     store = hs.Store(store_dir)
     store.save("a", {"p": p}).wait()

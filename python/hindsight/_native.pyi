@@ -49,9 +49,10 @@ class Store:
         describe: Callable[[Any, str], tuple[Any, ...]],
         materialize: Callable[[Any], tuple[int, Any]],
         before_copy: Callable[[], None],
+        device_fingerprint: Callable[[Any, Any | None], tuple[bool, Any]],
         meta: dict[str, str] | None = None,
         skip_unchanged: bool = True,
-        copy_threads: int = 2,
+        copy_threads: int | None = None,
     ) -> SaveHandle: ...
     def load(
         self,

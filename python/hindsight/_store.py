@@ -13,6 +13,7 @@ from typing import Any
 
 from hindsight import _native
 from hindsight._native import SaveHandle
+from hindsight._staging import device_fingerprint
 from hindsight.errors import HindsightError, UnsupportedTypeError, WrongProcessError
 
 MapLocation = Any  # None | str | torch.device | Mapping[str, str] | Callable
@@ -127,9 +128,12 @@ class Store:
         the caller may modify its tensors. Objects of other types are refused
         (naming their key path) unless ``allow_pickle=True``.
 
-        With ``skip_unchanged``, a tensor whose version counter and sampled
-        content are the same as at the previous save of this store is neither
-        copied nor written again.
+        With ``skip_unchanged``, a tensor is neither copied nor written again
+        when its whole content is proven equal to what the previous save of
+        this store held: torch's version counter says when it surely changed,
+        and otherwise a full-content fingerprint decides (computed in Rust
+        for host memory, on the device for device memory), so writes that
+        bypass the counter (``.data``, numpy views, shared storages) are saved.
         """
         self._check_owner()
 
@@ -139,7 +143,14 @@ class Store:
         meta_s = {str(k): str(v) for k, v in (meta or {}).items()}
         try:
             return self._native.save(
-                name, state, describe, self._materialize, self._before_copy, meta_s, skip_unchanged
+                name,
+                state,
+                describe,
+                self._materialize,
+                self._before_copy,
+                device_fingerprint,
+                meta_s,
+                skip_unchanged,
             )
         finally:
             for key, buf in self._pinned_used:

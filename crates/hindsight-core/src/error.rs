@@ -69,6 +69,11 @@ pub enum Error {
     #[error("log database {}: {detail}", path.display())]
     Database { path: PathBuf, detail: String },
 
+    /// A broken invariant inside hindsight: a bug, reported instead of
+    /// being papered over with a default.
+    #[error("internal error: {detail} (a bug in hindsight; please report it)")]
+    Internal { detail: String },
+
     /// The caller asked to stop (Ctrl-C) or the store was closed.
     #[error("{0}")]
     Cancelled(String),

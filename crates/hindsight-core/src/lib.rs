@@ -3,6 +3,7 @@
 
 pub mod durable;
 pub mod error;
+pub mod fingerprint;
 pub mod format;
 pub mod logdb;
 pub mod mem;
@@ -16,6 +17,7 @@ pub mod upload;
 pub mod writer;
 
 pub use error::{Error, Result};
+pub use fingerprint::{fingerprint, fingerprint_many, Fingerprint};
 pub use format::{Array, ArrayLib, Blob, ChunkId, Codec, Manifest, Node};
 pub use logdb::{
     Divergence, IterationRow, LogDb, LogRecord, LogRow, NewRun, Phase, RunRow, RunStatus,
@@ -28,4 +30,4 @@ pub use s3::S3Storage;
 pub use storage::{LocalStorage, Storage};
 pub use store::{GcReport, Store, StoreOptions, Usage};
 pub use upload::{copy_checkpoint, CopyStats, Uploader};
-pub use writer::{SaveBuilder, SaveHandle, SaveStats, Writer, WriterOptions};
+pub use writer::{SaveBuilder, SaveHandle, SaveStats, StagedBlob, Writer, WriterOptions};

@@ -8,11 +8,12 @@
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::fingerprint::{self, Fingerprint, SegmentHasher, COPY_STEP};
 use crate::format::{
     self, Blob, ChunkId, ChunkRef, Manifest, Node, Pending, StagedChunks, FORMAT_VERSION,
 };
@@ -498,11 +499,19 @@ pub struct SaveBuilder<'w> {
     _guard: MutexGuard<'w, ()>,
 }
 
+/// A staged source: its pending blob and the fingerprint of the bytes copied.
+#[derive(Debug)]
+pub struct StagedBlob {
+    pub blob: Blob,
+    pub fingerprint: Fingerprint,
+}
+
 /// A cancellation check polled while staging waits or copies.
 pub type Cancel<'a> = &'a (dyn Fn() -> bool + Sync);
 
 impl SaveBuilder<'_> {
-    /// Copy each source into staging and return one pending blob per source.
+    /// Copy each source into staging and return one pending blob per source,
+    /// with the [`Fingerprint`] of the bytes copied (computed during the copy).
     /// Copies run on up to `copy_threads` threads; returns once every byte is
     /// copied, so the caller may then change its buffers.
     pub fn stage_many(
@@ -510,7 +519,7 @@ impl SaveBuilder<'_> {
         sources: &[&[u8]],
         copy_threads: usize,
         cancel: Cancel<'_>,
-    ) -> Result<Vec<Blob>> {
+    ) -> Result<Vec<StagedBlob>> {
         let block = self.writer.shared.store.options().chunk_size;
         let start = self.next_index;
         // Plan: (source, offset, len, index) for every chunk.
@@ -535,6 +544,7 @@ impl SaveBuilder<'_> {
             });
         }
         let total: u64 = sources.iter().map(|s| s.len() as u64).sum();
+        let segment_hashes: Vec<OnceLock<u128>> = plan.iter().map(|_| OnceLock::new()).collect();
         let next = AtomicU64::new(0);
         let shared = &self.writer.shared;
         let job = &self.job;
@@ -548,7 +558,17 @@ impl SaveBuilder<'_> {
                     return Ok(());
                 };
                 let mut data = shared.budget.acquire(len);
-                data.copy_from_slice(&sources[s][off..off + len]);
+                // Copy and fingerprint in cache-sized steps: the hash reads
+                // bytes the copy just wrote, not main memory again.
+                let mut hasher = SegmentHasher::default();
+                for (to, from) in data
+                    .chunks_mut(COPY_STEP)
+                    .zip(sources[s][off..off + len].chunks(COPY_STEP))
+                {
+                    to.copy_from_slice(from);
+                    hasher.update(to);
+                }
+                let _ = segment_hashes[i].set(hasher.finish());
                 lock(&job.state).staged.push_back(Staged { index, data });
                 job.cv.notify_one();
             }
@@ -581,12 +601,27 @@ impl SaveBuilder<'_> {
             return Err(e);
         }
         lock(&job.stats).bytes_staged += total;
-        Ok(blobs)
+        let mut hashes = segment_hashes
+            .into_iter()
+            .map(|h| h.into_inner().unwrap_or_default());
+        Ok(blobs
+            .into_iter()
+            .map(|blob| {
+                let n = (blob.nbytes as usize).div_ceil(block);
+                let fingerprint = fingerprint::fold(hashes.by_ref().take(n), blob.nbytes);
+                StagedBlob { blob, fingerprint }
+            })
+            .collect())
     }
 
     pub fn stage(&mut self, source: &[u8]) -> Result<Blob> {
         let mut v = self.stage_many(&[source], 1, &|| false)?;
-        Ok(v.remove(0))
+        Ok(v.remove(0).blob)
+    }
+
+    /// The segment size fingerprints of this store use (its chunk size).
+    pub fn fingerprint_segment(&self) -> usize {
+        self.writer.shared.store.options().chunk_size
     }
 
     /// Record bytes the caller reuses from an earlier save (for statistics).

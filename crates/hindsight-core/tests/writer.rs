@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use hindsight_core::storage::LockGuard;
 use hindsight_core::store::blobs_under;
 use hindsight_core::{
-    Array, ArrayLib, Blob, ChunkId, Codec, Error, LocalStorage, Node, SaveHandle, SaveStats,
-    Storage, Store, StoreOptions, Writer, WriterOptions,
+    fingerprint, Array, ArrayLib, Blob, ChunkId, Codec, Error, LocalStorage, Node, SaveHandle,
+    SaveStats, Storage, Store, StoreOptions, Writer, WriterOptions,
 };
 
 const CS: usize = 4096;
@@ -270,7 +270,17 @@ fn round_trip_of_every_node_kind() {
     }
     let arrays = b.stage_many(&[&weight, &table], 2, &|| false).unwrap();
     let pickle_blob = b.stage(&pickled).unwrap();
-    let [wblob, tblob]: [Blob; 2] = arrays.try_into().unwrap();
+    // The fingerprint computed while copying equals one of the live bytes.
+    let segment = b.fingerprint_segment();
+    assert_eq!(arrays[0].fingerprint, fingerprint(&weight, segment, 2));
+    assert_eq!(arrays[1].fingerprint, fingerprint(&table, segment, 1));
+    assert_ne!(arrays[0].fingerprint, arrays[1].fingerprint);
+    let [wblob, tblob]: [Blob; 2] = arrays
+        .into_iter()
+        .map(|s| s.blob)
+        .collect::<Vec<_>>()
+        .try_into()
+        .unwrap();
     expected.insert("model/weight".into(), weight.clone());
     expected.insert("model/table".into(), table.clone());
     expected.insert("tuple/4".into(), pickled.clone());

@@ -218,7 +218,7 @@ impl Store {
     }
 
     /// Snapshot `state` and return at once; the write continues in the background.
-    #[pyo3(signature = (name, state, describe, materialize, before_copy, meta=None, skip_unchanged=true, copy_threads=2))]
+    #[pyo3(signature = (name, state, describe, materialize, before_copy, device_fingerprint, meta=None, skip_unchanged=true, copy_threads=None))]
     #[allow(clippy::too_many_arguments)]
     fn save(
         &self,
@@ -228,10 +228,15 @@ impl Store {
         describe: &Bound<'_, PyAny>,
         materialize: &Bound<'_, PyAny>,
         before_copy: &Bound<'_, PyAny>,
+        device_fingerprint: &Bound<'_, PyAny>,
         meta: Option<BTreeMap<String, String>>,
         skip_unchanged: bool,
-        copy_threads: usize,
+        copy_threads: Option<usize>,
     ) -> PyResult<SaveHandle> {
+        // Copies and fingerprints are memory-bound: a few threads saturate it.
+        let copy_threads = copy_threads.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8))
+        });
         let writer = self.writer()?;
         // Surface an earlier failure before doing any work; cached blobs may
         // refer to a save that failed, so forget them.
@@ -245,12 +250,18 @@ impl Store {
         } else {
             HashMap::new()
         };
-        let mut walk = tree::SaveWalk::new(describe, materialize, &mut cache, skip_unchanged);
+        let mut walk = tree::SaveWalk::new(
+            describe,
+            materialize,
+            device_fingerprint,
+            &mut cache,
+            skip_unchanged,
+        );
         let root = walk.node(state, &mut Vec::new())?;
         let tree::SaveWalk {
-            slots,
+            mut slots,
             sources,
-            new_cache,
+            tracked,
             keepalive,
             any_materialized,
             ..
@@ -258,37 +269,36 @@ impl Store {
         if any_materialized {
             before_copy.call0()?;
         }
-        let reused: u64 = slots
-            .iter()
-            .map(|s| match s {
-                tree::Slot::Reuse(b) => b.nbytes,
-                _ => 0,
-            })
-            .sum();
         let result = interrupt::run(py, |intr| {
             let mut b = writer.begin(&name)?;
-            let srcs: Vec<&[u8]> = sources.iter().map(|s| s.as_slice()).collect();
+            let segment = b.fingerprint_segment();
+            let proven = tree::verify_unchanged(&mut slots, &sources, segment, copy_threads);
+            let srcs: Vec<&[u8]> = tree::stage_order(&slots)
+                .into_iter()
+                .map(|i| sources[i].as_slice())
+                .collect();
             let staged = b.stage_many(&srcs, copy_threads, &|| intr.check())?;
+            let reused: u64 = slots
+                .iter()
+                .map(|s| match s {
+                    tree::Slot::Reuse(b) => b.nbytes,
+                    _ => 0,
+                })
+                .sum();
             b.note_reused(reused);
             let mut root = root;
-            let blobs = tree::fill_blobs(&mut root, slots, staged);
-            Ok((b.commit(root, meta.unwrap_or_default()), blobs))
+            let filled = tree::fill_blobs(&mut root, slots, staged, proven)?;
+            Ok((b.commit(root, meta.unwrap_or_default()), filled))
         });
         drop(keepalive);
-        match result {
-            Ok((handle, blobs)) => {
-                if skip_unchanged {
-                    *lock(&self.cache) = new_cache
-                        .into_iter()
-                        .map(|(k, e, slot)| {
-                            (k, e.with_blob(blobs.get(slot).cloned().unwrap_or_default()))
-                        })
-                        .collect();
-                }
-                Ok(SaveHandle { inner: handle })
-            }
-            Err(e) => Err(e),
+        let (handle, filled) = result?;
+        if skip_unchanged {
+            *lock(&self.cache) = tracked
+                .into_iter()
+                .filter_map(|t| t.into_entry(&filled))
+                .collect();
         }
+        Ok(SaveHandle { inner: handle })
     }
 
     /// Load a checkpoint (or the sub-tree at `path`) into Python objects.

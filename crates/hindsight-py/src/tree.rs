@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use hindsight_core::{self as core, Array, ArrayLib, Blob, Error, Node};
+use hindsight_core::{self as core, Array, ArrayLib, Blob, Error, Fingerprint, Node, StagedBlob};
 use pyo3::prelude::*;
 use pyo3::types::{
     PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple,
@@ -27,36 +27,40 @@ pub struct CacheKey {
     device: String,
 }
 
+/// Proof of what a tensor held when it was saved.
+#[derive(Debug)]
+pub enum Content {
+    /// Host memory: the engine's full-content fingerprint.
+    Host(Fingerprint),
+    /// Device memory: a fingerprint the Python layer computed on the device
+    /// (a small device tensor, compared there: no copy to the host).
+    Device(Py<PyAny>),
+}
+
 /// What the last save recorded about one tensor.
 #[derive(Debug)]
 pub struct CacheEntry {
     version: i64,
-    fingerprint: Option<[u8; 32]>,
+    content: Content,
     blob: Blob,
     /// Holding the tensor keeps its memory from being reused by another
-    /// tensor, so (address, version) cannot be fooled by recycling.
+    /// tensor, so a cache key cannot be matched by a recycled address.
     _keep: Py<PyAny>,
 }
 
+/// A tracked tensor of this save; its cache entry once the blob is known.
 #[derive(Debug)]
-pub struct PartialEntry {
+pub struct Tracked {
+    key: CacheKey,
     version: i64,
-    fingerprint: Option<[u8; 32]>,
+    /// Device fingerprint; host ones come from staging or verification.
+    device: Option<Py<PyAny>>,
     keep: Py<PyAny>,
-}
-
-impl PartialEntry {
-    pub fn with_blob(self, blob: Blob) -> CacheEntry {
-        CacheEntry {
-            version: self.version,
-            fingerprint: self.fingerprint,
-            blob,
-            _keep: self.keep,
-        }
-    }
+    slot: usize,
 }
 
 /// A source of bytes kept alive by `SaveWalk::keepalive` for the whole save.
+#[derive(Clone, Copy)]
 pub struct Source {
     ptr: usize,
     len: usize,
@@ -73,36 +77,32 @@ impl Source {
     }
 }
 
+/// Where one blob of the tree comes from, in walk order.
 pub enum Slot {
+    /// Copy `sources[i]`.
     Stage(usize),
+    /// The previous save's blob, proven unchanged.
     Reuse(Blob),
+    /// The version counter says unchanged: reuse `blob` if `sources[source]`
+    /// still has `fingerprint`, else copy it. Decided without the GIL.
+    Verify {
+        source: usize,
+        blob: Blob,
+        fingerprint: Fingerprint,
+    },
 }
 
 pub struct SaveWalk<'a, 'py> {
     describe: &'a Bound<'py, PyAny>,
     materialize: &'a Bound<'py, PyAny>,
+    device_fingerprint: &'a Bound<'py, PyAny>,
     old: &'a mut HashMap<CacheKey, CacheEntry>,
     skip: bool,
     pub slots: Vec<Slot>,
     pub sources: Vec<Source>,
-    /// (key, entry, slot index): the cache after this save.
-    pub new_cache: Vec<(CacheKey, PartialEntry, usize)>,
+    pub tracked: Vec<Tracked>,
     pub keepalive: Vec<Py<PyAny>>,
     pub any_materialized: bool,
-}
-
-/// Sampled fingerprint: catches writes that bypass the version counter
-/// (`param.data.add_(...)`), which change nearly every element.
-fn fingerprint(src: &[u8]) -> [u8; 32] {
-    const WINDOWS: usize = 64;
-    const WIDTH: usize = 64;
-    let mut h = blake3::Hasher::new();
-    let step = (src.len() - WIDTH) / (WINDOWS - 1);
-    for i in 0..WINDOWS {
-        let off = i * step;
-        h.update(&src[off..off + WIDTH]);
-    }
-    *h.finalize().as_bytes()
 }
 
 fn unsupported(path: &[String], type_name: String, hint: &str) -> PyErr {
@@ -117,26 +117,33 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
     pub fn new(
         describe: &'a Bound<'py, PyAny>,
         materialize: &'a Bound<'py, PyAny>,
+        device_fingerprint: &'a Bound<'py, PyAny>,
         old: &'a mut HashMap<CacheKey, CacheEntry>,
         skip: bool,
     ) -> Self {
         SaveWalk {
             describe,
             materialize,
+            device_fingerprint,
             old,
             skip,
             slots: Vec::new(),
             sources: Vec::new(),
-            new_cache: Vec::new(),
+            tracked: Vec::new(),
             keepalive: Vec::new(),
             any_materialized: false,
         }
     }
 
-    fn stage(&mut self, ptr: usize, len: usize, keep: Py<PyAny>) -> usize {
+    fn source(&mut self, ptr: usize, len: usize, keep: Py<PyAny>) -> usize {
         self.sources.push(Source { ptr, len });
         self.keepalive.push(keep);
-        self.slots.push(Slot::Stage(self.sources.len() - 1));
+        self.sources.len() - 1
+    }
+
+    fn stage(&mut self, ptr: usize, len: usize, keep: Py<PyAny>) -> usize {
+        let src = self.source(ptr, len, keep);
+        self.slots.push(Slot::Stage(src));
         self.slots.len() - 1
     }
 
@@ -155,7 +162,13 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
             || k.is_instance_of::<PyString>()
         {
             let mut dummy = HashMap::new();
-            let mut w = SaveWalk::new(self.describe, self.materialize, &mut dummy, false);
+            let mut w = SaveWalk::new(
+                self.describe,
+                self.materialize,
+                self.device_fingerprint,
+                &mut dummy,
+                false,
+            );
             return w.node(k, &mut path.to_vec());
         }
         Err(unsupported(
@@ -186,8 +199,7 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
         }
         if let Ok(b) = obj.cast::<PyBytes>() {
             let bytes = b.as_bytes();
-            let idx = self.stage(bytes.as_ptr() as usize, bytes.len(), obj.clone().unbind());
-            let _ = idx;
+            self.stage(bytes.as_ptr() as usize, bytes.len(), obj.clone().unbind());
             return Ok(Node::Bytes(Blob::default()));
         }
         if let Ok(b) = obj.cast::<PyByteArray>() {
@@ -275,7 +287,13 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
             device: Some(device.clone()),
             data: Blob::default(),
         }));
-        let tracked = self.skip && version.is_some() && nbytes >= MIN_TRACKED_BYTES;
+        let version = match version {
+            Some(v) if self.skip && nbytes >= MIN_TRACKED_BYTES => v,
+            _ => {
+                self.stage_array(ptr, nbytes, &keep, host)?;
+                return Ok(node);
+            }
+        };
         let key = CacheKey {
             key_path: path.join("/"),
             ptr,
@@ -284,32 +302,56 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
             shape,
             device,
         };
-        let fp = |ptr: usize| host.then(|| fingerprint(Source { ptr, len: nbytes }.as_slice()));
-        if tracked {
-            let version = version.unwrap_or_default();
-            let fingerprint = fp(ptr);
-            if let Some(old) = self.old.remove(&key) {
-                if old.version == version && old.fingerprint == fingerprint {
-                    self.slots.push(Slot::Reuse(old.blob));
-                    let e = PartialEntry {
-                        version,
+        // The version counter only says "it changed" for sure; "unchanged"
+        // is proven by a full-content fingerprint (host: below, without the
+        // GIL; device: on the device, by the Python layer).
+        let old = self.old.remove(&key).filter(|o| o.version == version);
+        let slot;
+        let mut device_fp = None;
+        if host {
+            match old {
+                Some(CacheEntry {
+                    content: Content::Host(fingerprint),
+                    blob,
+                    ..
+                }) => {
+                    let source = self.source(ptr, nbytes, keep.clone().unbind());
+                    self.slots.push(Slot::Verify {
+                        source,
+                        blob,
                         fingerprint,
-                        keep: keep.clone().unbind(),
-                    };
-                    self.new_cache.push((key, e, self.slots.len() - 1));
-                    return Ok(node);
+                    });
+                    slot = self.slots.len() - 1;
                 }
+                _ => slot = self.stage_array(ptr, nbytes, &keep, true)?,
             }
-            let slot = self.stage_array(ptr, nbytes, &keep, host)?;
-            let e = PartialEntry {
-                version,
-                fingerprint,
-                keep: keep.unbind(),
-            };
-            self.new_cache.push((key, e, slot));
         } else {
-            self.stage_array(ptr, nbytes, &keep, host)?;
+            let (old_fp, old_blob) = match old {
+                Some(CacheEntry {
+                    content: Content::Device(fp),
+                    blob,
+                    ..
+                }) => (Some(fp), Some(blob)),
+                _ => (None, None),
+            };
+            let r = self.device_fingerprint.call1((&keep, old_fp))?;
+            let same: bool = r.get_item(0)?.extract()?;
+            device_fp = Some(r.get_item(1)?.unbind());
+            match old_blob {
+                Some(blob) if same => {
+                    self.slots.push(Slot::Reuse(blob));
+                    slot = self.slots.len() - 1;
+                }
+                _ => slot = self.stage_array(ptr, nbytes, &keep, false)?,
+            }
         }
+        self.tracked.push(Tracked {
+            key,
+            version,
+            device: device_fp,
+            keep: keep.unbind(),
+            slot,
+        });
         Ok(node)
     }
 
@@ -332,21 +374,127 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
     }
 }
 
-/// Put the staged / reused blobs into the tree (same order as the walk) and
-/// return the final blob of every slot.
-pub fn fill_blobs(root: &mut Node, slots: Vec<Slot>, staged: Vec<Blob>) -> Vec<Blob> {
-    let mut out = Vec::with_capacity(slots.len());
-    let mut it = slots.into_iter();
+/// The slots with every `Verify` decided: fingerprint the candidates (on
+/// `threads` threads, no GIL needed) and keep the previous blob only where
+/// the whole content matches. Returns each slot's proven fingerprint where
+/// one was computed.
+pub fn verify_unchanged(
+    slots: &mut [Slot],
+    sources: &[Source],
+    segment: usize,
+    threads: usize,
+) -> Vec<Option<Fingerprint>> {
+    let candidates: Vec<(usize, usize)> = slots
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| match s {
+            Slot::Verify { source, .. } => Some((i, *source)),
+            _ => None,
+        })
+        .collect();
+    let bufs: Vec<&[u8]> = candidates
+        .iter()
+        .map(|&(_, src)| sources[src].as_slice())
+        .collect();
+    let fps = core::fingerprint_many(&bufs, segment, threads);
+    let mut proven = vec![None; slots.len()];
+    for (&(i, src), fp) in candidates.iter().zip(fps) {
+        let slot = std::mem::replace(&mut slots[i], Slot::Stage(src));
+        if let Slot::Verify {
+            blob, fingerprint, ..
+        } = slot
+        {
+            if fingerprint == fp {
+                slots[i] = Slot::Reuse(blob);
+                proven[i] = Some(fp);
+            }
+        }
+    }
+    proven
+}
+
+/// The blob and (host) fingerprint of every slot, once staging returned
+/// `staged` for the sources listed by `stage_order`.
+pub struct Filled {
+    pub blobs: Vec<Blob>,
+    pub fingerprints: Vec<Option<Fingerprint>>,
+}
+
+/// Sources to copy, in slot order, after `verify_unchanged`.
+pub fn stage_order(slots: &[Slot]) -> Vec<usize> {
+    slots
+        .iter()
+        .filter_map(|s| match s {
+            Slot::Stage(src) => Some(*src),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Put the staged / reused blobs into the tree (same order as the walk).
+/// A count mismatch is a bug in the walk: an internal error, never an empty blob.
+pub fn fill_blobs(
+    root: &mut Node,
+    slots: Vec<Slot>,
+    staged: Vec<StagedBlob>,
+    mut fingerprints: Vec<Option<Fingerprint>>,
+) -> core::Result<Filled> {
+    let n_slots = slots.len();
+    let mut staged = staged.into_iter();
+    let mut blobs = Vec::with_capacity(n_slots);
+    for (i, slot) in slots.into_iter().enumerate() {
+        match slot {
+            Slot::Stage(_) => {
+                let s = staged
+                    .next()
+                    .ok_or_else(|| internal("fewer staged blobs than slots"))?;
+                fingerprints[i] = Some(s.fingerprint);
+                blobs.push(s.blob);
+            }
+            Slot::Reuse(blob) => blobs.push(blob),
+            Slot::Verify { .. } => return Err(internal("an unverified slot at fill time")),
+        }
+    }
+    let mut it = blobs.iter();
+    let mut count = 0;
     root.for_each_blob_mut(&mut |b| {
-        let blob = match it.next() {
-            Some(Slot::Stage(i)) => staged.get(i).cloned().unwrap_or_default(),
-            Some(Slot::Reuse(blob)) => blob,
-            None => Blob::default(),
-        };
-        *b = blob.clone();
-        out.push(blob);
+        count += 1;
+        if let Some(blob) = it.next() {
+            *b = blob.clone();
+        }
     });
-    out
+    if count != n_slots || staged.next().is_some() {
+        return Err(internal(
+            "the tree's blobs and the save's slots differ in number",
+        ));
+    }
+    Ok(Filled {
+        blobs,
+        fingerprints,
+    })
+}
+
+fn internal(what: &str) -> Error {
+    Error::Internal {
+        detail: format!("save: {what}"),
+    }
+}
+
+impl Tracked {
+    /// The cache entry for the next save, or None when nothing proves the content.
+    pub fn into_entry(self, filled: &Filled) -> Option<(CacheKey, CacheEntry)> {
+        let content = match self.device {
+            Some(fp) => Content::Device(fp),
+            None => Content::Host((*filled.fingerprints.get(self.slot)?)?),
+        };
+        let entry = CacheEntry {
+            version: self.version,
+            content,
+            blob: filled.blobs.get(self.slot)?.clone(),
+            _keep: self.keep,
+        };
+        Some((self.key, entry))
+    }
 }
 
 /// Read every blob under `node`, verifying each chunk, on `threads` threads.
