@@ -19,11 +19,15 @@ from conftest import run_py
 torch = pytest.importorskip("torch")
 
 # Lightning (with torch 2.15) warns about its own use of a deprecated torch API,
-# and about mid-epoch resume with a plain DataLoader (documented behaviour).
+# about mid-epoch resume with a plain DataLoader (documented behaviour), and,
+# on machines with many cores, about DataLoaders with few workers (advice
+# about speed; the `pl` fixture makes every machine look like a 16-core one
+# so this filter is exercised here too, not first on a user's machine).
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning"),
     pytest.mark.filterwarnings("ignore:.*LeafSpec.*:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:.*dataloader is not resumable.*"),
+    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
 ]
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -35,6 +39,10 @@ def pl(monkeypatch: pytest.MonkeyPatch) -> Any:
     seed_everything change is put back afterwards, signal handlers too."""
     pytest.importorskip("lightning")
     import lightning.pytorch as pl
+    from lightning.pytorch.trainer.connectors import data_connector
+
+    # As on a 16-core machine (see pytestmark).
+    monkeypatch.setattr(data_connector, "suggested_max_num_workers", lambda num_devices: 15)
 
     for var in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "CUBLAS_WORKSPACE_CONFIG", "HINDSIGHT_EXIT_CODE",
                 "_CONDOR_JOB_AD", "SLURM_JOB_ID", "HINDSIGHT_SLURM_REQUEUE"):
@@ -346,3 +354,45 @@ def test_import_error_names_the_package() -> None:
     )
     assert r.returncode == 0, r.stderr
     assert "ImportError: hindsight.lightning needs PyTorch Lightning: `pip install lightning`" in r.stdout
+
+
+SHARED_RULE_SCRIPT = """
+import sys, torch, hindsight as hs
+net = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+with hs.checkpointing(model=net, optimizer=opt, every=1, keep_last=2, store=sys.argv[1]):
+    for epoch in hs.loop("epoch", range(4)):
+        for _ in hs.loop("step", range(3)):
+            net.weight.data.add_(1.0)
+"""
+
+
+def test_one_naming_and_retention_rule_with_hs_checkpointing(pl: Any, tmp_path: Path) -> None:
+    """hs.checkpointing and the Lightning callback name and prune checkpoints
+    by the same engine rule: the same epochs survive under the same names,
+    only the prefix (run id vs callback prefix) differs."""
+    import hindsight as hs
+    from hindsight import _native
+    from hindsight.lightning import HindsightCheckpoint
+
+    store_dir = tmp_path / "store"
+    script = tmp_path / "train.py"
+    script.write_text(SHARED_RULE_SCRIPT)
+    r = subprocess.run([sys.executable, str(script), str(store_dir)], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "HINDSIGHT_HOME": str(tmp_path / "home")})
+    assert r.returncode == 0, r.stderr
+    store = hs.Store(store_dir)
+    (run_prefix,) = {n.split(".", 1)[0] for n in store.list()}
+    _fit(pl, tmp_path, 4, [HindsightCheckpoint(store, prefix="shared", keep_last=2)])
+
+    def ids(prefix: str) -> list[tuple[str, int, str]]:
+        return [(c.loop_name, c.index, c.kind) for c in store.checkpoints(prefix)]
+
+    assert ids(run_prefix) == ids("shared") == [("epoch", 2, "block"), ("epoch", 3, "block")]
+    for name in store.list():
+        ck = _native.CheckpointId.parse(name)
+        assert ck is not None and ck.name == name
+    assert sorted(n.split(".", 1)[1] for n in store.list() if n.startswith("shared.")) == \
+        sorted(n.split(".", 1)[1] for n in store.list() if n.startswith(run_prefix + "."))
+    # Interim names share one format too (9-digit steps).
+    assert _native.CheckpointId("shared", "epoch", 1, "step", 12).name == "shared.epoch-000001.step-000000012"

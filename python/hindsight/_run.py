@@ -49,8 +49,6 @@ ENV_STORE = "HINDSIGHT_STORE"
 ENV_LOCAL_FIRST = "HINDSIGHT_LOCAL_FIRST"
 DEFAULT_EXIT_CODE = 85
 _INF = float("inf")
-# <run>.<outer loop>-<epoch>[.step-<step>|.end]
-_CKPT_RE = re.compile(r"^(?P<run>[^.]+)\.(?P<loop>.+?)-(?P<i>\d{6})(?P<kind>\.step-\d{8}|\.end)?$")
 
 
 def _package_version() -> str:
@@ -397,35 +395,26 @@ class Run:
 
     def _latest_checkpoint(self) -> dict[str, Any] | None:
         """The newest complete checkpoint of this run (listed = complete)."""
-        found = []
-        for name in self.store.list():
-            m = _CKPT_RE.match(name)
-            if m and m["run"] == self.run_id:
-                i = int(m["i"])
-                kind = m["kind"] or ""
-                order = (i, 2, 0) if kind == ".end" else (i, 1, 0) if not kind else (i, 0, int(kind[len(".step-"):]))
-                found.append((order, name))
-        for order, name in sorted(found, reverse=True):
+        for ck in reversed(self.store.checkpoints(self.run_id)):
             try:
-                state = self.store.load(name)
+                state = self.store.load(ck.name)
             except Exception as e:  # noqa: BLE001 - try the previous one, say why
-                print(f"hindsight: cannot resume from {name}: {e}", file=sys.stderr)
+                print(f"hindsight: cannot resume from {ck.name}: {e}", file=sys.stderr)
                 continue
-            kind = "end" if order[1] == 2 else "block" if order[1] == 1 else "step"
+            kind = ck.kind
             if kind == "block" and state.get("at") == "iteration":
                 kind = "end"  # taken at the end of an outer iteration without an inner hs.loop
-            return {"name": name, "kind": kind, "epoch": order[0], "step": order[2], "state": state}
+            return {"name": ck.name, "kind": kind, "epoch": ck.index, "step": ck.step or 0, "state": state}
         return None
 
-    def _checkpoint_name(self, i: int, suffix: str = "") -> str:
-        loop = re.sub(r"[^A-Za-z0-9_=+@,-]", "_", self.outer_name or "loop")
-        return f"{self.run_id}.{loop}-{i:06d}{suffix}"
+    def _checkpoint_id(self, i: int, kind: str = "block", step: int | None = None) -> _native.CheckpointId:
+        return _native.CheckpointId(self.run_id, self.outer_name or "loop", i, kind, step)
 
-    def _save_now(self, name: str, extra: dict[str, Any], wait: bool) -> None:
+    def _save_now(self, ck: _native.CheckpointId, extra: dict[str, Any], wait: bool) -> None:
         state = self.capture()
         state.update(extra)
         t0 = time.perf_counter()
-        h = self.store.save(name, state, meta={"run": self.run_id, "loop": self.outer_name or "", "index": self.outer_idx})
+        h = self.store.save(ck.name, state, meta={**ck.meta(), "run": self.run_id})
         self.last_blocked = time.perf_counter() - t0
         self.last_checkpoint_time = time.monotonic()
         if wait:
@@ -444,11 +433,11 @@ class Run:
             mid["loader_state"] = loader.state_dict()
         if self.stop_signal is not None:
             self.flush_logs()
-            self._save_now(self._checkpoint_name(i, f".step-{j:08d}"), mid, wait=True)
+            self._save_now(self._checkpoint_id(i, "step", j), mid, wait=True)
             self._exit_for_signal()
         if self.safety_seconds is not None and time.monotonic() - self.last_checkpoint_time > self.safety_seconds:
             self.flush_logs()
-            self._save_now(self._checkpoint_name(i, f".step-{j:08d}"), mid, wait=False)
+            self._save_now(self._checkpoint_id(i, "step", j), mid, wait=False)
 
     def _iteration_boundary(self, i: int) -> None:
         """After outer iteration i: act on a signal (the next iteration starts afresh on resume)."""
@@ -456,7 +445,7 @@ class Run:
             return
         self.flush_logs()
         if self.objects:
-            self._save_now(self._checkpoint_name(i, ".end"), {}, wait=True)
+            self._save_now(self._checkpoint_id(i, "end"), {}, wait=True)
         self._exit_for_signal()
 
     def _exit_for_signal(self) -> None:
@@ -480,18 +469,6 @@ class Run:
     def apply_retention(self, final: bool = False) -> None:
         if self.mode != "record" or not self.retention or self._store is None:
             return
-        ckpts: list[tuple[int, str]] = []
-        superseded: list[str] = []
-        newest_block = -1
-        for name in self.store.list():
-            m = _CKPT_RE.match(name)
-            if not m or m["run"] != self.run_id:
-                continue
-            if m["kind"]:
-                superseded.append(name)
-            else:
-                ckpts.append((int(m["i"]), name))
-                newest_block = max(newest_block, int(m["i"]))
         metric = self.retention.get("best_metric")
         values: dict[int, float] = {}
         if metric:
@@ -502,16 +479,14 @@ class Run:
                         values[ctx[0][1]] = float(json.loads(value))
                     except (TypeError, ValueError):
                         pass
-        keep = _native.retention_keep(
-            [(i, values.get(i)) for i, _ in ckpts], self.retention.get("keep_last"),
-            self.retention.get("keep_best"), self.retention.get("best_mode", "min"), self.retention.get("keep_every"))
-        for (i, name), k in zip(ckpts, keep):
-            if not k:
-                self.store.remove(name)
-        for name in superseded:
-            m = _CKPT_RE.match(name)
-            if m is not None and int(m["i"]) < newest_block:
-                self.store.remove(name)
+        self.store.apply_retention(
+            self.run_id,
+            keep_last=self.retention.get("keep_last"),
+            keep_best=self.retention.get("keep_best"),
+            best_mode=self.retention.get("best_mode", "min"),
+            keep_every=self.retention.get("keep_every"),
+            metrics=values if metric else None,
+        )
         if final:
             self.store.gc()
 
@@ -790,10 +765,10 @@ class Run:
                 return
         elif not self.policy.observe_iteration(compute, expected):
             return
-        name = self._checkpoint_name(i)
-        self._save_now(name, {"at": at}, wait=False)
+        ck = self._checkpoint_id(i)
+        self._save_now(ck, {"at": at}, wait=False)
         self.policy.observe_materialize(self.last_blocked or 0.0)
-        self.iter_checkpoint = name
+        self.iter_checkpoint = ck.name
         self.iter_materialize = self.last_blocked
 
     def _estimate_materialize(self) -> float:

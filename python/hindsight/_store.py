@@ -266,6 +266,33 @@ class Store:
         """Names of the committed checkpoints, sorted."""
         return self._native.list()
 
+    def checkpoints(self, prefix: str) -> list[_native.CheckpointId]:
+        """The checkpoints named ``<prefix>.<loop>-<index>[...]`` (as the training
+        API and the Lightning callback name them), oldest first in resume order."""
+        return self._native.checkpoints(prefix)
+
+    def apply_retention(
+        self,
+        prefix: str,
+        *,
+        keep_last: int | None = None,
+        keep_best: int | None = None,
+        best_mode: str = "min",
+        keep_every: int | None = None,
+        metrics: Mapping[int, float] | None = None,
+        monitor: str | None = None,
+    ) -> list[str]:
+        """Remove the checkpoints of ``prefix`` that the policy does not keep;
+        returns their names. The policies combine as a union and the newest
+        checkpoint always stays; interim (mid-iteration) checkpoints go once a
+        newer epoch checkpoint exists. ``keep_best`` ranks by ``metrics``
+        (outer index -> value) or by the metric saved in each checkpoint's
+        metadata under ``monitor``."""
+        return self._native.apply_retention(
+            prefix, keep_last, keep_best, best_mode, keep_every,
+            None if metrics is None else dict(metrics), monitor,
+        )
+
     def info(self, name: str) -> dict[str, Any]:
         """Creation time, metadata and the (key, kind, bytes) entries of a checkpoint."""
         return self._native.info(name)

@@ -118,7 +118,6 @@ DEFAULT_PREFIX = "lightning"
 # torch.save keeps as an attribute of the OrderedDict and a plain dict loses.
 _METADATA_KEY = "hindsight_state_dict_metadata"
 _PATH_RE = re.compile(r"^hindsight:/{1,2}(?P<name>[^/]+)$")
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9_=+@,-][A-Za-z0-9._=+@,-]{0,150}$")
 
 __all__ = [
     "Entry",
@@ -185,15 +184,13 @@ class Entry(NamedTuple):
         return (self.epoch, 1 if self.end else 0, self.step)
 
 
-def _name_re(prefix: str) -> re.Pattern[str]:
-    return re.compile(rf"^{re.escape(prefix)}\.epoch-(?P<epoch>\d{{6}})(?:\.step-(?P<step>\d{{9}}))?$")
-
-
 def _check_prefix(prefix: str) -> str:
-    if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
+    try:
+        _native.CheckpointId(prefix, "epoch", 0)
+    except (InvalidArgumentError, TypeError):
         raise InvalidArgumentError(
             f"prefix {prefix!r}: use 1-150 characters from A-Z a-z 0-9 . _ - = + @ , not starting with '.'"
-        )
+        ) from None
     return prefix
 
 
@@ -208,14 +205,11 @@ def _open(store: Store | str | os.PathLike[str]) -> tuple[Store | None, bool]:
 
 
 def _entries(store: Store, prefix: str) -> list[Entry]:
-    rx = _name_re(prefix)
-    found = []
-    for name in store.list():
-        m = rx.match(name)
-        if m is not None:
-            step = m["step"]
-            found.append(Entry(name, int(m["epoch"]), step is None, int(step) if step else -1))
-    return sorted(found, key=lambda e: e.order)
+    return [
+        Entry(ck.name, ck.index, ck.kind != "step", -1 if ck.step is None else ck.step)
+        for ck in store.checkpoints(prefix)
+        if ck.loop_name == "epoch"
+    ]
 
 
 def checkpoints(store: Store | str | os.PathLike[str], prefix: str = DEFAULT_PREFIX) -> list[Entry]:
@@ -518,7 +512,6 @@ def _build() -> None:
             self.stop_signal: int | None = None
             self.last_saved: str | None = None
             self._last_step_saved = -1
-            self._metrics: dict[str, float | None] = {}
             self._active = False
             self._prev_handlers: dict[int, Any] = {}
 
@@ -627,7 +620,8 @@ def _build() -> None:
         def _save(self, trainer: Any, end: bool, wait: bool) -> None:
             epoch = trainer.current_epoch
             step = trainer.global_step
-            name = f"{self.prefix}.epoch-{epoch:06d}" + ("" if end else f".step-{step:09d}")
+            name = _native.CheckpointId(self.prefix, "epoch", epoch, "block" if end else "step",
+                                        None if end else step).name
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             if trainer.is_global_zero:
                 meta: dict[str, object] = {"lightning": pl.__version__, "epoch": epoch, "global_step": step,
@@ -636,7 +630,6 @@ def _build() -> None:
                 if metric is not None:
                     meta["monitor"] = self.monitor
                     meta["metric"] = repr(metric)
-                    self._metrics[name] = metric
                 try:
                     handle = self.store.save(name, _pack(checkpoint), meta=meta, allow_pickle=self.allow_pickle)
                 except UnsupportedTypeError as e:
@@ -672,41 +665,12 @@ def _build() -> None:
             except (TypeError, ValueError):
                 return None
 
-        def _metric_of(self, name: str) -> float | None:
-            if name not in self._metrics:
-                try:
-                    meta = self.store.info(name).get("meta", {})
-                    v = meta.get("metric")
-                    ok = v is not None and meta.get("monitor") == self.monitor
-                    self._metrics[name] = float(v) if ok else None
-                except (NotFoundError, ValueError):
-                    self._metrics[name] = None
-            return self._metrics[name]
-
         def _apply_retention(self, final: bool = False) -> None:
             if self.keep_last is None and self.keep_best is None and self.keep_every is None:
                 return
-            entries = _entries(self.store, self.prefix)
-            ends = [e for e in entries if e.end]
-            steps = [e for e in entries if not e.end]
-            remove: list[str] = []
-            if ends:
-                keep = _native.retention_keep(
-                    [(e.epoch, self._metric_of(e.name) if self.keep_best else None) for e in ends],
-                    self.keep_last, self.keep_best, self.mode, self.keep_every)
-                remove += [e.name for e, k in zip(ends, keep) if not k]
-                newest_end = ends[-1].epoch
-                remove += [e.name for e in steps if e.epoch <= newest_end]
-                steps = [e for e in steps if e.epoch > newest_end]
-            if steps:
-                n = max(self.keep_last or 1, 1)
-                remove += [e.name for e in steps[:-n]]
-            for name in remove:
-                try:
-                    self.store.remove(name)
-                except NotFoundError:
-                    pass
-                self._metrics.pop(name, None)
+            self.store.apply_retention(self.prefix, keep_last=self.keep_last, keep_best=self.keep_best,
+                                       best_mode=self.mode, keep_every=self.keep_every,
+                                       monitor=self.monitor if self.keep_best else None)
 
         # -- Lightning hooks -------------------------------------------------------------------
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:

@@ -293,10 +293,7 @@ impl Places {
             None => self.home_store()?,
         };
         // `s3://bucket/prefix` too: the `hindsight` of the Python package has S3 support.
-        Ok(match path.to_str() {
-            Some(url) if url.starts_with("s3://") => Store::open_url(url, false, None)?,
-            _ => Store::open_local(&path, false, None)?,
-        })
+        Ok(Store::open_url(&path.to_string_lossy(), false, None)?)
     }
 
     /// The store of the project home, if it exists.

@@ -7,12 +7,15 @@ pub mod fingerprint;
 pub mod format;
 pub mod logdb;
 pub mod mem;
+pub mod naming;
 pub mod plan;
+pub mod replica;
 pub mod retention;
 #[cfg(feature = "s3")]
 pub mod s3;
 pub mod storage;
 pub mod store;
+pub mod sync;
 pub mod upload;
 pub mod writer;
 
@@ -22,9 +25,11 @@ pub use format::{Array, ArrayLib, Blob, ChunkId, Codec, Manifest, Node};
 pub use logdb::{
     Divergence, IterationRow, LogDb, LogRecord, LogRow, NewRun, Phase, RunRow, RunStatus,
 };
+pub use naming::{CheckpointId, Kind as CheckpointKind};
 pub use plan::{
     partition, plan_partial, plan_segments, AdaptivePolicy, PartialPlan, PartialStep, Segment,
 };
+pub use replica::{MetricSource, ReadTree, Replica};
 #[cfg(feature = "s3")]
 pub use s3::S3Storage;
 pub use storage::{LocalStorage, Storage};

@@ -6,6 +6,7 @@
 //! resume always has somewhere to start.
 
 use crate::error::{Error, Result};
+use crate::naming::CheckpointId;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BestMode {
@@ -90,10 +91,131 @@ pub fn select(candidates: &[Candidate], policy: &Retention) -> Vec<bool> {
     keep
 }
 
+/// One checkpoint a retention pass considers, with its metric if known.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Entry {
+    pub id: CheckpointId,
+    pub metric: Option<f64>,
+}
+
+/// The whole retention decision for one prefix: which checkpoints to remove.
+///
+/// Block checkpoints (one per outer iteration) are chosen among by
+/// [`select`]. Interim ones (mid-iteration steps, iteration ends) exist to
+/// resume from: one is superseded, and removed, once a block checkpoint newer
+/// than it exists; of the others the newest `max(keep_last, 1)` stay. With
+/// no policy nothing is removed. Entries of other prefixes are ignored.
+pub fn removals(entries: &[Entry], prefix: &str, policy: &Retention) -> Vec<CheckpointId> {
+    if policy.is_empty() {
+        return Vec::new();
+    }
+    let mut mine: Vec<&Entry> = entries.iter().filter(|e| e.id.prefix == prefix).collect();
+    mine.sort_by(|a, b| a.id.cmp(&b.id));
+    let (interim, blocks): (Vec<&Entry>, Vec<&Entry>) =
+        mine.into_iter().partition(|e| e.id.kind.is_interim());
+    let candidates: Vec<Candidate> = blocks
+        .iter()
+        .map(|e| Candidate {
+            index: e.id.index,
+            metric: e.metric,
+        })
+        .collect();
+    let keep = select(&candidates, policy);
+    let mut out: Vec<CheckpointId> = blocks
+        .iter()
+        .zip(keep)
+        .filter(|(_, k)| !k)
+        .map(|(e, _)| e.id.clone())
+        .collect();
+    let newest_block = blocks.last().map(|e| e.id.order());
+    let (superseded, live): (Vec<&Entry>, Vec<&Entry>) = interim
+        .into_iter()
+        .partition(|e| newest_block.is_some_and(|b| e.id.order() < b));
+    out.extend(superseded.into_iter().map(|e| e.id.clone()));
+    let n = policy.keep_last.unwrap_or(1).max(1);
+    out.extend(live.iter().rev().skip(n).map(|e| e.id.clone()));
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::naming::Kind;
     use proptest::prelude::*;
+
+    fn id(index: u64, kind: Kind) -> CheckpointId {
+        CheckpointId::new("run", "epoch", index, kind).unwrap()
+    }
+
+    fn entries(ids: &[(u64, Kind, Option<f64>)]) -> Vec<Entry> {
+        ids.iter()
+            .map(|&(i, k, metric)| Entry {
+                id: id(i, k),
+                metric,
+            })
+            .collect()
+    }
+
+    fn names(ids: Vec<CheckpointId>) -> Vec<String> {
+        let mut v: Vec<String> = ids.iter().map(|i| i.name()).collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn interim_checkpoints_are_superseded_by_a_newer_block() {
+        let es = entries(&[
+            (0, Kind::Block, None),
+            (1, Kind::Step(10), None), // superseded by block 1
+            (1, Kind::Block, None),
+            (1, Kind::End, None), // newer than block 1: not superseded
+            (2, Kind::Step(20), None),
+            (2, Kind::Step(25), None), // the newest interim: kept
+        ]);
+        let p = Retention {
+            keep_last: Some(1),
+            ..Default::default()
+        };
+        assert_eq!(
+            names(removals(&es, "run", &p)),
+            [
+                "run.epoch-000000",
+                "run.epoch-000001.end",
+                "run.epoch-000001.step-000000010",
+                "run.epoch-000002.step-000000020",
+            ]
+        );
+        let p = Retention {
+            keep_last: Some(3),
+            ..Default::default()
+        };
+        assert_eq!(
+            names(removals(&es, "run", &p)),
+            ["run.epoch-000001.step-000000010"]
+        );
+        // Another prefix, or no policy: nothing.
+        assert!(removals(&es, "other", &p).is_empty());
+        assert!(removals(&es, "run", &Retention::default()).is_empty());
+    }
+
+    #[test]
+    fn best_by_metric_among_blocks() {
+        let es = entries(&[
+            (0, Kind::Block, Some(0.3)),
+            (1, Kind::Block, Some(0.1)),
+            (2, Kind::Block, Some(0.5)),
+            (3, Kind::Block, Some(0.4)),
+        ]);
+        let p = Retention {
+            keep_last: Some(1),
+            keep_best: Some((1, BestMode::Min)),
+            keep_every: None,
+        };
+        assert_eq!(
+            names(removals(&es, "run", &p)),
+            ["run.epoch-000000", "run.epoch-000002"]
+        );
+    }
 
     fn c(index: u64, metric: Option<f64>) -> Candidate {
         Candidate { index, metric }

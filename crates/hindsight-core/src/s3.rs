@@ -71,6 +71,7 @@ use object_store::{
 use crate::error::{Error, Result};
 use crate::format::ChunkId;
 use crate::storage::{LockGuard, Storage, CONFIG_FILE};
+use crate::sync::lock;
 
 /// A lease not renewed for this long belongs to a dead process.
 pub const DEFAULT_LEASE_TIMEOUT: Duration = Duration::from_secs(600);
@@ -304,10 +305,6 @@ impl S3Storage {
     pub fn url(&self) -> &str {
         &self.inner.url
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Inner {

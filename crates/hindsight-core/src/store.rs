@@ -4,13 +4,15 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Read;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::format::{self, Blob, ChunkId, Codec, Manifest, Node, CHUNK_HEADER_LEN, FORMAT_VERSION};
 use crate::storage::{LocalStorage, Storage, CONFIG_FILE};
+use crate::sync::lock;
+use crate::writer::Cancel;
 
 pub const DEFAULT_CHUNK_SIZE: usize = 4 << 20;
 
@@ -275,21 +277,70 @@ impl Store {
         Ok(())
     }
 
-    /// Read a whole blob into `dest` (length `blob.nbytes`), verifying every chunk.
-    pub fn read_blob_into(&self, blob: &Blob, dest: &mut [u8]) -> Result<()> {
-        if dest.len() as u64 != blob.nbytes {
-            return Err(Error::invalid(
-                "destination buffer",
-                format!("{} bytes for a blob of {}", dest.len(), blob.nbytes),
-            ));
+    /// Read every blob under `node` (the node at key path `base` of checkpoint
+    /// `checkpoint`), verifying each chunk, on up to `threads` threads. This
+    /// is the read path of every load; a damaged chunk is an error naming
+    /// the checkpoint and key.
+    pub fn read_blobs(
+        &self,
+        checkpoint: &str,
+        node: &Node,
+        base: &[String],
+        threads: usize,
+        cancel: Cancel<'_>,
+    ) -> Result<Vec<Vec<u8>>> {
+        let mut blobs: Vec<(String, Blob)> = Vec::new();
+        node.for_each_blob(&mut base.to_vec(), &mut |p, b| {
+            blobs.push((p.join("/"), b.clone()))
+        });
+        let mut buffers: Vec<Vec<u8>> = blobs
+            .iter()
+            .map(|(_, b)| crate::mem::zeroed(b.nbytes as usize))
+            .collect();
+        let mut work = Vec::new();
+        for ((key, blob), buf) in blobs.iter().zip(buffers.iter_mut()) {
+            let mut rest: &mut [u8] = buf;
+            for c in &blob.chunks {
+                if (c.len as usize) > rest.len() {
+                    return Err(Error::corrupt(
+                        self.storage.manifest_path(checkpoint),
+                        format!("chunks of key '{key}' hold more bytes than its size"),
+                    ));
+                }
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(c.len as usize);
+                work.push((head, c.id, key.as_str()));
+                rest = tail;
+            }
         }
-        let mut off = 0usize;
-        for c in &blob.chunks {
-            let end = off + c.len as usize;
-            self.read_chunk_into(&c.id, &mut dest[off..end])?;
-            off = end;
+        let total = work.len();
+        let queue = Mutex::new(work.into_iter());
+        let failed: Mutex<Option<Error>> = Mutex::new(None);
+        let run = || loop {
+            if lock(&failed).is_some() {
+                return;
+            }
+            if cancel() {
+                lock(&failed).get_or_insert(Error::Cancelled("load interrupted".into()));
+                return;
+            }
+            let item = lock(&queue).next();
+            let Some((dest, id, key)) = item else { return };
+            if let Err(e) = self.read_chunk_into(&id, dest) {
+                lock(&failed).get_or_insert(e.in_checkpoint(checkpoint, key));
+                return;
+            }
+        };
+        let threads = threads.clamp(1, 16).min(total.max(1));
+        std::thread::scope(|s| {
+            for _ in 1..threads {
+                s.spawn(run);
+            }
+            run();
+        });
+        match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(buffers),
         }
-        Ok(())
     }
 
     /// Encode and store one chunk unless an identical one is already there.

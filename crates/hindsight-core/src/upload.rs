@@ -10,21 +10,18 @@
 use std::collections::{HashSet, VecDeque};
 use std::io::Read;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::format::{ChunkId, Manifest};
 use crate::store::Store;
+use crate::sync::lock;
 
 /// Parallel transfers per checkpoint: object stores reward concurrency
 /// (each request has latency), local copies do not mind it.
 const TRANSFER_THREADS: usize = 8;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// What one copy did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

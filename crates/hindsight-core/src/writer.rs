@@ -18,12 +18,8 @@ use crate::format::{
     self, Blob, ChunkId, ChunkRef, Manifest, Node, Pending, StagedChunks, FORMAT_VERSION,
 };
 use crate::store::Store;
+use crate::sync::lock;
 use crate::upload::Uploader;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic elsewhere must not turn every later call into a panic.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 #[derive(Clone, Debug)]
 pub struct WriterOptions {

@@ -78,22 +78,24 @@ fn save_wait(w: &Writer, name: &str, items: &[(&str, &[u8])]) -> SaveStats {
     save(w, name, items).wait().unwrap()
 }
 
-fn read_blob(store: &Store, blob: &Blob) -> Vec<u8> {
-    let mut v = vec![0; blob.nbytes as usize];
-    store.read_blob_into(blob, &mut v).unwrap();
-    v
+/// The blob at key path `key` of checkpoint `name`, through the load path
+/// (parallel, verified) every front end uses.
+fn read_key(store: &Store, name: &str, key: &str) -> hindsight_core::Result<Vec<u8>> {
+    let path: Vec<String> = key.split('/').map(String::from).collect();
+    let node = store.manifest(name)?.root.select(&path).cloned().unwrap();
+    let mut bufs = store.read_blobs(name, &node, &path, 3, &|| false)?;
+    assert_eq!(bufs.len(), 1);
+    Ok(bufs.remove(0))
 }
 
-/// Every blob of a checkpoint, read and verified, by key path.
+/// Every blob of a checkpoint, read and verified in one call, by key path.
 fn load(store: &Store, name: &str) -> BTreeMap<String, Vec<u8>> {
     let m = store.manifest(name).unwrap();
-    blobs_under(&m.root)
-        .into_iter()
-        .map(|(k, b)| {
-            let v = read_blob(store, &b);
-            (k, v)
-        })
-        .collect()
+    let mut keys = Vec::new(); // in tree order, as the reader returns them
+    m.root
+        .for_each_blob(&mut Vec::new(), &mut |p, _| keys.push(p.join("/")));
+    let bufs = store.read_blobs(name, &m.root, &[], 4, &|| false).unwrap();
+    keys.into_iter().zip(bufs).collect()
 }
 
 fn chunk_ids(store: &Store, name: &str) -> Vec<ChunkId> {
@@ -388,14 +390,9 @@ fn round_trip_of_every_node_kind() {
         assert_eq!(blob.nbytes, want.len() as u64, "{k}");
         assert_eq!(blob.chunks.len(), chunks_for(want.len()), "{k}");
         assert!(blob.chunks.iter().all(|c| c.len > 0 && c.len <= CS as u64));
-        assert_eq!(&read_blob(&store, blob), want, "{k}");
+        assert_eq!(&read_key(&store, "rt", k).unwrap(), want, "{k}");
     }
-    // A destination of the wrong size is refused, not overrun.
-    let mut short = vec![0; CS];
-    assert!(matches!(
-        store.read_blob_into(&blobs["bytes/plus_one"], &mut short),
-        Err(Error::InvalidArgument { .. })
-    ));
+    assert_eq!(load(&store, "rt"), expected);
     assert_verifies(&store);
 }
 
@@ -790,12 +787,21 @@ fn corruption_is_detected_and_located() {
     bytes[16 + 100] ^= 0x04;
     fs::write(&chunk, &bytes).unwrap();
 
-    let mut dest = vec![0; wblob.nbytes as usize];
-    match store.read_blob_into(wblob, &mut dest) {
-        Err(Error::Corrupt { path, .. }) => assert_eq!(path, chunk),
+    // The load path names the file, the checkpoint and the key.
+    match read_key(&store, "c1", "model/w") {
+        Err(Error::Corrupt {
+            path,
+            checkpoint,
+            key_path,
+            ..
+        }) => {
+            assert_eq!(path, chunk);
+            assert_eq!(checkpoint.as_deref(), Some("c1"));
+            assert_eq!(key_path.as_deref(), Some("model/w"));
+        }
         other => panic!("expected Corrupt, got {other:?}"),
     }
-    assert_eq!(read_blob(&store, &blobs["other"]), other);
+    assert_eq!(read_key(&store, "c1", "other").unwrap(), other);
 
     let (n, problems) = store.verify(&[], |_| {}).unwrap();
     assert_eq!(n, 2);

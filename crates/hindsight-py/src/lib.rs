@@ -5,6 +5,7 @@
 mod buffer;
 mod errors;
 mod interrupt;
+mod naming;
 mod runs;
 mod tree;
 
@@ -17,45 +18,25 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use errors::IntoPy;
+use hindsight_core::sync::lock;
 use tree::{CacheEntry, CacheKey};
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// A checkpoint store and its background writer (see `hindsight.Store`).
 #[pyclass(module = "hindsight._native", frozen)]
 struct Store {
-    /// Where saves commit: the destination, or the local copy in local-first mode.
-    store: Arc<core::Store>,
-    /// Local-first mode: the destination the uploader copies to.
-    remote: Option<Arc<core::Store>>,
+    /// The store, or a local replica in front of it (local-first mode).
+    replica: Arc<core::Replica>,
     writer: Mutex<Option<Arc<core::Writer>>>,
     /// Unchanged-tensor cache: key path + identity -> the blob saved last time.
     cache: Mutex<HashMap<CacheKey, CacheEntry>>,
 }
 
 impl Store {
-    /// The store that holds `name`: the local copy if it has it, else the destination.
-    fn holder(&self, name: &str) -> core::Result<Arc<core::Store>> {
-        match &self.remote {
-            Some(remote) if !self.store.list()?.iter().any(|n| n == name) => Ok(remote.clone()),
-            _ => Ok(self.store.clone()),
-        }
-    }
-
-    /// Every store this object spans, destination last.
-    fn all(&self) -> Vec<Arc<core::Store>> {
-        std::iter::once(self.store.clone())
-            .chain(self.remote.clone())
-            .collect()
-    }
-
     fn writer(&self) -> PyResult<Arc<core::Writer>> {
         lock(&self.writer).clone().ok_or_else(|| {
             errors::to_py(Error::Cancelled(format!(
                 "store {} is closed",
-                self.store.location()
+                self.replica.destination().location()
             )))
         })
     }
@@ -146,33 +127,14 @@ impl Store {
         if let Some(t) = threads {
             wopts.threads = t;
         }
-        let (store, remote, writer) = interrupt::run(py, move |_| {
-            // `s3://bucket/prefix` selects object storage; anything else is a directory.
-            let dest = Arc::new(match path.to_str() {
-                Some(url) if url.starts_with("s3://") => {
-                    core::Store::open_url(url, create, options)?
-                }
-                _ => core::Store::open_local(&path, create, options)?,
-            });
-            let Some(local_path) = local_first else {
-                let writer = core::Writer::new(dest.clone(), wopts)?;
-                return Ok((dest, None, writer));
-            };
-            // The local copy takes the destination's options, so chunks are cut alike.
-            let local = match core::Store::open_local(&local_path, false, None) {
-                Err(Error::NotFound { .. }) => {
-                    core::Store::open_local(&local_path, true, Some(dest.options().clone()))?
-                }
-                other => other?,
-            };
-            let uploader = Arc::new(core::Uploader::new(Arc::new(local), dest.clone())?);
-            let local = uploader.local().clone();
-            let writer = core::Writer::local_first(uploader, wopts)?;
-            Ok((local, Some(dest), writer))
+        let location = path.to_string_lossy().into_owned();
+        let (replica, writer) = interrupt::run(py, move |_| {
+            let replica = core::Replica::open(&location, local_first.as_deref(), create, options)?;
+            let writer = replica.start_writer(wopts)?;
+            Ok((Arc::new(replica), writer))
         })?;
         Ok(Store {
-            store,
-            remote,
+            replica,
             writer: Mutex::new(Some(Arc::new(writer))),
             cache: Default::default(),
         })
@@ -181,13 +143,13 @@ impl Store {
     /// The destination (in local-first mode, not the local copy).
     #[getter]
     fn path(&self) -> String {
-        self.remote.as_ref().unwrap_or(&self.store).location()
+        self.replica.destination().location()
     }
 
     /// The local copy in local-first mode, else None.
     #[getter]
     fn local_first(&self) -> Option<String> {
-        self.remote.as_ref().map(|_| self.store.location())
+        self.replica.local_location()
     }
 
     /// Checkpoints committed locally and not yet uploaded (0 unless local-first).
@@ -197,7 +159,7 @@ impl Store {
 
     #[getter]
     fn compression(&self) -> &'static str {
-        match self.store.options().codec {
+        match self.replica.primary().options().codec {
             Codec::Raw => "none",
             Codec::Zstd => "zstd",
         }
@@ -205,7 +167,7 @@ impl Store {
 
     #[getter]
     fn chunk_size(&self) -> usize {
-        self.store.options().chunk_size
+        self.replica.primary().options().chunk_size
     }
 
     #[getter]
@@ -313,26 +275,13 @@ impl Store {
         threads: usize,
     ) -> PyResult<Bound<'py, PyAny>> {
         let path = path.unwrap_or_default();
-        let (manifest, node, buffers) = interrupt::run(py, |intr| {
-            let store = self.holder(&name)?;
-            let m = store.manifest(&name)?;
-            let node = m
-                .root
-                .select(&path)
-                .cloned()
-                .ok_or_else(|| Error::NotFound {
-                    what: "key path",
-                    name: path.join("/"),
-                    location: format!("checkpoint '{name}' in store {}", store.location()),
-                })?;
-            let buffers = tree::read_blobs(&store, &name, &node, &path, threads, &|| intr.check())?;
-            Ok((m, node, buffers))
+        let read = interrupt::run(py, |intr| {
+            self.replica.read(&name, &path, threads, &|| intr.check())
         })?;
-        let _ = manifest;
         tree::build(
             py,
-            &node,
-            &mut buffers.into_iter(),
+            &read.node,
+            &mut read.buffers.into_iter(),
             make_array,
             unpickle,
             &mut path.clone(),
@@ -341,21 +290,12 @@ impl Store {
 
     /// Complete checkpoints; in local-first mode also those complete only locally.
     fn list(&self, py: Python<'_>) -> PyResult<Vec<String>> {
-        let stores = self.all();
-        interrupt::run(py, move |_| {
-            let mut names = Vec::new();
-            for s in &stores {
-                names.extend(s.list()?);
-            }
-            names.sort();
-            names.dedup();
-            Ok(names)
-        })
+        interrupt::run(py, |_| self.replica.list())
     }
 
     /// Creation time (ms since epoch) and metadata of a checkpoint.
     fn info<'py>(&self, py: Python<'py>, name: String) -> PyResult<Bound<'py, PyDict>> {
-        let (m, rows) = interrupt::run(py, |_| self.holder(&name)?.describe(&name))?;
+        let (m, rows) = interrupt::run(py, |_| self.replica.describe(&name))?;
         let d = PyDict::new(py);
         d.set_item("name", &m.name)?;
         d.set_item("created_ms", m.created_ms)?;
@@ -385,73 +325,22 @@ impl Store {
     /// Remove a checkpoint (local-first: locally first, then at the destination,
     /// so a crash in between never leaves a local copy that would be uploaded again).
     fn remove(&self, py: Python<'_>, name: String) -> PyResult<()> {
-        let uploader = self.writer()?.uploader().cloned();
-        interrupt::run(py, |_| {
-            let Some(remote) = &self.remote else {
-                return self.store.remove(&name);
-            };
-            if let Some(u) = uploader {
-                u.forget(&name);
-            }
-            let here = match self.store.remove(&name) {
-                Err(Error::NotFound { .. }) => false,
-                r => r.map(|_| true)?,
-            };
-            match remote.remove(&name) {
-                Err(Error::NotFound { .. }) if here => Ok(()),
-                r => r,
-            }
-        })
+        interrupt::run(py, |_| self.replica.remove(&name))
     }
 
     /// Verify checkpoints (all by default); local-first checks each where it is.
     #[pyo3(signature = (names=None))]
     fn verify(&self, py: Python<'_>, names: Option<Vec<String>>) -> PyResult<(usize, Vec<String>)> {
         let names = names.unwrap_or_default();
-        interrupt::run(py, |_| {
-            let dest = self.remote.as_ref().unwrap_or(&self.store);
-            let mut jobs = vec![(dest.clone(), names.clone())];
-            if self.remote.is_some() {
-                // Uploaded ones at the destination, the rest (and unknown names,
-                // reported as missing) where they are.
-                let at_dest = dest.list()?;
-                let local = self.store.list()?;
-                let wanted = if names.is_empty() {
-                    let mut all: Vec<String> = at_dest.iter().chain(&local).cloned().collect();
-                    all.sort();
-                    all.dedup();
-                    all
-                } else {
-                    names
-                };
-                let (there, here): (Vec<String>, Vec<String>) = wanted
-                    .into_iter()
-                    .partition(|x| at_dest.contains(x) || !local.contains(x));
-                jobs = vec![(dest.clone(), there), (self.store.clone(), here)];
-                jobs.retain(|(_, n)| !n.is_empty());
-            }
-            let (mut n, mut problems) = (0, Vec::new());
-            for (store, names) in jobs {
-                let (k, p) = store.verify(&names, |_| {})?;
-                n += k;
-                problems.extend(p.into_iter().map(|p| p.error.to_string()));
-            }
-            Ok((n, problems))
-        })
+        let (n, problems) = interrupt::run(py, |_| self.replica.verify(&names, |_| {}))?;
+        Ok((
+            n,
+            problems.into_iter().map(|p| p.error.to_string()).collect(),
+        ))
     }
 
     fn gc<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let stores = self.all();
-        let r = interrupt::run(py, move |_| {
-            let mut total = core::GcReport::default();
-            for s in &stores {
-                let r = s.gc()?;
-                total.chunks_removed += r.chunks_removed;
-                total.bytes_removed += r.bytes_removed;
-                total.staging_files_removed += r.staging_files_removed;
-            }
-            Ok(total)
-        })?;
+        let r = interrupt::run(py, |_| self.replica.gc())?;
         let d = PyDict::new(py);
         d.set_item("chunks_removed", r.chunks_removed)?;
         d.set_item("bytes_removed", r.bytes_removed)?;
@@ -461,8 +350,7 @@ impl Store {
 
     /// Space used at the destination.
     fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let store = self.remote.clone().unwrap_or_else(|| self.store.clone());
-        let u = interrupt::run(py, move |_| store.usage())?;
+        let u = interrupt::run(py, |_| self.replica.usage())?;
         let d = PyDict::new(py);
         d.set_item("checkpoints", u.checkpoints)?;
         d.set_item("logical_bytes", u.logical_bytes)?;
@@ -484,6 +372,44 @@ impl Store {
         });
         py.detach(move || drop(w));
         r.map(|_| ())
+    }
+
+    /// The checkpoints named by `prefix`, oldest first in resume order.
+    fn checkpoints(&self, py: Python<'_>, prefix: String) -> PyResult<Vec<naming::PyCheckpointId>> {
+        let ids = interrupt::run(py, |_| self.replica.checkpoints(&prefix))?;
+        Ok(ids.into_iter().map(naming::PyCheckpointId).collect())
+    }
+
+    /// Apply a retention policy to the checkpoints of `prefix`; returns the
+    /// names removed. Metrics for `keep_best` come from `metrics` (outer
+    /// index -> value) or, with `monitor`, from each checkpoint's metadata.
+    #[pyo3(signature = (prefix, keep_last=None, keep_best=None, best_mode="min", keep_every=None, metrics=None, monitor=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn apply_retention(
+        &self,
+        py: Python<'_>,
+        prefix: String,
+        keep_last: Option<usize>,
+        keep_best: Option<usize>,
+        best_mode: &str,
+        keep_every: Option<u64>,
+        metrics: Option<HashMap<u64, f64>>,
+        monitor: Option<String>,
+    ) -> PyResult<Vec<String>> {
+        let mode: core::retention::BestMode = best_mode.parse().py_err()?;
+        let policy = core::retention::Retention {
+            keep_last,
+            keep_best: keep_best.map(|k| (k, mode)),
+            keep_every,
+        };
+        interrupt::run(py, |_| {
+            let source = match (&metrics, &monitor) {
+                (Some(m), _) => core::MetricSource::ByIndex(m),
+                (None, Some(monitor)) => core::MetricSource::Meta { monitor },
+                (None, None) => core::MetricSource::None,
+            };
+            self.replica.apply_retention(&prefix, &policy, source)
+        })
     }
 
     /// Forget the unchanged-tensor cache (the next save copies everything).
@@ -511,6 +437,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Store>()?;
     m.add_class::<SaveHandle>()?;
     m.add_class::<buffer::Buffer>()?;
+    m.add_class::<naming::PyCheckpointId>()?;
     m.add_function(wrap_pyfunction!(run_cli, m)?)?;
     runs::register(m)?;
     m.add("FORMAT_VERSION", core::format::FORMAT_VERSION)?;

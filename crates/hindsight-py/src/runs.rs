@@ -387,32 +387,7 @@ pub fn plan_segments(
         .collect()
 }
 
-/// Keep flags for checkpoints (index, metric) under a retention policy (a union of the given rules).
-#[pyfunction]
-#[pyo3(signature = (candidates, keep_last=None, keep_best=None, best_mode="min", keep_every=None))]
-pub fn retention_keep(
-    candidates: Vec<(u64, Option<f64>)>,
-    keep_last: Option<usize>,
-    keep_best: Option<usize>,
-    best_mode: &str,
-    keep_every: Option<u64>,
-) -> PyResult<Vec<bool>> {
-    use hindsight_core::retention::{select, BestMode, Candidate, Retention};
-    let mode: BestMode = best_mode.parse().py_err()?;
-    let policy = Retention {
-        keep_last,
-        keep_best: keep_best.map(|k| (k, mode)),
-        keep_every,
-    };
-    let cs: Vec<Candidate> = candidates
-        .into_iter()
-        .map(|(index, metric)| Candidate { index, metric })
-        .collect();
-    Ok(select(&cs, &policy))
-}
-
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(retention_keep, m)?)?;
     m.add_class::<LogDb>()?;
     m.add_class::<AdaptivePolicy>()?;
     m.add_function(wrap_pyfunction!(plan_partial, m)?)?;

@@ -2,8 +2,6 @@
 //! through the `describe` / `make_array` callables of the Python layer.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 
 use hindsight_core::{self as core, Array, ArrayLib, Blob, Error, Fingerprint, Node, StagedBlob};
 use pyo3::prelude::*;
@@ -497,71 +495,7 @@ impl Tracked {
     }
 }
 
-/// Read every blob under `node`, verifying each chunk, on `threads` threads.
-pub fn read_blobs(
-    store: &core::Store,
-    checkpoint: &str,
-    node: &Node,
-    base: &[String],
-    threads: usize,
-    cancel: &(dyn Fn() -> bool + Sync),
-) -> core::Result<Vec<Vec<u8>>> {
-    let mut blobs: Vec<(String, Blob)> = Vec::new();
-    node.for_each_blob(&mut base.to_vec(), &mut |p, b| {
-        blobs.push((p.join("/"), b.clone()))
-    });
-    let mut buffers: Vec<Vec<u8>> = blobs
-        .iter()
-        .map(|(_, b)| core::mem::zeroed(b.nbytes as usize))
-        .collect();
-    let mut work = Vec::new();
-    for ((key, blob), buf) in blobs.iter().zip(buffers.iter_mut()) {
-        let mut rest: &mut [u8] = buf;
-        for c in &blob.chunks {
-            let (head, tail) = std::mem::take(&mut rest).split_at_mut(c.len as usize);
-            work.push((head, c.id, key.as_str()));
-            rest = tail;
-        }
-    }
-    let total = work.len();
-    let queue = Mutex::new(work.into_iter());
-    let failed: Mutex<Option<Error>> = Mutex::new(None);
-    let done = AtomicUsize::new(0);
-    let run = || loop {
-        if failed.lock().map(|f| f.is_some()).unwrap_or(true) {
-            return;
-        }
-        if cancel() {
-            let _ = failed.lock().map(|mut f| {
-                f.get_or_insert(Error::Cancelled("load interrupted".into()))
-                    .to_string()
-            });
-            return;
-        }
-        let item = queue.lock().ok().and_then(|mut q| q.next());
-        let Some((dest, id, key)) = item else { return };
-        if let Err(e) = store.read_chunk_into(&id, dest) {
-            if let Ok(mut f) = failed.lock() {
-                f.get_or_insert(e.in_checkpoint(checkpoint, key));
-            }
-            return;
-        }
-        done.fetch_add(1, Ordering::Relaxed);
-    };
-    let threads = threads.clamp(1, 16).min(total.max(1));
-    std::thread::scope(|s| {
-        for _ in 1..threads {
-            s.spawn(run);
-        }
-        run();
-    });
-    if let Some(e) = failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        return Err(e);
-    }
-    Ok(buffers)
-}
-
-/// Build Python objects from a tree and the buffers `read_blobs` returned.
+/// Build Python objects from a tree and the buffers `Replica::read` returned.
 pub fn build<'py>(
     py: Python<'py>,
     node: &Node,

@@ -1,0 +1,271 @@
+//! Checkpoint names: the one rule shared by the training API
+//! (`hs.checkpointing`) and the Lightning callback.
+//!
+//! `<prefix>.<loop>-<index:06>` is the checkpoint of outer iteration `index`
+//! once its training steps are done (an epoch checkpoint); a suffix marks the
+//! interim ones a preemption or a safety timer takes: `.step-<step:09>`
+//! inside the iteration, `.end` after everything of the iteration ran. The
+//! prefix is a run id or a user's prefix (it may contain dots; the loop name
+//! cannot). Names written by earlier versions (8-digit steps) still parse.
+
+use std::cmp::Ordering;
+use std::collections::BTreeMap;
+
+use crate::error::{Error, Result};
+
+/// Which point of an outer iteration a checkpoint holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kind {
+    /// Inside the iteration, before training step `step` (a global or
+    /// per-iteration step count, as the writer chose).
+    Step(u64),
+    /// After the iteration's training steps: the checkpoint retention keeps.
+    Block,
+    /// After the whole iteration (evaluation included).
+    End,
+}
+
+impl Kind {
+    fn rank(self) -> (u8, u64) {
+        match self {
+            Kind::Step(s) => (0, s),
+            Kind::Block => (1, 0),
+            Kind::End => (2, 0),
+        }
+    }
+
+    /// Block checkpoints are the ones a retention policy chooses among;
+    /// the others are interim and superseded by any newer block.
+    pub fn is_interim(self) -> bool {
+        !matches!(self, Kind::Block)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct CheckpointId {
+    pub prefix: String,
+    /// The outer loop's name, as sanitized by [`CheckpointId::new`].
+    pub loop_name: String,
+    pub index: u64,
+    pub kind: Kind,
+}
+
+const STEP: &str = ".step-";
+const END: &str = ".end";
+
+/// Characters a loop name keeps; others become `_` (no dots: they separate fields).
+fn loop_char_ok(c: char) -> bool {
+    c.is_ascii_alphanumeric() || "_=+@,-".contains(c)
+}
+
+impl CheckpointId {
+    /// The id of a new checkpoint. The loop name is sanitized so that the
+    /// name parses back; the prefix must be a valid name start.
+    pub fn new(prefix: &str, loop_name: &str, index: u64, kind: Kind) -> Result<CheckpointId> {
+        if prefix.is_empty() || prefix.starts_with('.') || prefix.contains('/') {
+            return Err(Error::invalid(
+                "checkpoint prefix",
+                format!("{prefix:?} must be non-empty, without '/', and not start with '.'"),
+            ));
+        }
+        let mut loop_name: String = loop_name
+            .chars()
+            .map(|c| if loop_char_ok(c) { c } else { '_' })
+            .collect();
+        if loop_name.is_empty() {
+            loop_name = "loop".into();
+        }
+        let id = CheckpointId {
+            prefix: prefix.into(),
+            loop_name,
+            index,
+            kind,
+        };
+        crate::format::validate_name(&id.name())?;
+        Ok(id)
+    }
+
+    pub fn name(&self) -> String {
+        let base = format!("{}.{}-{:06}", self.prefix, self.loop_name, self.index);
+        match self.kind {
+            Kind::Block => base,
+            Kind::End => base + END,
+            Kind::Step(s) => format!("{base}{STEP}{s:09}"),
+        }
+    }
+
+    /// Parse a name written by [`CheckpointId::name`]; None for other names.
+    pub fn parse(name: &str) -> Option<CheckpointId> {
+        let (rest, kind) = if let Some(r) = name.strip_suffix(END) {
+            (r, Kind::End)
+        } else if let Some((r, step)) = name
+            .rfind(STEP)
+            .and_then(|pos| Some((&name[..pos], parse_digits(&name[pos + STEP.len()..], 8)?)))
+        {
+            (r, Kind::Step(step))
+        } else {
+            (name, Kind::Block)
+        };
+        let dot = rest.rfind('.')?;
+        let (prefix, tail) = (&rest[..dot], &rest[dot + 1..]);
+        let dash = tail.rfind('-')?;
+        let (loop_name, index) = (&tail[..dash], parse_digits(&tail[dash + 1..], 6)?);
+        if prefix.is_empty() || loop_name.is_empty() || !loop_name.chars().all(loop_char_ok) {
+            return None;
+        }
+        Some(CheckpointId {
+            prefix: prefix.into(),
+            loop_name: loop_name.into(),
+            index,
+            kind,
+        })
+    }
+
+    /// Resume order: later points of the run sort later.
+    pub fn order(&self) -> (u64, u8, u64) {
+        let (rank, step) = self.kind.rank();
+        (self.index, rank, step)
+    }
+
+    /// The manifest metadata that describes this id (beside the caller's own).
+    pub fn meta(&self) -> BTreeMap<String, String> {
+        let mut m = BTreeMap::new();
+        m.insert("prefix".into(), self.prefix.clone());
+        m.insert("loop".into(), self.loop_name.clone());
+        m.insert("index".into(), self.index.to_string());
+        let kind = match self.kind {
+            Kind::Block => "block".to_string(),
+            Kind::End => "end".to_string(),
+            Kind::Step(s) => {
+                m.insert("step".into(), s.to_string());
+                "step".to_string()
+            }
+        };
+        m.insert("kind".into(), kind);
+        m
+    }
+}
+
+impl PartialOrd for CheckpointId {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for CheckpointId {
+    fn cmp(&self, other: &Self) -> Ordering {
+        (self.order(), &self.prefix, &self.loop_name).cmp(&(
+            other.order(),
+            &other.prefix,
+            &other.loop_name,
+        ))
+    }
+}
+
+/// At least `min` ASCII digits, nothing else.
+fn parse_digits(s: &str, min: usize) -> Option<u64> {
+    if s.len() < min || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    s.parse().ok()
+}
+
+/// The checkpoints among `names` that carry `prefix`, oldest first.
+pub fn with_prefix<'a>(
+    names: impl IntoIterator<Item = &'a String>,
+    prefix: &str,
+) -> Vec<CheckpointId> {
+    let mut ids: Vec<CheckpointId> = names
+        .into_iter()
+        .filter_map(|n| CheckpointId::parse(n))
+        .filter(|id| id.prefix == prefix)
+        .collect();
+    ids.sort();
+    ids
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn names_of_both_front_ends() {
+        let id = CheckpointId::new("run42", "epoch", 3, Kind::Step(420)).unwrap();
+        assert_eq!(id.name(), "run42.epoch-000003.step-000000420");
+        let block = CheckpointId::new("my.model", "epoch", 3, Kind::Block).unwrap();
+        assert_eq!(block.name(), "my.model.epoch-000003");
+        assert_eq!(CheckpointId::parse("my.model.epoch-000003"), Some(block));
+        let end = CheckpointId::parse("r.round-000012.end").unwrap();
+        assert_eq!((end.index, end.kind), (12, Kind::End));
+        // Names of earlier versions (8-digit steps) still parse.
+        let old = CheckpointId::parse("r.epoch-000001.step-00000007").unwrap();
+        assert_eq!(old.kind, Kind::Step(7));
+    }
+
+    #[test]
+    fn loop_names_are_sanitized_to_parse_back() {
+        let id = CheckpointId::new("r", "my loop.v2/x", 0, Kind::Block).unwrap();
+        assert_eq!(id.loop_name, "my_loop_v2_x");
+        assert_eq!(CheckpointId::parse(&id.name()), Some(id));
+        assert!(CheckpointId::new(".hidden", "e", 0, Kind::Block).is_err());
+        assert!(CheckpointId::new("", "e", 0, Kind::Block).is_err());
+    }
+
+    #[test]
+    fn foreign_names_do_not_parse() {
+        for n in [
+            "best",
+            "run.epoch-12",
+            "run.epoch-00000a",
+            ".epoch-000001",
+            "run.-000001",
+            "run.epoch-000001.step-12",
+            "run.epoch-000001.stepx",
+        ] {
+            assert_eq!(CheckpointId::parse(n), None, "{n}");
+        }
+    }
+
+    #[test]
+    fn resume_order() {
+        let k = |i, kind| CheckpointId::new("r", "epoch", i, kind).unwrap();
+        let mut ids = [
+            k(2, Kind::Block),
+            k(1, Kind::End),
+            k(2, Kind::Step(5)),
+            k(1, Kind::Block),
+            k(2, Kind::Step(40)),
+            k(10, Kind::Step(0)),
+        ];
+        ids.sort();
+        let names: Vec<String> = ids.iter().map(|i| i.name()).collect();
+        assert_eq!(
+            names,
+            [
+                "r.epoch-000001",
+                "r.epoch-000001.end",
+                "r.epoch-000002.step-000000005",
+                "r.epoch-000002.step-000000040",
+                "r.epoch-000002",
+                "r.epoch-000010.step-000000000",
+            ]
+        );
+        let names: Vec<String> = names
+            .into_iter()
+            .chain(["other.epoch-000009".into()])
+            .collect();
+        assert_eq!(with_prefix(&names, "r").len(), 6);
+        assert_eq!(with_prefix(&names, "other").len(), 1);
+    }
+
+    proptest! {
+        #[test]
+        fn round_trip(prefix in "[a-z0-9][a-z0-9._-]{0,20}(\\.step-x)?", lp in "[ -~]{0,12}",
+                      index in 0u64..10_000_000, step in proptest::option::of(0u64..100_000_000_000), end in any::<bool>()) {
+            let kind = match (step, end) { (Some(s), _) => Kind::Step(s), (None, true) => Kind::End, _ => Kind::Block };
+            let id = CheckpointId::new(&prefix, &lp, index, kind).unwrap();
+            prop_assert_eq!(CheckpointId::parse(&id.name()), Some(id));
+        }
+    }
+}

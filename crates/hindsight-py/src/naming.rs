@@ -1,0 +1,103 @@
+//! `hindsight._native.CheckpointId`: the engine's checkpoint naming rule,
+//! typed, for the training API and the Lightning callback.
+
+use std::collections::BTreeMap;
+
+use hindsight_core::{CheckpointId as Id, CheckpointKind as Kind, Error};
+use pyo3::prelude::*;
+
+use crate::errors::to_py;
+
+#[pyclass(
+    module = "hindsight._native",
+    name = "CheckpointId",
+    frozen,
+    eq,
+    ord,
+    hash,
+    skip_from_py_object
+)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PyCheckpointId(pub Id);
+
+fn kind_of(kind: &str, step: Option<u64>) -> PyResult<Kind> {
+    match (kind, step) {
+        ("block", None) => Ok(Kind::Block),
+        ("end", None) => Ok(Kind::End),
+        ("step", Some(s)) => Ok(Kind::Step(s)),
+        _ => Err(to_py(Error::invalid(
+            "checkpoint kind",
+            format!("{kind:?} with step={step:?}: use 'block', 'end', or 'step' with a step"),
+        ))),
+    }
+}
+
+#[pymethods]
+impl PyCheckpointId {
+    #[new]
+    #[pyo3(signature = (prefix, loop_name, index, kind="block", step=None))]
+    fn new(
+        prefix: &str,
+        loop_name: &str,
+        index: u64,
+        kind: &str,
+        step: Option<u64>,
+    ) -> PyResult<Self> {
+        Id::new(prefix, loop_name, index, kind_of(kind, step)?)
+            .map(PyCheckpointId)
+            .map_err(to_py)
+    }
+
+    /// The id a checkpoint name encodes, or None for other names.
+    #[staticmethod]
+    fn parse(name: &str) -> Option<Self> {
+        Id::parse(name).map(PyCheckpointId)
+    }
+
+    #[getter]
+    fn name(&self) -> String {
+        self.0.name()
+    }
+
+    #[getter]
+    fn prefix(&self) -> &str {
+        &self.0.prefix
+    }
+
+    #[getter]
+    fn loop_name(&self) -> &str {
+        &self.0.loop_name
+    }
+
+    #[getter]
+    fn index(&self) -> u64 {
+        self.0.index
+    }
+
+    /// "block" (after the iteration's training steps), "step" (inside it) or "end" (after it).
+    #[getter]
+    fn kind(&self) -> &'static str {
+        match self.0.kind {
+            Kind::Block => "block",
+            Kind::End => "end",
+            Kind::Step(_) => "step",
+        }
+    }
+
+    #[getter]
+    fn step(&self) -> Option<u64> {
+        match self.0.kind {
+            Kind::Step(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// Metadata describing the id, to store in the checkpoint's manifest.
+    fn meta(&self) -> BTreeMap<String, String> {
+        self.0.meta()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("CheckpointId({:?})", self.0.name())
+    }
+}
