@@ -190,29 +190,31 @@ def _git(root: Path) -> tuple[str | None, bool | None]:
     return commit.stdout.strip(), bool(status.stdout.strip())
 
 
-def _to_json(value: Any, name: str) -> Any:
+def _to_json(value: Any, name: str, what: str = "hs.log") -> Any:
+    """``value`` as plain JSON types (numpy and torch scalars become numbers);
+    refuses what cannot be recorded, naming ``what(name)``."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
         if value.numel() > MAX_LOGGED_ELEMENTS:
-            raise InvalidArgumentError(f"hs.log({name!r}): tensor of {value.numel()} elements is too large to log "
+            raise InvalidArgumentError(f"{what}({name!r}): tensor of {value.numel()} elements is too large to log "
                                        f"(at most {MAX_LOGGED_ELEMENTS}); log a summary such as .norm()")
         return value.detach().cpu().tolist()
     np = sys.modules.get("numpy")
     if np is not None:
         if isinstance(value, np.ndarray):
             if value.size > MAX_LOGGED_ELEMENTS:
-                raise InvalidArgumentError(f"hs.log({name!r}): array of {value.size} elements is too large to log")
+                raise InvalidArgumentError(f"{what}({name!r}): array of {value.size} elements is too large to log")
             return value.tolist()
         if isinstance(value, np.generic):
             return value.item()
     if isinstance(value, (list, tuple)):
-        return [_to_json(v, name) for v in value]
+        return [_to_json(v, name, what) for v in value]
     if isinstance(value, dict):
-        return {str(k): _to_json(v, name) for k, v in value.items()}
-    raise InvalidArgumentError(f"hs.log({name!r}): cannot log a value of type {type(value).__qualname__}; "
-                               "log numbers, strings, bools, or small tensors/arrays")
+        return {str(k): _to_json(v, name, what) for k, v in value.items()}
+    raise InvalidArgumentError(f"{what}({name!r}): cannot record a value of type {type(value).__qualname__}; "
+                               "use numbers, strings, bools, or small tensors/arrays")
 
 
 def _parse_override(name: str, default: Any) -> tuple[bool, Any]:
@@ -615,8 +617,9 @@ class Run:
         if self.mode == "replay":
             return self.args.get(name, default)
         _, value = _parse_override(name, default)
-        json.dumps(_to_json(value, name))  # refuse what cannot be recorded
-        self.args[name] = value
+        # Recorded as plain JSON (a numpy scalar as a number; NaN and
+        # infinities as Python's json writes them, which the engine accepts).
+        self.args[name] = _to_json(value, name, "hs.arg")
         self.db.set_args(self.run_id, json.dumps(self.args))
         return value
 

@@ -34,7 +34,6 @@ macro_rules! outln {
 }
 
 pub mod home;
-mod jsontext;
 mod runcmds;
 
 use runcmds::PhaseFilter;
@@ -685,83 +684,11 @@ pub fn human_size(bytes: u64) -> String {
     format!("{value:.1} {}", UNITS[unit])
 }
 
-/// Days since 1970-01-01 to a proleptic Gregorian (year, month, day).
-/// Howard Hinnant's `civil_from_days`.
-fn civil_from_days(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097); // [0, 146096]
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365; // [0, 399]
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100); // [0, 365]
-    let mp = (5 * doy + 2) / 153; // [0, 11], March-based
-    let day = doy - (153 * mp + 2) / 5 + 1; // [1, 31]
-    let month = if mp < 10 { mp + 3 } else { mp - 9 }; // [1, 12]
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    (year, month as u32, day as u32)
-}
-
-/// Milliseconds since the Unix epoch to UTC (year, month, day, hour, minute, second).
-fn utc_parts(ms: u64) -> (i64, u32, u32, u64, u64, u64) {
-    let secs = ms / 1000;
-    let (y, mo, d) = civil_from_days((secs / 86_400) as i64);
-    let rem = secs % 86_400;
-    (y, mo, d, rem / 3600, rem % 3600 / 60, rem % 60)
-}
-
-/// `YYYY-MM-DD HH:MM:SS` in UTC.
-pub fn format_utc(ms: u64) -> String {
-    let (y, mo, d, h, mi, s) = utc_parts(ms);
-    format!("{y:04}-{mo:02}-{d:02} {h:02}:{mi:02}:{s:02}")
-}
-
-/// `YYYY-MM-DDTHH:MM:SSZ` (RFC 3339, UTC).
-pub(crate) fn format_iso8601(ms: u64) -> String {
-    let (y, mo, d, h, mi, s) = utc_parts(ms);
-    format!("{y:04}-{mo:02}-{d:02}T{h:02}:{mi:02}:{s:02}Z")
-}
+pub use hindsight_core::dates::{format_iso8601, format_utc};
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn dates_match_known_instants() {
-        assert_eq!(format_utc(0), "1970-01-01 00:00:00");
-        assert_eq!(format_utc(999), "1970-01-01 00:00:00");
-        assert_eq!(format_utc(86_399_999), "1970-01-01 23:59:59");
-        assert_eq!(format_utc(951_782_400_000), "2000-02-29 00:00:00");
-        assert_eq!(format_utc(1_709_251_199_000), "2024-02-29 23:59:59");
-        assert_eq!(format_utc(1_709_251_200_000), "2024-03-01 00:00:00");
-        assert_eq!(format_utc(1_735_689_599_000), "2024-12-31 23:59:59");
-        assert_eq!(format_utc(4_107_542_400_000), "2100-03-01 00:00:00");
-        assert_eq!(format_utc(253_402_300_799_000), "9999-12-31 23:59:59");
-        assert_eq!(format_iso8601(1_700_000_000_123), "2023-11-14T22:13:20Z");
-    }
-
-    #[test]
-    fn civil_from_days_round_trips_every_day_for_centuries() {
-        // Walk day by day from 1970 to 2400 and check the calendar advances correctly.
-        let (mut y, mut m, mut d) = (1970i64, 1u32, 1u32);
-        for days in 0..(430 * 366) {
-            assert_eq!(civil_from_days(days), (y, m, d), "day {days}");
-            let leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
-            let len = match m {
-                2 if leap => 29,
-                2 => 28,
-                4 | 6 | 9 | 11 => 30,
-                _ => 31,
-            };
-            d += 1;
-            if d > len {
-                d = 1;
-                m += 1;
-                if m > 12 {
-                    m = 1;
-                    y += 1;
-                }
-            }
-        }
-    }
 
     #[test]
     fn sizes_are_human() {

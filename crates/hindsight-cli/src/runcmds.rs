@@ -3,12 +3,11 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
 
-use hindsight_core::logdb::json_values_equal;
 use hindsight_core::{Error, LogDb, Phase, RunRow, RunStatus};
 use serde_json::json;
 
-use crate::jsontext::{self, Object};
 use crate::{format_iso8601, format_utc, plural, table, Align, Failure, EXIT_OK};
+use hindsight_core::json::{self as jsontext, Object};
 
 /// Which phase's values `logs` shows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -257,7 +256,7 @@ pub(crate) fn cmd_logs(
                 })
                 .collect();
             line.extend(names.iter().map(|n| match row.cells.get(n) {
-                Some((Some(rec), Some(rep))) if !json_values_equal(rec, rep) => {
+                Some((Some(rec), Some(rep))) if !jsontext::values_equal(rec, rep) => {
                     format!("{rec} (replay: {rep})")
                 }
                 Some((Some(v), _) | (None, Some(v))) => v.clone(),
@@ -284,7 +283,7 @@ fn ctx_row_json(row: &CtxRow, names: &[String]) -> String {
         }
         replayed.value(name, &json!(rep.is_some()));
         if let (Some(a), Some(b)) = (rec, rep) {
-            if !json_values_equal(a, b) {
+            if !jsontext::values_equal(a, b) {
                 diverged.raw(name, b);
             }
         }

@@ -1,10 +1,12 @@
 //! hindsight engine: a crash-safe, deduplicating checkpoint store with a
 //! background writer. No Python here; the binding lives in `hindsight-py`.
 
+pub mod dates;
 pub mod durable;
 pub mod error;
 pub mod fingerprint;
 pub mod format;
+pub mod json;
 pub mod logdb;
 pub mod mem;
 pub mod naming;

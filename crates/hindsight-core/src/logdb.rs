@@ -28,7 +28,10 @@ use rusqlite::{
     params, Connection, ErrorCode, OptionalExtension, Row, Transaction, TransactionBehavior,
 };
 
+use crate::dates;
+pub use crate::dates::now_ms;
 use crate::error::{Error, Result};
+use crate::json::{self, check_json};
 
 /// Schema version this build writes (`PRAGMA user_version`).
 pub const SCHEMA_VERSION: i64 = 2;
@@ -323,42 +326,12 @@ impl<T> DbResult<T> for rusqlite::Result<T> {
     }
 }
 
-/// Milliseconds since the Unix epoch.
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
 fn to_i64(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
 fn to_u64(v: i64) -> u64 {
     u64::try_from(v).unwrap_or(0)
-}
-
-/// `YYYYMMDD-HHMMSS` (UTC) of a time in ms since the Unix epoch.
-fn utc_stamp(ms: u64) -> String {
-    let secs = ms / 1000;
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}{month:02}{day:02}-{:02}{:02}{:02}",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
 }
 
 static RUN_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -397,7 +370,7 @@ pub fn new_run_id(started_ms: u64) -> String {
     x ^= x >> 12;
     x = x.wrapping_mul(0x85_EBCB) & MASK;
     x ^= x >> 11;
-    format!("{}-{x:06x}", utc_stamp(started_ms))
+    format!("{}-{x:06x}", dates::compact_utc(started_ms))
 }
 
 /// Content address of a source snapshot (path -> file content): hex BLAKE3
@@ -441,233 +414,6 @@ fn parse_ctx(text: &str) -> Option<Vec<(String, i64)>> {
             })
             .collect(),
         _ => None,
-    }
-}
-
-/// Whether two JSON values are the same: structurally (object key order and
-/// whitespace do not matter), numbers compared as numbers (`1` = `1.0`,
-/// `NaN` = `NaN`; integers exactly). Unparsable text compares as text.
-pub fn json_values_equal(a: &str, b: &str) -> bool {
-    let (a, b) = (a.trim(), b.trim());
-    if a == b {
-        return true;
-    }
-    match (json::parse(a), json::parse(b)) {
-        (Some(x), Some(y)) => json::equal(&x, &y),
-        _ => false,
-    }
-}
-
-/// A minimal JSON reader that also accepts `NaN`, `Infinity`, `-Infinity`
-/// and keeps object keys in order.
-mod json {
-    #[derive(Debug, PartialEq)]
-    pub enum J {
-        Null,
-        Bool(bool),
-        /// The number's literal text.
-        Num(String),
-        Str(String),
-        Arr(Vec<J>),
-        Obj(Vec<(String, J)>),
-    }
-
-    const MAX_DEPTH: usize = 256;
-
-    pub fn parse(text: &str) -> Option<J> {
-        let mut p = Parser {
-            s: text.as_bytes(),
-            text,
-            i: 0,
-        };
-        let v = p.value(0)?;
-        p.ws();
-        (p.i == p.s.len()).then_some(v)
-    }
-
-    struct Parser<'a> {
-        s: &'a [u8],
-        text: &'a str,
-        i: usize,
-    }
-
-    impl Parser<'_> {
-        fn ws(&mut self) {
-            while self.i < self.s.len() && matches!(self.s[self.i], b' ' | b'\t' | b'\n' | b'\r') {
-                self.i += 1;
-            }
-        }
-
-        fn lit(&mut self, word: &str) -> bool {
-            if self.s[self.i..].starts_with(word.as_bytes()) {
-                self.i += word.len();
-                true
-            } else {
-                false
-            }
-        }
-
-        fn value(&mut self, depth: usize) -> Option<J> {
-            if depth > MAX_DEPTH {
-                return None;
-            }
-            self.ws();
-            match *self.s.get(self.i)? {
-                b'n' => self.lit("null").then_some(J::Null),
-                b't' => self.lit("true").then_some(J::Bool(true)),
-                b'f' => self.lit("false").then_some(J::Bool(false)),
-                b'N' => self.lit("NaN").then(|| J::Num("NaN".into())),
-                b'I' => self.lit("Infinity").then(|| J::Num("Infinity".into())),
-                b'-' if self.s.get(self.i + 1) == Some(&b'I') => {
-                    self.lit("-Infinity").then(|| J::Num("-Infinity".into()))
-                }
-                b'-' | b'0'..=b'9' => self.number(),
-                b'"' => self.string().map(J::Str),
-                b'[' => {
-                    self.i += 1;
-                    let mut items = Vec::new();
-                    self.ws();
-                    if self.s.get(self.i) == Some(&b']') {
-                        self.i += 1;
-                        return Some(J::Arr(items));
-                    }
-                    loop {
-                        items.push(self.value(depth + 1)?);
-                        self.ws();
-                        match *self.s.get(self.i)? {
-                            b',' => self.i += 1,
-                            b']' => {
-                                self.i += 1;
-                                return Some(J::Arr(items));
-                            }
-                            _ => return None,
-                        }
-                    }
-                }
-                b'{' => {
-                    self.i += 1;
-                    let mut entries = Vec::new();
-                    self.ws();
-                    if self.s.get(self.i) == Some(&b'}') {
-                        self.i += 1;
-                        return Some(J::Obj(entries));
-                    }
-                    loop {
-                        self.ws();
-                        let key = self.string()?;
-                        self.ws();
-                        if self.s.get(self.i) != Some(&b':') {
-                            return None;
-                        }
-                        self.i += 1;
-                        entries.push((key, self.value(depth + 1)?));
-                        self.ws();
-                        match *self.s.get(self.i)? {
-                            b',' => self.i += 1,
-                            b'}' => {
-                                self.i += 1;
-                                return Some(J::Obj(entries));
-                            }
-                            _ => return None,
-                        }
-                    }
-                }
-                _ => None,
-            }
-        }
-
-        fn number(&mut self) -> Option<J> {
-            let start = self.i;
-            while self.i < self.s.len()
-                && matches!(
-                    self.s[self.i],
-                    b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9'
-                )
-            {
-                self.i += 1;
-            }
-            let tok = &self.text[start..self.i];
-            // Rust's float grammar is a superset of JSON's number grammar.
-            tok.parse::<f64>().ok()?;
-            Some(J::Num(tok.to_string()))
-        }
-
-        fn string(&mut self) -> Option<String> {
-            if self.s.get(self.i) != Some(&b'"') {
-                return None;
-            }
-            let start = self.i;
-            self.i += 1;
-            loop {
-                match *self.s.get(self.i)? {
-                    b'\\' => self.i += 2,
-                    b'"' => {
-                        self.i += 1;
-                        break;
-                    }
-                    _ => self.i += 1,
-                }
-            }
-            serde_json::from_str(self.text.get(start..self.i)?).ok()
-        }
-    }
-
-    fn is_int(tok: &str) -> bool {
-        let digits = tok.strip_prefix('-').unwrap_or(tok);
-        !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())
-    }
-
-    pub fn num_equal(a: &str, b: &str) -> bool {
-        if is_int(a) && is_int(b) {
-            if let (Ok(x), Ok(y)) = (a.parse::<i128>(), b.parse::<i128>()) {
-                return x == y;
-            }
-        }
-        match (a.parse::<f64>(), b.parse::<f64>()) {
-            (Ok(x), Ok(y)) => x == y || (x.is_nan() && y.is_nan()),
-            _ => a == b,
-        }
-    }
-
-    pub fn equal(a: &J, b: &J) -> bool {
-        match (a, b) {
-            (J::Null, J::Null) => true,
-            (J::Bool(x), J::Bool(y)) => x == y,
-            (J::Num(x), J::Num(y)) => num_equal(x, y),
-            (J::Str(x), J::Str(y)) => x == y,
-            (J::Arr(x), J::Arr(y)) => {
-                x.len() == y.len() && x.iter().zip(y).all(|(p, q)| equal(p, q))
-            }
-            (J::Obj(x), J::Obj(y)) => {
-                if x.len() != y.len() {
-                    return false;
-                }
-                let mut xs: Vec<_> = x.iter().collect();
-                let mut ys: Vec<_> = y.iter().collect();
-                xs.sort_by(|p, q| p.0.cmp(&q.0));
-                ys.sort_by(|p, q| p.0.cmp(&q.0));
-                xs.iter()
-                    .zip(&ys)
-                    .all(|(p, q)| p.0 == q.0 && equal(&p.1, &q.1))
-            }
-            _ => false,
-        }
-    }
-}
-
-fn check_json(what: impl FnOnce() -> String, text: &str, object: bool) -> Result<String> {
-    let text = text.trim();
-    if text.is_empty() {
-        return Ok("{}".into());
-    }
-    match json::parse(text) {
-        Some(json::J::Obj(_)) => Ok(text.to_string()),
-        Some(_) if !object => Ok(text.to_string()),
-        Some(_) => Err(Error::invalid(what(), "must be a JSON object")),
-        None => Err(Error::invalid(
-            what(),
-            format!("not valid JSON: {text:.80}"),
-        )),
     }
 }
 
@@ -882,11 +628,8 @@ impl LogDb {
     /// Replace a run's recorded arguments (a JSON object): arguments are
     /// discovered one `hs.arg` call at a time, after the run was created.
     pub fn set_args(&self, run_id: &str, args_json: &str) -> Result<()> {
-        let v: serde_json::Value = serde_json::from_str(args_json)
-            .map_err(|e| Error::invalid("args", format!("not JSON: {e}")))?;
-        if !v.is_object() {
-            return Err(Error::invalid("args", "must be a JSON object"));
-        }
+        // The same NaN-tolerant check as `create_run`: `hs.arg("x", nan)` is fine.
+        let args_json = &check_json(|| format!("args of run {run_id}"), args_json, true)?;
         let changed = self.write(|tx| {
             tx.execute(
                 "UPDATE runs SET args = ?2 WHERE id = ?1",
@@ -1155,7 +898,7 @@ impl LogDb {
 
     /// Values logged in both phases at the same name and context whose
     /// replay value differs from the recorded one (see
-    /// [`json_values_equal`]), in record order: the first divergence first.
+    /// [`json::values_equal`]), in record order: the first divergence first.
     pub fn divergences(&self, run_id: &str) -> Result<Vec<Divergence>> {
         self.require_run(&self.conn, run_id)?;
         let mut st = self
@@ -1181,7 +924,7 @@ impl LogDb {
         let mut out = Vec::new();
         for row in rows {
             let (name, ctx_text, record_value, replay_value, record_seq) = row.db(&self.path)?;
-            if json_values_equal(&record_value, &replay_value) {
+            if json::values_equal(&record_value, &replay_value) {
                 continue;
             }
             out.push(Divergence {
@@ -1340,13 +1083,10 @@ mod tests {
     }
 
     #[test]
-    fn utc_stamp_formats_dates() {
-        assert_eq!(utc_stamp(0), "19700101-000000");
+    fn run_ids_start_with_the_utc_date() {
         // 2024-02-29 23:59:59.999 UTC (leap day).
-        assert_eq!(utc_stamp(1_709_251_199_999), "20240229-235959");
-        assert_eq!(utc_stamp(1_709_251_200_000), "20240301-000000");
-        // 2000-12-31 12:34:56 UTC.
-        assert_eq!(utc_stamp(978_266_096_000), "20001231-123456");
+        assert!(new_run_id(1_709_251_199_999).starts_with("20240229-235959-"));
+        assert!(new_run_id(978_266_096_000).starts_with("20001231-123456-"));
     }
 
     #[test]
@@ -1658,7 +1398,7 @@ mod tests {
             (r#""\u00e9""#, r#""é""#),
             ("-0.0", "0"),
         ] {
-            assert!(json_values_equal(a, b), "{a} vs {b}");
+            assert!(json::values_equal(a, b), "{a} vs {b}");
         }
         for (a, b) in [
             ("1", "1.0000001"),
@@ -1672,12 +1412,12 @@ mod tests {
             ("null", "0"),
             ("oops", "oops2"),
         ] {
-            assert!(!json_values_equal(a, b), "{a} vs {b}");
+            assert!(!json::values_equal(a, b), "{a} vs {b}");
         }
-        assert!(json_values_equal("oops", " oops"));
+        assert!(json::values_equal("oops", " oops"));
         // Deep nesting does not overflow the stack.
         let deep = "[".repeat(100_000);
-        assert!(!json_values_equal(&deep, "[]"));
+        assert!(!json::values_equal(&deep, "[]"));
     }
 
     #[test]

@@ -1,0 +1,66 @@
+"""Arguments recorded by `hs.arg`: every value a script can pass or a command
+line can give is recorded, and the engine's one JSON rule accepts them all
+(NaN and infinities included, as `hs.log` always did)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import hindsight_cmd
+
+SCRIPT = """
+import json, sys
+import numpy as np
+import hindsight as hs
+out = {
+    "nan_default": hs.arg("nan_default", float("nan")),
+    "max_grad_norm": hs.arg("max_grad_norm", float("inf")),
+    "wd": hs.arg("wd", 0.5),
+    "clip": hs.arg("clip", 1.0),
+}
+lr = hs.arg("lr", np.float32(0.1))
+steps = hs.arg("steps", np.int64(7))
+print(json.dumps({"types": [type(lr).__name__, type(steps).__name__],
+                  "values": {k: repr(v) for k, v in out.items()}}))
+"""
+
+
+def test_nan_inf_and_numpy_scalars_are_recorded(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    home = tmp_path / "home"
+    env = {**os.environ, "HINDSIGHT_HOME": str(home)}
+    r = subprocess.run([sys.executable, str(script), "--wd", "nan", "--clip=-inf"], capture_output=True,
+                       text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    printed = json.loads(r.stdout)
+    # The script gets its values back with their own types.
+    assert printed["types"] == ["float32", "int64"]
+    assert printed["values"] == {"nan_default": "nan", "max_grad_norm": "inf", "wd": "nan", "clip": "-inf"}
+
+    from hindsight import _native
+
+    (run,) = _native.LogDb(str(home / "logs.db")).runs()
+    args = json.loads(run["args_json"])
+    assert math.isnan(args["nan_default"]) and math.isnan(args["wd"])
+    assert args["max_grad_norm"] == math.inf and args["clip"] == -math.inf
+    assert args["lr"] == float(__import__("numpy").float32(0.1)) and args["steps"] == 7
+    # The CLI shows such a run.
+    show = subprocess.run([*hindsight_cmd(), "--home", str(home), "show", run["id"]], capture_output=True,
+                          text=True, timeout=60)
+    assert show.returncode == 0, show.stderr
+    assert "NaN" in show.stdout and "Infinity" in show.stdout
+
+
+def test_unrecordable_argument_is_refused_with_its_name(tmp_path: Path) -> None:
+    script = tmp_path / "bad.py"
+    script.write_text("import hindsight as hs\nhs.arg('model', object())\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "HINDSIGHT_HOME": str(tmp_path / "home")})
+    assert r.returncode != 0
+    assert "hs.arg('model')" in r.stderr and "object" in r.stderr
