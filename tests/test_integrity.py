@@ -32,6 +32,8 @@ def test_flipped_byte_in_a_chunk_is_detected_and_named(store_dir):
         store.load("ep1")
     msg = str(e.value)
     assert "ep1" in msg and "model/layer.weight" in msg and chunk.name in msg
+    # What the error is about is also there to act on, as attributes.
+    assert (e.value.checkpoint, e.value.key_path, e.value.path) == ("ep1", "model/layer.weight", str(chunk))
     problems = store.verify()
     assert len(problems) == 1 and chunk.name in problems[0]
     # The CLI reports the same and exits non-zero.
@@ -114,3 +116,23 @@ def test_pickle_round_trip_of_plain_objects(store_dir):
     store.save("f", {"frac": Fraction(1, 3), "set": {1, 2}}, allow_pickle=True).wait()
     got = store.load("f", allow_pickle=True)
     assert got == {"frac": Fraction(1, 3), "set": {1, 2}}
+
+
+def test_errors_carry_their_subject_as_attributes(store_dir):
+    store = hs.Store(store_dir)
+    with pytest.raises(hs.InvalidArgumentError) as bad:
+        store.save("../escape", {"x": 1})
+    assert bad.value.arg is not None and "../escape" in bad.value.arg and isinstance(bad.value, ValueError)
+    with pytest.raises(hs.UnsupportedTypeError) as unsupported:
+        store.save("u", {"model": {"obj": object()}})
+    assert unsupported.value.key_path == "model/obj"
+    with pytest.raises(hs.NotFoundError) as missing:
+        store.load("nope")
+    assert missing.value.checkpoint is None and isinstance(missing.value, LookupError)
+    store.close()
+    with pytest.raises(hs.StoreClosedError) as closed:
+        store.save("late", {"x": 1})
+    assert isinstance(closed.value, hs.CancelledError) and str(store_dir) in str(closed.value)
+    with pytest.raises(hs.InvalidArgumentError) as compression:
+        hs.Store(store_dir.parent / "other", compression="lz4")
+    assert compression.value.arg == "compression"

@@ -14,7 +14,7 @@ from typing import Any
 from hindsight import _native
 from hindsight._native import SaveHandle
 from hindsight._staging import device_fingerprint
-from hindsight.errors import HindsightError, UnsupportedTypeError, WrongProcessError
+from hindsight.errors import HindsightError, UnsupportedTypeError, WrongProcessError, about
 
 MapLocation = Any  # None | str | torch.device | Mapping[str, str] | Callable
 
@@ -174,18 +174,18 @@ class Store:
                 return ("value", obj.item())
         if allow_pickle:
             return ("pickle", pickle.dumps(obj, protocol=5))
-        raise UnsupportedTypeError(
+        raise about(UnsupportedTypeError(
             f"unsupported type {_type_name(obj)} at key '{key}': hindsight stores dict, list, tuple, "
             "str, int, float, bool, None, bytes, torch tensors and numpy arrays; pass "
             "allow_pickle=True to pickle other objects (loading them then executes code)"
-        )
+        ), key_path=key)
 
     def _describe_tensor(self, torch: Any, t: Any, key: str) -> tuple[Any, ...]:
         if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
-            raise UnsupportedTypeError(
+            raise about(UnsupportedTypeError(
                 f"unsupported tensor at key '{key}': layout {t.layout}, device {t.device.type}, "
                 f"quantized={t.is_quantized}; convert it to a dense tensor first"
-            )
+            ), key_path=key)
         t = t.detach()
         if t.is_conj():
             t = t.resolve_conj()
@@ -193,7 +193,7 @@ class Store:
             t = t.resolve_neg()
         dtype = str(t.dtype).removeprefix("torch.")
         if dtype not in _TORCH_DTYPES:
-            raise UnsupportedTypeError(f"unsupported tensor dtype {t.dtype} at key '{key}'")
+            raise about(UnsupportedTypeError(f"unsupported tensor dtype {t.dtype} at key '{key}'"), key_path=key)
         if not t.is_contiguous():
             t = t.contiguous()
         nbytes = t.numel() * t.element_size()
@@ -253,10 +253,10 @@ class Store:
 
         def unpickle(data: bytes, key: str) -> Any:
             if not allow_pickle:
-                raise UnsupportedTypeError(
+                raise about(UnsupportedTypeError(
                     f"checkpoint '{name}' holds a pickled object at key '{key}'; unpickling runs code "
                     "from the file, so pass allow_pickle=True only for a store you trust"
-                )
+                ), checkpoint=name, key_path=key)
             return pickle.loads(data)
 
         return self._native.load(name, make_array, unpickle, keys, threads)

@@ -3,12 +3,23 @@ each also derives from the builtin a caller would naturally catch."""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 
 class HindsightError(Exception):
-    """Base class of every hindsight error."""
+    """Base class of every hindsight error. Errors from the engine carry what
+    they are about as attributes (None where it does not apply)."""
 
     #: True when the error happened in a background save and is reported late.
     background: bool = False
+    #: The file or object (``s3://...``) the error is about.
+    path: str | None = None
+    #: The checkpoint the error is about.
+    checkpoint: str | None = None
+    #: The key path inside the checkpoint (``model/layer.weight``).
+    key_path: str | None = None
+    #: The argument an ``InvalidArgumentError`` names.
+    arg: str | None = None
 
 
 class NotFoundError(HindsightError, LookupError):
@@ -35,6 +46,18 @@ class StorageFullError(StorageError):
     """The disk or quota is full. No partial checkpoint became visible."""
 
 
+class StoragePermissionError(StorageError, PermissionError):
+    """Storage refused access: missing permission or credentials."""
+
+
+class ConcurrentChangeError(StorageError):
+    """A conditional write lost a race: another process changed the object first."""
+
+
+class LeaseLostError(StorageError):
+    """The lease protecting a save or gc on object storage was lost; nothing was committed under it."""
+
+
 class WrongProcessError(HindsightError):
     """A Store used in a process other than the one that opened it (e.g. a fork)."""
 
@@ -48,7 +71,29 @@ class ReplayError(HindsightError):
 
 
 class CancelledError(HindsightError):
-    """The operation was abandoned (closed store, interrupted save)."""
+    """The operation was interrupted or abandoned."""
+
+
+class StoreClosedError(CancelledError):
+    """The store (or its writer) was closed."""
+
+
+class AbandonedError(CancelledError):
+    """A save that never committed: an earlier step of it failed or was interrupted."""
+
+
+class InternalError(HindsightError):
+    """A broken invariant inside hindsight (a bug): reported, never papered over."""
+
+
+E = TypeVar("E", bound=HindsightError)
+
+
+def about(error: E, *, path: str | None = None, checkpoint: str | None = None, key_path: str | None = None,
+          arg: str | None = None) -> E:
+    """``error`` with the attributes the engine's errors carry (for errors raised in Python)."""
+    error.path, error.checkpoint, error.key_path, error.arg = path, checkpoint, key_path, arg
+    return error
 
 
 __all__ = [
@@ -61,6 +106,12 @@ __all__ = [
     "StorageFullError",
     "WrongProcessError",
     "CancelledError",
+    "StoreClosedError",
+    "AbandonedError",
+    "InternalError",
+    "StoragePermissionError",
+    "ConcurrentChangeError",
+    "LeaseLostError",
     "DatabaseError",
     "ReplayError",
 ]

@@ -64,19 +64,68 @@ pub enum Error {
         current: u32,
     },
 
+    /// Storage refused access: missing permission or credentials.
+    #[error("access denied to {}: {source}", path.display())]
+    PermissionDenied { path: PathBuf, source: io::Error },
+
+    /// A conditional write lost a race: another process changed the object first.
+    #[error("{} was changed by another process: {source}", path.display())]
+    Precondition { path: PathBuf, source: io::Error },
+
+    /// The lease that protected a save or a gc on object storage went stale
+    /// or was taken over; nothing was committed under it.
+    #[error("lease {} lost: {detail}", path.display())]
+    LeaseLost { path: PathBuf, detail: String },
+
     /// The run/log database (SQLite) failed or is of an unknown schema
     /// version; `path` is the database file.
     #[error("log database {}: {detail}", path.display())]
-    Database { path: PathBuf, detail: String },
+    Database {
+        path: PathBuf,
+        detail: String,
+        #[source]
+        source: Option<rusqlite::Error>,
+    },
 
     /// A broken invariant inside hindsight: a bug, reported instead of
     /// being papered over with a default.
     #[error("internal error: {detail} (a bug in hindsight; please report it)")]
     Internal { detail: String },
 
-    /// The caller asked to stop (Ctrl-C) or the store was closed.
-    #[error("{0}")]
-    Cancelled(String),
+    /// The caller asked to stop (Ctrl-C) while `what` ran.
+    #[error("{what} interrupted")]
+    Interrupted { what: String },
+
+    /// The store (or its writer) was closed before or during `what`.
+    #[error("{location} is closed ({what})")]
+    Closed { location: String, what: String },
+
+    /// A save that never committed: an earlier step of it failed or was
+    /// interrupted, and nothing of it became visible.
+    #[error("save of checkpoint '{checkpoint}' was abandoned before it committed")]
+    Abandoned { checkpoint: String },
+}
+
+/// What kind of error, for front ends that map kinds to their own types
+/// (exception classes, exit codes). Deliberately exhaustive: a new kind must
+/// be mapped by every front end before it compiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    NotFound,
+    Corrupt,
+    UnsupportedType,
+    InvalidArgument,
+    StorageFull,
+    Io,
+    PermissionDenied,
+    Precondition,
+    LeaseLost,
+    WrongProcess,
+    Database,
+    Internal,
+    Interrupted,
+    Closed,
+    Abandoned,
 }
 
 impl Error {
@@ -85,6 +134,7 @@ impl Error {
         let path = path.into();
         match source.raw_os_error() {
             Some(libc::ENOSPC) | Some(libc::EDQUOT) => Error::StorageFull { path, source },
+            Some(libc::EACCES) | Some(libc::EPERM) => Error::PermissionDenied { path, source },
             _ => Error::Io { path, source },
         }
     }
@@ -121,6 +171,82 @@ impl Error {
             },
             other => other,
         }
+    }
+
+    /// The kind of the error a background failure started from.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::NotFound { .. } => ErrorKind::NotFound,
+            Error::Corrupt { .. } => ErrorKind::Corrupt,
+            Error::UnsupportedType { .. } => ErrorKind::UnsupportedType,
+            Error::InvalidArgument { .. } => ErrorKind::InvalidArgument,
+            Error::StorageFull { .. } => ErrorKind::StorageFull,
+            Error::Io { .. } => ErrorKind::Io,
+            Error::Background { source, .. } => source.kind(),
+            Error::WrongProcess { .. } => ErrorKind::WrongProcess,
+            Error::PermissionDenied { .. } => ErrorKind::PermissionDenied,
+            Error::Precondition { .. } => ErrorKind::Precondition,
+            Error::LeaseLost { .. } => ErrorKind::LeaseLost,
+            Error::Database { .. } => ErrorKind::Database,
+            Error::Internal { .. } => ErrorKind::Internal,
+            Error::Interrupted { .. } => ErrorKind::Interrupted,
+            Error::Closed { .. } => ErrorKind::Closed,
+            Error::Abandoned { .. } => ErrorKind::Abandoned,
+        }
+    }
+
+    /// The file or object the error is about, if any.
+    pub fn path(&self) -> Option<&std::path::Path> {
+        match self.root() {
+            Error::Corrupt { path, .. }
+            | Error::StorageFull { path, .. }
+            | Error::Io { path, .. }
+            | Error::WrongProcess { path, .. }
+            | Error::PermissionDenied { path, .. }
+            | Error::Precondition { path, .. }
+            | Error::LeaseLost { path, .. }
+            | Error::Database { path, .. } => Some(path),
+            _ => None,
+        }
+    }
+
+    /// The checkpoint the error is about, if any.
+    pub fn checkpoint(&self) -> Option<&str> {
+        match self {
+            Error::Corrupt { checkpoint, .. } => checkpoint.as_deref(),
+            Error::Background { checkpoint, source } => {
+                source.checkpoint().or(Some(checkpoint.as_str()))
+            }
+            Error::Abandoned { checkpoint } => Some(checkpoint),
+            _ => None,
+        }
+    }
+
+    /// The key path inside a checkpoint the error is about, if any.
+    pub fn key_path(&self) -> Option<&str> {
+        match self.root() {
+            Error::Corrupt { key_path, .. } => key_path.as_deref(),
+            Error::UnsupportedType { key_path, .. } => Some(key_path),
+            _ => None,
+        }
+    }
+
+    /// The argument an `InvalidArgument` names.
+    pub fn arg(&self) -> Option<&str> {
+        match self.root() {
+            Error::InvalidArgument { arg, .. } => Some(arg),
+            _ => None,
+        }
+    }
+
+    pub fn internal(detail: impl Into<String>) -> Self {
+        Error::Internal {
+            detail: detail.into(),
+        }
+    }
+
+    pub fn interrupted(what: impl Into<String>) -> Self {
+        Error::Interrupted { what: what.into() }
     }
 
     /// The error a background failure started from (unwraps `Background`).

@@ -21,7 +21,7 @@ pub mod sync;
 pub mod upload;
 pub mod writer;
 
-pub use error::{Error, Result};
+pub use error::{Error, ErrorKind, Result};
 pub use fingerprint::{fingerprint, fingerprint_many, Fingerprint};
 pub use format::{Array, ArrayLib, Blob, ChunkId, Codec, Manifest, Node};
 pub use logdb::{

@@ -296,6 +296,7 @@ fn db_err(path: &Path, e: rusqlite::Error) -> Error {
     Error::Database {
         path: path.to_path_buf(),
         detail: e.to_string(),
+        source: Some(e),
     }
 }
 
@@ -513,6 +514,7 @@ impl LogDb {
                     "schema version {version} is newer than this hindsight supports \
                      ({SCHEMA_VERSION}); upgrade hindsight to read it"
                 ),
+                source: None,
             }));
         }
         Ok(version)
@@ -606,6 +608,7 @@ impl LogDb {
                 "could not find a free run id for {} after 64 tries",
                 run.script
             ),
+            source: None,
         })
     }
 

@@ -341,15 +341,25 @@ impl Inner {
     }
 
     fn err(&self, key: &Key, e: object_store::Error) -> Error {
-        let kind = match &e {
-            object_store::Error::NotFound { .. } => io::ErrorKind::NotFound,
+        let path = self.url_of(key);
+        match e {
             object_store::Error::PermissionDenied { .. }
-            | object_store::Error::Unauthenticated { .. } => io::ErrorKind::PermissionDenied,
-            _ => io::ErrorKind::Other,
-        };
-        Error::Io {
-            path: self.url_of(key),
-            source: io::Error::new(kind, e),
+            | object_store::Error::Unauthenticated { .. } => Error::PermissionDenied {
+                path,
+                source: io::Error::new(io::ErrorKind::PermissionDenied, e),
+            },
+            object_store::Error::Precondition { .. } => Error::Precondition {
+                path,
+                source: io::Error::other(e),
+            },
+            object_store::Error::NotFound { .. } => Error::Io {
+                path,
+                source: io::Error::new(io::ErrorKind::NotFound, e),
+            },
+            _ => Error::Io {
+                path,
+                source: io::Error::other(e),
+            },
         }
     }
 
@@ -483,10 +493,10 @@ impl Inner {
         let s3 = self.s3.clone();
         let every = self.renew_every();
         let l = lease.clone();
-        let rt = self
-            .rt
-            .as_ref()
-            .ok_or_else(|| Error::Cancelled("store is closed".into()))?;
+        let rt = self.rt.as_ref().ok_or_else(|| Error::Closed {
+            location: format!("store s3://{}", self.bucket),
+            what: "cannot take a lease".into(),
+        })?;
         let heartbeat = rt.spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
@@ -552,13 +562,13 @@ impl Inner {
             "this save's lease went stale or was removed by a gc that took the save for dead; \
              chunks it wrote may be gone, so nothing was committed: save again"
         };
-        Error::Io {
+        Error::LeaseLost {
             path: self.url_of(&lease.key),
-            source: io::Error::other(format!(
+            detail: format!(
                 "{what} (last renewed {} s ago; leases expire after {} s)",
                 age_ms / 1000,
                 self.lease_timeout.as_secs()
-            )),
+            ),
         }
     }
 

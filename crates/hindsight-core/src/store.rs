@@ -320,7 +320,7 @@ impl Store {
                 return;
             }
             if cancel() {
-                lock(&failed).get_or_insert(Error::Cancelled("load interrupted".into()));
+                lock(&failed).get_or_insert(Error::interrupted("load"));
                 return;
             }
             let item = lock(&queue).next();

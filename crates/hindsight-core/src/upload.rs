@@ -82,7 +82,7 @@ pub fn copy_checkpoint(from: &Store, to: &Store, name: &str) -> Result<Option<Co
             .into_iter()
             .map(|w| {
                 w.join()
-                    .unwrap_or_else(|_| Err(Error::Cancelled("upload thread panicked".into())))
+                    .unwrap_or_else(|_| Err(Error::internal("the upload thread panicked")))
             })
             .collect()
     });

@@ -196,7 +196,7 @@ impl SaveHandle {
 
     pub fn wait(&self) -> Result<SaveStats> {
         self.wait_timeout(None)?
-            .ok_or_else(|| Error::Cancelled("wait ended early".into()))
+            .ok_or_else(|| Error::internal("a wait without timeout ended early"))
     }
 }
 
@@ -393,7 +393,10 @@ impl Writer {
         {
             let mut q = lock(&self.shared.queue);
             if q.closed {
-                return Err(Error::Cancelled("store is closed".into()));
+                return Err(Error::Closed {
+                    location: format!("store {}", self.shared.store.location()),
+                    what: format!("cannot save '{name}'"),
+                });
             }
             q.jobs.push_back(job.clone());
         }
@@ -547,7 +550,7 @@ impl SaveBuilder<'_> {
         let run = || -> Result<()> {
             loop {
                 if cancel() {
-                    return Err(Error::Cancelled("save interrupted while copying".into()));
+                    return Err(Error::interrupted("save (while copying)"));
                 }
                 let i = next.fetch_add(1, Ordering::Relaxed) as usize;
                 let Some(&(s, off, len, index)) = plan.get(i) else {
@@ -579,7 +582,7 @@ impl SaveBuilder<'_> {
                 for h in hs {
                     let r2 = h
                         .join()
-                        .unwrap_or_else(|_| Err(Error::Cancelled("copy thread panicked".into())));
+                        .unwrap_or_else(|_| Err(Error::internal("a copy thread panicked")));
                     r = r.and(r2);
                 }
                 r
@@ -668,7 +671,9 @@ fn worker_loop(shared: &Shared, rx: &Mutex<mpsc::Receiver<Task>>, nice: i32) {
         };
         let aborted = lock(&job.state).aborted;
         let r = if aborted {
-            Err(Error::Cancelled("save abandoned".into()))
+            Err(Error::Abandoned {
+                checkpoint: job.name.clone(),
+            })
         } else {
             let id = ChunkId::of(&staged.data);
             shared
@@ -733,7 +738,7 @@ fn run_job(
         if let Some(s) = go.then(|| st.staged.pop_front()).flatten() {
             drop(st);
             if tasks.send((s, job.clone(), done_tx.clone())).is_err() {
-                return Err(Arc::new(Error::Cancelled("writer threads stopped".into())));
+                return Err(Arc::new(Error::internal("the writer threads stopped")));
             }
             sent += 1;
             continue;
@@ -768,10 +773,9 @@ fn run_job(
         }
     }
     if lock(&job.state).aborted {
-        return Err(Arc::new(Error::Cancelled(format!(
-            "save of '{}' was abandoned",
-            job.name
-        ))));
+        return Err(Arc::new(Error::Abandoned {
+            checkpoint: job.name.clone(),
+        }));
     }
     let _lock = lock_guard.map_err(Arc::new)?;
     if let Some(e) = first_err {
@@ -779,7 +783,7 @@ fn run_job(
     }
     let own: Vec<ChunkRef> = refs
         .into_iter()
-        .map(|r| r.ok_or_else(|| Error::Cancelled("missing chunk result".into())))
+        .map(|r| r.ok_or_else(|| Error::internal("a staged chunk has no result")))
         .collect::<Result<_>>()
         .map_err(Arc::new)?;
     let own_ids: HashSet<ChunkId> = own.iter().map(|c| c.id).collect();

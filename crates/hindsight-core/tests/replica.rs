@@ -126,10 +126,10 @@ fn read_path_reports_damage_with_checkpoint_and_key() {
         }
         other => panic!("expected Corrupt, got {other:?}"),
     }
-    // A cancelled read stops with Cancelled, not with partial data.
+    // A cancelled read stops with Interrupted, not with partial data.
     assert!(matches!(
         r.read("c", &[], 2, &|| true),
-        Err(Error::Cancelled(_))
+        Err(Error::Interrupted { .. })
     ));
 }
 

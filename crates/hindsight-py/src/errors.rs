@@ -1,46 +1,69 @@
-//! Engine errors become Python exceptions: one class per kind, all under
-//! `hindsight.HindsightError` (classes live in `hindsight/errors.py` so they
-//! can also derive from the matching builtin, e.g. `ValueError`).
+//! Engine errors become Python exceptions: one class per error kind, all
+//! under `hindsight.HindsightError`. The classes live in `hindsight/errors.py`
+//! (so they can also derive from the matching builtin, e.g. `ValueError`);
+//! they are looked up once per process, and the map from kind to class is an
+//! exhaustive match, so a new kind in the engine does not compile until it
+//! has a class here. The error's fields become attributes.
 
+use hindsight_core::error::ErrorKind;
 use hindsight_core::Error;
-use pyo3::exceptions::PyRuntimeError;
+use std::sync::Mutex;
+
+use hindsight_core::sync::lock;
 use pyo3::prelude::*;
 use pyo3::types::PyType;
 
-fn class_name(e: &Error) -> &'static str {
-    match e.root() {
-        Error::NotFound { .. } => "NotFoundError",
-        Error::Corrupt { .. } => "CorruptError",
-        Error::UnsupportedType { .. } => "UnsupportedTypeError",
-        Error::InvalidArgument { .. } => "InvalidArgumentError",
-        Error::StorageFull { .. } => "StorageFullError",
-        Error::Io { .. } => "StorageError",
-        Error::WrongProcess { .. } => "WrongProcessError",
-        Error::Cancelled(_) => "CancelledError",
-        Error::Database { .. } => "DatabaseError",
-        _ => "HindsightError",
+fn class_name(kind: ErrorKind) -> &'static str {
+    match kind {
+        ErrorKind::NotFound => "NotFoundError",
+        ErrorKind::Corrupt => "CorruptError",
+        ErrorKind::UnsupportedType => "UnsupportedTypeError",
+        ErrorKind::InvalidArgument => "InvalidArgumentError",
+        ErrorKind::StorageFull => "StorageFullError",
+        ErrorKind::Io => "StorageError",
+        ErrorKind::PermissionDenied => "StoragePermissionError",
+        ErrorKind::Precondition => "ConcurrentChangeError",
+        ErrorKind::LeaseLost => "LeaseLostError",
+        ErrorKind::WrongProcess => "WrongProcessError",
+        ErrorKind::Database => "DatabaseError",
+        ErrorKind::Internal => "InternalError",
+        ErrorKind::Interrupted => "CancelledError",
+        ErrorKind::Closed => "StoreClosedError",
+        ErrorKind::Abandoned => "AbandonedError",
     }
 }
 
+/// The exception class of each kind, looked up in `hindsight.errors` the
+/// first time that kind is raised and kept for the life of the process.
+static CLASSES: Mutex<Vec<(ErrorKind, Py<PyType>)>> = Mutex::new(Vec::new());
+
+fn class(py: Python<'_>, kind: ErrorKind) -> PyResult<Bound<'_, PyType>> {
+    let mut known = lock(&CLASSES);
+    if let Some((_, c)) = known.iter().find(|(k, _)| *k == kind) {
+        return Ok(c.bind(py).clone());
+    }
+    let cls = py
+        .import("hindsight.errors")?
+        .getattr(class_name(kind))?
+        .cast_into::<PyType>()?;
+    known.push((kind, cls.clone().unbind()));
+    Ok(cls)
+}
+
+fn build(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
+    let err = PyErr::from_type(class(py, e.kind())?, e.to_string());
+    let value = err.value(py);
+    value.setattr("background", matches!(e, Error::Background { .. }))?;
+    value.setattr("path", e.path().map(|p| p.to_string_lossy().into_owned()))?;
+    value.setattr("checkpoint", e.checkpoint())?;
+    value.setattr("key_path", e.key_path())?;
+    value.setattr("arg", e.arg())?;
+    Ok(err)
+}
+
 pub fn to_py(e: Error) -> PyErr {
-    Python::attach(|py| {
-        let cls = py
-            .import("hindsight.errors")
-            .and_then(|m| m.getattr(class_name(&e)))
-            .and_then(|c| c.cast_into::<PyType>().map_err(PyErr::from));
-        let background = matches!(e, Error::Background { .. });
-        match cls {
-            Ok(cls) => {
-                let err = PyErr::from_type(cls, e.to_string());
-                if background {
-                    // Let callers tell a deferred failure from an immediate one.
-                    let _ = err.value(py).setattr("background", true);
-                }
-                err
-            }
-            Err(_) => PyRuntimeError::new_err(e.to_string()),
-        }
-    })
+    // Only a broken installation (no hindsight.errors) fails here; say so.
+    Python::attach(|py| build(py, &e).unwrap_or_else(|import_failure| import_failure))
 }
 
 pub trait IntoPy<T> {

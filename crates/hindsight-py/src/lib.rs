@@ -34,10 +34,10 @@ struct Store {
 impl Store {
     fn writer(&self) -> PyResult<Arc<core::Writer>> {
         lock(&self.writer).clone().ok_or_else(|| {
-            errors::to_py(Error::Cancelled(format!(
-                "store {} is closed",
-                self.replica.destination().location()
-            )))
+            errors::to_py(Error::Closed {
+                location: format!("store {}", self.replica.destination().location()),
+                what: "the store was closed".into(),
+            })
         })
     }
 }
