@@ -35,21 +35,28 @@ develop: $(STAMP) ## Build the extension into the environment (debug-info build)
 develop-release: $(STAMP)
 	VIRTUAL_ENV=$(VENV) PATH=$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --quiet --release
 
+PY_SOURCES := python tests benches examples
+
 .PHONY: lint
-lint: ## cargo fmt --check and clippy -D warnings on every crate and test
+lint: develop ## Rust (fmt, clippy -D warnings) and Python (ruff check + format, mypy, stubtest of the .pyi)
 	cargo fmt --all -- --check
-	PYO3_PYTHON=$(PY) cargo clippy --workspace --all-targets -- -D warnings
+	PYO3_PYTHON=$(PY) cargo clippy --workspace --all-targets --features hindsight-cli/s3 -- -D warnings
+	$(PY) -m ruff check $(PY_SOURCES)
+	$(PY) -m ruff format --check $(PY_SOURCES)
+	$(PY) -m mypy
+	cd /tmp && $(PY) -m mypy.stubtest hindsight._native
 
 .PHONY: test-rust
-test-rust: ## Rust unit, property and integration tests (no Python needed)
+test-rust: venv ## Rust unit, property and integration tests; storage conformance also against a loopback S3 server
 	cargo test --workspace --exclude hindsight-py
+	$(PY) tests/s3util.py -- cargo test -p hindsight-core --features s3 --test conformance
 
 .PHONY: test-python
 test-python: develop ## pytest suite against real torch
 	cd tests && $(PY) -m pytest -q $(PYTEST_ARGS)
 
 .PHONY: test
-test: venv lint test-rust test-python ## Everything CI runs: lint, Rust tests, pytest
+test: venv lint test-rust test-python ## Everything CI runs: lint, Rust tests (+ S3 conformance), pytest
 
 .PHONY: example
 example: develop-release ## The main job: record a real training run, then question it by replay

@@ -143,20 +143,26 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     try:
-        df = subprocess.run(
-            ["df", "-T", str(OUT)], capture_output=True, text=True, check=True
-        ).stdout.splitlines()[-1].split()
+        df = (
+            subprocess.run(["df", "-T", str(OUT)], capture_output=True, text=True, check=True)
+            .stdout.splitlines()[-1]
+            .split()
+        )
         fs = f"{df[1]} on {df[0]} (mounted at {df[-1]})"
     except (OSError, subprocess.CalledProcessError, IndexError):
         fs = "unknown"
     try:
         rev = subprocess.run(
             ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
         rev += " (+ uncommitted changes)" if dirty else ""
     except (OSError, subprocess.CalledProcessError):
@@ -234,11 +240,16 @@ class Table:
             ratio = hs / th
         verdict = ""
         if target is not None and ratio is not None:
-            verdict = "<= %.2f %s" % (target, "ok" if ratio <= target else "MISS")
+            verdict = f"<= {target:.2f} {'ok' if ratio <= target else 'MISS'}"
         self.rows.append(
             {
-                "metric": metric, "hindsight": hs, "torch": th, "unit": unit,
-                "ratio": ratio, "target": target, "verdict": verdict or note,
+                "metric": metric,
+                "hindsight": hs,
+                "torch": th,
+                "unit": unit,
+                "ratio": ratio,
+                "target": target,
+                "verdict": verdict or note,
             }
         )
 
@@ -250,18 +261,21 @@ class Table:
                 body.append(r["section"])
                 continue
             f = fmt[r["unit"]]
-            body.append([
-                r["metric"], f(r["hindsight"]), f(r["torch"]),
-                "-" if r["ratio"] is None else f"{r['ratio']:.3f}", r["verdict"],
-            ])
+            body.append(
+                [
+                    r["metric"],
+                    f(r["hindsight"]),
+                    f(r["torch"]),
+                    "-" if r["ratio"] is None else f"{r['ratio']:.3f}",
+                    r["verdict"],
+                ]
+            )
         cells = [list(headers)] + [b for b in body if isinstance(b, list)]
         w = [max(len(c[i]) for c in cells) for i in range(len(headers))]
         total = sum(w) + 3 * (len(w) - 1)
 
         def line(c: list[str]) -> str:
-            return " | ".join(
-                c[i].ljust(w[i]) if i in (0, len(c) - 1) else c[i].rjust(w[i]) for i in range(len(c))
-            )
+            return " | ".join(c[i].ljust(w[i]) if i in (0, len(c) - 1) else c[i].rjust(w[i]) for i in range(len(c)))
 
         out = [line(list(headers)).rstrip(), "-" * total]
         for b in body:
@@ -326,9 +340,15 @@ def case_a(tab: Table, raw: dict[str, Any]) -> None:
         touch(state)
         t_fsync.append(torch_save_timed(state, tpath, fsync=True))
     th_key = state[key].clone()  # what the torch file holds
-    raw.update(a_hs_blocked_s=blocked, a_hs_durable_s=durable, a_hs_engine_durable_s=engine_durable,
-               a_hs_stats=stats, a_torch_save_s=t_plain, a_torch_save_fsync_s=t_fsync,
-               a_torch_file_bytes=tpath.stat().st_size)
+    raw.update(
+        a_hs_blocked_s=blocked,
+        a_hs_durable_s=durable,
+        a_hs_engine_durable_s=engine_durable,
+        a_hs_stats=stats,
+        a_torch_save_s=t_plain,
+        a_torch_save_fsync_s=t_fsync,
+        a_torch_file_bytes=tpath.stat().st_size,
+    )
     del state
     quiesce()
 
@@ -371,15 +391,15 @@ def case_a(tab: Table, raw: dict[str, Any]) -> None:
     tab.add("blocked: save #1 (fresh staging) vs torch.save", blocked[0], t_save, target=0.10)
     tab.add(f"blocked: steady, median saves 2-{A_SAVES} vs torch.save", steady_b, t_save, target=0.10)
     tab.add(f"  same, vs torch.save best of {A_SAVES} (conservative)", steady_b, min(t_plain), target=0.10)
-    tab.add(f"  floor: memcpy into preallocated, best of {MEMCPY_REPS}", floor, t_save,
-            note="= best possible ratio here")
+    tab.add(
+        f"  floor: memcpy into preallocated, best of {MEMCPY_REPS}", floor, t_save, note="= best possible ratio here"
+    )
     tab.add("  steady blocked / memcpy floor", None, None, ratio=steady_b / floor, unit="x")
     tab.add("durable: save -> wait(), save #1 vs torch.save+fsync", durable[0], t_save_fs)
     tab.add(f"durable: save -> wait(), median 2-{A_SAVES} vs torch.save+fsync", steady_d, t_save_fs)
     tab.add(f"  same, vs torch.save+fsync best of {A_SAVES}", steady_d, min(t_fsync))
     tab.add("  same, vs torch.save without fsync", steady_d, t_save)
-    tab.add(f"  engine stat seconds_to_durable, median 2-{A_SAVES}",
-            statistics.median(engine_durable[1:]), None)
+    tab.add(f"  engine stat seconds_to_durable, median 2-{A_SAVES}", statistics.median(engine_durable[1:]), None)
     tab.add(f"load all, best of {LOAD_REPS} vs torch.load(weights_only)", min(hs_load), min(th_load))
     tab.add("load one key (64 MiB) vs torch.load of everything", min(hs_part), min(th_load))
     tab.add("  same, vs torch.load(mmap=True)[key].clone()", min(hs_part), min(th_mmap))
@@ -408,9 +428,7 @@ def case_b(tab: Table, raw: dict[str, Any]) -> None:
     size = nbytes(state)
     tsize = sum(state[k].numel() * 4 for k in tkeys)
     raw.update(b_bytes=size, b_trainable_bytes=tsize)
-    tab.section(
-        f"B: fine-tuning, {fmt_b(size)}, {100 * tsize / size:.0f}% changed before each of {B_SAVES} saves"
-    )
+    tab.section(f"B: fine-tuning, {fmt_b(size)}, {100 * tsize / size:.0f}% changed before each of {B_SAVES} saves")
 
     # Interleaved: one hindsight save, then one torch.save, per step.
     store = hindsight.Store(OUT / "hs-b")
@@ -432,22 +450,34 @@ def case_b(tab: Table, raw: dict[str, Any]) -> None:
     store.close()
     del store, state
     gc.collect()
-    raw.update(b_hs_blocked_s=blocked, b_hs_stats=stats, b_hs_usage=usage,
-               b_torch_blocked_s=t_blocked, b_torch_sizes=t_sizes)
+    raw.update(
+        b_hs_blocked_s=blocked, b_hs_stats=stats, b_hs_usage=usage, b_torch_blocked_s=t_blocked, b_torch_sizes=t_sizes
+    )
 
     hs_written = sum(s["bytes_written"] for s in stats)
     hs_inc = sum(s["bytes_written"] for s in stats[1:])
     floor = (size + (B_SAVES - 1) * tsize) / (B_SAVES * size)
     raw["b_floor_ratio"] = floor
-    tab.add(f"bytes written, {B_SAVES} saves (sum of stats) vs file sizes", hs_written, sum(t_sizes),
-            unit="B", target=0.15)
-    tab.add(f"  floor for this case: 1 full + {B_SAVES - 1} x {100 * tsize / size:.0f}%", None, None,
-            ratio=floor, unit="x", note="the 0.15 target is below it")
+    tab.add(
+        f"bytes written, {B_SAVES} saves (sum of stats) vs file sizes", hs_written, sum(t_sizes), unit="B", target=0.15
+    )
+    tab.add(
+        f"  floor for this case: 1 full + {B_SAVES - 1} x {100 * tsize / size:.0f}%",
+        None,
+        None,
+        ratio=floor,
+        unit="x",
+        note="the 0.15 target is below it",
+    )
     tab.add(f"bytes written, saves 2-{B_SAVES} (incremental)", hs_inc, sum(t_sizes[1:]), unit="B", target=0.15)
-    tab.add("  cross-check: store.usage() stored_bytes", usage["stored_bytes"], sum(t_sizes), unit="B",
-            note="logical %s, unique %s" % (fmt_b(usage["logical_bytes"]), fmt_b(usage["unique_bytes"])))
-    tab.add(f"blocked: mean of {B_SAVES} saves vs torch.save", statistics.mean(blocked),
-            statistics.mean(t_blocked))
+    tab.add(
+        "  cross-check: store.usage() stored_bytes",
+        usage["stored_bytes"],
+        sum(t_sizes),
+        unit="B",
+        note=f"logical {fmt_b(usage['logical_bytes'])}, unique {fmt_b(usage['unique_bytes'])}",
+    )
+    tab.add(f"blocked: mean of {B_SAVES} saves vs torch.save", statistics.mean(blocked), statistics.mean(t_blocked))
     tab.add(f"blocked: mean saves 2-{B_SAVES}", statistics.mean(blocked[1:]), statistics.mean(t_blocked[1:]))
     raw.setdefault("spread", []).extend([("B hindsight blocked", blocked), ("B torch.save", t_blocked)])
 
@@ -480,15 +510,25 @@ def case_c(tab: Table, raw: dict[str, Any]) -> None:
             usage = store.usage()
             store.close()
             del store
-            res[name] = {"blocked_s": blocked, "durable_s": durable, "stored_bytes": usage["stored_bytes"],
-                         "logical_bytes": usage["logical_bytes"]}
+            res[name] = {
+                "blocked_s": blocked,
+                "durable_s": durable,
+                "stored_bytes": usage["stored_bytes"],
+                "logical_bytes": usage["logical_bytes"],
+            }
         raw[f"c_{label.split()[0]}"] = res
         z, r = res["zstd"], res["raw"]
         tab.add(f"{label}: bytes stored ({C_REPS} saves)", z["stored_bytes"], r["stored_bytes"], unit="B")
-        tab.add(f"{label}: save -> durable, median 2-{C_REPS}", statistics.median(z["durable_s"][1:]),
-                statistics.median(r["durable_s"][1:]))
-        tab.add(f"{label}: blocked in save, median 2-{C_REPS}", statistics.median(z["blocked_s"][1:]),
-                statistics.median(r["blocked_s"][1:]))
+        tab.add(
+            f"{label}: save -> durable, median 2-{C_REPS}",
+            statistics.median(z["durable_s"][1:]),
+            statistics.median(r["durable_s"][1:]),
+        )
+        tab.add(
+            f"{label}: blocked in save, median 2-{C_REPS}",
+            statistics.median(z["blocked_s"][1:]),
+            statistics.median(r["blocked_s"][1:]),
+        )
     del f32, bf16
     gc.collect()
 
@@ -540,14 +580,16 @@ def main() -> int:
             print("repeated measurements, in order (ms):")
         for label, xs in raw.get("spread", []):
             print(f"  {label:<22} " + " ".join(f"{x * 1000:6.0f}" for x in xs))
-        busy, steal, own = (b - a for a, b in zip(cpu0, cpu_snapshot()))
+        busy, steal, own = (b - a for a, b in zip(cpu0, cpu_snapshot(), strict=True))
         wall = now() - started
         other = max(0.0, busy - own)
         cores = os.cpu_count() or 1
         raw["cpu"] = {"wall_s": wall, "machine_busy_s": busy, "own_s": own, "other_s": other, "steal_s": steal}
-        print(f"CPU: this process {own:.0f} CPU-s; rest of the machine (other processes, kernel I/O "
-              f"threads) {other:.0f} CPU-s = {100 * other / (wall * cores):.0f}% of {cores} cores; "
-              f"hypervisor steal {steal:.0f} s")
+        print(
+            f"CPU: this process {own:.0f} CPU-s; rest of the machine (other processes, kernel I/O "
+            f"threads) {other:.0f} CPU-s = {100 * other / (wall * cores):.0f}% of {cores} cores; "
+            f"hypervisor steal {steal:.0f} s"
+        )
         if other > 0.10 * wall * cores or steal > 0.05 * wall * cores:
             print("WARNING: the machine was not idle during the run; timings are disturbed.")
         print(f"total run time {now() - started:.0f} s")

@@ -78,7 +78,7 @@ print(min(times), sorted(times)[1])
 def start_moto() -> tuple[subprocess.Popen[bytes], dict[str, str]] | None:
     """A moto S3 server on loopback, or None when moto is not installed."""
     try:
-        import boto3  # noqa: F401
+        import boto3
         import moto  # noqa: F401
     except ImportError:
         return None
@@ -87,10 +87,17 @@ def start_moto() -> tuple[subprocess.Popen[bytes], dict[str, str]] | None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
-           "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_REGION": "us-east-1",
+    }
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -143,8 +150,19 @@ def main() -> None:
             baseline = Path(tmp) / "baseline.py"
             baseline.write_text(BASELINE)
             cases = [
-                ("example model", 0.0, [sys.executable, str(REPO / "examples" / "preemptible_train.py"),
-                                        "--delay", "0.01", "--epochs", "50"], 20),
+                (
+                    "example model",
+                    0.0,
+                    [
+                        sys.executable,
+                        str(REPO / "examples" / "preemptible_train.py"),
+                        "--delay",
+                        "0.01",
+                        "--epochs",
+                        "50",
+                    ],
+                    20,
+                ),
                 (f"{args.gib:.1f} GiB state", args.gib, [sys.executable, str(big), str(args.gib)], 5),
             ]
             dests = ["local"] + (["s3", "s3 local-first"] if moto else [])
@@ -165,15 +183,22 @@ def main() -> None:
                         durables.append(durable)
                         shutil.rmtree(home, ignore_errors=True)
                     target = tmp if dest == "local" else f"s3://bench/baseline-{len(rows)}"
-                    out = subprocess.run([sys.executable, str(baseline), str(gib), target], capture_output=True,
-                                         text=True, check=True, env=os.environ).stdout.split()
+                    out = subprocess.run(
+                        [sys.executable, str(baseline), str(gib), target],
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                        env=os.environ,
+                    ).stdout.split()
                     rows.append((label, dest, statistics.median(durables), statistics.median(times), float(out[1])))
     finally:
         if moto:
             moto[0].kill()
     print()
-    print(f"{'state':18} {'destination':15} {'signal->durable s':>18} {'signal->exit s':>15} "
-          f"{'baseline save s':>16} {'durable/baseline':>17}")
+    print(
+        f"{'state':18} {'destination':15} {'signal->durable s':>18} {'signal->exit s':>15} "
+        f"{'baseline save s':>16} {'durable/baseline':>17}"
+    )
     for label, dest, durable, exit_s, base in rows:
         comp = "torch.save+fsync" if dest == "local" else "torch.save+boto3"
         print(f"{label:18} {dest:15} {durable:18.3f} {exit_s:15.3f} {base:16.3f} {durable / base:17.2f}  ({comp})")

@@ -58,10 +58,10 @@ SAMPLES, BATCH, D_IN, HIDDEN, CLASSES = 3200, 64, 1024, 2048, 10  # 50 steps of 
 RECORD_TARGET = 1.02  # rec loop / plain loop
 REPLAY_TARGET = 0.10  # replay wall / record wall: at least 10x faster
 
-WEIGHT_PROBE = ('        hs.log("weight_norm", torch.sqrt(sum((p.detach() ** 2).sum() '
-                'for p in net.parameters())).item())\n')
-GRAD_PROBE = ('            hs.log("grad_norm", torch.sqrt(sum((p.grad ** 2).sum() '
-              'for p in net.parameters())).item())\n')
+WEIGHT_PROBE = (
+    '        hs.log("weight_norm", torch.sqrt(sum((p.detach() ** 2).sum() for p in net.parameters())).item())\n'
+)
+GRAD_PROBE = '            hs.log("grad_norm", torch.sqrt(sum((p.grad ** 2).sum() for p in net.parameters())).item())\n'
 
 
 # --------------------------------------------------------------------------
@@ -103,8 +103,8 @@ def training_script(variant: str, epochs: int) -> str:
         "t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()",
     ]
     body = [
-        "for epoch in hs.loop(\"epoch\", range(epochs)):" if rec else "for epoch in range(epochs):",
-        "    for x, y in hs.loop(\"step\", loader):" if rec else "    for x, y in loader:",
+        'for epoch in hs.loop("epoch", range(epochs)):' if rec else "for epoch in range(epochs):",
+        '    for x, y in hs.loop("step", loader):' if rec else "    for x, y in loader:",
         "        loss = nn.functional.cross_entropy(net(x), y)",
         "        opt.zero_grad()",
         "        loss.backward()",
@@ -130,7 +130,7 @@ def training_script(variant: str, epochs: int) -> str:
     return "\n".join(head + body + tail) + "\n"
 
 
-MICRO = f'''\
+MICRO = f"""\
 import json, time
 import hindsight as hs
 
@@ -159,7 +159,7 @@ for epoch in hs.loop("epoch", range(6)):
             values.append(0.5)
         res["range_append"].append(time.perf_counter() - t)
 print(json.dumps({{k: min(v) / N * 1e9 for k, v in res.items()}}))
-'''
+"""
 
 
 # --------------------------------------------------------------------------
@@ -177,9 +177,11 @@ def snapshot_package() -> dict[str, Any]:
     shutil.copytree(src, PKG / "hindsight", ignore=shutil.ignore_patterns("__pycache__"))
     so = Path(_native.__file__).resolve()
     st = so.stat()
-    return {"extension": str(so.relative_to(REPO)) if so.is_relative_to(REPO) else str(so),
-            "extension_bytes": st.st_size, "extension_mtime": time.strftime("%Y-%m-%d %H:%M:%S",
-                                                                           time.localtime(st.st_mtime))}
+    return {
+        "extension": str(so.relative_to(REPO)) if so.is_relative_to(REPO) else str(so),
+        "extension_bytes": st.st_size,
+        "extension_mtime": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st.st_mtime)),
+    }
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -198,11 +200,18 @@ def run(cmd: list[str], cwd: Path, env: dict[str, str], what: str, ok: tuple[int
     busy1, _, own1 = cpu_snapshot()
     # cores kept busy by everything else on the machine while the command ran
     others = max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
-    res = {"what": what, "wall_s": wall, "rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr,
-           "others_cores": others}
+    res = {
+        "what": what,
+        "wall_s": wall,
+        "rc": p.returncode,
+        "stdout": p.stdout,
+        "stderr": p.stderr,
+        "others_cores": others,
+    }
     if p.returncode not in ok:
-        raise RuntimeError(f"{what}: exit code {p.returncode}\n--- stdout\n{p.stdout[-3000:]}\n--- stderr\n"
-                           f"{p.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{what}: exit code {p.returncode}\n--- stdout\n{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-3000:]}"
+        )
     return res
 
 
@@ -244,10 +253,15 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     try:
-        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         rev += " (+ uncommitted changes)" if dirty else ""
     except (OSError, subprocess.CalledProcessError):
         rev = "unknown"
@@ -256,8 +270,14 @@ def machine_info() -> dict[str, Any]:
     except AttributeError:
         cap = "?"
     return {
-        "cpu": cpu, "cores": os.cpu_count(), "ram_bytes": ram, "torch": torch.__version__, "cpu_capability": cap,
-        "python": platform.python_version(), "kernel": platform.release(), "git": rev,
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_bytes": ram,
+        "torch": torch.__version__,
+        "cpu_capability": cap,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "git": rev,
     }
 
 
@@ -281,8 +301,18 @@ class Table:
     def section(self, title: str) -> None:
         self.rows.append({"section": title})
 
-    def add(self, metric: str, hs: float | None, base: float | None, *, unit: str = "s", ratio: float | None = None,
-            target: float | None = None, higher_is_better: bool = False, note: str = "") -> None:
+    def add(
+        self,
+        metric: str,
+        hs: float | None,
+        base: float | None,
+        *,
+        unit: str = "s",
+        ratio: float | None = None,
+        target: float | None = None,
+        higher_is_better: bool = False,
+        note: str = "",
+    ) -> None:
         if ratio is None and hs is not None and base:
             ratio = hs / base
         verdict = note
@@ -291,12 +321,25 @@ class Table:
             verdict = f"{'>=' if higher_is_better else '<='} {target:.3f} {'ok' if good else 'MISS'}"
             if note:
                 verdict += f" ({note})"
-        self.rows.append({"metric": metric, "hindsight": hs, "baseline": base, "unit": unit, "ratio": ratio,
-                          "target": target, "verdict": verdict})
+        self.rows.append(
+            {
+                "metric": metric,
+                "hindsight": hs,
+                "baseline": base,
+                "unit": unit,
+                "ratio": ratio,
+                "target": target,
+                "verdict": verdict,
+            }
+        )
 
     def render(self) -> str:
-        fmt = {"s": fmt_s, "ns": lambda v: "-" if v is None else f"{v:.0f} ns",
-               "x": lambda v: "-" if v is None else f"{v:.3f}", "MiB": lambda v: "-" if v is None else f"{v:.1f} MiB"}
+        fmt = {
+            "s": fmt_s,
+            "ns": lambda v: "-" if v is None else f"{v:.0f} ns",
+            "x": lambda v: "-" if v is None else f"{v:.3f}",
+            "MiB": lambda v: "-" if v is None else f"{v:.1f} MiB",
+        }
         headers = ["metric", "hindsight", "baseline", "ratio", "target"]
         body: list[list[str] | str] = []
         for r in self.rows:
@@ -304,15 +347,23 @@ class Table:
                 body.append(r["section"])
                 continue
             f = fmt[r["unit"]]
-            body.append([r["metric"], f(r["hindsight"]), f(r["baseline"]),
-                         "-" if r["ratio"] is None else f"{r['ratio']:.3f}", r["verdict"]])
+            body.append(
+                [
+                    r["metric"],
+                    f(r["hindsight"]),
+                    f(r["baseline"]),
+                    "-" if r["ratio"] is None else f"{r['ratio']:.3f}",
+                    r["verdict"],
+                ]
+            )
         cells = [headers] + [b for b in body if isinstance(b, list)]
         w = [max(len(c[i]) for c in cells) for i in range(len(headers))]
         total = sum(w) + 3 * (len(w) - 1)
 
         def line(c: list[str]) -> str:
-            return " | ".join(c[i].ljust(w[i]) if i in (0, len(c) - 1) else c[i].rjust(w[i])
-                              for i in range(len(c))).rstrip()
+            return " | ".join(
+                c[i].ljust(w[i]) if i in (0, len(c) - 1) else c[i].rjust(w[i]) for i in range(len(c))
+            ).rstrip()
 
         out = [line(headers), "-" * total]
         for b in body:
@@ -355,9 +406,12 @@ def part_record(tab: Table, raw: dict[str, Any], epochs: int) -> Path:
         r = run([PY, "plain.py"], plain_dir, child_env(), f"plain #{k + 1}")
         r.update(last_json(r["stdout"]))
         plain_runs.append(r)
-        print(f"  {r['what']}: loop {r['loop_s']:.2f} s (main thread CPU {r['thread_cpu_s']:.2f} s), whole "
-              f"{r['wall_s']:.2f} s; other processes kept {r['others_cores']:.2f} cores busy", file=sys.stderr,
-              flush=True)
+        print(
+            f"  {r['what']}: loop {r['loop_s']:.2f} s (main thread CPU {r['thread_cpu_s']:.2f} s), whole "
+            f"{r['wall_s']:.2f} s; other processes kept {r['others_cores']:.2f} cores busy",
+            file=sys.stderr,
+            flush=True,
+        )
 
     # P R P R P R P: every rec run has a plain run just before and just after it (the CPU speed of this VM
     # drifts by several percent over minutes; pairing neighbours cancels most of the drift)
@@ -367,15 +421,17 @@ def part_record(tab: Table, raw: dict[str, Any], epochs: int) -> Path:
         d.mkdir()
         (d / "rec.py").write_text(rec_src)
         home = d / ".hindsight"
-        r = run([PY, "rec.py"], d, child_env(HINDSIGHT_HOME=str(home), HINDSIGHT_CHECKPOINT_EVERY="1"),
-                f"rec #{k + 1}")
+        r = run([PY, "rec.py"], d, child_env(HINDSIGHT_HOME=str(home), HINDSIGHT_CHECKPOINT_EVERY="1"), f"rec #{k + 1}")
         r.update(last_json(r["stdout"]))
         r["dir"] = d
         rec_runs.append(r)
-        print(f"  {r['what']}: loop {r['loop_s']:.2f} s (main thread CPU {r['thread_cpu_s']:.2f} s, process "
-              f"CPU {r['process_cpu_s']:.2f} s, final checkpoint wait {r['after_s']:.2f} s), whole "
-              f"{r['wall_s']:.2f} s; other processes kept {r['others_cores']:.2f} cores busy", file=sys.stderr,
-              flush=True)
+        print(
+            f"  {r['what']}: loop {r['loop_s']:.2f} s (main thread CPU {r['thread_cpu_s']:.2f} s, process "
+            f"CPU {r['process_cpu_s']:.2f} s, final checkpoint wait {r['after_s']:.2f} s), whole "
+            f"{r['wall_s']:.2f} s; other processes kept {r['others_cores']:.2f} cores busy",
+            file=sys.stderr,
+            flush=True,
+        )
     plain(REPS)
 
     pl = statistics.median(r["loop_s"] for r in plain_runs)
@@ -392,51 +448,101 @@ def part_record(tab: Table, raw: dict[str, Any], epochs: int) -> Path:
     store_mib = dir_bytes(last["dir"] / ".hindsight" / "store") / (1 << 20)
 
     tab.section(f"1. record overhead: {epochs} epochs, checkpoint every epoch, plain and rec alternated")
-    paired = [r["loop_s"] / ((plain_runs[k]["loop_s"] + plain_runs[k + 1]["loop_s"]) / 2)
-              for k, r in enumerate(rec_runs)]
+    paired = [
+        r["loop_s"] / ((plain_runs[k]["loop_s"] + plain_runs[k + 1]["loop_s"]) / 2) for k, r in enumerate(rec_runs)
+    ]
     noise = max(r["loop_s"] for r in plain_runs) / min(r["loop_s"] for r in plain_runs)
-    own = [sum(m for _i, _s, c, m, _r in db_iters(r["dir"]) if c is not None and m is not None) + r["after_s"]
-           for r in rec_runs]
+    own = [
+        sum(m for _i, _s, c, m, _r in db_iters(r["dir"]) if c is not None and m is not None) + r["after_s"]
+        for r in rec_runs
+    ]
     tab.add(f"training loop, wall: median of {REPS} rec / {REPS + 1} plain", rl, pl, target=RECORD_TARGET)
-    tab.add("training loop, wall: rec / its 2 neighbouring plain", None, None, ratio=statistics.median(paired),
-            target=RECORD_TARGET, note="median of " + ", ".join(f"{x:.3f}" for x in paired))
-    tab.add("noise floor: slowest / fastest plain.py loop", max(r["loop_s"] for r in plain_runs),
-            min(r["loop_s"] for r in plain_runs), ratio=noise,
-            note="same work; differences below this are not resolved")
-    tab.add("hindsight's own time on the training thread", statistics.median(own), pl,
-            target=RECORD_TARGET - 1, note="save calls + final checkpoint wait; baseline = plain loop")
-    tab.add("training loop, process CPU (all threads)", statistics.median(r["process_cpu_s"] for r in rec_runs),
-            statistics.median(r["process_cpu_s"] for r in plain_runs), note="incl. hashing/writing threads")
+    tab.add(
+        "training loop, wall: rec / its 2 neighbouring plain",
+        None,
+        None,
+        ratio=statistics.median(paired),
+        target=RECORD_TARGET,
+        note="median of " + ", ".join(f"{x:.3f}" for x in paired),
+    )
+    tab.add(
+        "noise floor: slowest / fastest plain.py loop",
+        max(r["loop_s"] for r in plain_runs),
+        min(r["loop_s"] for r in plain_runs),
+        ratio=noise,
+        note="same work; differences below this are not resolved",
+    )
+    tab.add(
+        "hindsight's own time on the training thread",
+        statistics.median(own),
+        pl,
+        target=RECORD_TARGET - 1,
+        note="save calls + final checkpoint wait; baseline = plain loop",
+    )
+    tab.add(
+        "training loop, process CPU (all threads)",
+        statistics.median(r["process_cpu_s"] for r in rec_runs),
+        statistics.median(r["process_cpu_s"] for r in plain_runs),
+        note="incl. hashing/writing threads",
+    )
     tab.add("whole command incl. start-up", rw, pw)
-    tab.add("checkpoint save, caller blocked (median/epoch)", statistics.median(blocked) if blocked else None,
-            statistics.median(epoch_s), note=f"{len(blocked)} checkpoints; baseline = recorded epoch time")
-    tab.add("checkpoint store after the run", store_mib, None, unit="MiB",
-            note=f"{store_mib / max(len(blocked), 1):.1f} MiB per epoch")
+    tab.add(
+        "checkpoint save, caller blocked (median/epoch)",
+        statistics.median(blocked) if blocked else None,
+        statistics.median(epoch_s),
+        note=f"{len(blocked)} checkpoints; baseline = recorded epoch time",
+    )
+    tab.add(
+        "checkpoint store after the run",
+        store_mib,
+        None,
+        unit="MiB",
+        note=f"{store_mib / max(len(blocked), 1):.1f} MiB per epoch",
+    )
 
     # in-process micro-benchmark
     d = OUT / "micro"
     d.mkdir()
     (d / "micro.py").write_text(MICRO)
     m = last_json(run([PY, "micro.py"], d, child_env(HINDSIGHT_HOME=str(d / ".hindsight")), "micro")["stdout"])
-    tab.add(f"step: hs.loop + hs.log (vs for + list.append), {LOG_CALLS // 1000}k", m["hs_loop_log"],
-            m["range_append"], unit="ns",
-            note=f"per step, best of 3; hs.log alone ~{m['hs_loop_log'] - m['hs_loop']:.0f} ns incl. SQLite writes")
+    tab.add(
+        f"step: hs.loop + hs.log (vs for + list.append), {LOG_CALLS // 1000}k",
+        m["hs_loop_log"],
+        m["range_append"],
+        unit="ns",
+        note=f"per step, best of 3; hs.log alone ~{m['hs_loop_log'] - m['hs_loop']:.0f} ns incl. SQLite writes",
+    )
     tab.add("step: hs.loop alone (vs for over range)", m["hs_loop"], m["range"], unit="ns", note="per step, best of 3")
 
     raw["record"] = {
-        "plain": [{k: r[k] for k in ("loop_s", "thread_cpu_s", "process_cpu_s", "wall_s", "others_cores")}
-                  for r in plain_runs],
-        "rec": [{k: r[k] for k in ("loop_s", "thread_cpu_s", "process_cpu_s", "after_s", "wall_s", "others_cores")}
-                for r in rec_runs],
-        "rec_over_neighbouring_plain": paired, "hindsight_own_s": own,
-        "rec_epoch_s": epoch_s, "rec_blocked_s": blocked, "micro_ns": m,
+        "plain": [
+            {k: r[k] for k in ("loop_s", "thread_cpu_s", "process_cpu_s", "wall_s", "others_cores")} for r in plain_runs
+        ],
+        "rec": [
+            {k: r[k] for k in ("loop_s", "thread_cpu_s", "process_cpu_s", "after_s", "wall_s", "others_cores")}
+            for r in rec_runs
+        ],
+        "rec_over_neighbouring_plain": paired,
+        "hindsight_own_s": own,
+        "rec_epoch_s": epoch_s,
+        "rec_blocked_s": blocked,
+        "micro_ns": m,
     }
-    raw["spread"] = [("plain loop", [r["loop_s"] for r in plain_runs]), ("rec loop", [r["loop_s"] for r in rec_runs]),
-                     ("plain whole", [r["wall_s"] for r in plain_runs]), ("rec whole", [r["wall_s"] for r in rec_runs]),
-                     ("plain others", [r["others_cores"] for r in plain_runs]),
-                     ("rec others", [r["others_cores"] for r in rec_runs])]
-    raw["_last_rec"] = {"dir": str(last["dir"]), "wall_s": last["wall_s"], "loop_s": last["loop_s"],
-                        "run_id": run_row["id"], "plain_outside_loop_s": pw - pl}
+    raw["spread"] = [
+        ("plain loop", [r["loop_s"] for r in plain_runs]),
+        ("rec loop", [r["loop_s"] for r in rec_runs]),
+        ("plain whole", [r["wall_s"] for r in plain_runs]),
+        ("rec whole", [r["wall_s"] for r in rec_runs]),
+        ("plain others", [r["others_cores"] for r in plain_runs]),
+        ("rec others", [r["others_cores"] for r in rec_runs]),
+    ]
+    raw["_last_rec"] = {
+        "dir": str(last["dir"]),
+        "wall_s": last["wall_s"],
+        "loop_s": last["loop_s"],
+        "run_id": run_row["id"],
+        "plain_outside_loop_s": pw - pl,
+    }
     return last["dir"]
 
 
@@ -449,23 +555,47 @@ def part_partial(tab: Table, raw: dict[str, Any], proj: Path, epochs: int) -> No
     times = OUT / "times-partial.jsonl"
     env = child_env(HINDSIGHT_HOME=str(proj / ".hindsight"), BENCH_TIMES=str(times))
     r = run([PY, "-m", "hindsight", "replay", "rec.py", "-q", "--strict"], proj, env, "partial replay", ok=(0, 1, 3))
-    print(f"  partial replay: whole {r['wall_s']:.2f} s (exit {r['rc']}; other processes kept {r['others_cores']:.2f} "
-          f"cores busy): {replay_summary(r['stdout'])}", file=sys.stderr, flush=True)
+    print(
+        f"  partial replay: whole {r['wall_s']:.2f} s (exit {r['rc']}; other processes kept {r['others_cores']:.2f} "
+        f"cores busy): {replay_summary(r['stdout'])}",
+        file=sys.stderr,
+        flush=True,
+    )
     loops = read_times(times)
     db = _native.LogDb(str(proj / ".hindsight" / "logs.db"))
     wn = replay_values(db, info["run_id"], "weight_norm")
-    raw["partial"] = {"wall_s": r["wall_s"], "rc": r["rc"], "worker_loop_s": loops, "others_cores": r["others_cores"],
-                      "weight_norm": list(wn.values()), "stdout": r["stdout"], "stderr": r["stderr"][-3000:]}
+    raw["partial"] = {
+        "wall_s": r["wall_s"],
+        "rc": r["rc"],
+        "worker_loop_s": loops,
+        "others_cores": r["others_cores"],
+        "weight_norm": list(wn.values()),
+        "stdout": r["stdout"],
+        "stderr": r["stderr"][-3000:],
+    }
     raw["_weight_norm_partial"] = wn
     status = f"exit {r['rc']}, {len(wn)}/{epochs} weight_norm values"
     tab.section(f"2. partial replay: outer-loop probe weight_norm, {epochs} epochs restored from checkpoints")
-    tab.add("whole command (replay vs the recording)", r["wall_s"], info["wall_s"], target=REPLAY_TARGET,
-            note=f"{info['wall_s'] / r['wall_s']:.1f}x faster; {status}")
+    tab.add(
+        "whole command (replay vs the recording)",
+        r["wall_s"],
+        info["wall_s"],
+        target=REPLAY_TARGET,
+        note=f"{info['wall_s'] / r['wall_s']:.1f}x faster; {status}",
+    )
     if loops:
-        tab.add("training loop only (replay worker vs recording)", sum(loops), info["loop_s"],
-                note=f"{info['loop_s'] / sum(loops):.0f}x faster")
-        tab.add("outside the loop (replay vs plain.py start-up + exit)", r["wall_s"] - sum(loops),
-                info["plain_outside_loop_s"], note="interpreter, torch import, data, model; exit")
+        tab.add(
+            "training loop only (replay worker vs recording)",
+            sum(loops),
+            info["loop_s"],
+            note=f"{info['loop_s'] / sum(loops):.0f}x faster",
+        )
+        tab.add(
+            "outside the loop (replay vs plain.py start-up + exit)",
+            r["wall_s"] - sum(loops),
+            info["plain_outside_loop_s"],
+            note="interpreter, torch import, data, model; exit",
+        )
     if r["rc"] != 0:
         raw.setdefault("problems", []).append(f"partial replay exited {r['rc']}: {r['stderr'][-2000:]}")
 
@@ -481,35 +611,58 @@ def part_parallel(tab: Table, raw: dict[str, Any], proj: Path, epochs: int) -> N
     for jobs in (1, 2):
         times = OUT / f"times-j{jobs}.jsonl"
         env = child_env(HINDSIGHT_HOME=str(proj / ".hindsight"), BENCH_TIMES=str(times))
-        r = run([PY, "-m", "hindsight", "replay", "rec.py", "-q", "--strict", "-j", str(jobs)], proj, env,
-                f"parallel replay -j {jobs}", ok=(0, 1, 3))
+        r = run(
+            [PY, "-m", "hindsight", "replay", "rec.py", "-q", "--strict", "-j", str(jobs)],
+            proj,
+            env,
+            f"parallel replay -j {jobs}",
+            ok=(0, 1, 3),
+        )
         r["worker_loop_s"] = read_times(times)
         r["grad_norm"] = replay_values(db, info["run_id"], "grad_norm")
         r["weight_norm"] = replay_values(db, info["run_id"], "weight_norm")
         r["divergences"] = db.divergences(info["run_id"])
         results[jobs] = r
-        print(f"  replay -j {jobs}: whole {r['wall_s']:.2f} s (exit {r['rc']}), worker loops "
-              f"{', '.join(f'{x:.2f}' for x in r['worker_loop_s'])} s; other processes kept "
-              f"{r['others_cores']:.2f} cores busy: {replay_summary(r['stdout'])}",
-              file=sys.stderr, flush=True)
+        print(
+            f"  replay -j {jobs}: whole {r['wall_s']:.2f} s (exit {r['rc']}), worker loops "
+            f"{', '.join(f'{x:.2f}' for x in r['worker_loop_s'])} s; other processes kept "
+            f"{r['others_cores']:.2f} cores busy: {replay_summary(r['stdout'])}",
+            file=sys.stderr,
+            flush=True,
+        )
         if r["rc"] != 0:
             raw.setdefault("problems", []).append(f"replay -j {jobs} exited {r['rc']}: {r['stderr'][-2000:]}")
         if r["divergences"]:
-            raw.setdefault("problems", []).append(f"replay -j {jobs}: {len(r['divergences'])} divergences, first "
-                                                  f"{r['divergences'][0]}")
+            raw.setdefault("problems", []).append(
+                f"replay -j {jobs}: {len(r['divergences'])} divergences, first {r['divergences'][0]}"
+            )
     t1, t2 = results[1]["wall_s"], results[2]["wall_s"]
     l1 = max(results[1]["worker_loop_s"], default=None)
     l2 = max(results[2]["worker_loop_s"], default=None)
     steps = SAMPLES // BATCH * epochs
-    tab.section(f"3. parallel replay: inner-loop probe grad_norm, all {epochs} epochs recomputed; "
-                f"{os.cpu_count()} cores")
-    tab.add("whole command -j 1 (vs the recording)", t1, info["wall_s"],
-            note=f"exit {results[1]['rc']}, {len(results[1]['grad_norm'])}/{steps} grad_norm")
-    tab.add("whole command -j 2 (vs -j 1)", t2, t1,
-            note=f"exit {results[2]['rc']}, {len(results[2]['grad_norm'])}/{steps} grad_norm")
-    tab.add("efficiency T1 / (2 * T2), whole command", t1 / (2 * t2), 1.0, unit="x",
-            note=f"ideal 1.0; {os.cpu_count()} cores; others kept {results[1]['others_cores']:.2f} / "
-                 f"{results[2]['others_cores']:.2f} cores busy during -j 1 / -j 2")
+    tab.section(
+        f"3. parallel replay: inner-loop probe grad_norm, all {epochs} epochs recomputed; {os.cpu_count()} cores"
+    )
+    tab.add(
+        "whole command -j 1 (vs the recording)",
+        t1,
+        info["wall_s"],
+        note=f"exit {results[1]['rc']}, {len(results[1]['grad_norm'])}/{steps} grad_norm",
+    )
+    tab.add(
+        "whole command -j 2 (vs -j 1)",
+        t2,
+        t1,
+        note=f"exit {results[2]['rc']}, {len(results[2]['grad_norm'])}/{steps} grad_norm",
+    )
+    tab.add(
+        "efficiency T1 / (2 * T2), whole command",
+        t1 / (2 * t2),
+        1.0,
+        unit="x",
+        note=f"ideal 1.0; {os.cpu_count()} cores; others kept {results[1]['others_cores']:.2f} / "
+        f"{results[2]['others_cores']:.2f} cores busy during -j 1 / -j 2",
+    )
     if l1 and l2:
         tab.add("training loop -j 2 (slowest worker vs -j 1 worker)", l2, l1)
         tab.add("efficiency, training loops only", l1 / (2 * l2), 1.0, unit="x", note="ideal 1.0")
@@ -517,17 +670,25 @@ def part_parallel(tab: Table, raw: dict[str, Any], proj: Path, epochs: int) -> N
     # consistency: the same values whichever way they were computed
     wn_p = raw.pop("_weight_norm_partial")
     checks = []
-    for label, a, b in (("weight_norm partial (restored) == -j 1 (re-executed)", wn_p, results[1]["weight_norm"]),
-                        ("weight_norm -j 1 == -j 2", results[1]["weight_norm"], results[2]["weight_norm"]),
-                        ("grad_norm -j 1 == -j 2", results[1]["grad_norm"], results[2]["grad_norm"])):
+    for label, a, b in (
+        ("weight_norm partial (restored) == -j 1 (re-executed)", wn_p, results[1]["weight_norm"]),
+        ("weight_norm -j 1 == -j 2", results[1]["weight_norm"], results[2]["weight_norm"]),
+        ("grad_norm -j 1 == -j 2", results[1]["grad_norm"], results[2]["grad_norm"]),
+    ):
         same = sum(1 for k in a if k in b and a[k] == b[k])
         checks.append(f"{label}: {same}/{max(len(a), len(b))} equal")
     divs = [len(results[j]["divergences"]) for j in (1, 2)]
     checks.append(f"divergences between recorded and replayed loss: -j 1: {divs[0]}, -j 2: {divs[1]}")
     raw["parallel"] = {
-        str(j): {"wall_s": r["wall_s"], "rc": r["rc"], "worker_loop_s": r["worker_loop_s"],
-                 "others_cores": r["others_cores"],
-                 "divergences": len(r["divergences"]), "stdout": r["stdout"], "stderr": r["stderr"][-3000:]}
+        str(j): {
+            "wall_s": r["wall_s"],
+            "rc": r["rc"],
+            "worker_loop_s": r["worker_loop_s"],
+            "others_cores": r["others_cores"],
+            "divergences": len(r["divergences"]),
+            "stdout": r["stdout"],
+            "stderr": r["stderr"][-3000:],
+        }
         for j, r in results.items()
     }
     raw["checks"] = checks
@@ -548,15 +709,23 @@ def main() -> int:
         info = machine_info()
         info.update(snapshot_package())
         print("hindsight replay benchmark (one run, fresh processes; timings from time.perf_counter)")
-        print(f"  cpu        {info['cpu']} ({info['cpu_capability']}), {info['cores']} cores"
-              f"{', ' + format(info['ram_bytes'] / (1 << 30), '.0f') + ' GiB RAM' if info['ram_bytes'] else ''}")
-        print(f"  torch      {info['torch']} (training scripts: torch.set_num_threads(1)), python {info['python']}, "
-              f"kernel {info['kernel']}")
+        print(
+            f"  cpu        {info['cpu']} ({info['cpu_capability']}), {info['cores']} cores"
+            f"{', ' + format(info['ram_bytes'] / (1 << 30), '.0f') + ' GiB RAM' if info['ram_bytes'] else ''}"
+        )
+        print(
+            f"  torch      {info['torch']} (training scripts: torch.set_num_threads(1)), python {info['python']}, "
+            f"kernel {info['kernel']}"
+        )
         print(f"  git        {info['git']}")
-        print(f"  hindsight  {info['extension']}: {info['extension_bytes'] / (1 << 20):.1f} MiB, built "
-              f"{info['extension_mtime']} (copied to bench-out/replay/pkg for the run)")
-        print(f"  workload   MLP {D_IN}-{HIDDEN}-{HIDDEN}-{CLASSES} (dropout), SGD momentum, StepLR, "
-              f"{SAMPLES} synthetic samples, batch {BATCH}: {SAMPLES // BATCH} steps/epoch, {args.epochs} epochs")
+        print(
+            f"  hindsight  {info['extension']}: {info['extension_bytes'] / (1 << 20):.1f} MiB, built "
+            f"{info['extension_mtime']} (copied to bench-out/replay/pkg for the run)"
+        )
+        print(
+            f"  workload   MLP {D_IN}-{HIDDEN}-{HIDDEN}-{CLASSES} (dropout), SGD momentum, StepLR, "
+            f"{SAMPLES} synthetic samples, batch {BATCH}: {SAMPLES // BATCH} steps/epoch, {args.epochs} epochs"
+        )
         print(flush=True)
 
         tab = Table()
@@ -586,19 +755,22 @@ def main() -> int:
             print(f"  {label:<12} " + " ".join(f"{x:7.2f}" for x in xs))
         for p in raw.get("problems", []):
             print(f"PROBLEM: {p}")
-        busy, steal, own = (b - a for a, b in zip(cpu0, cpu_snapshot()))
+        busy, steal, own = (b - a for a, b in zip(cpu0, cpu_snapshot(), strict=True))
         wall = now() - started
         other = max(0.0, busy - own)
         cores = os.cpu_count() or 1
         raw["cpu"] = {"wall_s": wall, "machine_busy_s": busy, "own_s": own, "other_s": other, "steal_s": steal}
-        print(f"CPU: this benchmark {own:.0f} CPU-s; rest of the machine {other:.0f} CPU-s = "
-              f"{100 * other / (wall * cores):.0f}% of {cores} cores; hypervisor steal {steal:.0f} s")
+        print(
+            f"CPU: this benchmark {own:.0f} CPU-s; rest of the machine {other:.0f} CPU-s = "
+            f"{100 * other / (wall * cores):.0f}% of {cores} cores; hypervisor steal {steal:.0f} s"
+        )
         if other > 0.10 * wall * cores or steal > 0.05 * wall * cores:
             print("WARNING: the machine was not idle during the run; timings are disturbed.")
         print(f"total run time {wall:.0f} s")
         if args.json:
-            Path(args.json).write_text(json.dumps({"machine": info, "rows": tab.rows, "raw": raw}, indent=1,
-                                                  default=str))
+            Path(args.json).write_text(
+                json.dumps({"machine": info, "rows": tab.rows, "raw": raw}, indent=1, default=str)
+            )
     finally:
         if not args.keep:
             shutil.rmtree(OUT, ignore_errors=True)

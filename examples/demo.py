@@ -49,27 +49,41 @@ def main() -> None:
 
     print("== 2. add an outer-loop probe and replay (partial)")
     src = script.read_text()
-    src = src.replace("        sched.step()\n", "        sched.step()\n"
-                      "        hs.log(\"weight_norm\", sum(p.norm().item() ** 2 for p in net.parameters()) ** 0.5)\n", 1)
+    src = src.replace(
+        "        sched.step()\n",
+        "        sched.step()\n"
+        '        hs.log("weight_norm", sum(p.norm().item() ** 2 for p in net.parameters()) ** 0.5)\n',
+        1,
+    )
     script.write_text(src)
     t_partial = run([*hindsight, "replay", str(script), "-q", "--strict"], env, proj)
 
     print("== 3. add an inner-loop probe and replay on 2 workers (parallel), epochs >= 5 only")
-    src = src.replace("            opt.step()\n", "            hs.log(\"grad_norm\", sum(p.grad.norm().item() ** 2 "
-                      "for p in net.parameters()) ** 0.5)\n            opt.step()\n", 1)
+    src = src.replace(
+        "            opt.step()\n",
+        '            hs.log("grad_norm", sum(p.grad.norm().item() ** 2 '
+        "for p in net.parameters()) ** 0.5)\n            opt.step()\n",
+        1,
+    )
     script.write_text(src)
-    t_parallel = run([*hindsight, "replay", str(script), "-q", "-j", "2", "--where", "epoch >= 5", "--strict"], env, proj)
+    t_parallel = run(
+        [*hindsight, "replay", str(script), "-q", "-j", "2", "--where", "epoch >= 5", "--strict"], env, proj
+    )
 
     print("== 4. the run, questioned")
-    code = ("import hindsight as hs\n"
-            "df = hs.dataframe('val_acc', 'weight_norm')\n"
-            "print(df[df.columns[1:]].to_string(index=False))\n"
-            "g = hs.dataframe('loss', 'grad_norm')\n"
-            "print(g[g.grad_norm.notna()].groupby('epoch')[['loss', 'grad_norm']].mean().to_string())\n")
+    code = (
+        "import hindsight as hs\n"
+        "df = hs.dataframe('val_acc', 'weight_norm')\n"
+        "print(df[df.columns[1:]].to_string(index=False))\n"
+        "g = hs.dataframe('loss', 'grad_norm')\n"
+        "print(g[g.grad_norm.notna()].groupby('epoch')[['loss', 'grad_norm']].mean().to_string())\n"
+    )
     subprocess.run([sys.executable, "-c", code], env=env, cwd=proj, check=True)
     subprocess.run([*hindsight, "runs"], env=env, cwd=proj, check=True)
-    print(f"record {t_record:.1f}s, partial replay {t_partial:.1f}s, parallel replay of half the epochs "
-          f"{t_parallel:.1f}s (wall time, including Python and torch start-up)")
+    print(
+        f"record {t_record:.1f}s, partial replay {t_partial:.1f}s, parallel replay of half the epochs "
+        f"{t_parallel:.1f}s (wall time, including Python and torch start-up)"
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,16 @@ net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32,
 opt = torch.optim.Adam(net.parameters(), lr=1e-2)
 sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
 
-with hs.checkpointing(model=net, optimizer=opt, scheduler=sched, every=1,
-                      keep_last=2, keep_best=1, best_metric="val_loss", best_mode="min"):
+with hs.checkpointing(
+    model=net,
+    optimizer=opt,
+    scheduler=sched,
+    every=1,
+    keep_last=2,
+    keep_best=1,
+    best_metric="val_loss",
+    best_mode="min",
+):
     for epoch in hs.loop("epoch", range(epochs)):
         for x, y in hs.loop("step", loader):
             loss = nn.functional.cross_entropy(net(x), y)

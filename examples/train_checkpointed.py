@@ -26,9 +26,16 @@ import hindsight as hs
 def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     torch.manual_seed(seed)
     net = nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 7 * 7, 128), nn.ReLU(), nn.Linear(128, 10),
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 7 * 7, 128),
+        nn.ReLU(),
+        nn.Linear(128, 10),
     )
     # A frozen embedding-like block: saved every epoch, stored once.
     net.register_buffer("frozen_table", torch.randn(512, 1024))
@@ -79,12 +86,19 @@ def train(store: hs.Store | None, epochs: int, start: dict | None = None, stop_a
         blocked = 0.0
         if store is not None:
             t1 = time.perf_counter()
-            state = {"model": net.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(),
-                     "rng": rng_state(), "epoch": epoch}
+            state = {
+                "model": net.state_dict(),
+                "optim": opt.state_dict(),
+                "sched": sched.state_dict(),
+                "rng": rng_state(),
+                "epoch": epoch,
+            }
             store.save(f"epoch-{epoch:03d}", state, meta={"loss": total / len(loader)})
             blocked = time.perf_counter() - t1
-        print(f"epoch {epoch:2d}  loss {total / len(loader):.4f}  train {time.perf_counter() - t0:.2f}s"
-              f"  save blocked {blocked * 1e3:.1f} ms")
+        print(
+            f"epoch {epoch:2d}  loss {total / len(loader):.4f}  train {time.perf_counter() - t0:.2f}s"
+            f"  save blocked {blocked * 1e3:.1f} ms"
+        )
         if stop_after is not None and epoch == stop_after:
             break
     return net
@@ -109,12 +123,16 @@ def main() -> None:
 
     print("== reference: one uninterrupted run")
     reference = train(None, args.epochs)
-    same = all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), reference.state_dict().values()))
+    same = all(
+        torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), reference.state_dict().values(), strict=True)
+    )
     print(f"resumed weights bit-identical to uninterrupted run: {same}")
 
     u = store.usage()
-    print(f"store: {u['checkpoints']} checkpoints, logical {u['logical_bytes'] / 2**20:.1f} MiB, "
-          f"stored {u['stored_bytes'] / 2**20:.1f} MiB (dedup {u['logical_bytes'] / u['stored_bytes']:.2f}x)")
+    print(
+        f"store: {u['checkpoints']} checkpoints, logical {u['logical_bytes'] / 2**20:.1f} MiB, "
+        f"stored {u['stored_bytes'] / 2**20:.1f} MiB (dedup {u['logical_bytes'] / u['stored_bytes']:.2f}x)"
+    )
     problems = store.verify()
     print(f"verify: {'all intact' if not problems else problems}")
     if not same or problems:

@@ -30,7 +30,9 @@ def store_dir(tmp_path: Path) -> Path:
     return tmp_path / "store"
 
 
-def run_py(code: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess[str]:
+def run_py(
+    code: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None, **kw
+) -> subprocess.CompletedProcess[str]:
     """Run a Python snippet in a fresh interpreter (real process, real signals)."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(

@@ -3,6 +3,7 @@ on loopback, with one bucket; the AWS_* variables point at it while it runs."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import socket
@@ -25,45 +26,54 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+ENV_VARS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+
+
+@contextlib.contextmanager
+def moto_server(log_path: str) -> Iterator[str]:
+    """moto's S3 server in its own process on a free loopback port; yields its endpoint."""
+    port = _free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    urllib.request.urlopen(endpoint + "/", timeout=1).close()
+                    break
+                except OSError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"moto server did not start (see {log_path})") from None
+                    time.sleep(0.1)
+            yield endpoint
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A moto S3 server on loopback with one bucket; AWS_* variables point at it."""
     if importlib.util.find_spec("moto") is None or importlib.util.find_spec("boto3") is None:
         pytest.skip("moto[server] is not installed (see requirements-dev.txt)")
-    port = _free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(endpoint + "/", timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto server did not start (see {log.name})") from None
-                time.sleep(0.1)
+    with moto_server(str(tmp_path_factory.mktemp("moto") / "server.log")) as endpoint:
         with pytest.MonkeyPatch.context() as mp:
             for var in ("AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
                 mp.delenv(var, raising=False)
             mp.setenv("AWS_ENDPOINT_URL", endpoint)
-            mp.setenv("AWS_ACCESS_KEY_ID", "testing")
-            mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-            mp.setenv("AWS_REGION", "us-east-1")
+            for k, v in ENV_VARS.items():
+                mp.setenv(k, v)
             s3().create_bucket(Bucket=BUCKET)
             yield endpoint
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def s3() -> Any:
@@ -95,3 +105,30 @@ def keys(prefix: str, sub: str) -> list[str]:
     for page in s3().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=full):
         out += [o["Key"] for o in page.get("Contents", [])]
     return out
+
+
+def main(argv: list[str]) -> int:
+    """`python tests/s3util.py -- CMD...`: run CMD with a loopback S3 server, one
+    bucket, the AWS_* variables and HINDSIGHT_TEST_S3_URL pointing at it (used
+    by `make test-rust` for the Rust storage conformance suite)."""
+    import tempfile
+
+    if argv[:1] != ["--"] or len(argv) < 2:
+        print("usage: s3util.py -- COMMAND [ARGS...]", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp, moto_server(os.path.join(tmp, "server.log")) as endpoint:
+        env = {
+            k: v for k, v in os.environ.items() if k not in ("AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+        }
+        env.update(
+            ENV_VARS,
+            AWS_ENDPOINT_URL=endpoint,
+            HINDSIGHT_TEST_S3_URL=f"s3://{BUCKET}/conformance-{uuid.uuid4().hex[:8]}",
+        )
+        os.environ.update(env)
+        s3().create_bucket(Bucket=BUCKET)
+        return subprocess.run(argv[1:], env=env).returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -35,8 +35,13 @@ def test_nan_inf_and_numpy_scalars_are_recorded(tmp_path: Path) -> None:
     script.write_text(SCRIPT)
     home = tmp_path / "home"
     env = {**os.environ, "HINDSIGHT_HOME": str(home)}
-    r = subprocess.run([sys.executable, str(script), "--wd", "nan", "--clip=-inf"], capture_output=True,
-                       text=True, timeout=120, env=env)
+    r = subprocess.run(
+        [sys.executable, str(script), "--wd", "nan", "--clip=-inf"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     printed = json.loads(r.stdout)
     # The script gets its values back with their own types.
@@ -51,8 +56,9 @@ def test_nan_inf_and_numpy_scalars_are_recorded(tmp_path: Path) -> None:
     assert args["max_grad_norm"] == math.inf and args["clip"] == -math.inf
     assert args["lr"] == float(__import__("numpy").float32(0.1)) and args["steps"] == 7
     # The CLI shows such a run.
-    show = subprocess.run([*hindsight_cmd(), "--home", str(home), "show", run["id"]], capture_output=True,
-                          text=True, timeout=60)
+    show = subprocess.run(
+        [*hindsight_cmd(), "--home", str(home), "show", run["id"]], capture_output=True, text=True, timeout=60
+    )
     assert show.returncode == 0, show.stderr
     assert "NaN" in show.stdout and "Infinity" in show.stdout
 
@@ -60,7 +66,12 @@ def test_nan_inf_and_numpy_scalars_are_recorded(tmp_path: Path) -> None:
 def test_unrecordable_argument_is_refused_with_its_name(tmp_path: Path) -> None:
     script = tmp_path / "bad.py"
     script.write_text("import hindsight as hs\nhs.arg('model', object())\n")
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "HINDSIGHT_HOME": str(tmp_path / "home")})
+    r = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HINDSIGHT_HOME": str(tmp_path / "home")},
+    )
     assert r.returncode != 0
     assert "hs.arg('model')" in r.stderr and "object" in r.stderr

@@ -18,7 +18,9 @@ big = {"w": torch.randn(1 << 20)}               # 4 MiB chunk > 64 KiB limit
 
 
 def test_error_surfaces_at_wait_with_its_class_and_path(store_dir):
-    r = run_py(PRELUDE + """
+    r = run_py(
+        PRELUDE
+        + """
 h = store.save("big", big)
 try:
     h.wait()
@@ -26,14 +28,18 @@ except hs.StorageError as e:
     print("wait raised", type(e).__name__, e.background, "chunks" in str(e), "'big'" in str(e))
 store.flush()   # already reported: flush is clean
 print("listed", store.list())
-""", str(store_dir))
+""",
+        str(store_dir),
+    )
     assert r.returncode == 0, r.stderr
     assert "wait raised StorageError True True True" in r.stdout
     assert "listed ['small']" in r.stdout
 
 
 def test_error_surfaces_at_next_save_then_saving_works_again(store_dir):
-    r = run_py(PRELUDE + """
+    r = run_py(
+        PRELUDE
+        + """
 h = store.save("big", big)
 import time
 while not h.done():  # failed in the background; nobody has collected the error
@@ -45,29 +51,39 @@ except hs.HindsightError as e:
 resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 store.save("after", big).wait()
 print("listed", store.list())
-""", str(store_dir))
+""",
+        str(store_dir),
+    )
     assert r.returncode == 0, r.stderr
     assert "save raised StorageError True" in r.stdout
     assert "listed ['after', 'small']" in r.stdout
 
 
 def test_error_surfaces_at_flush(store_dir):
-    r = run_py(PRELUDE + """
+    r = run_py(
+        PRELUDE
+        + """
 store.save("big", big)
 try:
     store.flush()
 except hs.StorageError as e:
     print("flush raised", e.background)
-""", str(store_dir))
+""",
+        str(store_dir),
+    )
     assert r.returncode == 0, r.stderr
     assert "flush raised True" in r.stdout
 
 
 def test_unreported_error_fails_the_process_at_exit(store_dir):
-    r = run_py(PRELUDE + """
+    r = run_py(
+        PRELUDE
+        + """
 store.save("big", big)
 print("exiting normally")
-""", str(store_dir))
+""",
+        str(store_dir),
+    )
     assert "exiting normally" in r.stdout
     assert r.returncode == 1
     assert "hindsight: error at exit" in r.stderr and "'big'" in r.stderr

@@ -44,7 +44,8 @@ def test_sigkill_at_random_moments_never_loses_or_tears_a_checkpoint(store_dir):
     while time.monotonic() < deadline or trials < 5:
         proc = subprocess.Popen(
             [sys.executable, "-c", WRITER, str(store_dir), str(trials)],
-            stdout=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"

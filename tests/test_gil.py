@@ -6,6 +6,7 @@ CPU contention on a small machine, not the GIL.)"""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -34,7 +35,7 @@ def longest_pause_during(fn) -> tuple[float, float]:
     th.join()
     inside = [t for t in ticks if t0 <= t <= t1]
     points = [t0, *inside, t1]
-    return max(b - a for a, b in zip(points, points[1:])), t1 - t0
+    return max(b - a for a, b in itertools.pairwise(points)), t1 - t0
 
 
 def test_gil_released_during_save_wait_and_load(store_dir):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import hindsight as hs
+
 from conftest import hindsight_cmd
 
 
@@ -49,7 +50,7 @@ def test_flipped_byte_anywhere_in_a_manifest_is_detected(store_dir):
     original = manifest.read_bytes()
     for offset in range(0, size, max(1, size // 40)):
         flip_byte(manifest, offset)
-        with pytest.raises(hs.CorruptError, match="m.hsm"):
+        with pytest.raises(hs.CorruptError, match=r"m\.hsm"):
             store.load("m")
         manifest.write_bytes(original)
     assert torch.equal(store.load("m")["x"], torch.arange(10))

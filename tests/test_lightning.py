@@ -44,8 +44,15 @@ def pl(monkeypatch: pytest.MonkeyPatch) -> Any:
     # As on a 16-core machine (see pytestmark).
     monkeypatch.setattr(data_connector, "suggested_max_num_workers", lambda num_devices: 15)
 
-    for var in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "CUBLAS_WORKSPACE_CONFIG", "HINDSIGHT_EXIT_CODE",
-                "_CONDOR_JOB_AD", "SLURM_JOB_ID", "HINDSIGHT_SLURM_REQUEUE"):
+    for var in (
+        "PL_GLOBAL_SEED",
+        "PL_SEED_WORKERS",
+        "CUBLAS_WORKSPACE_CONFIG",
+        "HINDSIGHT_EXIT_CODE",
+        "_CONDOR_JOB_AD",
+        "SLURM_JOB_ID",
+        "HINDSIGHT_SLURM_REQUEUE",
+    ):
         monkeypatch.delenv(var, raising=False)
     det = torch.are_deterministic_algorithms_enabled()
     handlers = {s: signal.getsignal(s) for s in SIGNALS}
@@ -59,8 +66,9 @@ def _classes(pl: Any) -> Any:
     class Tiny(pl.LightningModule):
         """Linear-dropout-linear regression; logs a per-epoch score for keep_best."""
 
-        def __init__(self, lr: float = 0.05, scores: list[float] | None = None, signal_at: int | None = None,
-                     extra: Any = None) -> None:
+        def __init__(
+            self, lr: float = 0.05, scores: list[float] | None = None, signal_at: int | None = None, extra: Any = None
+        ) -> None:
             super().__init__()
             self.save_hyperparameters("lr", "extra")
             self.scores = scores
@@ -97,13 +105,21 @@ def _loader() -> Any:
     return DataLoader(ds, batch_size=8, shuffle=True)  # 8 steps per epoch, order drawn from the global RNG
 
 
-def _fit(pl: Any, root: Path, epochs: int, callbacks: list[Any], ckpt_path: str | None = None,
-         **model_kw: Any) -> tuple[Any, Any]:
+def _fit(
+    pl: Any, root: Path, epochs: int, callbacks: list[Any], ckpt_path: str | None = None, **model_kw: Any
+) -> tuple[Any, Any]:
     pl.seed_everything(0, verbose=False)
     model = _classes(pl)(**model_kw)
-    trainer = pl.Trainer(max_epochs=epochs, callbacks=callbacks, deterministic=True, default_root_dir=root,
-                         enable_progress_bar=False, logger=False, enable_checkpointing=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        max_epochs=epochs,
+        callbacks=callbacks,
+        deterministic=True,
+        default_root_dir=root,
+        enable_progress_bar=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, _loader(), ckpt_path=ckpt_path)
     return model, trainer
 
@@ -128,7 +144,7 @@ def test_epochs_retention_and_exact_resume(pl: Any, tmp_path: Path) -> None:
             saved.append(cb.last_saved)
 
     original = {s: signal.getsignal(s) for s in SIGNALS}
-    model3, t3 = _fit(pl, tmp_path, 3, [cb, Probe()])
+    model3, _t3 = _fit(pl, tmp_path, 3, [cb, Probe()])
     assert saved == ["lightning.epoch-000000", "lightning.epoch-000001", "lightning.epoch-000002"]
     # retention keep_last=2 after fit end (removed durably, chunks gc'ed)
     assert store.list() == ["lightning.epoch-000001", "lightning.epoch-000002"]
@@ -174,8 +190,12 @@ def test_keep_best_and_keep_every(pl: Any, tmp_path: Path) -> None:
     cb = HindsightCheckpoint(store, keep_last=1, keep_best=1, monitor="score", mode="min", keep_every=4)
     _fit(pl, tmp_path, 6, [cb], scores=scores)
     # best (epoch 1, score 1.0), every 4th (epochs 0, 4), newest (epoch 5)
-    assert store.list() == ["lightning.epoch-000000", "lightning.epoch-000001", "lightning.epoch-000004",
-                            "lightning.epoch-000005"]
+    assert store.list() == [
+        "lightning.epoch-000000",
+        "lightning.epoch-000001",
+        "lightning.epoch-000004",
+        "lightning.epoch-000005",
+    ]
     assert store.info("lightning.epoch-000001")["meta"]["metric"] == "1.0"
 
 
@@ -236,7 +256,7 @@ def test_unsupported_hyperparameters_fail_at_fit_start(pl: Any, tmp_path: Path) 
     assert hs.lightning.load(store, allow_pickle=True)["hyper_parameters"]["extra"] == Path("/data")
     # resume through the CheckpointIO the callback installs (with its allow_pickle)
     cb = HindsightCheckpoint(store, allow_pickle=True)
-    model, t = _fit(pl, tmp_path, 2, [cb], ckpt_path=cb.resume_path(), extra=Path("/data"))
+    model, _t = _fit(pl, tmp_path, 2, [cb], ckpt_path=cb.resume_path(), extra=Path("/data"))
     assert model.epochs_trained == [1]
 
 
@@ -316,7 +336,7 @@ def test_sigterm_subprocess_exits_85_and_resumes(pl: Any, tmp_path: Path) -> Non
                 proc.send_signal(signal.SIGTERM)
                 break
             assert time.monotonic() < deadline
-        out, err = proc.communicate(timeout=60)
+        _out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -378,8 +398,13 @@ def test_one_naming_and_retention_rule_with_hs_checkpointing(pl: Any, tmp_path: 
     store_dir = tmp_path / "store"
     script = tmp_path / "train.py"
     script.write_text(SHARED_RULE_SCRIPT)
-    r = subprocess.run([sys.executable, str(script), str(store_dir)], capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "HINDSIGHT_HOME": str(tmp_path / "home")})
+    r = subprocess.run(
+        [sys.executable, str(script), str(store_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HINDSIGHT_HOME": str(tmp_path / "home")},
+    )
     assert r.returncode == 0, r.stderr
     store = hs.Store(store_dir)
     (run_prefix,) = {n.split(".", 1)[0] for n in store.list()}
@@ -392,7 +417,8 @@ def test_one_naming_and_retention_rule_with_hs_checkpointing(pl: Any, tmp_path: 
     for name in store.list():
         ck = _native.CheckpointId.parse(name)
         assert ck is not None and ck.name == name
-    assert sorted(n.split(".", 1)[1] for n in store.list() if n.startswith("shared.")) == \
-        sorted(n.split(".", 1)[1] for n in store.list() if n.startswith(run_prefix + "."))
+    assert sorted(n.split(".", 1)[1] for n in store.list() if n.startswith("shared.")) == sorted(
+        n.split(".", 1)[1] for n in store.list() if n.startswith(run_prefix + ".")
+    )
     # Interim names share one format too (9-digit steps).
     assert _native.CheckpointId("shared", "epoch", 1, "step", 12).name == "shared.epoch-000001.step-000000012"

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import hindsight as hs
+
 from conftest import REPO, hindsight_cmd
 from s3util import url_of
 
@@ -28,14 +29,22 @@ def start(home: Path, out: Path, delay: float = 0.02, **env: str) -> subprocess.
     return subprocess.Popen(
         [sys.executable, str(SCRIPT), "--delay", str(delay), "--out", str(out)],
         env={**os.environ, "HINDSIGHT_HOME": str(home), **env},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=out.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=out.parent,
     )
 
 
 def run_to_end(home: Path, out: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(SCRIPT), "--delay", "0.02", "--out", str(out)],
-                          env={**os.environ, "HINDSIGHT_HOME": str(home), **env}, capture_output=True, text=True,
-                          timeout=300, cwd=out.parent)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--delay", "0.02", "--out", str(out)],
+        env={**os.environ, "HINDSIGHT_HOME": str(home), **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=out.parent,
+    )
 
 
 def series(home: Path) -> dict[str, dict[str, object]]:
@@ -49,8 +58,13 @@ def series(home: Path) -> dict[str, dict[str, object]]:
         "    out.setdefault(name, {})[json.dumps(ctx)] = json.loads(value)\n"
         "print(json.dumps({'status': runs[0]['status'], 'logs': out}))\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "HINDSIGHT_HOME": str(home)},
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "HINDSIGHT_HOME": str(home)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -63,8 +77,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch
     return torch.load(d / "final.pt"), series(d / "home")
 
 
-def interrupt_and_resume(tmp: Path, sig: int, at_step: int, env: dict[str, str] | None = None,
-                         resume_env: dict[str, str] | None = None) -> tuple[dict[str, torch.Tensor], dict, str]:
+def interrupt_and_resume(
+    tmp: Path, sig: int, at_step: int, env: dict[str, str] | None = None, resume_env: dict[str, str] | None = None
+) -> tuple[dict[str, torch.Tensor], dict, str]:
     home, out = tmp / "home", tmp / "final.pt"
     env = env or {}
     p = start(home, out, **env)
@@ -143,8 +158,13 @@ def test_retention_keep_last_2_and_best_1(tmp_path):
     script = tmp_path / "ret.py"
     script.write_text(RETENTION_SCRIPT)
     home = tmp_path / "home"
-    r = subprocess.run([sys.executable, str(script)], env={**os.environ, "HINDSIGHT_HOME": str(home)},
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(script)],
+        env={**os.environ, "HINDSIGHT_HOME": str(home)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     ls = subprocess.run([*hindsight_cmd(), "ls", "--json", str(home / "store")], capture_output=True, text=True)
     names = sorted(c["name"].rsplit("-", 1)[1] for c in json.loads(ls.stdout))
@@ -199,16 +219,24 @@ def test_preemption_resume_and_retention_on_object_storage(tmp_path, reference, 
     # Replay of the script with a new epoch-level log statement restores the
     # checkpoints from S3 (the run remembers its store) and recomputes the rest.
     probe = tmp_path / "probe.py"
-    probe.write_text(SCRIPT.read_text().replace(
-        "        sched.step()\n",
-        "        sched.step()\n        hs.log(\"weight_norm\", sum(p.detach().norm().item() for p in net.parameters()))\n"))
+    probe.write_text(
+        SCRIPT.read_text().replace(
+            "        sched.step()\n",
+            '        sched.step()\n        hs.log("weight_norm", sum(p.detach().norm().item() for p in net.parameters()))\n',
+        )
+    )
     from hindsight import _native
 
     run_id = _native.LogDb(str(tmp_path / "home" / "logs.db")).runs()[0]["id"]
     (tmp_path / "final.pt").unlink()
-    rp = subprocess.run([*hindsight_cmd(), "replay", str(probe), "--run", run_id, "-q", "--strict"],
-                        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                        env={**os.environ, "HINDSIGHT_HOME": str(tmp_path / "home")})
+    rp = subprocess.run(
+        [*hindsight_cmd(), "replay", str(probe), "--run", run_id, "-q", "--strict"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "HINDSIGHT_HOME": str(tmp_path / "home")},
+    )
     assert rp.returncode == 0, rp.stdout + rp.stderr
     assert "restored from" in rp.stdout, rp.stdout
     after = series(tmp_path / "home")["logs"]

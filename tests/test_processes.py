@@ -9,10 +9,10 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
 
 import hindsight as hs
+
 from conftest import hindsight_cmd, run_py
 
 
@@ -74,7 +74,9 @@ print("ok")
 """
     hs.Store(store_dir)  # create it first so both open an existing store
     procs = [
-        subprocess.Popen([sys.executable, "-c", code, str(store_dir), tag], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(store_dir), tag], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for tag in "ab"
     ]
     for p in procs:
@@ -99,7 +101,10 @@ def test_ctrl_c_interrupts_a_blocked_wait(store_dir):
     fcntl.flock(lock, fcntl.LOCK_EX)  # play a long-running gc in another process
     try:
         p = subprocess.Popen(
-            [sys.executable, "-c", """
+            [
+                sys.executable,
+                "-c",
+                """
 import sys, time, torch, hindsight as hs
 store = hs.Store(sys.argv[1])
 h = store.save("blocked", {"w": torch.ones(10)})
@@ -111,8 +116,12 @@ try:  # from before "waiting": a late-scheduled child must not die at top level 
 except KeyboardInterrupt:
     print(f"interrupted after {time.monotonic() - t0:.2f}", flush=True)
 import os; os._exit(0)
-""", str(store_dir)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+""",
+                str(store_dir),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         assert p.stdout is not None
         assert p.stdout.readline().strip() == "waiting"

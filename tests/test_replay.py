@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +14,14 @@ import pytest
 from conftest import REPO, hindsight_cmd
 
 ARGS = ["--epochs", "5", "--batches", "6"]
-OUTER_PROBE = ('        sched.step()\n',
-               '        sched.step()\n        hs.log("weight_norm", sum(p.norm().item() ** 2 for p in net.parameters()) ** 0.5)\n')
-INNER_PROBE = ('            opt.step()\n',
-               '            hs.log("grad_norm", sum(p.grad.norm().item() ** 2 for p in net.parameters()) ** 0.5)\n            opt.step()\n')
+OUTER_PROBE = (
+    "        sched.step()\n",
+    '        sched.step()\n        hs.log("weight_norm", sum(p.norm().item() ** 2 for p in net.parameters()) ** 0.5)\n',
+)
+INNER_PROBE = (
+    "            opt.step()\n",
+    '            hs.log("grad_norm", sum(p.grad.norm().item() ** 2 for p in net.parameters()) ** 0.5)\n            opt.step()\n',
+)
 
 
 def make_project(root: Path, *edits: tuple[str, str]) -> Path:
@@ -45,14 +48,26 @@ def env_for(home: Path, **extra: str) -> dict[str, str]:
 
 
 def record(script: Path, home: Path, **env: str) -> None:
-    r = subprocess.run([sys.executable, str(script), *ARGS], env=env_for(home, **env), capture_output=True, text=True,
-                       timeout=300, cwd=script.parent)
+    r = subprocess.run(
+        [sys.executable, str(script), *ARGS],
+        env=env_for(home, **env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=script.parent,
+    )
     assert r.returncode == 0, r.stderr
 
 
 def replay(script: Path, home: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*hindsight_cmd(), "replay", str(script), "-q", *extra], env=env_for(home),
-                          capture_output=True, text=True, timeout=300, cwd=script.parent)
+    return subprocess.run(
+        [*hindsight_cmd(), "replay", str(script), "-q", *extra],
+        env=env_for(home),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=script.parent,
+    )
 
 
 def values(home: Path, *names: str) -> dict[tuple, dict[str, object]]:
@@ -62,8 +77,9 @@ def values(home: Path, *names: str) -> dict[tuple, dict[str, object]]:
         "df = hs.dataframe(*sys.argv[1:])\n"
         "print(df.drop(columns=['run']).to_json(orient='records'))\n"
     )
-    r = subprocess.run([sys.executable, "-c", code, *names], env=env_for(home), capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code, *names], env=env_for(home), capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     out: dict[tuple, dict[str, object]] = {}
     for row in json.loads(r.stdout):
@@ -102,6 +118,29 @@ def test_outer_loop_probe_replays_without_running_any_step(recorded, reference):
     assert len(epochs) == 5
     for ctx, v in epochs.items():
         assert got[ctx]["weight_norm"] == v["weight_norm"], ctx
+
+
+def test_home_given_before_the_subcommand(tmp_path, reference):
+    """`hindsight --home H replay ...` as with every other subcommand; nothing
+    in the environment or the working directory points at H."""
+    script = make_project(tmp_path / "proj")
+    home = tmp_path / "elsewhere" / "home"
+    record(script, home)
+    edit(script, OUTER_PROBE)
+    env = {k: v for k, v in os.environ.items() if k != "HINDSIGHT_HOME"}
+    r = subprocess.run(
+        [*hindsight_cmd(), "--home", str(home), "replay", str(script), "-q", "--strict"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "5 restored from checkpoints" in r.stdout
+    assert not (tmp_path / "proj" / ".hindsight").exists()  # nothing created where H is not
+    got, want = values(home, "weight_norm"), values(reference, "weight_norm")
+    assert {c: v for c, v in got.items() if "weight_norm" in v} == {c: v for c, v in want.items() if "weight_norm" in v}
 
 
 def test_inner_loop_probe_with_two_workers_matches_reference(recorded, reference):
@@ -145,7 +184,7 @@ def test_where_limits_the_replayed_iterations(recorded):
 
 def test_script_changed_beyond_logging_is_refused(recorded):
     script, home = recorded
-    edit(script, OUTER_PROBE, ("lr = hs.arg(\"lr\", 1e-2)", "lr = hs.arg(\"lr\", 1e-2) * 2"))
+    edit(script, OUTER_PROBE, ('lr = hs.arg("lr", 1e-2)', 'lr = hs.arg("lr", 1e-2) * 2'))
     r = replay(script, home)
     assert r.returncode == 1
     assert "changed since run" in r.stderr and "* 2" in r.stderr and "--force" in r.stderr
@@ -154,8 +193,14 @@ def test_script_changed_beyond_logging_is_refused(recorded):
 def test_nondeterministic_script_is_caught_by_the_divergence_check(recorded):
     script, home = recorded
     # Forced past the source check: the model now trains on noisy inputs.
-    edit(script, INNER_PROBE, ("loss = nn.functional.cross_entropy(net(x), y)",
-                               "loss = nn.functional.cross_entropy(net(x + 0.1 * torch.randn(x.shape)), y)"))
+    edit(
+        script,
+        INNER_PROBE,
+        (
+            "loss = nn.functional.cross_entropy(net(x), y)",
+            "loss = nn.functional.cross_entropy(net(x + 0.1 * torch.randn(x.shape)), y)",
+        ),
+    )
     r = replay(script, home, "--force", "--strict")
     assert r.returncode == 3, r.stdout + r.stderr
     assert "DIVERGENCE" in r.stderr and "first: loss at epoch=0, step=0" in r.stderr
@@ -172,9 +217,17 @@ def test_unknown_run_and_missing_script_are_clear_errors(recorded):
 def test_two_concurrent_recordings_in_one_project(tmp_path):
     script = make_project(tmp_path / "proj")
     home = tmp_path / "proj" / ".hindsight"
-    procs = [subprocess.Popen([sys.executable, str(script), *ARGS, "--seed", str(s)], env=env_for(home),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=script.parent)
-             for s in (1, 2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), *ARGS, "--seed", str(s)],
+            env=env_for(home),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=script.parent,
+        )
+        for s in (1, 2)
+    ]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err

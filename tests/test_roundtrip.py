@@ -11,11 +11,23 @@ import torch
 import hindsight as hs
 
 ALL_DTYPES = [
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.uint16, torch.uint32, torch.uint64,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64,
-    torch.complex64, torch.complex128,
-    torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
 ]
 
 
@@ -34,11 +46,16 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))) if a.numel() else True
 
 
-def trained_model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+def trained_model_and_optimizer() -> tuple[
+    torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler
+]:
     torch.manual_seed(0)
     net = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-        torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 10),
+        torch.nn.Conv2d(3, 8, 3),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 6 * 6, 10),
     )
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -79,7 +96,7 @@ def test_model_optimizer_scheduler_round_trip_bit_exact(store_dir):
         o.zero_grad()
         n(x).sum().backward()
         o.step()
-    for a, b in zip(net.state_dict().values(), net2.state_dict().values()):
+    for a, b in zip(net.state_dict().values(), net2.state_dict().values(), strict=True):
         assert same_bits(a, b)
 
 
@@ -100,10 +117,25 @@ def test_every_dtype_and_shape(store_dir, dtype):
 
 def test_plain_values_keep_their_types(store_dir):
     state = {
-        "none": None, "t": True, "f": False, "i": -7, "big": 2**100, "neg_big": -(2**70),
-        "nan": float("nan"), "inf": float("-inf"), "s": "héllo \u2603", "b": b"\x00\xff",
-        "ba": bytearray(b"abc"), "list": [1, [2, (3, "x")]], "tuple": (1, 2), "empty": {}, "el": [],
-        3: "int key", 2.5: "float key", None: "none key", (): (),
+        "none": None,
+        "t": True,
+        "f": False,
+        "i": -7,
+        "big": 2**100,
+        "neg_big": -(2**70),
+        "nan": float("nan"),
+        "inf": float("-inf"),
+        "s": "héllo \u2603",
+        "b": b"\x00\xff",
+        "ba": bytearray(b"abc"),
+        "list": [1, [2, (3, "x")]],
+        "tuple": (1, 2),
+        "empty": {},
+        "el": [],
+        3: "int key",
+        2.5: "float key",
+        None: "none key",
+        (): (),
     }
     store = hs.Store(store_dir)
     store.save("v", state).wait()

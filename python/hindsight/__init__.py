@@ -1,9 +1,9 @@
 """hindsight: cheap, crash-safe, deduplicated checkpoints for PyTorch training.
 
-    store = hindsight.Store("ckpts")
-    h = store.save("epoch-3", {"model": net.state_dict(), "optim": opt.state_dict()})
-    ...                      # training continues; h.wait() blocks until durable
-    state = store.load("epoch-3")
+store = hindsight.Store("ckpts")
+h = store.save("epoch-3", {"model": net.state_dict(), "optim": opt.state_dict()})
+...                      # training continues; h.wait() blocks until durable
+state = store.load("epoch-3")
 """
 
 from __future__ import annotations
@@ -32,30 +32,30 @@ from hindsight.errors import (
 )
 
 __all__ = [
-    "arg",
-    "log",
-    "loop",
-    "checkpointing",
-    "dataframe",
-    "run_id",
-    "Store",
-    "SaveHandle",
-    "HindsightError",
     "AbandonedError",
+    "CancelledError",
     "ConcurrentChangeError",
-    "InternalError",
-    "LeaseLostError",
-    "StoragePermissionError",
-    "StoreClosedError",
-    "NotFoundError",
     "CorruptError",
-    "UnsupportedTypeError",
+    "DatabaseError",
+    "HindsightError",
+    "InternalError",
     "InvalidArgumentError",
+    "LeaseLostError",
+    "NotFoundError",
+    "ReplayError",
+    "SaveHandle",
     "StorageError",
     "StorageFullError",
+    "StoragePermissionError",
+    "Store",
+    "StoreClosedError",
+    "UnsupportedTypeError",
     "WrongProcessError",
-    "CancelledError",
-    "DatabaseError",
-    "ReplayError",
+    "arg",
+    "checkpointing",
+    "dataframe",
+    "log",
+    "loop",
+    "run_id",
 ]
 __version__ = "0.1.0"

@@ -13,11 +13,10 @@ from hindsight.errors import NotFoundError
 def _db() -> Any:
     if _run._RUN is not None:
         return _run._RUN.db
-    home = _run.project_home(_run._script_path().parent)
-    path = home / "logs.db"
-    if not path.exists():
-        raise NotFoundError(f"no hindsight project at {home} (no logs.db); record a run first")
-    return _native.LogDb(str(path))
+    paths = _native.project_paths(str(_run._script_path().parent))
+    if not Path(paths.db).exists():
+        raise NotFoundError(f"no hindsight project at {paths.home} (no {Path(paths.db).name}); record a run first")
+    return _native.LogDb(str(paths.db))
 
 
 def dataframe(*names: str, run: str | list[str] | None = None) -> Any:

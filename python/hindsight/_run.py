@@ -21,8 +21,6 @@ import json
 import os
 import platform
 import queue
-import random
-import re
 import signal
 import socket
 import subprocess
@@ -34,8 +32,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hindsight import _native
-from hindsight.errors import InvalidArgumentError, ReplayError
+from hindsight import _native, _preemption
+from hindsight.errors import HindsightError, InvalidArgumentError, ReplayError
 
 T = TypeVar("T")
 
@@ -47,7 +45,6 @@ ENV_RUN_NAME = "HINDSIGHT_RUN_NAME"
 ENV_RESUME = "HINDSIGHT_RESUME"
 ENV_STORE = "HINDSIGHT_STORE"
 ENV_LOCAL_FIRST = "HINDSIGHT_LOCAL_FIRST"
-DEFAULT_EXIT_CODE = 85
 _INF = float("inf")
 
 
@@ -100,44 +97,21 @@ def _resumable(prev: dict[str, Any], explicit: bool) -> bool:
     return False
 
 
-def _checkpoint_exit_code() -> int:
-    """HTCondor's CheckpointExitCode from the job ad if present, else $HINDSIGHT_EXIT_CODE or 85."""
-    ad = os.environ.get("_CONDOR_JOB_AD")
-    if ad:
-        try:
-            m = re.search(r"^\s*CheckpointExitCode\s*=\s*(\d+)", Path(ad).read_text(), re.MULTILINE)
-            if m:
-                return int(m.group(1))
-        except OSError:
-            pass
-    return int(os.environ.get("HINDSIGHT_EXIT_CODE", DEFAULT_EXIT_CODE))
-
-
 def _advance(it: Iterator[Any], n: int) -> None:
     """Skip n items. For a single-process DataLoader, skip indices without loading the samples."""
     sampler_iter = getattr(it, "_sampler_iter", None)
     if sampler_iter is not None and getattr(it, "_num_workers", 1) == 0 and hasattr(it, "_num_yielded"):
         for _ in range(n):
             next(sampler_iter)
-        it._num_yielded += n  # type: ignore[attr-defined]
+        it._num_yielded += n
         return
     for _ in range(n):
         next(it)
+
+
 LOG_BATCH = 1024
 MAX_LOGGED_ELEMENTS = 10_000
 _SKIP_DIRS = {".git", ".hindsight", "__pycache__", "node_modules", "site-packages", ".venv", "venv", "build", "target"}
-
-
-def project_home(start: Path) -> Path:
-    """$HINDSIGHT_HOME, else <git root of start>/.hindsight, else <start>/.hindsight."""
-    env = os.environ.get(ENV_HOME)
-    if env:
-        return Path(env).resolve()
-    start = start.resolve()
-    for d in (start, *start.parents):
-        if (d / ".git").exists():
-            return d / ".hindsight"
-    return start / ".hindsight"
 
 
 def _script_path() -> Path:
@@ -153,8 +127,11 @@ def _snapshot_source(root: Path, script: Path) -> dict[str, str]:
     budget = 20 << 20
     candidates = [script] if script.exists() else []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")
-                       and not (Path(dirpath) / d / "pyvenv.cfg").exists()]
+        dirnames[:] = [
+            d
+            for d in dirnames
+            if d not in _SKIP_DIRS and not d.startswith(".") and not (Path(dirpath) / d / "pyvenv.cfg").exists()
+        ]
         candidates += [Path(dirpath) / f for f in filenames if f.endswith(".py")]
         if len(candidates) > 2000:
             break
@@ -180,9 +157,15 @@ def _git(root: Path) -> tuple[str | None, bool | None]:
     if not (root / ".git").exists():
         return None, None
     try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True, timeout=10)
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        status = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None, None
     if commit.returncode != 0:
@@ -198,8 +181,10 @@ def _to_json(value: Any, name: str, what: str = "hs.log") -> Any:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
         if value.numel() > MAX_LOGGED_ELEMENTS:
-            raise InvalidArgumentError(f"{what}({name!r}): tensor of {value.numel()} elements is too large to log "
-                                       f"(at most {MAX_LOGGED_ELEMENTS}); log a summary such as .norm()")
+            raise InvalidArgumentError(
+                f"{what}({name!r}): tensor of {value.numel()} elements is too large to log "
+                f"(at most {MAX_LOGGED_ELEMENTS}); log a summary such as .norm()"
+            )
         return value.detach().cpu().tolist()
     np = sys.modules.get("numpy")
     if np is not None:
@@ -213,8 +198,10 @@ def _to_json(value: Any, name: str, what: str = "hs.log") -> Any:
         return [_to_json(v, name, what) for v in value]
     if isinstance(value, dict):
         return {str(k): _to_json(v, name, what) for k, v in value.items()}
-    raise InvalidArgumentError(f"{what}({name!r}): cannot record a value of type {type(value).__qualname__}; "
-                               "use numbers, strings, bools, or small tensors/arrays")
+    raise InvalidArgumentError(
+        f"{what}({name!r}): cannot record a value of type {type(value).__qualname__}; "
+        "use numbers, strings, bools, or small tensors/arrays"
+    )
 
 
 def _parse_override(name: str, default: Any) -> tuple[bool, Any]:
@@ -226,7 +213,7 @@ def _parse_override(name: str, default: Any) -> tuple[bool, Any]:
         if a == flag and i + 1 < len(argv):
             raw = argv[i + 1]
         elif a.startswith(flag + "="):
-            raw = a[len(flag) + 1:]
+            raw = a[len(flag) + 1 :]
     if raw is None:
         return False, default
     try:
@@ -245,42 +232,15 @@ def _parse_override(name: str, default: Any) -> tuple[bool, Any]:
         raise InvalidArgumentError(f"argument --{name}: cannot read {raw!r} as {type(default).__name__}") from e
 
 
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate()}
-    np = sys.modules.get("numpy")
-    if np is not None:
-        state["numpy"] = np.random.get_state()
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        state["torch"] = torch.get_rng_state()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
-    if "torch" in state:
-        import torch
-
-        torch.set_rng_state(state["torch"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
-
-
 class Run:
     """The process's run. Created by the first hs.* call."""
 
     def __init__(self) -> None:
         self.script = _script_path()
-        self.home = project_home(self.script.parent)
+        self.paths = _native.project_paths(str(self.script.parent))
+        self.home = Path(self.paths.home)
         self.root = self.home.parent
-        self.home.mkdir(parents=True, exist_ok=True)
-        self.db = _native.LogDb(str(self.home / "logs.db"))
+        self.db = _native.LogDb(str(self.paths.db))  # creates the home durably if needed
         self._store: Any = None
         # Where checkpoints go: hs.checkpointing(store=, local_first=), else
         # $HINDSIGHT_STORE / $HINDSIGHT_LOCAL_FIRST, else <home>/store. Read at
@@ -294,7 +254,8 @@ class Run:
         self.log_queue: queue.Queue[Any] = queue.Queue()
         self.log_error: BaseException | None = None
         self.log_thread: threading.Thread | None = threading.Thread(
-            target=self._log_writer, name="hindsight-logs", daemon=True)
+            target=self._log_writer, name="hindsight-logs", daemon=True
+        )
         self.log_thread.start()
         self.stack: list[list[Any]] = []  # [loop name, index]
         self.objects: dict[str, Any] = {}
@@ -311,7 +272,7 @@ class Run:
         # Preemption: set by signal handlers, acted on at the next step boundary.
         self.stop_signal: int | None = None
         self.exit_code: int | None = None
-        self.requeue = os.environ.get("HINDSIGHT_SLURM_REQUEUE") == "1"
+        self.requeue = _preemption.requeue_default()
         self.safety_seconds: float | None = _env_float("HINDSIGHT_SAFETY_MINUTES", 60.0)
         self.last_checkpoint_time = time.monotonic()
         self.retention: dict[str, Any] = {}
@@ -361,9 +322,14 @@ class Run:
             files = _snapshot_source(self.root, self.script)
             source_hash = self.db.put_source(files)
             commit, dirty = _git(self.root)
-            versions = {"python": platform.python_version(), "hindsight": _package_version(),
-                        "argv": sys.argv[:], "cwd": os.getcwd(), "executable": sys.executable,
-                        "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
+            versions = {
+                "python": platform.python_version(),
+                "hindsight": _package_version(),
+                "argv": sys.argv[:],
+                "cwd": os.getcwd(),
+                "executable": sys.executable,
+                "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            }
             for mod in ("torch", "numpy"):
                 m = sys.modules.get(mod)
                 if m is not None:
@@ -373,8 +339,16 @@ class Run:
             except ValueError:
                 script_rel = str(self.script)
             self.run_id = self.db.create_run(
-                script_rel, str(self.script), str(self.root), source_hash, "{}", socket.gethostname(),
-                json.dumps(versions), commit, dirty, key,
+                script_rel,
+                str(self.script),
+                str(self.root),
+                source_hash,
+                "{}",
+                socket.gethostname(),
+                json.dumps(versions),
+                commit,
+                dirty,
+                key,
             )
         self._wrap_excepthook()
         self._install_signals()
@@ -382,9 +356,7 @@ class Run:
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        sigs = [signal.SIGTERM, signal.SIGUSR1]
-        if os.environ.get("HINDSIGHT_CATCH_SIGINT") == "1":
-            sigs.append(signal.SIGINT)
+        sigs = _preemption.signals(os.environ.get("HINDSIGHT_CATCH_SIGINT") == "1")
 
         def handler(signum: int, frame: Any) -> None:
             # Only a flag: the checkpoint is written on the training thread at
@@ -457,16 +429,7 @@ class Run:
             self._store.flush()
         self.db.set_status(self.run_id, "interrupted")
         self.finished = True
-        code = self.exit_code if self.exit_code is not None else _checkpoint_exit_code()
-        if self.requeue and os.environ.get("SLURM_JOB_ID"):
-            try:
-                subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], timeout=60, check=False)
-            except (OSError, subprocess.TimeoutExpired) as e:
-                print(f"hindsight: scontrol requeue failed: {e}", file=sys.stderr)
-        name = signal.Signals(sig).name if sig is not None else "signal"
-        print(f"hindsight: {name}: checkpointed run {self.run_id}; exiting with {code} to be rescheduled",
-              file=sys.stderr, flush=True)
-        raise SystemExit(code)
+        _preemption.leave(sig, f"run {self.run_id}", self.exit_code, requeue=self.requeue)
 
     def apply_retention(self, final: bool = False) -> None:
         if self.mode != "record" or not self.retention or self._store is None:
@@ -499,8 +462,11 @@ class Run:
         self.resume_pending = False
         self.resume = self._latest_checkpoint()
         where = "the start" if self.resume is None else f"checkpoint {self.resume['name']}"
-        print(f"hindsight: run {self.run_id} continues from {where} (store {self.store.path})",
-              file=sys.stderr, flush=True)
+        print(
+            f"hindsight: run {self.run_id} continues from {where} (store {self.store.path})",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def set_store(self, location: str | os.PathLike[str] | None, local_first: str | os.PathLike[str] | None) -> None:
         """hs.checkpointing(store=..., local_first=...): only before the store is first used."""
@@ -508,11 +474,15 @@ class Run:
         local = None if local_first is None else _normalize_store(local_first, "local_first")
         if local is not None and local.startswith("s3://"):
             raise InvalidArgumentError(f"hs.checkpointing(local_first={local_first!r}): must be a local directory")
-        if self._store is not None and (loc, local) != (self.store_location, self.local_first) and (
-                loc is not None or local is not None):
+        if (
+            self._store is not None
+            and (loc, local) != (self.store_location, self.local_first)
+            and (loc is not None or local is not None)
+        ):
             raise InvalidArgumentError(
                 f"hs.checkpointing(store={location!r}): this run already uses the store {self._store.path}; "
-                "give store= at the first hs.checkpointing of the script")
+                "give store= at the first hs.checkpointing of the script"
+            )
         if loc is not None:
             self.store_location = loc
         if local is not None:
@@ -523,15 +493,18 @@ class Run:
         if self._store is None:
             from hindsight._store import Store
 
-            default = str(self.home / "store")
+            default = str(self.paths.store)
             env = os.environ.get(ENV_STORE) or None
             configured = self.store_location or (None if env is None else _normalize_store(env, ENV_STORE))
             if self.mode == "replay" or self.recorded_store:
                 # Replay and resume read where the run wrote.
                 location = self.recorded_store or default
                 if configured is not None and configured != location and self.mode == "record":
-                    print(f"hindsight: resuming in the run's store {location} (not {configured})",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"hindsight: resuming in the run's store {location} (not {configured})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             else:
                 location = configured or default
             local = self.local_first
@@ -719,7 +692,7 @@ class Run:
                 self.resume = None
                 it, start = self._resume_steps(iterable, resume)
             else:
-                self.block_rng = rng_state()  # before iter(): a DataLoader draws its order here
+                self.block_rng = _preemption.rng_state()  # before iter(): a DataLoader draws its order here
                 it = iter(iterable)
             for j, x in enumerate(it, start):
                 entry[1] = j
@@ -749,11 +722,11 @@ class Run:
         else:
             # Re-create the epoch's order from the RNG state it was drawn from,
             # then step over what was consumed before the interruption.
-            set_rng_state(state["block_rng"])
+            _preemption.set_rng_state(state["block_rng"])
             self.block_rng = state["block_rng"]
             it = iter(iterable)
             _advance(it, done)
-        set_rng_state(state["rng"])
+        _preemption.set_rng_state(state["rng"])
         return it, done
 
     # -- checkpoints -------------------------------------------------------------
@@ -783,8 +756,14 @@ class Run:
 
     def _end_iteration(self, i: int) -> None:
         if self.mode == "record":
-            self.db.record_iteration(self.run_id, self.outer_name, i, time.perf_counter() - self.iter_start,
-                                     self.iter_checkpoint, self.iter_materialize)
+            self.db.record_iteration(
+                self.run_id,
+                self.outer_name or "",
+                i,
+                time.perf_counter() - self.iter_start,
+                self.iter_checkpoint,
+                self.iter_materialize,
+            )
             if self.retention and self.iter_checkpoint is not None:
                 self.flush_logs()
                 self.apply_retention()
@@ -799,14 +778,14 @@ class Run:
         objs: dict[str, Any] = {}
         for key, obj in self.objects.items():
             objs[key] = obj.state_dict() if hasattr(obj, "state_dict") else obj
-        return {"objects": objs, "rng": rng_state(), "loop": [(e[0], e[1]) for e in self.stack]}
+        return {"objects": objs, "rng": _preemption.rng_state(), "loop": [(e[0], e[1]) for e in self.stack]}
 
     def _apply_objects(self, state: dict[str, Any], name: str) -> None:
         apply_state(self.objects, state["objects"], name)
 
     def _apply(self, state: dict[str, Any], name: str) -> None:
         self._apply_objects(state, name)
-        set_rng_state(state["rng"])
+        _preemption.set_rng_state(state["rng"])
 
     def _restore(self, i: int) -> None:
         name = self.checkpoints.get(i)
@@ -817,14 +796,14 @@ class Run:
         self.blocks_restored += 1
         try:
             self.db.set_restore_seconds(self.run_id, self.outer_name or "", i, time.perf_counter() - t0)
-        except Exception:  # noqa: BLE001 - bookkeeping only; never fail a replay for it
-            pass
+        except HindsightError as e:  # bookkeeping only: say so, but never fail a replay for it
+            print(f"hindsight: could not record the restore time of {name}: {e}", file=sys.stderr)
 
 
 def _tensor_bytes(tree: Any) -> int:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
+        return int(tree.numel() * tree.element_size())
     if isinstance(tree, dict):
         return sum(_tensor_bytes(v) for v in tree.values())
     if isinstance(tree, (list, tuple)):
@@ -836,8 +815,10 @@ def apply_state(objects: dict[str, Any], saved: dict[str, Any], checkpoint: str)
     """Put saved state back into the live objects given to hs.checkpointing."""
     missing = set(objects) - set(saved)
     if missing:
-        raise ReplayError(f"checkpoint '{checkpoint}' has no state for {sorted(missing)}; "
-                          "hs.checkpointing(...) must name the same objects as when it was recorded")
+        raise ReplayError(
+            f"checkpoint '{checkpoint}' has no state for {sorted(missing)}; "
+            "hs.checkpointing(...) must name the same objects as when it was recorded"
+        )
     import torch
 
     for key, obj in objects.items():
@@ -879,7 +860,8 @@ os.register_at_fork(after_in_child=_after_fork)
 def arg(name: str, default: T) -> T:
     """A recorded hyper-parameter; `--name value` on the command line overrides the default.
     During replay it returns the recorded value."""
-    return current().arg(name, default)
+    value: T = current().arg(name, default)
+    return value
 
 
 def log(name: str, value: T) -> T:
@@ -949,8 +931,10 @@ def checkpointing(
     for key, obj in objects.items():
         torch = sys.modules.get("torch")
         if not hasattr(obj, "state_dict") and not (torch is not None and isinstance(obj, torch.Tensor)):
-            raise InvalidArgumentError(f"hs.checkpointing({key}=...): {type(obj).__qualname__} has neither "
-                                       "state_dict/load_state_dict nor is a tensor")
+            raise InvalidArgumentError(
+                f"hs.checkpointing({key}=...): {type(obj).__qualname__} has neither "
+                "state_dict/load_state_dict nor is a tensor"
+            )
     run = current()
     run.set_store(store, local_first)
     run.objects.update(objects)
@@ -962,8 +946,13 @@ def checkpointing(
         run.exit_code = exit_code
     if requeue is not None:
         run.requeue = requeue
-    policy = {"keep_last": keep_last, "keep_best": keep_best, "best_metric": best_metric,
-              "best_mode": best_mode, "keep_every": keep_every}
+    policy = {
+        "keep_last": keep_last,
+        "keep_best": keep_best,
+        "best_metric": best_metric,
+        "best_mode": best_mode,
+        "keep_every": keep_every,
+    }
     if any(v is not None for k, v in policy.items() if k != "best_mode"):
         run.retention = policy
     try:
@@ -976,4 +965,4 @@ def checkpointing(
 
 
 def run_id() -> str:
-    return current().run_id
+    return str(current().run_id)

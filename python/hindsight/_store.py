@@ -4,15 +4,16 @@ here; bytes, hashing, threads and files are the Rust engine's (`_native`)."""
 from __future__ import annotations
 
 import atexit
+import builtins
 import os
 import pickle
 import sys
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hindsight import _native
-from hindsight._native import SaveHandle
+from hindsight._native import SaveHandle as SaveHandle
 from hindsight._staging import device_fingerprint
 from hindsight.errors import HindsightError, UnsupportedTypeError, WrongProcessError, about
 
@@ -68,7 +69,13 @@ class Store:
         local_first: str | os.PathLike[str] | None = None,
     ) -> None:
         self._native = _native.Store(
-            os.fspath(path), create, compression, zstd_level, chunk_size, staging_bytes, threads,
+            os.fspath(path),
+            create,
+            compression,
+            zstd_level,
+            chunk_size,
+            staging_bytes,
+            threads,
             None if local_first is None else os.fspath(local_first),
         )
         self._pid = os.getpid()
@@ -174,18 +181,24 @@ class Store:
                 return ("value", obj.item())
         if allow_pickle:
             return ("pickle", pickle.dumps(obj, protocol=5))
-        raise about(UnsupportedTypeError(
-            f"unsupported type {_type_name(obj)} at key '{key}': hindsight stores dict, list, tuple, "
-            "str, int, float, bool, None, bytes, torch tensors and numpy arrays; pass "
-            "allow_pickle=True to pickle other objects (loading them then executes code)"
-        ), key_path=key)
+        raise about(
+            UnsupportedTypeError(
+                f"unsupported type {_type_name(obj)} at key '{key}': hindsight stores dict, list, tuple, "
+                "str, int, float, bool, None, bytes, torch tensors and numpy arrays; pass "
+                "allow_pickle=True to pickle other objects (loading them then executes code)"
+            ),
+            key_path=key,
+        )
 
     def _describe_tensor(self, torch: Any, t: Any, key: str) -> tuple[Any, ...]:
         if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
-            raise about(UnsupportedTypeError(
-                f"unsupported tensor at key '{key}': layout {t.layout}, device {t.device.type}, "
-                f"quantized={t.is_quantized}; convert it to a dense tensor first"
-            ), key_path=key)
+            raise about(
+                UnsupportedTypeError(
+                    f"unsupported tensor at key '{key}': layout {t.layout}, device {t.device.type}, "
+                    f"quantized={t.is_quantized}; convert it to a dense tensor first"
+                ),
+                key_path=key,
+            )
         t = t.detach()
         if t.is_conj():
             t = t.resolve_conj()
@@ -253,20 +266,24 @@ class Store:
 
         def unpickle(data: bytes, key: str) -> Any:
             if not allow_pickle:
-                raise about(UnsupportedTypeError(
-                    f"checkpoint '{name}' holds a pickled object at key '{key}'; unpickling runs code "
-                    "from the file, so pass allow_pickle=True only for a store you trust"
-                ), checkpoint=name, key_path=key)
+                raise about(
+                    UnsupportedTypeError(
+                        f"checkpoint '{name}' holds a pickled object at key '{key}'; unpickling runs code "
+                        "from the file, so pass allow_pickle=True only for a store you trust"
+                    ),
+                    checkpoint=name,
+                    key_path=key,
+                )
             return pickle.loads(data)
 
         return self._native.load(name, make_array, unpickle, keys, threads)
 
     # -- housekeeping ---------------------------------------------------------
-    def list(self) -> list[str]:
+    def list(self) -> builtins.list[str]:
         """Names of the committed checkpoints, sorted."""
         return self._native.list()
 
-    def checkpoints(self, prefix: str) -> list[_native.CheckpointId]:
+    def checkpoints(self, prefix: str) -> builtins.list[_native.CheckpointId]:
         """The checkpoints named ``<prefix>.<loop>-<index>[...]`` (as the training
         API and the Lightning callback name them), oldest first in resume order."""
         return self._native.checkpoints(prefix)
@@ -281,7 +298,7 @@ class Store:
         keep_every: int | None = None,
         metrics: Mapping[int, float] | None = None,
         monitor: str | None = None,
-    ) -> list[str]:
+    ) -> builtins.list[str]:
         """Remove the checkpoints of ``prefix`` that the policy does not keep;
         returns their names. The policies combine as a union and the newest
         checkpoint always stays; interim (mid-iteration) checkpoints go once a
@@ -289,8 +306,13 @@ class Store:
         (outer index -> value) or by the metric saved in each checkpoint's
         metadata under ``monitor``."""
         return self._native.apply_retention(
-            prefix, keep_last, keep_best, best_mode, keep_every,
-            None if metrics is None else dict(metrics), monitor,
+            prefix,
+            keep_last,
+            keep_best,
+            best_mode,
+            keep_every,
+            None if metrics is None else dict(metrics),
+            monitor,
         )
 
     def info(self, name: str) -> dict[str, Any]:
@@ -306,7 +328,7 @@ class Store:
     def remove(self, name: str) -> None:
         self._native.remove(name)
 
-    def verify(self, names: Sequence[str] | None = None) -> list[str]:
+    def verify(self, names: Sequence[str] | None = None) -> builtins.list[str]:
         """Check every byte of the named checkpoints (default all); returns problems."""
         return self._native.verify(list(names) if names is not None else None)[1]
 
@@ -340,10 +362,10 @@ def _make_array(
     if lib == "numpy":
         import numpy as np
 
-        dt = np.dtype(dtype)
+        np_dt = np.dtype(dtype)
         if len(buf) == 0:
-            return np.empty(shape, dtype=dt)
-        return np.frombuffer(buf, dtype=dt).reshape(shape)
+            return np.empty(shape, dtype=np_dt)
+        return np.frombuffer(buf, dtype=np_dt).reshape(shape)
     import torch
 
     dt = getattr(torch, dtype, None)

@@ -6,14 +6,39 @@ import sys
 
 from hindsight import _native
 
+# Options of the Rust command that may come before the subcommand, and
+# whether they take a value.
+_GLOBAL_OPTIONS = {"--home": True, "--store": True, "-s": True}
+
+
+def _split_global(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """({option: value} given before the subcommand, the subcommand and the rest)."""
+    options: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        if name not in _GLOBAL_OPTIONS:
+            break
+        if not eq and i + 1 < len(argv):
+            value = argv[i + 1]
+            i += 1
+        options[name] = value
+        i += 1
+    return options, argv[i:]
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "replay":
-        # Replay runs Python workers: it lives in the Python package.
+    options, rest = _split_global(argv)
+    if rest and rest[0] == "replay":
+        # Replay runs Python workers: it lives in the Python package. It
+        # takes --home like every subcommand, before or after its name.
         from hindsight.replay import main as replay_main
 
-        return replay_main(argv[1:])
+        if "--store" in options or "-s" in options:
+            sys.stderr.write("hindsight replay: --store is ignored (a run replays from the store it recorded)\n")
+        home = ["--home", options["--home"]] if "--home" in options else []
+        return replay_main([*rest[1:], *home])
     args = ["hindsight", *argv]
     code, out, err = _native.run_cli(args)
     sys.stdout.write(out)

@@ -89,29 +89,35 @@ class InternalError(HindsightError):
 E = TypeVar("E", bound=HindsightError)
 
 
-def about(error: E, *, path: str | None = None, checkpoint: str | None = None, key_path: str | None = None,
-          arg: str | None = None) -> E:
+def about(
+    error: E,
+    *,
+    path: str | None = None,
+    checkpoint: str | None = None,
+    key_path: str | None = None,
+    arg: str | None = None,
+) -> E:
     """``error`` with the attributes the engine's errors carry (for errors raised in Python)."""
     error.path, error.checkpoint, error.key_path, error.arg = path, checkpoint, key_path, arg
     return error
 
 
 __all__ = [
-    "HindsightError",
-    "NotFoundError",
+    "AbandonedError",
+    "CancelledError",
+    "ConcurrentChangeError",
     "CorruptError",
-    "UnsupportedTypeError",
+    "DatabaseError",
+    "HindsightError",
+    "InternalError",
     "InvalidArgumentError",
+    "LeaseLostError",
+    "NotFoundError",
+    "ReplayError",
     "StorageError",
     "StorageFullError",
-    "WrongProcessError",
-    "CancelledError",
-    "StoreClosedError",
-    "AbandonedError",
-    "InternalError",
     "StoragePermissionError",
-    "ConcurrentChangeError",
-    "LeaseLostError",
-    "DatabaseError",
-    "ReplayError",
+    "StoreClosedError",
+    "UnsupportedTypeError",
+    "WrongProcessError",
 ]

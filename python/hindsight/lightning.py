@@ -98,17 +98,15 @@ from __future__ import annotations
 import collections
 import importlib
 import os
-import random
 import re
 import signal
-import subprocess
 import sys
 import threading
 import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from hindsight import _native
+from hindsight import _native, _preemption
 from hindsight._store import Store
 from hindsight.errors import InvalidArgumentError, NotFoundError, UnsupportedTypeError
 
@@ -120,10 +118,10 @@ _METADATA_KEY = "hindsight_state_dict_metadata"
 _PATH_RE = re.compile(r"^hindsight:/{1,2}(?P<name>[^/]+)$")
 
 __all__ = [
-    "Entry",
-    "HindsightCheckpoint",
-    "HindsightCheckpointIO",
     "SCHEME",
+    "Entry",
+    "HindsightCheckpoint",  # noqa: F822 - built on first access (module __getattr__)
+    "HindsightCheckpointIO",  # noqa: F822 - built on first access (module __getattr__)
     "checkpoints",
     "latest",
     "latest_path",
@@ -250,7 +248,9 @@ def latest(store: Store | str | os.PathLike[str], prefix: str = DEFAULT_PREFIX, 
             s.close()
 
 
-def latest_path(store: Store | str | os.PathLike[str], prefix: str = DEFAULT_PREFIX, *, verify: bool = False) -> str | None:
+def latest_path(
+    store: Store | str | os.PathLike[str], prefix: str = DEFAULT_PREFIX, *, verify: bool = False
+) -> str | None:
     """``"hindsight://<newest checkpoint>"`` for ``Trainer.fit(ckpt_path=...)``, or None (start afresh)."""
     name = latest(store, prefix, verify=verify)
     return None if name is None else SCHEME + name
@@ -322,34 +322,6 @@ def load(
 
 
 # -- the RNG states -----------------------------------------------------------------
-def _rng_state() -> dict[str, Any]:
-    import torch
-
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    np = sys.modules.get("numpy")
-    if np is not None:
-        state["numpy"] = np.random.get_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    import torch
-
-    if "python" in state:
-        v = state["python"]
-        random.setstate((v[0], tuple(v[1]), v[2]))
-    if "torch" in state:
-        torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(tuple(state["numpy"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(state["cuda"]))
-
-
 # -- what the store holds without pickling ------------------------------------------------------
 _KEY_TYPES = (str, int, float, bool, type(None))
 
@@ -403,8 +375,9 @@ def _build() -> None:
         :class:`HindsightCheckpoint` installs one by itself.
         """
 
-        def __init__(self, store: Store | str | os.PathLike[str], *, fallback: Any = None,
-                     allow_pickle: bool = False) -> None:
+        def __init__(
+            self, store: Store | str | os.PathLike[str], *, fallback: Any = None, allow_pickle: bool = False
+        ) -> None:
             super().__init__()
             self._store = store if isinstance(store, Store) else None
             self._store_path = store.path if isinstance(store, Store) else os.fspath(store)
@@ -425,27 +398,32 @@ def _build() -> None:
         def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
             name = _name_of(path)
             if name is None:
-                return self._fallback().save_checkpoint(checkpoint, path, storage_options=storage_options)
+                self._fallback().save_checkpoint(checkpoint, path, storage_options=storage_options)
+                return
             meta = storage_options if isinstance(storage_options, Mapping) else None
             self.store.save(name, _pack(checkpoint), meta=meta, allow_pickle=self.allow_pickle)
             return None
 
-        def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None,
-                            **kwargs: Any) -> dict[str, Any]:
+        def load_checkpoint(
+            self, path: Any, map_location: Any = None, weights_only: bool | None = None, **kwargs: Any
+        ) -> dict[str, Any]:
             name = _name_of(path)
             if name is None:
                 if weights_only is not None:
                     kwargs["weights_only"] = weights_only
-                return self._fallback().load_checkpoint(path, map_location=map_location, **kwargs)
+                loaded: dict[str, Any] = self._fallback().load_checkpoint(path, map_location=map_location, **kwargs)
+                return loaded
             # weights_only: a hindsight checkpoint never runs code when loaded
             # unless allow_pickle=True was chosen for this store.
-            return _unpack(self.store.load(name, map_location=_map_location(map_location),
-                                           allow_pickle=self.allow_pickle))
+            return _unpack(
+                self.store.load(name, map_location=_map_location(map_location), allow_pickle=self.allow_pickle)
+            )
 
         def remove_checkpoint(self, path: Any) -> None:
             name = _name_of(path)
             if name is None:
-                return self._fallback().remove_checkpoint(path)
+                self._fallback().remove_checkpoint(path)
+                return
             self.store.remove(name)
             return None
 
@@ -487,8 +465,13 @@ def _build() -> None:
         ) -> None:
             super().__init__()
             self.prefix = _check_prefix(prefix)
-            for arg, v in (("every_n_epochs", every_n_epochs), ("every_n_train_steps", every_n_train_steps),
-                           ("keep_last", keep_last), ("keep_best", keep_best), ("keep_every", keep_every)):
+            for arg, v in (
+                ("every_n_epochs", every_n_epochs),
+                ("every_n_train_steps", every_n_train_steps),
+                ("keep_last", keep_last),
+                ("keep_best", keep_best),
+                ("keep_every", keep_every),
+            ):
                 if v is not None and (not isinstance(v, int) or v < 1):
                     raise InvalidArgumentError(f"HindsightCheckpoint({arg}={v!r}): must be an int of at least 1")
             if keep_best is not None and not monitor:
@@ -505,7 +488,7 @@ def _build() -> None:
             self.mode = mode
             self.keep_every = keep_every
             self.exit_code = exit_code
-            self.requeue = requeue if requeue is not None else os.environ.get("HINDSIGHT_SLURM_REQUEUE") == "1"
+            self.requeue = requeue if requeue is not None else _preemption.requeue_default()
             self.catch_sigint = catch_sigint
             self.allow_pickle = allow_pickle
             self.restore_rng = restore_rng
@@ -524,7 +507,7 @@ def _build() -> None:
 
         @property
         def state_key(self) -> str:
-            return self._generate_state_key(prefix=self.prefix)
+            return str(self._generate_state_key(prefix=self.prefix))
 
         def __getstate__(self) -> dict[str, Any]:
             state = self.__dict__.copy()
@@ -543,10 +526,7 @@ def _build() -> None:
 
         # -- signals -------------------------------------------------------------------
         def _signals(self) -> list[int]:
-            sigs = [signal.SIGTERM, signal.SIGUSR1]
-            if self.catch_sigint:
-                sigs.append(signal.SIGINT)
-            return sigs
+            return _preemption.signals(self.catch_sigint)
 
         def _on_signal(self, signum: int, frame: Any) -> None:
             # Only a flag: the checkpoint is written on the training thread at the
@@ -602,30 +582,27 @@ def _build() -> None:
             return stop
 
         def _exit(self, trainer: Any) -> None:
-            code = self.exit_code if self.exit_code is not None else _checkpoint_exit_code()
-            if trainer.is_global_zero and self.requeue and os.environ.get("SLURM_JOB_ID"):
-                try:
-                    subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], timeout=60, check=False)
-                except (OSError, subprocess.TimeoutExpired) as e:
-                    print(f"hindsight: scontrol requeue failed: {e}", file=sys.stderr)
-            sig = self.stop_signal
-            what = signal.Signals(sig).name if sig is not None else "signal"
-            if trainer.is_global_zero:
-                print(f"hindsight: {what}: checkpointed {self.last_saved}; exiting with {code} to be rescheduled",
-                      file=sys.stderr, flush=True)
             self._restore_signals(trainer)
-            sys.exit(code)
+            zero = bool(trainer.is_global_zero)  # one rank requeues and speaks for all
+            _preemption.leave(
+                self.stop_signal, str(self.last_saved), self.exit_code, requeue=self.requeue and zero, announce=zero
+            )
 
         # -- saving -----------------------------------------------------------------------
         def _save(self, trainer: Any, end: bool, wait: bool) -> None:
             epoch = trainer.current_epoch
             step = trainer.global_step
-            name = _native.CheckpointId(self.prefix, "epoch", epoch, "block" if end else "step",
-                                        None if end else step).name
+            name = _native.CheckpointId(
+                self.prefix, "epoch", epoch, "block" if end else "step", None if end else step
+            ).name
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             if trainer.is_global_zero:
-                meta: dict[str, object] = {"lightning": pl.__version__, "epoch": epoch, "global_step": step,
-                                           "kind": "epoch" if end else "step"}
+                meta: dict[str, object] = {
+                    "lightning": pl.__version__,
+                    "epoch": epoch,
+                    "global_step": step,
+                    "kind": "epoch" if end else "step",
+                }
                 metric = self._metric(trainer) if end else None
                 if metric is not None:
                     meta["monitor"] = self.monitor
@@ -636,7 +613,8 @@ def _build() -> None:
                     raise UnsupportedTypeError(
                         f"{e}. HindsightCheckpoint stores the Lightning checkpoint without pickling; make this "
                         "value a plain type, or pass HindsightCheckpoint(..., allow_pickle=True) if the store is "
-                        "trusted (loading then unpickles it)") from e
+                        "trusted (loading then unpickles it)"
+                    ) from e
                 self.last_saved = name
                 self._last_step_saved = step
                 if wait:
@@ -656,9 +634,11 @@ def _build() -> None:
             if value is None:
                 if self.keep_best is not None and not getattr(self, "_warned_monitor", False):
                     self._warned_monitor = True
-                    warnings.warn(f"HindsightCheckpoint: monitor {self.monitor!r} is not among the logged metrics "
-                                  f"at epoch end ({sorted(trainer.callback_metrics)}); keep_best ignores those epochs",
-                                  stacklevel=2)
+                    warnings.warn(
+                        f"HindsightCheckpoint: monitor {self.monitor!r} is not among the logged metrics "
+                        f"at epoch end ({sorted(trainer.callback_metrics)}); keep_best ignores those epochs",
+                        stacklevel=2,
+                    )
                 return None
             try:
                 return float(value)
@@ -668,9 +648,14 @@ def _build() -> None:
         def _apply_retention(self, final: bool = False) -> None:
             if self.keep_last is None and self.keep_best is None and self.keep_every is None:
                 return
-            self.store.apply_retention(self.prefix, keep_last=self.keep_last, keep_best=self.keep_best,
-                                       best_mode=self.mode, keep_every=self.keep_every,
-                                       monitor=self.monitor if self.keep_best else None)
+            self.store.apply_retention(
+                self.prefix,
+                keep_last=self.keep_last,
+                keep_best=self.keep_best,
+                best_mode=self.mode,
+                keep_every=self.keep_every,
+                monitor=self.monitor if self.keep_best else None,
+            )
 
         # -- Lightning hooks -------------------------------------------------------------------
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -694,7 +679,8 @@ def _build() -> None:
                                 f"HindsightCheckpoint: the {owner}'s hyper-parameter at {bad} cannot be stored "
                                 "without pickling; save plain values (str, int, float, bool, None, lists, dicts, "
                                 "tensors) with save_hyperparameters, or pass HindsightCheckpoint(..., "
-                                "allow_pickle=True) if the store is trusted (loading then unpickles it)")
+                                "allow_pickle=True) if the store is trusted (loading then unpickles it)"
+                            )
             self.stop_signal = None
             self._active = True
             self._last_step_saved = trainer.global_step
@@ -740,27 +726,21 @@ def _build() -> None:
             # which stops with SystemExit(None) (status 0): nothing was trained
             # since the last checkpoint, but the batch system must reschedule.
             if self.stop_signal is not None and isinstance(exception, SystemExit) and not exception.code:
-                exception.code = self.exit_code if self.exit_code is not None else _checkpoint_exit_code()
+                exception.code = _preemption.exit_code(self.exit_code)
 
         def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
             self._restore_signals(trainer)
 
         def state_dict(self) -> dict[str, Any]:
-            return {"prefix": self.prefix, "rng": _rng_state() if self.restore_rng else None}
+            return {"prefix": self.prefix, "rng": _preemption.rng_state() if self.restore_rng else None}
 
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
             rng = state_dict.get("rng")
             if self.restore_rng and rng:
-                _set_rng_state(rng)
+                _preemption.set_rng_state(rng)
 
     for cls in (HindsightCheckpointIO, HindsightCheckpoint):
         cls.__module__ = __name__
         cls.__qualname__ = cls.__name__
     _CLASSES["HindsightCheckpointIO"] = HindsightCheckpointIO
     _CLASSES["HindsightCheckpoint"] = HindsightCheckpoint
-
-
-def _checkpoint_exit_code() -> int:
-    from hindsight._run import _checkpoint_exit_code as code
-
-    return code()

@@ -26,7 +26,7 @@ from typing import Any
 
 from hindsight import _native
 from hindsight._analysis import Analysis, analyze
-from hindsight._run import ENV_HOME, ENV_REPLAY, project_home
+from hindsight._run import ENV_HOME, ENV_REPLAY
 from hindsight.errors import HindsightError, NotFoundError, ReplayError
 
 
@@ -35,16 +35,42 @@ def _where(expr: str | None, loop: str) -> Any:
     if not expr:
         return lambda i: True
     tree = ast.parse(expr, mode="eval")
-    allowed = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub, ast.Compare,
-               ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In, ast.NotIn, ast.BinOp, ast.Mod,
-               ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Name, ast.Load, ast.Constant, ast.Tuple, ast.List)
+    allowed = (
+        ast.Expression,
+        ast.BoolOp,
+        ast.And,
+        ast.Or,
+        ast.UnaryOp,
+        ast.Not,
+        ast.USub,
+        ast.Compare,
+        ast.Eq,
+        ast.NotEq,
+        ast.Lt,
+        ast.LtE,
+        ast.Gt,
+        ast.GtE,
+        ast.In,
+        ast.NotIn,
+        ast.BinOp,
+        ast.Mod,
+        ast.Add,
+        ast.Sub,
+        ast.Mult,
+        ast.FloorDiv,
+        ast.Name,
+        ast.Load,
+        ast.Constant,
+        ast.Tuple,
+        ast.List,
+    )
     for node in ast.walk(tree):
         if not isinstance(node, allowed):
             raise ReplayError(f"--where {expr!r}: only comparisons and arithmetic on '{loop}' are allowed")
         if isinstance(node, ast.Name) and node.id != loop:
             raise ReplayError(f"--where {expr!r}: unknown name '{node.id}' (the outer loop is '{loop}')")
     code = compile(tree, "<--where>", "eval")
-    return lambda i: bool(eval(code, {"__builtins__": {}}, {loop: i}))  # noqa: S307 - validated above
+    return lambda i: bool(eval(code, {"__builtins__": {}}, {loop: i}))
 
 
 @dataclass
@@ -73,8 +99,9 @@ def _progress(workers: list[Worker], total: int, start: float, final: bool = Fal
     sys.stderr.flush()
 
 
-def plan_run(db: Any, store_names: set[str], run: dict[str, Any], analysis: Analysis, jobs: int,
-             where: str | None) -> tuple[str, list[dict[int, str]], dict[int, str]]:
+def plan_run(
+    db: Any, store_names: set[str], run: dict[str, Any], analysis: Analysis, jobs: int, where: str | None
+) -> tuple[str, list[dict[int, str]], dict[int, str]]:
     outer = analysis.outer_loops[0] if analysis.outer_loops else None
     if outer is None:
         raise ReplayError("the script has no hs.loop: nothing to replay")
@@ -97,6 +124,7 @@ def plan_run(db: Any, store_names: set[str], run: dict[str, Any], analysis: Anal
     if analysis.needs_inner_execution:
         segs = _native.plan_segments(n, times, has_ck, selected, max(1, jobs))
         by_worker: dict[int, dict[int, str]] = {}
+        modes: dict[int, str]
         for worker, start, end, restore_from, gap_start, gap_end, _est in segs:
             modes = by_worker.setdefault(worker, {})
             if restore_from is not None:
@@ -108,7 +136,7 @@ def plan_run(db: Any, store_names: set[str], run: dict[str, Any], analysis: Anal
         per_worker = [by_worker[w] for w in sorted(by_worker)]
         kind = "parallel"
     else:
-        modes: dict[int, str] = {}
+        modes = {}
         for i, (mode, restore_from) in enumerate(_native.plan_partial(n, has_ck, selected)):
             if mode == "skip":
                 continue
@@ -120,8 +148,10 @@ def plan_run(db: Any, store_names: set[str], run: dict[str, Any], analysis: Anal
     for modes in per_worker:
         for i, m in modes.items():
             if m == "restore" and i not in checkpoints:
-                raise ReplayError(f"iteration {outer}={i} needs checkpoint of run {run['id']} that is not in the "
-                                  f"store (removed?); replay an earlier range with --where or re-record")
+                raise ReplayError(
+                    f"iteration {outer}={i} needs checkpoint of run {run['id']} that is not in the "
+                    f"store (removed?); replay an earlier range with --where or re-record"
+                )
     return kind, per_worker, checkpoints
 
 
@@ -129,10 +159,10 @@ def replay(args: argparse.Namespace) -> int:
     script = Path(args.script).resolve()
     if not script.exists():
         raise NotFoundError(f"script not found: {args.script}")
-    home = Path(args.home).resolve() if args.home else project_home(script.parent)
-    db_path = home / "logs.db"
+    paths = _native.project_paths(str(script.parent), str(Path(args.home).resolve()) if args.home else None)
+    home, db_path = Path(paths.home), Path(paths.db)
     if not db_path.exists():
-        raise NotFoundError(f"no hindsight project at {home} (no logs.db): record a run of {args.script} first")
+        raise NotFoundError(f"no hindsight project at {home} (no {db_path.name}): record a run of {args.script} first")
     db = _native.LogDb(str(db_path))
     if args.run:
         runs = [db.run(r) for r in args.run]
@@ -141,22 +171,27 @@ def replay(args: argparse.Namespace) -> int:
         if latest is None:
             raise NotFoundError(f"no recorded run of {script} in {home}")
         runs = [latest]
-    from hindsight._store import Store
-
     current = script.read_text()
     status = 0
     names_at: dict[str, set[str]] = {}
     for run in runs:
         # Each run's checkpoints are where it wrote them (recorded in logs.db).
-        location = run.get("store") or str(home / "store")
+        location = run.get("store") or str(paths.store)
         if location not in names_at:
-            names_at[location] = set(Store(location, create=True).list())
+            names_at[location] = set(_native.checkpoint_names(location))
         status |= replay_one(args, db, names_at[location], run, script, current, home)
     return status
 
 
-def replay_one(args: argparse.Namespace, db: Any, store_names: set[str], run: dict[str, Any], script: Path,
-               current: str, home: Path) -> int:
+def replay_one(
+    args: argparse.Namespace,
+    db: Any,
+    store_names: set[str],
+    run: dict[str, Any],
+    script: Path,
+    current: str,
+    home: Path,
+) -> int:
     files = db.get_source(run["source_hash"])
     recorded = files.get(run["script"])
     if recorded is None:
@@ -164,9 +199,11 @@ def replay_one(args: argparse.Namespace, db: Any, store_names: set[str], run: di
     analysis = analyze(recorded, current, run["script"])
     if not analysis.compatible and not args.force:
         diff = "\n".join("  " + line for line in analysis.differences[:60])
-        raise ReplayError(f"{run['script']} changed since run {run['id']} in ways other than added hs.log "
-                          f"statements; replaying would not reproduce the run. Differences:\n{diff}\n"
-                          "(pass --force to replay anyway)")
+        raise ReplayError(
+            f"{run['script']} changed since run {run['id']} in ways other than added hs.log "
+            f"statements; replaying would not reproduce the run. Differences:\n{diff}\n"
+            "(pass --force to replay anyway)"
+        )
     if not analysis.new_probes:
         print(f"run {run['id']}: no new hs.log statements; nothing to compute")
         return 0
@@ -175,7 +212,11 @@ def replay_one(args: argparse.Namespace, db: Any, store_names: set[str], run: di
     print(f"run {run['id']}: {kind} replay of {names} on {len(per_worker)} worker(s)", flush=True)
     versions = json.loads(run["versions_json"] or "{}")
     argv = versions.get("argv") or [run["script_abs"]]
-    cwd = versions.get("cwd") if versions.get("cwd") and Path(versions["cwd"]).is_dir() else str(Path(run["script_abs"]).parent)
+    cwd = (
+        versions.get("cwd")
+        if versions.get("cwd") and Path(versions["cwd"]).is_dir()
+        else str(Path(run["script_abs"]).parent)
+    )
     workers = [Worker(i, m) for i, m in enumerate(per_worker)]
     total = sum(sum(1 for m in w.modes.values() if m != "skip") for w in workers)
     start = time.monotonic()
@@ -183,16 +224,26 @@ def replay_one(args: argparse.Namespace, db: Any, store_names: set[str], run: di
     with tempfile.TemporaryDirectory(prefix="hindsight-replay-") as tmp:
         for w in workers:
             r, wfd = os.pipe()
-            plan = {"run_id": run["id"], "worker": w.index, "modes": {str(k): v for k, v in w.modes.items()},
-                    "checkpoints": {str(k): v for k, v in checkpoints.items()}, "progress_fd": wfd}
+            plan = {
+                "run_id": run["id"],
+                "worker": w.index,
+                "modes": {str(k): v for k, v in w.modes.items()},
+                "checkpoints": {str(k): v for k, v in checkpoints.items()},
+                "progress_fd": wfd,
+            }
             plan_path = Path(tmp) / f"worker-{w.index}.json"
             plan_path.write_text(json.dumps(plan))
             env = {**os.environ, ENV_REPLAY: str(plan_path), ENV_HOME: str(home)}
             # The script as it is now (the one analysed above), which may be a
             # copy of the recorded one elsewhere, run in the recorded directory.
-            w.proc = subprocess.Popen([sys.executable, str(script), *argv[1:]], cwd=cwd, env=env,
-                                      pass_fds=(wfd,), stdout=subprocess.DEVNULL if args.quiet else None,
-                                      stderr=subprocess.PIPE)
+            w.proc = subprocess.Popen(
+                [sys.executable, str(script), *argv[1:]],
+                cwd=cwd,
+                env=env,
+                pass_fds=(wfd,),
+                stdout=subprocess.DEVNULL if args.quiet else None,
+                stderr=subprocess.PIPE,
+            )
             os.close(wfd)
             w.read_fd = r
             os.set_blocking(r, False)
@@ -223,8 +274,11 @@ def replay_one(args: argparse.Namespace, db: Any, store_names: set[str], run: di
     failed = [w for w in workers if w.returncode != 0]
     for w in failed:
         iters = sorted(i for i, m in w.modes.items() if m != "skip")
-        print(f"worker {w.index} (iterations {iters[0]}..{iters[-1]}) failed with exit code {w.returncode}; "
-              f"the values of finished iterations are kept:\n{w.stderr_tail}", file=sys.stderr)
+        print(
+            f"worker {w.index} (iterations {iters[0]}..{iters[-1]}) failed with exit code {w.returncode}; "
+            f"the values of finished iterations are kept:\n{w.stderr_tail}",
+            file=sys.stderr,
+        )
     for w in workers:
         if w.returncode == 0 and w.stderr_tail.strip():
             sys.stderr.write(w.stderr_tail)
@@ -232,12 +286,17 @@ def replay_one(args: argparse.Namespace, db: Any, store_names: set[str], run: di
     if divergences:
         name, ctx, rec, rep = divergences[0]
         where = ", ".join(f"{k}={v}" for k, v in ctx) or "top level"
-        print(f"DIVERGENCE in run {run['id']}: {len(divergences)} value(s) differ between record and replay; "
-              f"first: {name} at {where}: recorded {rec}, replayed {rep}", file=sys.stderr)
+        print(
+            f"DIVERGENCE in run {run['id']}: {len(divergences)} value(s) differ between record and replay; "
+            f"first: {name} at {where}: recorded {rec}, replayed {rep}",
+            file=sys.stderr,
+        )
     steps = sum(w.steps for w in workers)
     restored = sum(w.restored for w in workers)
-    print(f"replayed {total} iteration(s) in {time.monotonic() - start:.1f}s: {restored} restored from "
-          f"checkpoints, {steps} inner-loop steps executed; new values: {names}")
+    print(
+        f"replayed {total} iteration(s) in {time.monotonic() - start:.1f}s: {restored} restored from "
+        f"checkpoints, {steps} inner-loop steps executed; new values: {names}"
+    )
     if failed:
         return 1
     if divergences and args.strict:
@@ -246,8 +305,9 @@ def replay_one(args: argparse.Namespace, db: Any, store_names: set[str], run: di
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hindsight replay", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="hindsight replay", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("script", help="the training script, with new hs.log statements")
     p.add_argument("--run", action="append", help="run id to replay (repeatable; default: the latest run of SCRIPT)")
     p.add_argument("-j", "--jobs", type=int, default=1, help="worker processes for inner-loop probes")

@@ -33,7 +33,7 @@ macro_rules! outln {
     }};
 }
 
-pub mod home;
+pub use hindsight_core::project as home;
 mod runcmds;
 
 use runcmds::PhaseFilter;

@@ -57,24 +57,68 @@ pub fn write_durable(
         }
         f.sync_all().map_err(|e| Error::io(dest, e))?;
         drop(f);
-        if let Some(parent) = dest.parent() {
-            fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
-        }
-        fs::rename(&staging, dest).map_err(|e| Error::io(dest, e))
+        let created = match dest.parent() {
+            Some(parent) => create_dirs(parent)?,
+            None => Vec::new(),
+        };
+        fs::rename(&staging, dest).map_err(|e| Error::io(dest, e))?;
+        Ok(created)
     })();
-    if result.is_err() {
-        // Best effort: a leftover staging file is harmless (gc removes it) but wasteful.
-        let _ = fs::remove_file(&staging);
-        return result;
-    }
+    let created = match result {
+        Ok(c) => c,
+        Err(e) => {
+            // Best effort: a leftover staging file is harmless (gc removes it) but wasteful.
+            let _ = fs::remove_file(&staging);
+            return Err(e);
+        }
+    };
+    // The new name, and the entry of every directory created for it.
     let parent = dest.parent().unwrap_or(Path::new("."));
+    let dirs = std::iter::once(parent.to_path_buf()).chain(created);
     match dir_sync {
-        DirSync::Now => sync_dir(parent),
+        DirSync::Now => dirs.into_iter().try_for_each(|d| sync_dir(&d)),
         DirSync::Deferred(set) => {
-            set.insert(parent.to_path_buf());
+            set.extend(dirs);
             Ok(())
         }
     }
+}
+
+/// Create `dir` and its missing ancestors; returns the directories whose
+/// entries changed (the parent of each one created), which must be fsynced
+/// for the new directories to survive a crash.
+fn create_dirs(dir: &Path) -> Result<Vec<PathBuf>> {
+    if dir.as_os_str().is_empty() || dir.is_dir() {
+        return Ok(Vec::new());
+    }
+    let mut missing = Vec::new();
+    let mut d = dir;
+    while !d.as_os_str().is_empty() && !d.exists() {
+        missing.push(d);
+        match d.parent() {
+            Some(p) => d = p,
+            None => break,
+        }
+    }
+    let mut changed = Vec::new();
+    for m in missing.into_iter().rev() {
+        match fs::create_dir(m) {
+            Ok(()) => changed.extend(
+                m.parent()
+                    .filter(|p| !p.as_os_str().is_empty())
+                    .map(Path::to_path_buf),
+            ),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && m.is_dir() => {}
+            Err(e) => return Err(Error::io(m, e)),
+        }
+    }
+    Ok(changed)
+}
+
+/// Create `dir` and its missing ancestors durably: once this returns, a
+/// crash cannot lose any of them.
+pub fn create_dir_durable(dir: &Path) -> Result<()> {
+    create_dirs(dir)?.iter().try_for_each(|d| sync_dir(d))
 }
 
 /// fsync one directory so the names it holds survive a crash.
@@ -115,6 +159,34 @@ mod tests {
         write_durable(&dest, &tmp, &[b"v2"], DirSync::Now).unwrap();
         assert_eq!(fs::read(&dest).unwrap(), b"v2");
         assert_eq!(fs::read_dir(&tmp).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn every_directory_created_for_a_name_is_synced() {
+        let dir = tempfile::tempdir().unwrap();
+        let tmp = dir.path().join("tmp");
+        fs::create_dir(&tmp).unwrap();
+        let mut dirs = BTreeSet::new();
+        let dest = dir.path().join("chunks/ab/cd/file");
+        write_durable(&dest, &tmp, &[b"x"], DirSync::Deferred(&mut dirs)).unwrap();
+        // The name's directory, and each new directory's entry in its parent.
+        let want: BTreeSet<PathBuf> = ["", "chunks", "chunks/ab", "chunks/ab/cd"]
+            .iter()
+            .map(|d| dir.path().join(d).components().collect())
+            .collect();
+        let got: BTreeSet<PathBuf> = dirs.iter().map(|d| d.components().collect()).collect();
+        assert_eq!(got, want);
+        // A second name in the same place creates nothing new.
+        let mut again = BTreeSet::new();
+        write_durable(
+            &dir.path().join("chunks/ab/cd/other"),
+            &tmp,
+            &[b"y"],
+            DirSync::Deferred(&mut again),
+        )
+        .unwrap();
+        assert_eq!(again.len(), 1);
+        sync_dirs(&dirs).unwrap();
     }
 
     #[test]

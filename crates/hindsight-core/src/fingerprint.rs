@@ -90,6 +90,8 @@ pub fn fingerprint_many(buffers: &[&[u8]], segment: usize, threads: usize) -> Ve
         }
         run();
     });
+    // Every segment was hashed: the scope above joined all its threads, and
+    // a thread that panicked re-raised the panic at the join.
     let mut hashes = hashes.into_iter().map(|h| h.into_inner().unwrap_or(0));
     buffers
         .iter()

@@ -300,9 +300,12 @@ pub struct Manifest {
 }
 
 impl Manifest {
-    pub fn encode(&self) -> Vec<u8> {
-        // Serializing plain data to JSON cannot fail.
-        let body = serde_json::to_vec(self).unwrap_or_default();
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        // Plain data serializes; if it ever did not, writing an empty
+        // manifest would lose the checkpoint: report it instead.
+        let body = serde_json::to_vec(self).map_err(|e| {
+            Error::internal(format!("manifest '{}' did not serialize: {e}", self.name))
+        })?;
         let mut out = Vec::with_capacity(body.len() + 48);
         out.extend_from_slice(MANIFEST_MAGIC);
         out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
@@ -310,7 +313,7 @@ impl Manifest {
         out.extend_from_slice(&body);
         let sum = blake3::hash(&out);
         out.extend_from_slice(sum.as_bytes());
-        out
+        Ok(out)
     }
 
     /// Decode and verify a manifest file. Never panics on any input.
@@ -525,14 +528,14 @@ mod tests {
         #[test]
         fn manifest_round_trips(root in arb_node(), name in "[a-z0-9_.-]{1,20}", created in any::<u64>()) {
             let m = Manifest { format: FORMAT_VERSION, name, created_ms: created, meta: BTreeMap::new(), root };
-            let bytes = m.encode();
+            let bytes = m.encode().unwrap();
             prop_assert_eq!(Manifest::decode(&bytes, Path::new("m")).unwrap(), m);
         }
 
         #[test]
         fn any_single_flipped_byte_is_detected(root in arb_node(), pos in any::<prop::sample::Index>(), bit in 0u8..8) {
             let m = Manifest { format: FORMAT_VERSION, name: "x".into(), created_ms: 1, meta: BTreeMap::new(), root };
-            let mut bytes = m.encode();
+            let mut bytes = m.encode().unwrap();
             let i = pos.index(bytes.len());
             bytes[i] ^= 1 << bit;
             prop_assert!(Manifest::decode(&bytes, Path::new("m")).is_err());
@@ -584,7 +587,7 @@ mod tests {
             meta: BTreeMap::new(),
             root,
         };
-        let e = Manifest::decode(&m.encode(), Path::new("m"))
+        let e = Manifest::decode(&m.encode().unwrap(), Path::new("m"))
             .unwrap_err()
             .to_string();
         assert!(e.contains("needs 12 bytes"), "{e}");

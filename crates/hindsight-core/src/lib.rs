@@ -11,6 +11,7 @@ pub mod logdb;
 pub mod mem;
 pub mod naming;
 pub mod plan;
+pub mod project;
 pub mod replica;
 pub mod retention;
 #[cfg(feature = "s3")]

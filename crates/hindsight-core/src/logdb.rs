@@ -16,7 +16,6 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -457,7 +456,7 @@ impl LogDb {
     /// log database at `path`.
     pub fn open(path: &Path) -> Result<LogDb> {
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+            crate::durable::create_dir_durable(parent)?;
         }
         let conn = Connection::open(path).db(path)?;
         conn.busy_timeout(BUSY_TIMEOUT).db(path)?;
@@ -1638,7 +1637,7 @@ mod tests {
     fn not_a_database_is_corrupt() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("garbage.db");
-        fs::write(&path, vec![0x5a; 8192]).unwrap();
+        std::fs::write(&path, vec![0x5a; 8192]).unwrap();
         let e = LogDb::open(&path).unwrap_err();
         assert!(matches!(e, Error::Corrupt { .. }), "{e}");
         assert!(e.to_string().contains("garbage.db"), "{e}");
@@ -1648,7 +1647,7 @@ mod tests {
     fn open_fails_cleanly_when_parent_is_a_file() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("file");
-        fs::write(&file, b"x").unwrap();
+        std::fs::write(&file, b"x").unwrap();
         let e = LogDb::open(&file.join("db.sqlite")).unwrap_err();
         assert!(e.to_string().contains("file"), "{e}");
     }

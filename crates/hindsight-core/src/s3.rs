@@ -762,13 +762,11 @@ impl Storage for S3Storage {
         let key = self.inner.manifest_key(name);
         match self.inner.head(&key)? {
             Some(m) => Ok(m.size),
-            None => Err(self.inner.err(
-                &key,
-                object_store::Error::NotFound {
-                    path: key.to_string(),
-                    source: "no such manifest".into(),
-                },
-            )),
+            None => Err(Error::NotFound {
+                what: "checkpoint",
+                name: name.into(),
+                location: self.location(),
+            }),
         }
     }
 

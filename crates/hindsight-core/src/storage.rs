@@ -95,7 +95,7 @@ impl LocalStorage {
     pub fn open(root: &Path) -> Result<Self> {
         for sub in ["chunks", "manifests", "tmp"] {
             let d = root.join(sub);
-            fs::create_dir_all(&d).map_err(|e| Error::io(&d, e))?;
+            crate::durable::create_dir_durable(&d)?;
         }
         Ok(LocalStorage {
             root: root.to_path_buf(),
@@ -276,9 +276,15 @@ impl Storage for LocalStorage {
 
     fn manifest_size(&self, name: &str) -> Result<u64> {
         let p = self.manifest_path(name);
-        fs::metadata(&p)
-            .map(|m| m.len())
-            .map_err(|e| Error::io(p, e))
+        match fs::metadata(&p) {
+            Ok(m) => Ok(m.len()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::NotFound {
+                what: "checkpoint",
+                name: name.into(),
+                location: self.location(),
+            }),
+            Err(e) => Err(Error::io(p, e)),
+        }
     }
 
     fn lock_shared(&self) -> Result<Box<dyn LockGuard>> {

@@ -128,7 +128,8 @@ impl Store {
             }
             let options = options.unwrap_or_default();
             check_options(&options)?;
-            let bytes = serde_json::to_vec_pretty(&options).unwrap_or_default();
+            let bytes = serde_json::to_vec_pretty(&options)
+                .map_err(|e| Error::internal(format!("store options did not serialize: {e}")))?;
             // Two processes creating one store write the same options; the last write wins.
             storage.put_config(&bytes)?;
             return Ok(Store { storage, options });
@@ -401,7 +402,12 @@ impl Store {
         let on_disk = self.storage.list_chunks()?;
         let mut stored_bytes: u64 = on_disk.iter().map(|(_, n)| n).sum();
         for name in self.list()? {
-            stored_bytes += self.storage.manifest_size(&name).unwrap_or(0);
+            stored_bytes += match self.storage.manifest_size(&name) {
+                Ok(n) => n,
+                // Removed by another process since it was listed.
+                Err(Error::NotFound { .. }) => 0,
+                Err(e) => return Err(e),
+            };
         }
         Ok(Usage {
             checkpoints,

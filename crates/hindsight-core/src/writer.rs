@@ -600,9 +600,12 @@ impl SaveBuilder<'_> {
             return Err(e);
         }
         lock(&job.stats).bytes_staged += total;
-        let mut hashes = segment_hashes
+        let hashes = segment_hashes
             .into_iter()
-            .map(|h| h.into_inner().unwrap_or_default());
+            .map(|h| h.into_inner())
+            .collect::<Option<Vec<u128>>>()
+            .ok_or_else(|| Error::internal("a staged segment was not fingerprinted"))?;
+        let mut hashes = hashes.into_iter();
         Ok(blobs
             .into_iter()
             .map(|blob| {
@@ -828,7 +831,7 @@ fn run_job(
         meta,
         root,
     };
-    let bytes = manifest.encode();
+    let bytes = manifest.encode().map_err(Arc::new)?;
     storage.put_manifest(&job.name, &bytes).map_err(Arc::new)?;
     stats.bytes_written += bytes.len() as u64;
     stats.seconds_to_durable = job.started.elapsed().as_secs_f64();

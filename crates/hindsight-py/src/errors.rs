@@ -61,12 +61,12 @@ fn build(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
     Ok(err)
 }
 
-pub fn to_py(e: Error) -> PyErr {
+pub(crate) fn to_py(e: Error) -> PyErr {
     // Only a broken installation (no hindsight.errors) fails here; say so.
     Python::attach(|py| build(py, &e).unwrap_or_else(|import_failure| import_failure))
 }
 
-pub trait IntoPy<T> {
+pub(crate) trait IntoPy<T> {
     fn py_err(self) -> PyResult<T>;
 }
 

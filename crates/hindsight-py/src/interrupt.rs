@@ -12,7 +12,7 @@ use crate::errors::to_py;
 
 const POLL: Duration = Duration::from_millis(50);
 
-pub struct Interrupt {
+pub(crate) struct Interrupt {
     caller: ThreadId,
     last: Mutex<Instant>,
     err: Mutex<Option<PyErr>>,
@@ -22,7 +22,7 @@ impl Interrupt {
     /// True once a signal handler raised (e.g. KeyboardInterrupt). Cheap:
     /// takes the GIL at most every 50 ms, and only on the calling thread
     /// (the only one Python delivers signals to).
-    pub fn check(&self) -> bool {
+    pub(crate) fn check(&self) -> bool {
         let mut err = self.err.lock().unwrap_or_else(|p| p.into_inner());
         if err.is_some() {
             return true;
@@ -45,7 +45,7 @@ impl Interrupt {
 
 /// Run `work` without the GIL. A signal raised meanwhile wins over the
 /// work's own result; engine errors become Python exceptions.
-pub fn run<T: Send>(
+pub(crate) fn run<T: Send>(
     py: Python<'_>,
     work: impl FnOnce(&Interrupt) -> hindsight_core::Result<T> + Send,
 ) -> PyResult<T> {
@@ -62,7 +62,7 @@ pub fn run<T: Send>(
 }
 
 /// Wait for `step` to report completion, polling for signals in between.
-pub fn wait_until<T: Send>(
+pub(crate) fn wait_until<T: Send>(
     py: Python<'_>,
     timeout: Option<f64>,
     mut step: impl FnMut(Duration) -> hindsight_core::Result<Option<T>> + Send,

@@ -6,6 +6,7 @@ mod buffer;
 mod errors;
 mod interrupt;
 mod naming;
+mod project;
 mod runs;
 mod tree;
 
@@ -440,6 +441,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<naming::PyCheckpointId>()?;
     m.add_function(wrap_pyfunction!(run_cli, m)?)?;
     runs::register(m)?;
+    project::register(m)?;
     m.add("FORMAT_VERSION", core::format::FORMAT_VERSION)?;
     m.add(
         "DEFAULT_STAGING_BYTES",

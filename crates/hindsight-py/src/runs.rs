@@ -345,7 +345,7 @@ impl AdaptivePolicy {
 /// Outer-loop probes: one (mode, restore_from) per iteration, mode in
 /// "skip" | "restore" | "execute".
 #[pyfunction]
-pub fn plan_partial(
+pub(crate) fn plan_partial(
     n_iters: usize,
     checkpoints: Vec<bool>,
     selected: Vec<bool>,
@@ -364,7 +364,7 @@ pub fn plan_partial(
 /// Inner-loop probes: segments (worker, start, end, restore_from, gap_start, gap_end, est_seconds).
 #[pyfunction]
 #[allow(clippy::type_complexity)]
-pub fn plan_segments(
+pub(crate) fn plan_segments(
     n_iters: usize,
     times: Vec<f64>,
     checkpoints: Vec<bool>,
@@ -387,7 +387,7 @@ pub fn plan_segments(
         .collect()
 }
 
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<LogDb>()?;
     m.add_class::<AdaptivePolicy>()?;
     m.add_function(wrap_pyfunction!(plan_partial, m)?)?;

@@ -16,7 +16,7 @@ use crate::errors::to_py;
 const MIN_TRACKED_BYTES: usize = 64 << 10;
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct CacheKey {
+pub(crate) struct CacheKey {
     key_path: String,
     ptr: usize,
     nbytes: usize,
@@ -27,7 +27,7 @@ pub struct CacheKey {
 
 /// Proof of what a tensor held when it was saved.
 #[derive(Debug)]
-pub enum Content {
+pub(crate) enum Content {
     /// Host memory: the engine's full-content fingerprint.
     Host(Fingerprint),
     /// Device memory: a fingerprint the Python layer computed on the device
@@ -37,7 +37,7 @@ pub enum Content {
 
 /// What the last save recorded about one tensor.
 #[derive(Debug)]
-pub struct CacheEntry {
+pub(crate) struct CacheEntry {
     version: i64,
     content: Content,
     blob: Blob,
@@ -48,7 +48,7 @@ pub struct CacheEntry {
 
 /// A tracked tensor of this save; its cache entry once the blob is known.
 #[derive(Debug)]
-pub struct Tracked {
+pub(crate) struct Tracked {
     key: CacheKey,
     version: i64,
     /// Device fingerprint; host ones come from staging or verification.
@@ -59,13 +59,13 @@ pub struct Tracked {
 
 /// A source of bytes kept alive by `SaveWalk::keepalive` for the whole save.
 #[derive(Clone, Copy)]
-pub struct Source {
+pub(crate) struct Source {
     ptr: usize,
     len: usize,
 }
 
 impl Source {
-    pub fn as_slice(&self) -> &[u8] {
+    pub(crate) fn as_slice(&self) -> &[u8] {
         if self.len == 0 {
             return &[];
         }
@@ -76,7 +76,7 @@ impl Source {
 }
 
 /// Where one blob of the tree comes from, in walk order.
-pub enum Slot {
+pub(crate) enum Slot {
     /// Copy `sources[i]`.
     Stage(usize),
     /// The previous save's blob, proven unchanged.
@@ -90,7 +90,7 @@ pub enum Slot {
     },
 }
 
-pub struct SaveWalk<'a, 'py> {
+pub(crate) struct SaveWalk<'a, 'py> {
     describe: &'a Bound<'py, PyAny>,
     materialize: &'a Bound<'py, PyAny>,
     device_fingerprint: &'a Bound<'py, PyAny>,
@@ -112,7 +112,7 @@ fn unsupported(path: &[String], type_name: String, hint: &str) -> PyErr {
 }
 
 impl<'a, 'py> SaveWalk<'a, 'py> {
-    pub fn new(
+    pub(crate) fn new(
         describe: &'a Bound<'py, PyAny>,
         materialize: &'a Bound<'py, PyAny>,
         device_fingerprint: &'a Bound<'py, PyAny>,
@@ -176,7 +176,11 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
         ))
     }
 
-    pub fn node(&mut self, obj: &Bound<'py, PyAny>, path: &mut Vec<String>) -> PyResult<Node> {
+    pub(crate) fn node(
+        &mut self,
+        obj: &Bound<'py, PyAny>,
+        path: &mut Vec<String>,
+    ) -> PyResult<Node> {
         if obj.is_none() {
             return Ok(Node::None);
         }
@@ -258,7 +262,13 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
     fn array(&mut self, d: &Bound<'py, PyAny>, path: &[String]) -> PyResult<Node> {
         let lib = match d.get_item(1)?.extract::<String>()?.as_str() {
             "torch" => ArrayLib::Torch,
-            _ => ArrayLib::Numpy,
+            "numpy" => ArrayLib::Numpy,
+            other => {
+                return Err(to_py(internal(&format!(
+                    "describe() named array library {other:?} at key '{}'",
+                    path.join("/")
+                ))))
+            }
         };
         let dtype: String = d.get_item(2)?.extract()?;
         let shape: Vec<u64> = d.get_item(3)?.extract()?;
@@ -376,7 +386,7 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
 /// `threads` threads, no GIL needed) and keep the previous blob only where
 /// the whole content matches. Returns each slot's proven fingerprint where
 /// one was computed.
-pub fn verify_unchanged(
+pub(crate) fn verify_unchanged(
     slots: &mut [Slot],
     sources: &[Source],
     segment: usize,
@@ -413,13 +423,13 @@ pub fn verify_unchanged(
 
 /// The blob and (host) fingerprint of every slot, once staging returned
 /// `staged` for the sources listed by `stage_order`.
-pub struct Filled {
+pub(crate) struct Filled {
     pub blobs: Vec<Blob>,
     pub fingerprints: Vec<Option<Fingerprint>>,
 }
 
 /// Sources to copy, in slot order, after `verify_unchanged`.
-pub fn stage_order(slots: &[Slot]) -> Vec<usize> {
+pub(crate) fn stage_order(slots: &[Slot]) -> Vec<usize> {
     slots
         .iter()
         .filter_map(|s| match s {
@@ -431,7 +441,7 @@ pub fn stage_order(slots: &[Slot]) -> Vec<usize> {
 
 /// Put the staged / reused blobs into the tree (same order as the walk).
 /// A count mismatch is a bug in the walk: an internal error, never an empty blob.
-pub fn fill_blobs(
+pub(crate) fn fill_blobs(
     root: &mut Node,
     slots: Vec<Slot>,
     staged: Vec<StagedBlob>,
@@ -480,7 +490,7 @@ fn internal(what: &str) -> Error {
 
 impl Tracked {
     /// The cache entry for the next save, or None when nothing proves the content.
-    pub fn into_entry(self, filled: &Filled) -> Option<(CacheKey, CacheEntry)> {
+    pub(crate) fn into_entry(self, filled: &Filled) -> Option<(CacheKey, CacheEntry)> {
         let content = match self.device {
             Some(fp) => Content::Device(fp),
             None => Content::Host((*filled.fingerprints.get(self.slot)?)?),
@@ -496,7 +506,7 @@ impl Tracked {
 }
 
 /// Build Python objects from a tree and the buffers `Replica::read` returned.
-pub fn build<'py>(
+pub(crate) fn build<'py>(
     py: Python<'py>,
     node: &Node,
     buffers: &mut std::vec::IntoIter<Vec<u8>>,
@@ -504,7 +514,12 @@ pub fn build<'py>(
     unpickle: &Bound<'py, PyAny>,
     path: &mut Vec<String>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let next = |buffers: &mut std::vec::IntoIter<Vec<u8>>| buffers.next().unwrap_or_default();
+    // The reader returns one buffer per blob in tree order; fewer is a bug.
+    let next = |buffers: &mut std::vec::IntoIter<Vec<u8>>| {
+        buffers
+            .next()
+            .ok_or_else(|| to_py(internal("load: fewer buffers than blobs in the tree")))
+    };
     Ok(match node {
         Node::None => py.None().into_bound(py),
         Node::Bool(b) => PyBool::new(py, *b).to_owned().into_any(),
@@ -512,9 +527,9 @@ pub fn build<'py>(
         Node::BigInt(s) => py.get_type::<PyInt>().call1((s.as_str(),))?,
         Node::Float(bits) => PyFloat::new(py, f64::from_bits(*bits)).into_any(),
         Node::Str(s) => PyString::new(py, s).into_any(),
-        Node::Bytes(_) => PyBytes::new(py, &next(buffers)).into_any(),
+        Node::Bytes(_) => PyBytes::new(py, &next(buffers)?).into_any(),
         Node::Pickle(_) => {
-            let b = PyBytes::new(py, &next(buffers));
+            let b = PyBytes::new(py, &next(buffers)?);
             unpickle.call1((b, path.join("/")))?
         }
         Node::List(items) => {
@@ -551,7 +566,7 @@ pub fn build<'py>(
                 ArrayLib::Torch => "torch",
                 ArrayLib::Numpy => "numpy",
             };
-            let buf = Bound::new(py, Buffer::new(next(buffers)))?;
+            let buf = Bound::new(py, Buffer::new(next(buffers)?))?;
             let shape = PyTuple::new(py, a.shape.iter())?;
             make_array.call1((
                 lib,

@@ -5,8 +5,8 @@
 //! the home is `.hindsight` in the nearest enclosing git work tree (the
 //! first directory, walking up from the start, that contains a `.git`
 //! directory or file), or in the start directory when there is none. The
-//! Python package applies the same rule, starting from the training
-//! script's directory; the CLI starts from the current directory.
+//! Python package asks this module, starting from the training script's
+//! directory; the CLI starts from the current directory.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};

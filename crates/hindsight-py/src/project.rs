@@ -1,0 +1,60 @@
+//! Where a project's things are (`hindsight_core::project`), for the Python
+//! layer: the same rule the CLI uses, from one place.
+
+use std::path::PathBuf;
+
+use hindsight_core::{project, Error, Store};
+use pyo3::prelude::*;
+
+use crate::interrupt;
+
+/// A project home and the files in it.
+#[pyclass(module = "hindsight._native", name = "ProjectPaths", frozen)]
+#[derive(Debug)]
+pub(crate) struct ProjectPaths {
+    #[pyo3(get)]
+    home: PathBuf,
+    /// The run database (`<home>/logs.db`).
+    #[pyo3(get)]
+    db: PathBuf,
+    /// The default checkpoint store (`<home>/store`).
+    #[pyo3(get)]
+    store: PathBuf,
+}
+
+impl ProjectPaths {
+    fn of(home: PathBuf) -> Self {
+        ProjectPaths {
+            db: project::db_path(&home),
+            store: project::store_path(&home),
+            home,
+        }
+    }
+}
+
+/// The project of a program started in `start`: `$HINDSIGHT_HOME`, else
+/// `.hindsight` at the enclosing git work tree, else in `start`. An explicit
+/// `home` wins over both.
+#[pyfunction]
+#[pyo3(signature = (start, home=None))]
+pub(crate) fn project_paths(start: PathBuf, home: Option<PathBuf>) -> ProjectPaths {
+    ProjectPaths::of(home.unwrap_or_else(|| project::project_home(&start)))
+}
+
+/// Names of the complete checkpoints at `location` (a directory or
+/// `s3://...`); empty when no store is there. Opens no writer and creates nothing.
+#[pyfunction]
+pub(crate) fn checkpoint_names(py: Python<'_>, location: String) -> PyResult<Vec<String>> {
+    interrupt::run(py, move |_| match Store::open_url(&location, false, None) {
+        Ok(store) => store.list(),
+        Err(Error::NotFound { .. }) => Ok(Vec::new()),
+        Err(e) => Err(e),
+    })
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<ProjectPaths>()?;
+    m.add_function(wrap_pyfunction!(project_paths, m)?)?;
+    m.add_function(wrap_pyfunction!(checkpoint_names, m)?)?;
+    Ok(())
+}
