@@ -67,9 +67,10 @@ example-resume: develop-release ## Checkpoint every epoch, interrupt, resume bit
 	$(PY) examples/train_checkpointed.py --store .hindsight/example-store
 
 .PHONY: bench
-bench: develop-release ## Benchmarks: checkpoints vs torch.save / torch.load, record overhead and replay speed (tables)
+bench: develop-release ## Benchmarks: checkpoints vs torch.save/load, record overhead and replay, preemption (tables)
 	$(PY) benches/bench_checkpoint.py
 	$(PY) benches/bench_replay.py
+	$(PY) benches/bench_preempt.py
 
 .PHONY: clean
 clean:

@@ -13,6 +13,9 @@ B  fine-tuning: ~1 GiB, 90% of the bytes frozen, 10% changed before each of
    10 saves: bytes written and blocked time.
 C  compression: 128 MiB float32 (random normal) and bfloat16 weights,
    zstd vs the raw default: bytes stored and time until durable.
+D  proving a tensor unchanged: saves of a 1 GiB state that did not change
+   (every byte is fingerprinted before a tensor may be skipped), per GiB,
+   against the copy a skip avoids and against torch.save.
 
 Page caches cannot be dropped reliably here, so loads read warm files (for
 both sides) and, before every timed save, ``os.sync()`` (untimed) flushes
@@ -30,12 +33,9 @@ import argparse
 import gc
 import json
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +43,9 @@ import torch
 
 import hindsight
 
-REPO = Path(__file__).resolve().parent.parent
-OUT = REPO / "bench-out" / "checkpoint"
+from benchutil import REPO, GiB, MiB, Table, cpu_snapshot, fmt_b, fmt_s, machine_info, now
 
-MiB = 1 << 20
-GiB = 1 << 30
+OUT = REPO / "bench-out" / "checkpoint"
 
 # Case sizes.
 A_TENSORS = 16
@@ -65,10 +63,6 @@ C_REPS = 4  # the first save of a fresh store pays for fresh staging memory; rep
 
 # --------------------------------------------------------------------------
 # helpers
-
-
-def now() -> float:
-    return time.perf_counter()
 
 
 def quiesce() -> None:
@@ -108,89 +102,6 @@ def torch_save_timed(state: Any, path: Path, fsync: bool) -> float:
     return now() - t0
 
 
-def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def fmt_s(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x * 1000:.0f} ms" if x < 10 else f"{x:.1f} s"
-
-
-def fmt_b(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if x >= GiB:
-        return f"{x / GiB:.3f} GiB"
-    return f"{x / MiB:.1f} MiB"
-
-
-def machine_info() -> dict[str, Any]:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    ram = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                ram = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        df = (
-            subprocess.run(["df", "-T", str(OUT)], capture_output=True, text=True, check=True)
-            .stdout.splitlines()[-1]
-            .split()
-        )
-        fs = f"{df[1]} on {df[0]} (mounted at {df[-1]})"
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        fs = "unknown"
-    try:
-        rev = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        rev += " (+ uncommitted changes)" if dirty else ""
-    except (OSError, subprocess.CalledProcessError):
-        rev = "unknown"
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "ram_bytes": ram,
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-        "filesystem": fs,
-        "git": rev,
-    }
-
-
-def cpu_snapshot() -> tuple[float, float, float]:
-    """(CPU-seconds busy on the whole machine, stolen by the hypervisor, used by this process)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:9]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = v
-    t = os.times()
-    own = t.user + t.system + t.children_user + t.children_system
-    return (user + nice + system + irq + softirq) / tick, steal / tick, own
-
-
 def balloon_reporting() -> bool | None:
     """Whether a virtio balloon returns freed guest memory to the host (free
     page reporting): then memory touched for the first time since it was
@@ -216,71 +127,6 @@ def memory_probe() -> tuple[float, float]:
     del a
     gc.collect()
     return t1 - t0, t2 - t1
-
-
-class Table:
-    def __init__(self) -> None:
-        self.rows: list[dict[str, Any]] = []
-
-    def section(self, title: str) -> None:
-        self.rows.append({"section": title})
-
-    def add(
-        self,
-        metric: str,
-        hs: float | None,
-        th: float | None,
-        *,
-        unit: str = "s",
-        target: float | None = None,
-        note: str = "",
-        ratio: float | None = None,
-    ) -> None:
-        if ratio is None and hs is not None and th:
-            ratio = hs / th
-        verdict = ""
-        if target is not None and ratio is not None:
-            verdict = f"<= {target:.2f} {'ok' if ratio <= target else 'MISS'}"
-        self.rows.append(
-            {
-                "metric": metric,
-                "hindsight": hs,
-                "torch": th,
-                "unit": unit,
-                "ratio": ratio,
-                "target": target,
-                "verdict": verdict or note,
-            }
-        )
-
-    def render(self, headers: tuple[str, ...] = ("metric", "hindsight", "torch", "ratio", "target")) -> str:
-        fmt = {"s": fmt_s, "B": fmt_b, "x": lambda v: "-" if v is None else f"{v:.2f}"}
-        body: list[list[str] | str] = []
-        for r in self.rows:
-            if "section" in r:
-                body.append(r["section"])
-                continue
-            f = fmt[r["unit"]]
-            body.append(
-                [
-                    r["metric"],
-                    f(r["hindsight"]),
-                    f(r["torch"]),
-                    "-" if r["ratio"] is None else f"{r['ratio']:.3f}",
-                    r["verdict"],
-                ]
-            )
-        cells = [list(headers)] + [b for b in body if isinstance(b, list)]
-        w = [max(len(c[i]) for c in cells) for i in range(len(headers))]
-        total = sum(w) + 3 * (len(w) - 1)
-
-        def line(c: list[str]) -> str:
-            return " | ".join(c[i].ljust(w[i]) if i in (0, len(c) - 1) else c[i].rjust(w[i]) for i in range(len(c)))
-
-        out = [line(list(headers)).rstrip(), "-" * total]
-        for b in body:
-            out.append(("-- " + b + " ").ljust(total, "-") if isinstance(b, str) else line(b).rstrip())
-        return "\n".join(out)
 
 
 # --------------------------------------------------------------------------
@@ -536,11 +382,58 @@ def case_c(tab: Table, raw: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------
 
 
+# --------------------------------------------------------------------------
+# case D: the cost of proving a tensor unchanged
+
+
+D_REPS = 5
+
+
+def case_d(tab: Table, raw: dict[str, Any]) -> None:
+    gen = torch.Generator().manual_seed(4)
+    state = random_state(A_TENSORS, A_NUMEL, "w", gen)
+    size = nbytes(state)
+    tab.section(f"D: proof that {fmt_b(size)} is unchanged (full-content fingerprint), per GiB")
+    store = hindsight.Store(OUT / "hs-d")
+    store.save("d0", state).wait()
+    blocked = []
+    for i in range(D_REPS):
+        quiesce()
+        t0 = now()
+        h = store.save(f"d{i + 1}", state)
+        blocked.append(now() - t0)
+        st = h.wait()
+        assert st["bytes_reused"] == size, st  # proven, not copied
+    store.close()
+    copies = {k: torch.empty_like(v) for k, v in state.items()}
+    memcpy = []
+    for _ in range(MEMCPY_REPS):
+        t0 = now()
+        for k, v in state.items():
+            copies[k].copy_(v)
+        memcpy.append(now() - t0)
+    t_save = torch_save_timed(state, OUT / "torch-d.pt", fsync=False)
+    (OUT / "torch-d.pt").unlink()
+    per_gib = GiB / size
+    proof = statistics.median(blocked) * per_gib
+    raw.update(d_blocked_s=blocked, d_memcpy_s=memcpy, d_torch_save_s=t_save)
+    tab.add(
+        "blocked per GiB, unchanged state vs the copy it avoids",
+        proof,
+        min(memcpy) * per_gib,
+        note="fingerprint (xxh3, all cores) instead of memcpy",
+    )
+    tab.add("  same, vs torch.save of the state", proof, t_save * per_gib)
+    raw.setdefault("spread", []).append(("D hindsight unchanged blocked", blocked))
+    del state, copies
+    gc.collect()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--keep", action="store_true", help="leave bench-out/checkpoint/ in place")
-    ap.add_argument("--only", default="ABC", help="cases to run (default ABC)")
+    ap.add_argument("--only", default="ABCD", help="cases to run (default ABCD)")
     args = ap.parse_args()
 
     shutil.rmtree(OUT, ignore_errors=True)
@@ -548,7 +441,7 @@ def main() -> int:
     started = now()
     cpu0 = cpu_snapshot()
     try:
-        info = machine_info()
+        info = machine_info(OUT)
         ram = info["ram_bytes"]
         print("hindsight benchmark (one run, one disk; timings from time.perf_counter)")
         print(f"  cpu        {info['cpu']}, {info['cores']} cores (torch threads: {info['torch_threads']})")
@@ -564,14 +457,14 @@ def main() -> int:
 
         tab = Table()
         raw: dict[str, Any] = {}
-        cases = {"A": case_a, "B": case_b, "C": case_c}
+        cases = {"A": case_a, "B": case_b, "C": case_c, "D": case_d}
         for c in args.only.upper():
             t0 = now()
             cases[c](tab, raw)
             raw[f"case_{c}_seconds"] = now() - t0
             print(f"  (case {c} took {now() - t0:.0f} s)", file=sys.stderr, flush=True)
 
-        print(tab.render())
+        print(tab.render(("metric", "hindsight", "torch", "ratio", "target")))
         print()
         print("ratio = hindsight / torch (lower is better). blocked = time the calling thread spends")
         print("in the save call; durable = until the data is on disk (hindsight: h.wait()).")

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -43,11 +42,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from hindsight import _native
 
-REPO = Path(__file__).resolve().parent.parent
+from benchutil import REPO, Table, cpu_snapshot, dir_bytes, machine_info, now
+
 OUT = REPO / "bench-out" / "replay"
 PKG = OUT / "pkg"  # the hindsight package as it is when the benchmark starts
 PY = sys.executable
@@ -166,10 +164,6 @@ print(json.dumps({{k: min(v) / N * 1e9 for k, v in res.items()}}))
 # helpers
 
 
-def now() -> float:
-    return time.perf_counter()
-
-
 def snapshot_package() -> dict[str, Any]:
     """Copy the package (with the extension as built now) for every child process, so that a rebuild of
     the editable install while the benchmark runs (other work on the machine) cannot change what is measured."""
@@ -224,151 +218,6 @@ def read_times(path: Path) -> list[float]:
     if not path.exists():
         return []
     return [json.loads(ln)["loop_s"] for ln in path.read_text().splitlines() if ln.strip()]
-
-
-def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def fmt_s(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x * 1000:.0f} ms" if x < 10 else f"{x:.1f} s"
-
-
-def machine_info() -> dict[str, Any]:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    ram = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                ram = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        rev = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        rev += " (+ uncommitted changes)" if dirty else ""
-    except (OSError, subprocess.CalledProcessError):
-        rev = "unknown"
-    try:
-        cap = torch.backends.cpu.get_cpu_capability()
-    except AttributeError:
-        cap = "?"
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "ram_bytes": ram,
-        "torch": torch.__version__,
-        "cpu_capability": cap,
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-        "git": rev,
-    }
-
-
-def cpu_snapshot() -> tuple[float, float, float]:
-    """(CPU-seconds busy on the whole machine, stolen by the hypervisor, used by this process and children)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:9]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = v
-    t = os.times()
-    own = t.user + t.system + t.children_user + t.children_system
-    return (user + nice + system + irq + softirq) / tick, steal / tick, own
-
-
-class Table:
-    """metric | hindsight | baseline | ratio | target"""
-
-    def __init__(self) -> None:
-        self.rows: list[dict[str, Any]] = []
-
-    def section(self, title: str) -> None:
-        self.rows.append({"section": title})
-
-    def add(
-        self,
-        metric: str,
-        hs: float | None,
-        base: float | None,
-        *,
-        unit: str = "s",
-        ratio: float | None = None,
-        target: float | None = None,
-        higher_is_better: bool = False,
-        note: str = "",
-    ) -> None:
-        if ratio is None and hs is not None and base:
-            ratio = hs / base
-        verdict = note
-        if target is not None and ratio is not None:
-            good = ratio >= target if higher_is_better else ratio <= target
-            verdict = f"{'>=' if higher_is_better else '<='} {target:.3f} {'ok' if good else 'MISS'}"
-            if note:
-                verdict += f" ({note})"
-        self.rows.append(
-            {
-                "metric": metric,
-                "hindsight": hs,
-                "baseline": base,
-                "unit": unit,
-                "ratio": ratio,
-                "target": target,
-                "verdict": verdict,
-            }
-        )
-
-    def render(self) -> str:
-        fmt = {
-            "s": fmt_s,
-            "ns": lambda v: "-" if v is None else f"{v:.0f} ns",
-            "x": lambda v: "-" if v is None else f"{v:.3f}",
-            "MiB": lambda v: "-" if v is None else f"{v:.1f} MiB",
-        }
-        headers = ["metric", "hindsight", "baseline", "ratio", "target"]
-        body: list[list[str] | str] = []
-        for r in self.rows:
-            if "section" in r:
-                body.append(r["section"])
-                continue
-            f = fmt[r["unit"]]
-            body.append(
-                [
-                    r["metric"],
-                    f(r["hindsight"]),
-                    f(r["baseline"]),
-                    "-" if r["ratio"] is None else f"{r['ratio']:.3f}",
-                    r["verdict"],
-                ]
-            )
-        cells = [headers] + [b for b in body if isinstance(b, list)]
-        w = [max(len(c[i]) for c in cells) for i in range(len(headers))]
-        total = sum(w) + 3 * (len(w) - 1)
-
-        def line(c: list[str]) -> str:
-            return " | ".join(
-                c[i].ljust(w[i]) if i in (0, len(c) - 1) else c[i].rjust(w[i]) for i in range(len(c))
-            ).rstrip()
-
-        out = [line(headers), "-" * total]
-        for b in body:
-            out.append(("-- " + b + " ").ljust(total, "-") if isinstance(b, str) else line(b))
-        return "\n".join(out)
 
 
 def db_iters(proj: Path) -> list[Any]:

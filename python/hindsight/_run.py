@@ -76,27 +76,6 @@ def _env_float(name: str, scale: float) -> float | None:
     return float(v) * scale if v else None
 
 
-def _resumable(prev: dict[str, Any], explicit: bool) -> bool:
-    """An interrupted run resumes; a 'running' one only if it is certainly dead."""
-    if prev["status"] == "interrupted" or explicit:
-        return True
-    if prev["status"] != "running":
-        return False
-    versions = json.loads(prev["versions_json"] or "{}")
-    job = os.environ.get("SLURM_JOB_ID")
-    if job and versions.get("slurm_job_id") == job:
-        return True  # a requeued batch job: the earlier attempt is gone
-    if prev["host"] == socket.gethostname():
-        try:
-            os.kill(int(prev["pid"]), 0)
-        except ProcessLookupError:
-            return True  # crashed (kill -9, OOM) on this host
-        except PermissionError:
-            return False
-        return False  # a live run of the same command: start a new one
-    return False
-
-
 def _advance(it: Iterator[Any], n: int) -> None:
     """Skip n items. For a single-process DataLoader, skip indices without loading the samples."""
     sampler_iter = getattr(it, "_sampler_iter", None)
@@ -306,9 +285,7 @@ class Run:
         key = explicit or hashlib.sha256(json.dumps([str(self.script), sys.argv[1:]]).encode()).hexdigest()[:32]
         prev = None
         if os.environ.get(ENV_RESUME, "1") != "0":
-            prev = self.db.find_resumable(key)
-            if prev is not None and not _resumable(prev, explicit is not None):
-                prev = None
+            prev = self.db.run_to_resume(key, explicit is not None)
         if prev is not None:
             self.run_id = prev["id"]
             self.args = json.loads(prev["args_json"] or "{}")

@@ -13,6 +13,7 @@ pub mod naming;
 pub mod plan;
 pub mod project;
 pub mod replica;
+pub mod resume;
 pub mod retention;
 #[cfg(feature = "s3")]
 pub mod s3;

@@ -167,6 +167,20 @@ impl LogDb {
         r.map(|r| run_dict(py, &r)).transpose()
     }
 
+    /// The run a process started with `resume_key` here continues, if any
+    /// (the engine's rule: interrupted, or running but certainly gone).
+    #[pyo3(signature = (resume_key, explicit=false))]
+    fn run_to_resume<'py>(
+        &self,
+        py: Python<'py>,
+        resume_key: String,
+        explicit: bool,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let here = hindsight_core::resume::Here::current();
+        let r = self.with(py, |db| db.run_to_resume(&resume_key, explicit, &here))?;
+        r.map(|r| run_dict(py, &r)).transpose()
+    }
+
     fn put_source(&self, py: Python<'_>, files: BTreeMap<String, String>) -> PyResult<String> {
         self.with(py, |db| db.put_source(&files))
     }

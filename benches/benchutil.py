@@ -1,0 +1,176 @@
+"""What every benchmark shares: timing, machine description, CPU accounting
+and the result table (`make bench` runs them all; each prints one table
+measured in one run, hindsight against the named competitor)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def fmt_s(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1000:.0f} ms" if x < 10 else f"{x:.1f} s"
+
+
+def fmt_b(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if x >= GiB:
+        return f"{x / GiB:.3f} GiB"
+    return f"{x / MiB:.1f} MiB"
+
+
+def machine_info(out_dir: Path | None = None) -> dict[str, Any]:
+    """CPU, cores, RAM, torch, Python, kernel, git revision, and the file
+    system of ``out_dir`` when given."""
+    import torch
+
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    ram = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                ram = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    fs = None
+    if out_dir is not None:
+        try:
+            df = subprocess.run(["df", "-T", str(out_dir)], capture_output=True, text=True, check=True)
+            cols = df.stdout.splitlines()[-1].split()
+            fs = f"{cols[1]} on {cols[0]} (mounted at {cols[-1]})"
+        except (OSError, subprocess.CalledProcessError, IndexError):
+            fs = "unknown"
+    try:
+        git = ["git", "-C", str(REPO)]
+        rev = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True
+        )
+        revision = rev.stdout.strip() + (" (+ uncommitted changes)" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        revision = "unknown"
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except AttributeError:
+        cap = "?"
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_bytes": ram,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_capability": cap,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "filesystem": fs,
+        "git": revision,
+    }
+
+
+def cpu_snapshot() -> tuple[float, float, float]:
+    """(CPU-seconds busy on the whole machine, stolen by the hypervisor, used by this process and children)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = v
+    t = os.times()
+    own = t.user + t.system + t.children_user + t.children_system
+    return (user + nice + system + irq + softirq) / tick, steal / tick, own
+
+
+class Table:
+    """metric | hindsight | baseline | ratio | target, with section rows."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def section(self, title: str) -> None:
+        self.rows.append({"section": title})
+
+    def add(
+        self,
+        metric: str,
+        hs: float | None,
+        base: float | None,
+        *,
+        unit: str = "s",
+        ratio: float | None = None,
+        target: float | None = None,
+        higher_is_better: bool = False,
+        note: str = "",
+    ) -> None:
+        if ratio is None and hs is not None and base:
+            ratio = hs / base
+        verdict = note
+        if target is not None and ratio is not None:
+            good = ratio >= target if higher_is_better else ratio <= target
+            verdict = f"{'>=' if higher_is_better else '<='} {target:.3g} {'ok' if good else 'MISS'}"
+            if note:
+                verdict += f" ({note})"
+        self.rows.append(
+            {
+                "metric": metric,
+                "hindsight": hs,
+                "baseline": base,
+                "unit": unit,
+                "ratio": ratio,
+                "target": target,
+                "verdict": verdict,
+            }
+        )
+
+    def render(self, headers: tuple[str, ...] = ("metric", "hindsight", "baseline", "ratio", "target")) -> str:
+        fmt = {
+            "s": fmt_s,
+            "B": fmt_b,
+            "ns": lambda v: "-" if v is None else f"{v:.0f} ns",
+            "x": lambda v: "-" if v is None else f"{v:.3f}",
+            "MiB": lambda v: "-" if v is None else f"{v:.1f} MiB",
+        }
+        body: list[list[str] | str] = []
+        for r in self.rows:
+            if "section" in r:
+                body.append(r["section"])
+                continue
+            f = fmt[r["unit"]]
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+            body.append([r["metric"], f(r["hindsight"]), f(r["baseline"]), ratio, r["verdict"]])
+        cells = [list(headers)] + [b for b in body if isinstance(b, list)]
+        w = [max(len(c[i]) for c in cells) for i in range(len(headers))]
+        total = sum(w) + 3 * (len(w) - 1)
+
+        def line(c: list[str]) -> str:
+            return " | ".join(
+                c[i].ljust(w[i]) if i in (0, len(c) - 1) else c[i].rjust(w[i]) for i in range(len(c))
+            ).rstrip()
+
+        out = [line(list(headers)), "-" * total]
+        for b in body:
+            out.append(("-- " + b + " ").ljust(total, "-") if isinstance(b, str) else line(b))
+        return "\n".join(out)

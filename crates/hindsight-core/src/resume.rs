@@ -1,0 +1,197 @@
+//! Which earlier run a starting training process continues: the one rule
+//! behind "run the same command again and it resumes".
+//!
+//! A run that was interrupted (a preemption signal, checkpointed) resumes. A
+//! run still marked running resumes only when it is certainly gone: the
+//! same Slurm job id (a requeued job; the earlier attempt cannot be alive),
+//! or the same host with its process dead (kill -9, OOM). A live run of the
+//! same command is left alone and the new process starts a new run.
+
+use crate::json::{self, J};
+use crate::logdb::{LogDb, RunRow, RunStatus};
+use crate::Result;
+
+/// Where the asking process runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Here {
+    pub host: String,
+    /// `$SLURM_JOB_ID` of this process, if any.
+    pub slurm_job: Option<String>,
+}
+
+impl Here {
+    /// This process: its host name and `$SLURM_JOB_ID`.
+    pub fn current() -> Here {
+        Here {
+            host: hostname(),
+            slurm_job: std::env::var("SLURM_JOB_ID").ok().filter(|s| !s.is_empty()),
+        }
+    }
+}
+
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates
+    // within it on success (and we stop at the first NUL either way).
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return String::new();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+/// Whether process `pid` exists on this host (EPERM: it does, someone else's).
+fn alive(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    if pid <= 0 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks that the process exists.
+    if unsafe { libc::kill(pid, 0) } == 0 {
+        return true;
+    }
+    std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// The Slurm job id the run recorded in its versions.
+fn recorded_slurm_job(run: &RunRow) -> Option<String> {
+    match json::parse(&run.versions_json)? {
+        J::Obj(entries) => entries.into_iter().find_map(|(k, v)| match v {
+            J::Str(s) if k == "slurm_job_id" => Some(s),
+            _ => None,
+        }),
+        _ => None,
+    }
+}
+
+/// Whether `run` may be continued by a process at `here` (see the module
+/// docs). `explicit`: the user named the run to continue.
+pub fn resumable(run: &RunRow, explicit: bool, here: &Here) -> bool {
+    match run.status {
+        RunStatus::Interrupted => return true,
+        _ if explicit => return true,
+        RunStatus::Running => {}
+        RunStatus::Completed | RunStatus::Failed => return false,
+    }
+    if let (Some(job), Some(recorded)) = (&here.slurm_job, recorded_slurm_job(run)) {
+        if *job == recorded {
+            return true; // a requeued batch job: the earlier attempt is gone
+        }
+    }
+    run.host == here.host && !alive(run.pid)
+}
+
+impl LogDb {
+    /// The run a process at `here` started with `resume_key` continues, if any.
+    pub fn run_to_resume(
+        &self,
+        resume_key: &str,
+        explicit: bool,
+        here: &Here,
+    ) -> Result<Option<RunRow>> {
+        Ok(self
+            .find_resumable(resume_key)?
+            .filter(|r| resumable(r, explicit, here)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(status: RunStatus, host: &str, pid: u32, versions: &str) -> RunRow {
+        RunRow {
+            id: "r".into(),
+            script: "train.py".into(),
+            script_abs: "/p/train.py".into(),
+            project_root: "/p".into(),
+            source_hash: "h".into(),
+            git_commit: None,
+            git_dirty: None,
+            args_json: "{}".into(),
+            status,
+            started_ms: 0,
+            ended_ms: None,
+            host: host.into(),
+            versions_json: versions.into(),
+            pid,
+            resume_key: Some("k".into()),
+            store: None,
+        }
+    }
+
+    fn dead_pid() -> u32 {
+        // A child that has exited and been reaped: its pid is free.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        pid
+    }
+
+    #[test]
+    fn the_rule() {
+        let here = Here {
+            host: "node1".into(),
+            slurm_job: None,
+        };
+        let me = std::process::id();
+        assert!(resumable(
+            &row(RunStatus::Interrupted, "x", me, "{}"),
+            false,
+            &here
+        ));
+        assert!(!resumable(
+            &row(RunStatus::Completed, "node1", 1, "{}"),
+            false,
+            &here
+        ));
+        assert!(resumable(
+            &row(RunStatus::Completed, "node1", 1, "{}"),
+            true,
+            &here
+        ));
+        // Running here and alive (this very process): a concurrent run, not ours.
+        assert!(!resumable(
+            &row(RunStatus::Running, "node1", me, "{}"),
+            false,
+            &here
+        ));
+        // Running here but dead: crashed, continue it.
+        assert!(resumable(
+            &row(RunStatus::Running, "node1", dead_pid(), "{}"),
+            false,
+            &here
+        ));
+        // Running on another host: cannot tell, leave it.
+        assert!(!resumable(
+            &row(RunStatus::Running, "node2", dead_pid(), "{}"),
+            false,
+            &here
+        ));
+        // The same Slurm job, requeued on another node: the earlier attempt is gone.
+        let job = Here {
+            host: "node3".into(),
+            slurm_job: Some("4242".into()),
+        };
+        let versions = r#"{"python": "3.11", "slurm_job_id": "4242", "x": NaN}"#;
+        assert!(resumable(
+            &row(RunStatus::Running, "node2", me, versions),
+            false,
+            &job
+        ));
+        let other = r#"{"slurm_job_id": "7"}"#;
+        assert!(!resumable(
+            &row(RunStatus::Running, "node2", me, other),
+            false,
+            &job
+        ));
+    }
+
+    #[test]
+    fn this_host_has_a_name() {
+        assert!(!Here::current().host.is_empty());
+    }
+}
