@@ -292,8 +292,10 @@ def part_record(tab: Table, raw: dict[str, Any], epochs: int) -> Path:
     last = rec_runs[-1]
     run_row = _native.LogDb(str(last["dir"] / ".hindsight" / "logs.db")).latest_run(str(last["dir"] / "rec.py"))
     iters = db_iters(last["dir"])
-    blocked = [m for _i, _s, c, m, _r in iters if c is not None and m is not None]
-    epoch_s = [s for _i, s, _c, _m, _r in iters]
+    blocked = [
+        it.materialize_seconds for it in iters if it.checkpoint is not None and it.materialize_seconds is not None
+    ]
+    epoch_s = [it.seconds for it in iters]
     store_mib = dir_bytes(last["dir"] / ".hindsight" / "store") / (1 << 20)
 
     tab.section(f"1. record overhead: {epochs} epochs, checkpoint every epoch, plain and rec alternated")
@@ -302,7 +304,8 @@ def part_record(tab: Table, raw: dict[str, Any], epochs: int) -> Path:
     ]
     noise = max(r["loop_s"] for r in plain_runs) / min(r["loop_s"] for r in plain_runs)
     own = [
-        sum(m for _i, _s, c, m, _r in db_iters(r["dir"]) if c is not None and m is not None) + r["after_s"]
+        sum(it.materialize_seconds for it in db_iters(r["dir"]) if it.checkpoint and it.materialize_seconds)
+        + r["after_s"]
         for r in rec_runs
     ]
     tab.add(f"training loop, wall: median of {REPS} rec / {REPS + 1} plain", rl, pl, target=RECORD_TARGET)

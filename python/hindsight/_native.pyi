@@ -13,13 +13,14 @@ __all__ = [
     "AdaptivePolicy",
     "Buffer",
     "CheckpointId",
+    "Iteration",
     "LogDb",
     "ProjectPaths",
+    "ReplayPlan",
     "SaveHandle",
     "Store",
+    "WorkerPlan",
     "checkpoint_names",
-    "plan_partial",
-    "plan_segments",
     "project_paths",
     "run_cli",
 ]
@@ -191,9 +192,16 @@ class LogDb:
         materialize_seconds: float | None = None,
     ) -> None: ...
     def set_restore_seconds(self, run_id: str, loop_name: str, idx: int, seconds: float) -> None: ...
-    def iterations(
-        self, run_id: str, loop_name: str
-    ) -> list[tuple[int, float, str | None, float | None, float | None]]: ...
+    def iterations(self, run_id: str, loop_name: str) -> list[Iteration]: ...
+    def plan_replay(
+        self,
+        run_id: str,
+        loop_name: str,
+        in_store: set[str],
+        selected: list[bool],
+        needs_inner: bool,
+        workers: int = 1,
+    ) -> ReplayPlan: ...
 
 @final
 class AdaptivePolicy:
@@ -209,7 +217,44 @@ class AdaptivePolicy:
     @property
     def epsilon(self) -> float: ...
 
-def plan_partial(n_iters: int, checkpoints: list[bool], selected: list[bool]) -> list[tuple[str, int | None]]: ...
-def plan_segments(
-    n_iters: int, times: list[float], checkpoints: list[bool], selected: list[bool], workers: int
-) -> list[tuple[int, int, int, int | None, int, int, float]]: ...
+@final
+class Iteration:
+    """One recorded outer-loop iteration."""
+
+    @property
+    def idx(self) -> int: ...
+    @property
+    def seconds(self) -> float: ...
+    @property
+    def checkpoint(self) -> str | None: ...
+    @property
+    def materialize_seconds(self) -> float | None: ...
+    @property
+    def restore_seconds(self) -> float | None: ...
+
+@final
+class WorkerPlan:
+    """What one replay worker does; its JSON is the worker protocol."""
+
+    @staticmethod
+    def from_json(text: str) -> WorkerPlan: ...
+    def to_json(self, progress_fd: int | None = None) -> str: ...
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def worker(self) -> int: ...
+    @property
+    def loop_name(self) -> str: ...
+    @property
+    def modes(self) -> dict[int, str]: ...
+    @property
+    def checkpoints(self) -> dict[int, str]: ...
+    @property
+    def progress_fd(self) -> int | None: ...
+
+@final
+class ReplayPlan:
+    @property
+    def kind(self) -> str: ...
+    @property
+    def workers(self) -> list[WorkerPlan]: ...

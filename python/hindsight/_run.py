@@ -263,18 +263,18 @@ class Run:
         every = os.environ.get(ENV_EVERY)
         self.every: int | None = int(every) if every else None
         plan_path = os.environ.get(ENV_REPLAY)
-        self.plan: dict[str, Any] | None = None
+        self.plan: Any = None
         if plan_path:
             self.mode = "replay"
             with open(plan_path) as f:
-                self.plan = json.load(f)
-            self.run_id = self.plan["run_id"]
+                self.plan = _native.WorkerPlan.from_json(f.read())
+            self.run_id = self.plan.run_id
             row = self.db.run(self.run_id)
             self.recorded_store = row.get("store")
             self.args = json.loads(row["args_json"] or "{}")
-            self.modes = {int(k): v for k, v in self.plan["modes"].items()}
-            self.checkpoints = {int(k): v for k, v in self.plan["checkpoints"].items()}
-            self.progress = self.plan.get("progress_fd")
+            self.modes = self.plan.modes
+            self.checkpoints = self.plan.checkpoints
+            self.progress = self.plan.progress_fd
         else:
             self.mode = "record"
             self._start_record()

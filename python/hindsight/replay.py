@@ -77,6 +77,7 @@ def _where(expr: str | None, loop: str) -> Any:
 class Worker:
     index: int
     modes: dict[int, str]
+    plan: Any
     proc: subprocess.Popen[bytes] | None = None
     read_fd: int = -1
     done: int = 0
@@ -101,58 +102,21 @@ def _progress(workers: list[Worker], total: int, start: float, final: bool = Fal
 
 def plan_run(
     db: Any, store_names: set[str], run: dict[str, Any], analysis: Analysis, jobs: int, where: str | None
-) -> tuple[str, list[dict[int, str]], dict[int, str]]:
+) -> Any:
+    """The engine's replay plan of `run` (`hindsight_core::replay`); only `--where`,
+    a Python expression, is evaluated here."""
     outer = analysis.outer_loops[0] if analysis.outer_loops else None
     if outer is None:
         raise ReplayError("the script has no hs.loop: nothing to replay")
     rows = db.iterations(run["id"], outer)
     if not rows:
         raise ReplayError(f"run {run['id']} recorded no iterations of loop '{outer}'")
-    n = max(r[0] for r in rows) + 1
-    times = [0.0] * n
-    checkpoints: dict[int, str] = {}
-    for idx, secs, ckpt, _m, _r in rows:
-        times[idx] = secs
-        if ckpt is not None and ckpt in store_names:
-            checkpoints[idx] = ckpt
+    n = max(r.idx for r in rows) + 1
     pred = _where(where, outer)
     selected = [pred(i) for i in range(n)]
-    has_ck = [i in checkpoints for i in range(n)]
     if not any(selected):
         raise ReplayError(f"--where {where!r} selects none of the {n} recorded iterations")
-    per_worker: list[dict[int, str]] = []
-    if analysis.needs_inner_execution:
-        segs = _native.plan_segments(n, times, has_ck, selected, max(1, jobs))
-        by_worker: dict[int, dict[int, str]] = {}
-        modes: dict[int, str]
-        for worker, start, end, restore_from, gap_start, gap_end, _est in segs:
-            modes = by_worker.setdefault(worker, {})
-            if restore_from is not None:
-                modes.setdefault(restore_from, "restore")
-            for i in range(gap_start, gap_end):
-                modes[i] = "execute"
-            for i in range(start, end):
-                modes[i] = "execute"
-        per_worker = [by_worker[w] for w in sorted(by_worker)]
-        kind = "parallel"
-    else:
-        modes = {}
-        for i, (mode, restore_from) in enumerate(_native.plan_partial(n, has_ck, selected)):
-            if mode == "skip":
-                continue
-            if restore_from is not None and modes.get(restore_from, "skip") == "skip":
-                modes[restore_from] = "restore"
-            modes[i] = mode
-        per_worker = [modes]
-        kind = "partial"
-    for modes in per_worker:
-        for i, m in modes.items():
-            if m == "restore" and i not in checkpoints:
-                raise ReplayError(
-                    f"iteration {outer}={i} needs checkpoint of run {run['id']} that is not in the "
-                    f"store (removed?); replay an earlier range with --where or re-record"
-                )
-    return kind, per_worker, checkpoints
+    return db.plan_replay(run["id"], outer, store_names, selected, analysis.needs_inner_execution, max(1, jobs))
 
 
 def replay(args: argparse.Namespace) -> int:
@@ -207,9 +171,9 @@ def replay_one(
     if not analysis.new_probes:
         print(f"run {run['id']}: no new hs.log statements; nothing to compute")
         return 0
-    kind, per_worker, checkpoints = plan_run(db, store_names, run, analysis, args.jobs, args.where)
+    plan = plan_run(db, store_names, run, analysis, args.jobs, args.where)
     names = ", ".join(sorted({p.name for p in analysis.new_probes}))
-    print(f"run {run['id']}: {kind} replay of {names} on {len(per_worker)} worker(s)", flush=True)
+    print(f"run {run['id']}: {plan.kind} replay of {names} on {len(plan.workers)} worker(s)", flush=True)
     versions = json.loads(run["versions_json"] or "{}")
     argv = versions.get("argv") or [run["script_abs"]]
     cwd = (
@@ -217,22 +181,15 @@ def replay_one(
         if versions.get("cwd") and Path(versions["cwd"]).is_dir()
         else str(Path(run["script_abs"]).parent)
     )
-    workers = [Worker(i, m) for i, m in enumerate(per_worker)]
+    workers = [Worker(w.worker, w.modes, w) for w in plan.workers]
     total = sum(sum(1 for m in w.modes.values() if m != "skip") for w in workers)
     start = time.monotonic()
     sel = selectors.DefaultSelector()
     with tempfile.TemporaryDirectory(prefix="hindsight-replay-") as tmp:
         for w in workers:
             r, wfd = os.pipe()
-            plan = {
-                "run_id": run["id"],
-                "worker": w.index,
-                "modes": {str(k): v for k, v in w.modes.items()},
-                "checkpoints": {str(k): v for k, v in checkpoints.items()},
-                "progress_fd": wfd,
-            }
             plan_path = Path(tmp) / f"worker-{w.index}.json"
-            plan_path.write_text(json.dumps(plan))
+            plan_path.write_text(w.plan.to_json(wfd))  # the worker protocol: hindsight_core::replay
             env = {**os.environ, ENV_REPLAY: str(plan_path), ENV_HOME: str(home)}
             # The script as it is now (the one analysed above), which may be a
             # copy of the recorded one elsewhere, run in the recorded directory.

@@ -12,6 +12,7 @@ pub mod mem;
 pub mod naming;
 pub mod plan;
 pub mod project;
+pub mod replay;
 pub mod replica;
 pub mod resume;
 pub mod retention;

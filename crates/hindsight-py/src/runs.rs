@@ -3,14 +3,15 @@
 // Methods mirror Python signatures (keyword arguments, plain tuples for rows).
 #![allow(clippy::too_many_arguments, clippy::type_complexity)]
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Mutex;
 
 use hindsight_core::logdb::{
     self, IterationRow, LogDb as CoreDb, LogRow, NewRun, Phase, RunRow, RunStatus,
 };
-use hindsight_core::plan::{self, AdaptivePolicy as CorePolicy, PartialStep};
+use hindsight_core::plan::{self, AdaptivePolicy as CorePolicy};
+use hindsight_core::replay;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -286,27 +287,151 @@ impl LogDb {
         })
     }
 
-    /// [(idx, seconds, checkpoint, materialize_seconds, restore_seconds)]
-    #[allow(clippy::type_complexity)]
+    /// The recorded iterations of `loop_name`, in order.
     fn iterations(
         &self,
         py: Python<'_>,
         run_id: String,
         loop_name: String,
-    ) -> PyResult<Vec<(u64, f64, Option<String>, Option<f64>, Option<f64>)>> {
+    ) -> PyResult<Vec<Iteration>> {
         let rows = self.with(py, |db| db.iterations(&run_id, &loop_name))?;
         Ok(rows
             .into_iter()
-            .map(|r| {
-                (
-                    r.idx,
-                    r.seconds,
-                    r.checkpoint,
-                    r.materialize_seconds,
-                    r.restore_seconds,
-                )
+            .map(|r| Iteration {
+                idx: r.idx,
+                seconds: r.seconds,
+                checkpoint: r.checkpoint,
+                materialize_seconds: r.materialize_seconds,
+                restore_seconds: r.restore_seconds,
             })
             .collect())
+    }
+
+    /// The replay plan of a run (`hindsight_core::replay`): which iterations
+    /// each worker restores or executes. `selected[i]`: iteration i is wanted.
+    #[pyo3(signature = (run_id, loop_name, in_store, selected, needs_inner, workers=1))]
+    fn plan_replay(
+        &self,
+        py: Python<'_>,
+        run_id: String,
+        loop_name: String,
+        in_store: HashSet<String>,
+        selected: Vec<bool>,
+        needs_inner: bool,
+        workers: usize,
+    ) -> PyResult<ReplayPlan> {
+        let plan = self.with(py, |db| {
+            let iterations = db.iterations(&run_id, &loop_name)?;
+            replay::plan(&replay::Request {
+                run_id: &run_id,
+                loop_name: &loop_name,
+                iterations: &iterations,
+                in_store: &in_store,
+                selected: &selected,
+                needs_inner,
+                workers,
+            })
+        })?;
+        Ok(ReplayPlan {
+            kind: plan.kind.as_str(),
+            workers: plan.workers.into_iter().map(WorkerPlan).collect(),
+        })
+    }
+}
+
+/// One recorded outer-loop iteration.
+#[pyclass(module = "hindsight._native", frozen, get_all)]
+#[derive(Debug)]
+pub(crate) struct Iteration {
+    idx: u64,
+    seconds: f64,
+    /// The checkpoint taken at its end, if one was.
+    checkpoint: Option<String>,
+    /// Seconds the training thread was blocked by that checkpoint.
+    materialize_seconds: Option<f64>,
+    /// Seconds a replay took to restore it.
+    restore_seconds: Option<f64>,
+}
+
+/// A replay plan: its kind and one plan per worker.
+#[pyclass(module = "hindsight._native", frozen)]
+#[derive(Debug)]
+pub(crate) struct ReplayPlan {
+    /// "partial" (outer-loop probes) or "parallel" (inner-loop probes).
+    #[pyo3(get)]
+    kind: &'static str,
+    workers: Vec<WorkerPlan>,
+}
+
+#[pymethods]
+impl ReplayPlan {
+    #[getter]
+    fn workers(&self) -> Vec<WorkerPlan> {
+        self.workers.clone()
+    }
+}
+
+/// What one replay worker does; its JSON form is the worker protocol
+/// (see `hindsight_core::replay`).
+#[pyclass(module = "hindsight._native", frozen, skip_from_py_object)]
+#[derive(Clone, Debug)]
+pub(crate) struct WorkerPlan(replay::WorkerPlan);
+
+#[pymethods]
+impl WorkerPlan {
+    #[staticmethod]
+    fn from_json(text: &str) -> PyResult<Self> {
+        replay::WorkerPlan::from_json(text).map(WorkerPlan).py_err()
+    }
+
+    /// The JSON handed to the worker, with the progress descriptor it inherits.
+    #[pyo3(signature = (progress_fd=None))]
+    fn to_json(&self, progress_fd: Option<i32>) -> PyResult<String> {
+        let mut p = self.0.clone();
+        p.progress_fd = progress_fd;
+        p.to_json().py_err()
+    }
+
+    #[getter]
+    fn run_id(&self) -> &str {
+        &self.0.run_id
+    }
+
+    #[getter]
+    fn worker(&self) -> usize {
+        self.0.worker
+    }
+
+    #[getter]
+    fn loop_name(&self) -> &str {
+        &self.0.loop_name
+    }
+
+    /// iteration -> "restore" | "execute"; iterations not listed are skipped.
+    #[getter]
+    fn modes(&self) -> BTreeMap<u64, &'static str> {
+        self.0
+            .modes
+            .iter()
+            .map(|(&i, m)| {
+                let m = match m {
+                    replay::Mode::Restore => "restore",
+                    replay::Mode::Execute => "execute",
+                };
+                (i, m)
+            })
+            .collect()
+    }
+
+    /// iteration -> checkpoint name, for every restored iteration.
+    #[getter]
+    fn checkpoints(&self) -> BTreeMap<u64, String> {
+        self.0.checkpoints.clone()
+    }
+
+    #[getter]
+    fn progress_fd(&self) -> Option<i32> {
+        self.0.progress_fd
     }
 }
 
@@ -356,55 +481,11 @@ impl AdaptivePolicy {
     }
 }
 
-/// Outer-loop probes: one (mode, restore_from) per iteration, mode in
-/// "skip" | "restore" | "execute".
-#[pyfunction]
-pub(crate) fn plan_partial(
-    n_iters: usize,
-    checkpoints: Vec<bool>,
-    selected: Vec<bool>,
-) -> Vec<(&'static str, Option<usize>)> {
-    plan::plan_partial(n_iters, &checkpoints, &selected)
-        .steps
-        .into_iter()
-        .map(|s| match s {
-            PartialStep::Skip => ("skip", None),
-            PartialStep::Restore => ("restore", None),
-            PartialStep::Execute { restore_from } => ("execute", restore_from),
-        })
-        .collect()
-}
-
-/// Inner-loop probes: segments (worker, start, end, restore_from, gap_start, gap_end, est_seconds).
-#[pyfunction]
-#[allow(clippy::type_complexity)]
-pub(crate) fn plan_segments(
-    n_iters: usize,
-    times: Vec<f64>,
-    checkpoints: Vec<bool>,
-    selected: Vec<bool>,
-    workers: usize,
-) -> Vec<(usize, usize, usize, Option<usize>, usize, usize, f64)> {
-    plan::plan_segments(n_iters, &times, &checkpoints, &selected, workers)
-        .into_iter()
-        .map(|s| {
-            (
-                s.worker,
-                s.range.start,
-                s.range.end,
-                s.restore_from,
-                s.pseudo_resume.start,
-                s.pseudo_resume.end,
-                s.est_seconds,
-            )
-        })
-        .collect()
-}
-
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<LogDb>()?;
     m.add_class::<AdaptivePolicy>()?;
-    m.add_function(wrap_pyfunction!(plan_partial, m)?)?;
-    m.add_function(wrap_pyfunction!(plan_segments, m)?)?;
+    m.add_class::<Iteration>()?;
+    m.add_class::<ReplayPlan>()?;
+    m.add_class::<WorkerPlan>()?;
     Ok(())
 }

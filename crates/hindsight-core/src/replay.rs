@@ -1,0 +1,303 @@
+//! The replay plan of one recorded run: which outer-loop iterations each
+//! worker restores from a checkpoint, which it executes, and which it skips.
+//! Computed here, once, from the recorded iterations, the checkpoints still
+//! in the store and the iterations the user selected; the driver hands each
+//! worker its [`WorkerPlan`] as JSON and the worker follows it.
+//!
+//! # Worker protocol
+//!
+//! `hindsight replay` starts one process per worker: the training script,
+//! with `$HINDSIGHT_REPLAY` naming a file that holds the worker's plan as
+//! JSON (this module's serde form of [`WorkerPlan`]) and `$HINDSIGHT_HOME`
+//! the project home. The worker visits only iterations with a mode:
+//! `restore` loads that iteration's checkpoint instead of running its inner
+//! loop, `execute` runs it. Iterations without a mode are skipped. If the
+//! plan has a `progress_fd`, the worker writes one line per finished
+//! iteration to it (`<index>\n`) and, before exiting, one summary line
+//! `steps <inner steps executed> restored <checkpoints restored>\n`.
+
+use std::collections::{BTreeMap, HashSet};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::logdb::IterationRow;
+use crate::plan::{self, PartialStep};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Restore the iteration's end-of-block checkpoint, skip its inner loop.
+    Restore,
+    /// Run the iteration's inner loop.
+    Execute,
+}
+
+/// What one worker process does.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorkerPlan {
+    pub run_id: String,
+    pub worker: usize,
+    /// The outer loop the modes index.
+    pub loop_name: String,
+    /// Mode of every iteration the worker visits (others are skipped).
+    pub modes: BTreeMap<u64, Mode>,
+    /// Checkpoint name of every iteration it restores.
+    pub checkpoints: BTreeMap<u64, String>,
+    /// A file descriptor inherited from the driver for progress lines.
+    pub progress_fd: Option<i32>,
+}
+
+impl WorkerPlan {
+    pub fn to_json(&self) -> Result<String> {
+        serde_json::to_string(self)
+            .map_err(|e| Error::internal(format!("replay plan did not serialize: {e}")))
+    }
+
+    pub fn from_json(text: &str) -> Result<WorkerPlan> {
+        serde_json::from_str(text).map_err(|e| Error::invalid("replay plan", e.to_string()))
+    }
+
+    /// The last iteration the worker needs; it can stop after it.
+    pub fn last_needed(&self) -> Option<u64> {
+        self.modes.keys().next_back().copied()
+    }
+
+    /// Iterations the worker visits (restores or executes).
+    pub fn visited(&self) -> usize {
+        self.modes.len()
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// Only outer-loop probes: restore where checkpoints are, one worker.
+    Partial,
+    /// Inner-loop probes: segments executed by several workers.
+    Parallel,
+}
+
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Partial => "partial",
+            Kind::Parallel => "parallel",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReplayPlan {
+    pub kind: Kind,
+    pub workers: Vec<WorkerPlan>,
+}
+
+/// What to replay of one run.
+#[derive(Debug)]
+pub struct Request<'a> {
+    pub run_id: &'a str,
+    pub loop_name: &'a str,
+    /// The run's recorded iterations of `loop_name`.
+    pub iterations: &'a [IterationRow],
+    /// Checkpoints present in the run's store.
+    pub in_store: &'a HashSet<String>,
+    /// Whether each iteration is wanted (index = iteration); missing = no.
+    pub selected: &'a [bool],
+    /// New probes inside the inner loop: its steps must run.
+    pub needs_inner: bool,
+    pub workers: usize,
+}
+
+/// Plan a replay (see the module docs).
+pub fn plan(req: &Request<'_>) -> Result<ReplayPlan> {
+    let n = match req.iterations.iter().map(|r| r.idx).max() {
+        Some(m) => m as usize + 1,
+        None => {
+            return Err(Error::invalid(
+                "replay",
+                format!(
+                    "run {} recorded no iterations of loop '{}'",
+                    req.run_id, req.loop_name
+                ),
+            ))
+        }
+    };
+    let mut times = vec![0.0; n];
+    let mut checkpoints: BTreeMap<u64, String> = BTreeMap::new();
+    for r in req.iterations {
+        times[r.idx as usize] = r.seconds;
+        if let Some(c) = r.checkpoint.as_ref().filter(|c| req.in_store.contains(*c)) {
+            checkpoints.insert(r.idx, c.clone());
+        }
+    }
+    let selected: Vec<bool> = (0..n)
+        .map(|i| req.selected.get(i).copied().unwrap_or(false))
+        .collect();
+    if !selected.iter().any(|&s| s) {
+        return Err(Error::invalid(
+            "replay selection",
+            format!("selects none of the {n} recorded iterations"),
+        ));
+    }
+    let has_ck: Vec<bool> = (0..n as u64)
+        .map(|i| checkpoints.contains_key(&i))
+        .collect();
+    let (kind, per_worker) = if req.needs_inner {
+        let mut by_worker: BTreeMap<usize, BTreeMap<u64, Mode>> = BTreeMap::new();
+        for s in plan::plan_segments(n, &times, &has_ck, &selected, req.workers.max(1)) {
+            let modes = by_worker.entry(s.worker).or_default();
+            if let Some(r) = s.restore_from {
+                modes.entry(r as u64).or_insert(Mode::Restore);
+            }
+            for i in s.pseudo_resume.chain(s.range) {
+                modes.insert(i as u64, Mode::Execute);
+            }
+        }
+        (Kind::Parallel, by_worker.into_values().collect::<Vec<_>>())
+    } else {
+        let mut modes: BTreeMap<u64, Mode> = BTreeMap::new();
+        for (i, step) in plan::plan_partial(n, &has_ck, &selected)
+            .steps
+            .into_iter()
+            .enumerate()
+        {
+            let (mode, restore_from) = match step {
+                PartialStep::Skip => continue,
+                PartialStep::Restore => (Mode::Restore, None),
+                PartialStep::Execute { restore_from } => (Mode::Execute, restore_from),
+            };
+            if let Some(r) = restore_from {
+                modes.entry(r as u64).or_insert(Mode::Restore);
+            }
+            modes.insert(i as u64, mode);
+        }
+        (Kind::Partial, vec![modes])
+    };
+    let mut workers = Vec::with_capacity(per_worker.len());
+    for (worker, modes) in per_worker.into_iter().enumerate() {
+        let mut own = BTreeMap::new();
+        for (&i, &m) in &modes {
+            if m != Mode::Restore {
+                continue;
+            }
+            let name = checkpoints.get(&i).ok_or_else(|| Error::NotFound {
+                what: "checkpoint",
+                name: format!("{}={i} of run {}", req.loop_name, req.run_id),
+                location:
+                    "the run's store (removed?); replay an earlier range with --where or re-record"
+                        .into(),
+            })?;
+            own.insert(i, name.clone());
+        }
+        workers.push(WorkerPlan {
+            run_id: req.run_id.into(),
+            worker,
+            loop_name: req.loop_name.into(),
+            modes,
+            checkpoints: own,
+            progress_fd: None,
+        });
+    }
+    Ok(ReplayPlan { kind, workers })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(n: u64, every: u64) -> Vec<IterationRow> {
+        (0..n)
+            .map(|i| IterationRow {
+                loop_name: "epoch".into(),
+                idx: i,
+                seconds: 1.0,
+                checkpoint: (i % every == 0).then(|| format!("r.epoch-{i:06}")),
+                materialize_seconds: None,
+                restore_seconds: None,
+            })
+            .collect()
+    }
+
+    fn store_of(rows: &[IterationRow]) -> HashSet<String> {
+        rows.iter().filter_map(|r| r.checkpoint.clone()).collect()
+    }
+
+    #[test]
+    fn outer_probes_restore_every_checkpointed_iteration() {
+        let it = rows(5, 1);
+        let store = store_of(&it);
+        let p = plan(&Request {
+            run_id: "r",
+            loop_name: "epoch",
+            iterations: &it,
+            in_store: &store,
+            selected: &[true; 5],
+            needs_inner: false,
+            workers: 1,
+        })
+        .unwrap();
+        assert_eq!(p.kind, Kind::Partial);
+        let w = &p.workers[0];
+        assert!(w.modes.values().all(|m| *m == Mode::Restore));
+        assert_eq!(w.checkpoints.len(), 5);
+        // The JSON the worker reads round-trips.
+        assert_eq!(&WorkerPlan::from_json(&w.to_json().unwrap()).unwrap(), w);
+        assert!(w.to_json().unwrap().contains(r#""0":"restore""#));
+    }
+
+    #[test]
+    fn missing_checkpoints_are_recomputed_and_a_removed_one_is_an_error() {
+        let it = rows(5, 2); // checkpoints at 0, 2, 4
+        let store = store_of(&it);
+        let req = |store: &HashSet<String>, sel: &[bool]| {
+            plan(&Request {
+                run_id: "r",
+                loop_name: "epoch",
+                iterations: &it,
+                in_store: store,
+                selected: sel,
+                needs_inner: false,
+                workers: 1,
+            })
+        };
+        let p = req(&store, &[true; 5]).unwrap();
+        let m = &p.workers[0].modes;
+        assert_eq!(m[&1], Mode::Execute);
+        assert_eq!(m[&3], Mode::Execute);
+        assert_eq!(m[&4], Mode::Restore);
+        // Nothing selected: a clear error.
+        assert!(matches!(
+            req(&store, &[false; 5]),
+            Err(Error::InvalidArgument { .. })
+        ));
+    }
+
+    #[test]
+    fn inner_probes_split_over_workers() {
+        let it = rows(8, 1);
+        let store = store_of(&it);
+        let p = plan(&Request {
+            run_id: "r",
+            loop_name: "epoch",
+            iterations: &it,
+            in_store: &store,
+            selected: &[true; 8],
+            needs_inner: true,
+            workers: 2,
+        })
+        .unwrap();
+        assert_eq!(p.kind, Kind::Parallel);
+        assert_eq!(p.workers.len(), 2);
+        let executed: usize = p
+            .workers
+            .iter()
+            .map(|w| w.modes.values().filter(|m| **m == Mode::Execute).count())
+            .sum();
+        assert_eq!(executed, 8, "each selected iteration executed once");
+        for w in &p.workers {
+            for (i, m) in &w.modes {
+                assert_eq!(*m == Mode::Restore, w.checkpoints.contains_key(i));
+            }
+        }
+    }
+}
