@@ -227,7 +227,7 @@ def db_iters(proj: Path) -> list[Any]:
 
 
 def replay_values(db: Any, run_id: str, name: str) -> dict[tuple[tuple[str, int], ...], Any]:
-    return {tuple(ctx): json.loads(v) for n, ctx, v, phase, _ in db.logs(run_id, [name]) if phase == "replay"}
+    return {tuple(r.ctx): json.loads(r.value_json) for r in db.logs(run_id, [name]) if r.phase == "replay"}
 
 
 def replay_summary(stdout: str) -> str:
@@ -473,7 +473,7 @@ def part_parallel(tab: Table, raw: dict[str, Any], proj: Path, epochs: int) -> N
         r["worker_loop_s"] = read_times(times)
         r["grad_norm"] = replay_values(db, info["run_id"], "grad_norm")
         r["weight_norm"] = replay_values(db, info["run_id"], "weight_norm")
-        r["divergences"] = db.divergences(info["run_id"])
+        r["divergences"] = [(d.name, d.ctx, d.record_value, d.replay_value) for d in db.divergences(info["run_id"])]
         results[jobs] = r
         print(
             f"  replay -j {jobs}: whole {r['wall_s']:.2f} s (exit {r['rc']}), worker loops "

@@ -75,3 +75,29 @@ def test_unrecordable_argument_is_refused_with_its_name(tmp_path: Path) -> None:
     )
     assert r.returncode != 0
     assert "hs.arg('model')" in r.stderr and "object" in r.stderr
+
+
+ARG_SCRIPT = """
+import json, hindsight as hs
+print(json.dumps({"layers": hs.arg("layers", [64, 64]), "name": hs.arg("name", None), "lr": hs.arg("lr", 0.1)}))
+"""
+
+
+def _run_args(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "args.py"
+    script.write_text(ARG_SCRIPT)
+    env = {**os.environ, "HINDSIGHT_HOME": str(tmp_path / "home")}
+    return subprocess.run([sys.executable, str(script), *argv], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_list_and_none_defaults_take_json_of_their_kind(tmp_path: Path) -> None:
+    r = _run_args(tmp_path, "--layers", "[128, 32]", "--name", "resnet")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"layers": [128, 32], "name": "resnet", "lr": 0.1}
+    bad = _run_args(tmp_path, "--layers", '{"a": 1}')
+    assert bad.returncode != 0 and "--layers" in bad.stderr and "list" in bad.stderr
+
+
+def test_a_flag_without_its_value_is_an_error(tmp_path: Path) -> None:
+    r = _run_args(tmp_path, "--lr")
+    assert r.returncode != 0 and "--lr" in r.stderr and "expected a value" in r.stderr

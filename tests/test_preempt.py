@@ -54,8 +54,8 @@ def series(home: Path) -> dict[str, dict[str, object]]:
         "db = _native.LogDb(os.path.join(os.environ['HINDSIGHT_HOME'], 'logs.db'))\n"
         "runs = db.runs()\nassert len(runs) == 1, [r['id'] for r in runs]\n"
         "out = {}\n"
-        "for name, ctx, value, phase, seq in db.logs(runs[0]['id']):\n"
-        "    out.setdefault(name, {})[json.dumps(ctx)] = json.loads(value)\n"
+        "for rec in db.logs(runs[0]['id']):\n"
+        "    out.setdefault(rec.name, {})[json.dumps(rec.ctx)] = json.loads(rec.value_json)\n"
         "print(json.dumps({'status': runs[0]['status'], 'logs': out}))\n"
     )
     r = subprocess.run(

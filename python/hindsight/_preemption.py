@@ -1,18 +1,17 @@
 """Preemption, shared by `hs.checkpointing` and the Lightning callback: which
-signals mean "checkpoint and leave", the exit code the batch system expects,
-the Slurm requeue, and the stop-then-exit sequence; plus the RNG state a
-checkpoint must carry for an exact resume. One copy of each, so the two
-front ends cannot drift."""
+signals mean "checkpoint and leave" and the handlers that catch them, the
+exit code the batch system expects, the Slurm requeue, and the
+stop-then-exit sequence. One copy of each, so the two front ends cannot
+drift."""
 
 from __future__ import annotations
 
 import os
-import random
 import re
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+import threading
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -26,6 +25,59 @@ def signals(catch_sigint: bool) -> list[int]:
     if catch_sigint:
         sigs.append(signal.SIGINT)
     return sigs
+
+
+class StopSignals:
+    """Handlers for `signals`: they only note the first signal (`received`);
+    the checkpoint is written on the training thread at the next step
+    boundary, never inside a handler. Installed from the main thread only
+    (Python delivers signals there). A signal arriving while not active
+    (after `restore`, or when another library put our handler back) goes to
+    the handler we replaced, so the process behaves as if we were never
+    there."""
+
+    def __init__(self, catch_sigint: bool) -> None:
+        self.catch_sigint = catch_sigint
+        self.received: int | None = None
+        self.active = False
+        self.replaced: dict[int, Any] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Handlers belong to this process: a pickled copy starts uninstalled.
+        return {"catch_sigint": self.catch_sigint, "received": None, "active": False, "replaced": {}}
+
+    def handler(self, signum: int, frame: Any) -> None:
+        if self.active:
+            if self.received is None:
+                self.received = signum
+            return
+        prev = self.replaced.get(signum, signal.SIG_DFL)
+        if callable(prev):
+            prev(signum, frame)
+        elif prev == signal.SIG_DFL and threading.current_thread() is threading.main_thread():
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    def install(self) -> None:
+        """Install (again, if another library replaced ours); keeps `received`."""
+        self.active = True
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in signals(self.catch_sigint):
+            current = signal.getsignal(sig)
+            if current == self.handler:
+                continue
+            self.replaced.setdefault(sig, current)
+            signal.signal(sig, self.handler)
+
+    def restore(self) -> None:
+        """Put back the handlers `install` replaced (where ours is still installed)."""
+        self.active = False
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, prev in self.replaced.items():
+            if signal.getsignal(sig) == self.handler:
+                signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
 
 
 def exit_code(explicit: int | None = None) -> int:
@@ -66,34 +118,3 @@ def leave(signum: int | None, checkpointed: str, code: int | None, *, requeue: b
             flush=True,
         )
     raise SystemExit(code)
-
-
-def rng_state() -> dict[str, Any]:
-    """Python's, NumPy's (if imported), torch's and CUDA's (if initialized) RNG states."""
-    state: dict[str, Any] = {"python": random.getstate()}
-    np = sys.modules.get("numpy")
-    if np is not None:
-        state["numpy"] = np.random.get_state()
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        state["torch"] = torch.get_rng_state()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Apply what `rng_state` captured (also after a round trip that turned tuples into lists)."""
-    if "python" in state:
-        v = state["python"]
-        random.setstate((v[0], tuple(v[1]), v[2]))
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(tuple(state["numpy"]))
-    if "torch" in state:
-        import torch
-
-        torch.set_rng_state(state["torch"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(list(state["cuda"]))

@@ -23,8 +23,9 @@ def dataframe(*names: str, run: str | list[str] | None = None) -> Any:
     """One pandas row per (run, loop context), one column per loop and per name.
 
     Values written by a replay appear beside the recorded ones in the same
-    run; where both exist for a context, the replayed value is shown (they
-    are equal unless the divergence check reported otherwise).
+    run; where both exist for a context, the recorded value is shown (the
+    engine's rule, the same as ``hindsight logs``; a replay that disagrees
+    is reported as a divergence).
     """
     import pandas as pd
 
@@ -44,13 +45,12 @@ def dataframe(*names: str, run: str | list[str] | None = None) -> Any:
     for r in runs:
         if _run._RUN is not None and r == _run._RUN.run_id:
             _run._RUN.flush_logs()
-        for name, ctx, value, phase, _seq in db.logs(r, list(names)):
-            for loop, _ in ctx:
+        for v in db.values(r, list(names)):
+            for loop, _ in v.ctx:
                 if loop not in loops:
                     loops.append(loop)
-            row = rows.setdefault((r, tuple(ctx)), {"run": r, **dict(ctx)})
-            if phase == "replay" or name not in row:
-                row[name] = json.loads(value)
+            row = rows.setdefault((r, tuple(v.ctx)), {"run": r, **dict(v.ctx)})
+            row[v.name] = json.loads(v.value_json)
     order = sorted(rows, key=lambda k: (runs.index(k[0]), [v for _, v in k[1]], len(k[1])))
     columns = ["run", *loops, *names]
     df = pd.DataFrame([rows[k] for k in order], columns=columns)

@@ -326,6 +326,10 @@ class Store:
         return self._native.flush(timeout)
 
     def remove(self, name: str) -> None:
+        """Remove a checkpoint. Saves still in flight finish first (a pending
+        save of ``name`` cannot reappear after the remove; its error, if any,
+        is still reported by its handle or the next call). Durable on return;
+        ``gc`` reclaims the space."""
         self._native.remove(name)
 
     def verify(self, names: Sequence[str] | None = None) -> builtins.list[str]:
@@ -333,7 +337,10 @@ class Store:
         return self._native.verify(list(names) if names is not None else None)[1]
 
     def gc(self) -> dict[str, int]:
-        """Delete chunks no checkpoint references. Safe while other processes save."""
+        """Delete chunks no checkpoint references. Safe while other processes
+        save: a save that reuses unchanged tensors checks their chunks under
+        the store's lock and copies again any that gc (or quarantine) took.
+        Chunks of a save that failed stay until gc."""
         return self._native.gc()
 
     def usage(self) -> dict[str, int]:

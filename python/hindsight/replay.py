@@ -241,11 +241,11 @@ def replay_one(
             sys.stderr.write(w.stderr_tail)
     divergences = db.divergences(run["id"])
     if divergences:
-        name, ctx, rec, rep = divergences[0]
-        where = ", ".join(f"{k}={v}" for k, v in ctx) or "top level"
+        first = divergences[0]
+        where = ", ".join(f"{k}={v}" for k, v in first.ctx) or "top level"
         print(
             f"DIVERGENCE in run {run['id']}: {len(divergences)} value(s) differ between record and replay; "
-            f"first: {name} at {where}: recorded {rec}, replayed {rep}",
+            f"first: {first.name} at {where}: recorded {first.record_value}, replayed {first.replay_value}",
             file=sys.stderr,
         )
     steps = sum(w.steps for w in workers)

@@ -33,7 +33,7 @@ macro_rules! outln {
     }};
 }
 
-pub use hindsight_core::project as home;
+pub use hindsight_core::runs::project as home;
 mod runcmds;
 
 use runcmds::PhaseFilter;
@@ -684,7 +684,7 @@ pub fn human_size(bytes: u64) -> String {
     format!("{value:.1} {}", UNITS[unit])
 }
 
-pub use hindsight_core::dates::{format_iso8601, format_utc};
+pub use hindsight_core::runs::dates::{format_iso8601, format_utc};
 
 #[cfg(test)]
 mod tests {

@@ -3,11 +3,11 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
 
-use hindsight_core::{Error, LogDb, Phase, RunRow, RunStatus};
+use hindsight_core::{Error, LogDb, LogValue, Phase, RunRow, RunStatus};
 use serde_json::json;
 
 use crate::{format_iso8601, format_utc, plural, table, Align, Failure, EXIT_OK};
-use hindsight_core::json::{self as jsontext, Object};
+use hindsight_core::runs::json::{self as jsontext, Object};
 
 /// Which phase's values `logs` shows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -21,12 +21,14 @@ pub(crate) enum PhaseFilter {
 }
 
 impl PhaseFilter {
-    fn admits(self, phase: Phase) -> bool {
+    /// `value` with what this filter hides removed; None when nothing is left.
+    fn apply(self, mut value: LogValue) -> Option<LogValue> {
         match self {
-            PhaseFilter::All => true,
-            PhaseFilter::Record => phase == Phase::Record,
-            PhaseFilter::Replay => phase == Phase::Replay,
+            PhaseFilter::All => {}
+            PhaseFilter::Record => value.replayed = None,
+            PhaseFilter::Replay => value.recorded = None,
         }
+        (value.recorded.is_some() || value.replayed.is_some()).then_some(value)
     }
 }
 
@@ -155,8 +157,8 @@ fn latest_run(db: &LogDb) -> Result<RunRow, Failure> {
 struct CtxRow {
     ctx: Vec<(String, i64)>,
     ctx_json: String,
-    /// Name -> (recorded value, replayed value), both compact JSON text.
-    cells: HashMap<String, (Option<String>, Option<String>)>,
+    /// Name -> what each phase logged there.
+    cells: HashMap<String, LogValue>,
 }
 
 pub(crate) fn cmd_logs(
@@ -204,25 +206,20 @@ pub(crate) fn cmd_logs(
     // Rows by context: the integer tuple in nesting order (a context sorts
     // before the contexts nested in it), then the loop names.
     let mut rows: BTreeMap<(Vec<i64>, String), CtxRow> = BTreeMap::new();
-    for rec in db.logs(&run.id, &names)? {
-        if !phase.admits(rec.phase) {
+    for value in db.values(&run.id, &names)? {
+        let Some(value) = phase.apply(value) else {
             continue;
-        }
+        };
         let key = (
-            rec.ctx.iter().map(|(_, i)| *i).collect::<Vec<_>>(),
-            rec.ctx_json.clone(),
+            value.ctx.iter().map(|(_, i)| *i).collect::<Vec<_>>(),
+            value.ctx_json.clone(),
         );
         let row = rows.entry(key).or_insert_with(|| CtxRow {
-            ctx: rec.ctx.clone(),
-            ctx_json: rec.ctx_json.clone(),
+            ctx: value.ctx.clone(),
+            ctx_json: value.ctx_json.clone(),
             cells: HashMap::new(),
         });
-        let cell = row.cells.entry(rec.name).or_default();
-        let value = Some(jsontext::compact(&rec.value_json));
-        match rec.phase {
-            Phase::Record => cell.0 = value,
-            Phase::Replay => cell.1 = value,
-        }
+        row.cells.insert(value.name.clone(), value);
     }
 
     if json {
@@ -256,11 +253,13 @@ pub(crate) fn cmd_logs(
                 })
                 .collect();
             line.extend(names.iter().map(|n| match row.cells.get(n) {
-                Some((Some(rec), Some(rep))) if !jsontext::values_equal(rec, rep) => {
-                    format!("{rec} (replay: {rep})")
-                }
-                Some((Some(v), _) | (None, Some(v))) => v.clone(),
-                _ => String::new(),
+                Some(v) if v.diverged() => format!(
+                    "{} (replay: {})",
+                    jsontext::compact(v.value()),
+                    jsontext::compact(v.replayed.as_deref().unwrap_or_default())
+                ),
+                Some(v) => jsontext::compact(v.value()),
+                None => String::new(),
             }));
             line
         })
@@ -275,17 +274,13 @@ pub(crate) fn cmd_logs(
 fn ctx_row_json(row: &CtxRow, names: &[String]) -> String {
     let (mut values, mut replayed, mut diverged) = (Object::new(), Object::new(), Object::new());
     for name in names {
-        let Some((rec, rep)) = row.cells.get(name) else {
+        let Some(v) = row.cells.get(name) else {
             continue;
         };
-        if let Some(v) = rec.as_ref().or(rep.as_ref()) {
-            values.raw(name, v);
-        }
-        replayed.value(name, &json!(rep.is_some()));
-        if let (Some(a), Some(b)) = (rec, rep) {
-            if !jsontext::values_equal(a, b) {
-                diverged.raw(name, b);
-            }
+        values.raw(name, &jsontext::compact(v.value()));
+        replayed.value(name, &json!(v.replayed.is_some()));
+        if let (true, Some(b)) = (v.diverged(), &v.replayed) {
+            diverged.raw(name, &jsontext::compact(b));
         }
     }
     Object::new()
@@ -335,7 +330,12 @@ pub(crate) fn cmd_show_run(db: &LogDb, run: &RunRow, out: &mut String) -> Result
             run.source_hash,
             plural(files.len() as u64, "file")
         ),
-        Err(_) => outln!(out, "source      {}", run.source_hash),
+        // A missing snapshot is possible (a run created without one); an
+        // unreadable one is damage and must not look fine.
+        Err(Error::NotFound { .. }) => {
+            outln!(out, "source      {} (snapshot missing)", run.source_hash)
+        }
+        Err(e) => outln!(out, "source      {} (unreadable: {e})", run.source_hash),
     }
     if let Some(key) = &run.resume_key {
         outln!(out, "resume key  {key}");

@@ -358,10 +358,14 @@ fn verify_names_checkpoint_key_and_file_of_a_flipped_byte() {
         o.stdout,
         format!(
             "FAIL ckpt-1: corrupt checkpoint 'ckpt-1' at key 'w': chunk content does not match \
-             its hash (file <STORE>/{})\nok   good\nverified 2 checkpoints: 1 problem\n",
+             its hash (quarantined: the next save holding these bytes writes them again) \
+             (file <STORE>/{})\nok   good\nverified 2 checkpoints: 1 problem\n",
             rel.display()
         )
     );
+    // The damaged chunk is out of use (dedup will not trust it) but kept aside.
+    assert!(!file.exists());
+    assert!(s.root.join("quarantine").join(&hex).exists());
 
     // Only the intact one: exit 0.
     let o = hindsight(&["verify", "--store", s.path(), "--name", "good"], &s);

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
-use hindsight_core::logdb::{IterationRow, LogDb, LogRow, NewRun, Phase, RunStatus};
+use hindsight_core::runs::db::{IterationRow, LogDb, LogRow, NewRun, Phase, RunStatus};
 use hindsight_core::{Array, ArrayLib, Node, Store, Writer, WriterOptions};
 
 /// 2024-03-01 12:00:00 UTC.

@@ -1,43 +1,37 @@
-//! hindsight engine: a crash-safe, deduplicating checkpoint store with a
-//! background writer. No Python here; the binding lives in `hindsight-py`.
+//! hindsight engine. No Python here; the binding lives in `hindsight-py`.
+//!
+//! - [`checkpoint`]: the crash-safe, deduplicating checkpoint store with a
+//!   background writer (format, storage backends, replica, retention).
+//! - [`runs`]: recorded runs and their logs (project home, log database,
+//!   adaptive policy, replay plans, resume selection).
+//! - Shared by both and by the services built on them: [`error`],
+//!   [`durable`] writes, [`sync`] and [`staging`] memory.
 
-pub mod dates;
+pub mod checkpoint;
 pub mod durable;
 pub mod error;
-pub mod fingerprint;
-pub mod format;
-pub mod json;
-pub mod logdb;
-pub mod mem;
-pub mod naming;
-pub mod plan;
-pub mod project;
-pub mod replay;
-pub mod replica;
-pub mod resume;
-pub mod retention;
-#[cfg(feature = "s3")]
-pub mod s3;
-pub mod storage;
-pub mod store;
+pub mod runs;
+pub mod staging;
 pub mod sync;
-pub mod upload;
-pub mod writer;
 
-pub use error::{Error, ErrorKind, Result};
-pub use fingerprint::{fingerprint, fingerprint_many, Fingerprint};
-pub use format::{Array, ArrayLib, Blob, ChunkId, Codec, Manifest, Node};
-pub use logdb::{
-    Divergence, IterationRow, LogDb, LogRecord, LogRow, NewRun, Phase, RunRow, RunStatus,
-};
-pub use naming::{CheckpointId, Kind as CheckpointKind};
-pub use plan::{
-    partition, plan_partial, plan_segments, AdaptivePolicy, PartialPlan, PartialStep, Segment,
-};
-pub use replica::{MetricSource, ReadTree, Replica};
+pub use checkpoint::fingerprint::{fingerprint, fingerprint_many, Fingerprint};
+pub use checkpoint::format::{Array, ArrayLib, Blob, ChunkId, Codec, Manifest, Node};
+pub use checkpoint::location::Location;
+pub use checkpoint::naming::{CheckpointId, Kind as CheckpointKind};
+pub use checkpoint::replica::{MetricSource, ReadTree, Replica};
 #[cfg(feature = "s3")]
-pub use s3::S3Storage;
-pub use storage::{LocalStorage, Storage};
-pub use store::{GcReport, Store, StoreOptions, Usage};
-pub use upload::{copy_checkpoint, CopyStats, Uploader};
-pub use writer::{SaveBuilder, SaveHandle, SaveStats, StagedBlob, Writer, WriterOptions};
+pub use checkpoint::s3::S3Storage;
+pub use checkpoint::storage::{LocalStorage, Storage};
+pub use checkpoint::store::{GcReport, Store, StoreOptions, Usage};
+pub use checkpoint::upload::{copy_checkpoint, CopyStats, Uploader};
+pub use checkpoint::writer::{
+    ReuseLock, SaveBuilder, SaveHandle, SaveStats, StagedBlob, Writer, WriterOptions,
+};
+pub use error::{Error, ErrorKind, Result};
+pub use runs::adaptive::AdaptivePolicy;
+pub use runs::db::{
+    Divergence, IterationRow, LogDb, LogRecord, LogRow, LogValue, NewRun, Phase, RunRow, RunStatus,
+};
+pub use runs::replay::schedule::{
+    partition, plan_partial, plan_segments, PartialPlan, PartialStep, Segment,
+};

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use hindsight_core::format::{chunk_header, Codec};
+use hindsight_core::checkpoint::format::{chunk_header, Codec};
 use hindsight_core::{ChunkId, Error, LocalStorage, Storage};
 
 /// An encoded raw chunk file for `raw`, as the store would write it.
@@ -37,6 +37,7 @@ pub fn check_backend(make: impl Fn() -> Arc<dyn Storage>) {
     put_existing_chunk_is_harmless(&*make());
     list_chunks_reports_ids_and_sizes(&*make());
     delete_chunk_is_idempotent(&*make());
+    quarantined_chunk_is_out_of_use_and_can_be_written_again(&*make());
     manifests(&*make());
     missing_manifest_is_not_found(&*make());
     sync_works(&*make());
@@ -115,6 +116,20 @@ fn list_chunks_reports_ids_and_sizes(s: &dyn Storage) {
     got.sort();
     want.sort();
     assert_eq!(got, want);
+}
+
+fn quarantined_chunk_is_out_of_use_and_can_be_written_again(s: &dyn Storage) {
+    let (a, ha, pa) = encoded(b"rotten chunk");
+    s.put_chunk(&a, &[&ha, &pa]).unwrap();
+    s.sync().unwrap();
+    s.quarantine_chunk(&a).unwrap();
+    assert!(!s.has_chunk(&a).unwrap(), "dedup must not find it");
+    assert!(s.list_chunks().unwrap().iter().all(|c| c.0 != a));
+    s.quarantine_chunk(&a).unwrap(); // already gone: fine
+    s.put_chunk(&a, &[&ha, &pa]).unwrap();
+    s.sync().unwrap();
+    assert!(s.has_chunk(&a).unwrap());
+    assert_eq!(read_all(s, &a), [ha.as_slice(), pa.as_slice()].concat());
 }
 
 fn delete_chunk_is_idempotent(s: &dyn Storage) {

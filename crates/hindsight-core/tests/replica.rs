@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use hindsight_core::retention::{BestMode, Retention};
+use hindsight_core::checkpoint::retention::{BestMode, Retention};
 use hindsight_core::{
     CheckpointId, CheckpointKind, Error, MetricSource, Node, Replica, Store, StoreOptions,
     WriterOptions,

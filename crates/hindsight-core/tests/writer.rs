@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hindsight_core::storage::LockGuard;
-use hindsight_core::store::blobs_under;
+use hindsight_core::checkpoint::storage::LockGuard;
+use hindsight_core::checkpoint::store::blobs_under;
 use hindsight_core::{
     fingerprint, Array, ArrayLib, Blob, ChunkId, Codec, Error, LocalStorage, Node, SaveHandle,
     SaveStats, Storage, Store, StoreOptions, Writer, WriterOptions,

@@ -207,12 +207,28 @@ impl Store {
             lock(&self.cache).clear();
             return Err(errors::to_py(e));
         }
-        core::format::validate_name(&name).py_err()?;
+        core::checkpoint::format::validate_name(&name).py_err()?;
         let mut cache = if skip_unchanged {
             std::mem::take(&mut *lock(&self.cache))
         } else {
             HashMap::new()
         };
+        // Reuse only blobs whose chunks are still there (a gc after a remove,
+        // or quarantine, may have taken them) and whose save did not fail;
+        // the lock this is checked under is held until this save commits.
+        let mut reuse_lock = None;
+        if !cache.is_empty() {
+            let entries: Vec<(tree::CacheKey, tree::CacheEntry)> = cache.drain().collect();
+            let blobs: Vec<&core::Blob> = entries.iter().map(|(_, e)| &e.blob).collect();
+            let (guard, ok) = interrupt::run(py, |_| writer.confirm_reuse(&blobs))?;
+            drop(blobs);
+            cache = entries
+                .into_iter()
+                .zip(ok)
+                .filter_map(|(kv, ok)| ok.then_some(kv))
+                .collect();
+            reuse_lock = Some(guard);
+        }
         let mut walk = tree::SaveWalk::new(
             describe,
             materialize,
@@ -234,6 +250,9 @@ impl Store {
         }
         let result = interrupt::run(py, |intr| {
             let mut b = writer.begin(&name)?;
+            if let Some(l) = reuse_lock {
+                b.hold(l);
+            }
             let segment = b.fingerprint_segment();
             let proven = tree::verify_unchanged(&mut slots, &sources, segment, copy_threads);
             let srcs: Vec<&[u8]> = tree::stage_order(&slots)
@@ -325,8 +344,16 @@ impl Store {
 
     /// Remove a checkpoint (local-first: locally first, then at the destination,
     /// so a crash in between never leaves a local copy that would be uploaded again).
+    /// A save of `name` still in flight finishes first (so it cannot
+    /// reappear after the remove); then the checkpoint is removed.
     fn remove(&self, py: Python<'_>, name: String) -> PyResult<()> {
-        interrupt::run(py, |_| self.replica.remove(&name))
+        let writer = lock(&self.writer).clone();
+        interrupt::run(py, |_| {
+            if let Some(w) = &writer {
+                w.settle()?;
+            }
+            self.replica.remove(&name)
+        })
     }
 
     /// Verify checkpoints (all by default); local-first checks each where it is.
@@ -397,8 +424,8 @@ impl Store {
         metrics: Option<HashMap<u64, f64>>,
         monitor: Option<String>,
     ) -> PyResult<Vec<String>> {
-        let mode: core::retention::BestMode = best_mode.parse().py_err()?;
-        let policy = core::retention::Retention {
+        let mode: core::checkpoint::retention::BestMode = best_mode.parse().py_err()?;
+        let policy = core::checkpoint::retention::Retention {
             keep_last,
             keep_best: keep_best.map(|k| (k, mode)),
             keep_every,
@@ -442,10 +469,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run_cli, m)?)?;
     runs::register(m)?;
     project::register(m)?;
-    m.add("FORMAT_VERSION", core::format::FORMAT_VERSION)?;
+    m.add("FORMAT_VERSION", core::checkpoint::format::FORMAT_VERSION)?;
     m.add(
         "DEFAULT_STAGING_BYTES",
-        core::writer::default_staging_bytes(),
+        core::checkpoint::writer::default_staging_bytes(),
     )?;
     Ok(())
 }

@@ -1,9 +1,10 @@
-//! Where a project's things are (`hindsight_core::project`), for the Python
+//! Where a project's things are (`hindsight_core::runs::project`), for the Python
 //! layer: the same rule the CLI uses, from one place.
 
 use std::path::PathBuf;
 
-use hindsight_core::{project, Error, Store};
+use hindsight_core::runs::project;
+use hindsight_core::{Error, Location, Store};
 use pyo3::prelude::*;
 
 use crate::interrupt;
@@ -52,9 +53,24 @@ pub(crate) fn checkpoint_names(py: Python<'_>, location: String) -> PyResult<Vec
     })
 }
 
+/// A store location as the engine reads it: `s3://bucket/prefix` without a
+/// trailing slash, or an absolute directory. `what` names the argument in
+/// the error; `local` requires a directory.
+#[pyfunction]
+#[pyo3(signature = (location, what, local=false))]
+pub(crate) fn store_location(location: &str, what: &str, local: bool) -> PyResult<String> {
+    let parsed = if local {
+        Location::parse_local(location, what).map(Location::Local)
+    } else {
+        Location::parse(location, what)
+    };
+    Ok(parsed.map_err(crate::errors::to_py)?.to_string())
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ProjectPaths>()?;
     m.add_function(wrap_pyfunction!(project_paths, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoint_names, m)?)?;
+    m.add_function(wrap_pyfunction!(store_location, m)?)?;
     Ok(())
 }

@@ -1,22 +1,28 @@
 //! Binding of the run/log database and the replay planner.
 
-// Methods mirror Python signatures (keyword arguments, plain tuples for rows).
-#![allow(clippy::too_many_arguments, clippy::type_complexity)]
+// Methods mirror Python signatures (keyword arguments).
+#![allow(clippy::too_many_arguments)]
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use hindsight_core::logdb::{
-    self, IterationRow, LogDb as CoreDb, LogRow, NewRun, Phase, RunRow, RunStatus,
+use hindsight_core::runs::adaptive::{self, AdaptivePolicy as CorePolicy};
+use hindsight_core::runs::dates::now_ms;
+use hindsight_core::runs::db::{
+    IterationRow, LogDb as CoreDb, LogRow, NewRun, Phase, RunRow, RunStatus,
 };
-use hindsight_core::plan::{self, AdaptivePolicy as CorePolicy};
-use hindsight_core::replay;
+use hindsight_core::runs::replay;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::IntoPy;
 use crate::interrupt;
+
+/// A log row as `hs.log` buffers it: (name, context, JSON text). A tuple,
+/// not a class, on purpose: it is the per-call hot path of `hs.log`, and
+/// batches of 1024 cross here at once.
+type LogTuple = (String, Vec<(String, i64)>, String);
 
 fn run_dict<'py>(py: Python<'py>, r: &RunRow) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
@@ -121,9 +127,7 @@ impl LogDb {
         ended: bool,
     ) -> PyResult<()> {
         let st = status(status_name)?;
-        self.with(py, |db| {
-            db.set_status(&run_id, st, ended.then(logdb::now_ms))
-        })
+        self.with(py, |db| db.set_status(&run_id, st, ended.then(now_ms)))
     }
 
     fn set_args(&self, py: Python<'_>, run_id: String, args_json: String) -> PyResult<()> {
@@ -177,7 +181,7 @@ impl LogDb {
         resume_key: String,
         explicit: bool,
     ) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let here = hindsight_core::resume::Here::current();
+        let here = hindsight_core::runs::resume::Here::current();
         let r = self.with(py, |db| db.run_to_resume(&resume_key, explicit, &here))?;
         r.map(|r| run_dict(py, &r)).transpose()
     }
@@ -196,7 +200,7 @@ impl LogDb {
         py: Python<'_>,
         run_id: String,
         phase_name: &str,
-        rows: Vec<(String, Vec<(String, i64)>, String)>,
+        rows: Vec<LogTuple>,
     ) -> PyResult<()> {
         let ph = phase(phase_name)?;
         let rows: Vec<LogRow> = rows
@@ -210,26 +214,41 @@ impl LogDb {
         self.with(py, |db| db.append_logs(&run_id, ph, &rows))
     }
 
-    /// [(name, ctx, value_json, phase, seq)] ordered by seq; empty names = all.
+    /// Stored rows ordered by `seq`; empty names = all.
     #[pyo3(signature = (run_id, names=Vec::new()))]
-    #[allow(clippy::type_complexity)]
-    fn logs(
+    fn logs(&self, py: Python<'_>, run_id: String, names: Vec<String>) -> PyResult<Vec<LogRecord>> {
+        let recs = self.with(py, |db| db.logs(&run_id, &names))?;
+        Ok(recs
+            .into_iter()
+            .map(|r| LogRecord {
+                name: r.name,
+                ctx: r.ctx,
+                value_json: r.value_json,
+                phase: r.phase.as_str(),
+                seq: r.seq,
+            })
+            .collect())
+    }
+
+    /// One entry per (name, loop context), both phases merged; `value_json`
+    /// is the value to show (the engine's rule: recorded first).
+    #[pyo3(signature = (run_id, names=Vec::new()))]
+    fn values(
         &self,
         py: Python<'_>,
         run_id: String,
         names: Vec<String>,
-    ) -> PyResult<Vec<(String, Vec<(String, i64)>, String, String, i64)>> {
-        let recs = self.with(py, |db| db.logs(&run_id, &names))?;
-        Ok(recs
+    ) -> PyResult<Vec<LogValue>> {
+        let values = self.with(py, |db| db.values(&run_id, &names))?;
+        Ok(values
             .into_iter()
-            .map(|r| {
-                (
-                    r.name,
-                    r.ctx,
-                    r.value_json,
-                    r.phase.as_str().to_string(),
-                    r.seq,
-                )
+            .map(|v| LogValue {
+                value_json: v.value().to_string(),
+                diverged: v.diverged(),
+                name: v.name,
+                ctx: v.ctx,
+                recorded: v.recorded,
+                replayed: v.replayed,
             })
             .collect())
     }
@@ -238,17 +257,18 @@ impl LogDb {
         self.with(py, |db| db.log_names(&run_id))
     }
 
-    /// [(name, ctx, record_value, replay_value)] first differing context first.
-    #[allow(clippy::type_complexity)]
-    fn divergences(
-        &self,
-        py: Python<'_>,
-        run_id: String,
-    ) -> PyResult<Vec<(String, Vec<(String, i64)>, String, String)>> {
+    /// Values both phases logged at the same context that differ, first
+    /// differing context first.
+    fn divergences(&self, py: Python<'_>, run_id: String) -> PyResult<Vec<Divergence>> {
         let ds = self.with(py, |db| db.divergences(&run_id))?;
         Ok(ds
             .into_iter()
-            .map(|d| (d.name, d.ctx, d.record_value, d.replay_value))
+            .map(|d| Divergence {
+                name: d.name,
+                ctx: d.ctx,
+                record_value: d.record_value,
+                replay_value: d.replay_value,
+            })
             .collect())
     }
 
@@ -307,7 +327,7 @@ impl LogDb {
             .collect())
     }
 
-    /// The replay plan of a run (`hindsight_core::replay`): which iterations
+    /// The replay plan of a run (`hindsight_core::runs::replay`): which iterations
     /// each worker restores or executes. `selected[i]`: iteration i is wanted.
     #[pyo3(signature = (run_id, loop_name, in_store, selected, needs_inner, workers=1))]
     fn plan_replay(
@@ -340,6 +360,44 @@ impl LogDb {
 }
 
 /// One recorded outer-loop iteration.
+/// One stored log row (`LogDb.logs`).
+#[pyclass(module = "hindsight._native", frozen, get_all)]
+#[derive(Debug)]
+pub(crate) struct LogRecord {
+    name: String,
+    /// The loop context, outermost first: `[("epoch", 3), ("step", 17)]`.
+    ctx: Vec<(String, i64)>,
+    value_json: String,
+    /// "record" or "replay".
+    phase: &'static str,
+    /// Position in the run's write order.
+    seq: i64,
+}
+
+/// A name at one loop context with both phases merged (`LogDb.values`).
+#[pyclass(module = "hindsight._native", frozen, get_all)]
+#[derive(Debug)]
+pub(crate) struct LogValue {
+    name: String,
+    ctx: Vec<(String, i64)>,
+    /// The value to show: recorded if the run logged it, else replayed.
+    value_json: String,
+    recorded: Option<String>,
+    replayed: Option<String>,
+    /// Both phases logged it and the values differ.
+    diverged: bool,
+}
+
+/// A value the record and a replay logged differently (`LogDb.divergences`).
+#[pyclass(module = "hindsight._native", frozen, get_all)]
+#[derive(Debug)]
+pub(crate) struct Divergence {
+    name: String,
+    ctx: Vec<(String, i64)>,
+    record_value: String,
+    replay_value: String,
+}
+
 #[pyclass(module = "hindsight._native", frozen, get_all)]
 #[derive(Debug)]
 pub(crate) struct Iteration {
@@ -372,7 +430,7 @@ impl ReplayPlan {
 }
 
 /// What one replay worker does; its JSON form is the worker protocol
-/// (see `hindsight_core::replay`).
+/// (see `hindsight_core::runs::replay`).
 #[pyclass(module = "hindsight._native", frozen, skip_from_py_object)]
 #[derive(Clone, Debug)]
 pub(crate) struct WorkerPlan(replay::WorkerPlan);
@@ -446,7 +504,7 @@ pub struct AdaptivePolicy {
 #[pymethods]
 impl AdaptivePolicy {
     #[new]
-    #[pyo3(signature = (epsilon=plan::DEFAULT_EPSILON))]
+    #[pyo3(signature = (epsilon=adaptive::DEFAULT_EPSILON))]
     fn new(epsilon: f64) -> Self {
         AdaptivePolicy {
             inner: CorePolicy::new(epsilon),
@@ -485,6 +543,9 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<LogDb>()?;
     m.add_class::<AdaptivePolicy>()?;
     m.add_class::<Iteration>()?;
+    m.add_class::<LogRecord>()?;
+    m.add_class::<LogValue>()?;
+    m.add_class::<Divergence>()?;
     m.add_class::<ReplayPlan>()?;
     m.add_class::<WorkerPlan>()?;
     Ok(())

@@ -40,7 +40,7 @@ pub(crate) enum Content {
 pub(crate) struct CacheEntry {
     version: i64,
     content: Content,
-    blob: Blob,
+    pub(crate) blob: Blob,
     /// Holding the tensor keeps its memory from being reused by another
     /// tensor, so a cache key cannot be matched by a recycled address.
     _keep: Py<PyAny>,
@@ -278,8 +278,8 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
         let device: String = d.get_item(7)?.extract()?;
         let host: bool = d.get_item(8)?.extract()?;
         let version: Option<i64> = d.get_item(9)?.extract()?;
-        let expected =
-            core::format::itemsize(lib, &dtype).map(|s| s * shape.iter().product::<u64>());
+        let expected = core::checkpoint::format::itemsize(lib, &dtype)
+            .map(|s| s * shape.iter().product::<u64>());
         if expected != Some(nbytes as u64) {
             return Err(unsupported(
                 path,

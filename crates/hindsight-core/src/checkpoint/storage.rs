@@ -14,12 +14,13 @@ use std::collections::BTreeSet;
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io::Read;
+use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
+use crate::checkpoint::format::ChunkId;
 use crate::durable::{self, DirSync};
 use crate::error::{Error, Result};
-use crate::format::ChunkId;
 
 /// Name of the store options file at the root of every store.
 pub const CONFIG_FILE: &str = "HINDSIGHT.json";
@@ -41,6 +42,13 @@ pub trait Storage: Send + Sync + fmt::Debug {
     /// Every chunk and its encoded size on storage.
     fn list_chunks(&self) -> Result<Vec<(ChunkId, u64)>>;
     fn delete_chunk(&self, id: &ChunkId) -> Result<()>;
+    /// Take a chunk whose content is damaged out of use, so the next save
+    /// that has its bytes writes it again (dedup would otherwise trust it).
+    /// Backends keep the damaged bytes aside where they can; the default
+    /// deletes them.
+    fn quarantine_chunk(&self, id: &ChunkId) -> Result<()> {
+        self.delete_chunk(id)
+    }
     /// Make every chunk put so far durable.
     fn sync(&self) -> Result<()>;
 
@@ -95,6 +103,7 @@ impl LocalStorage {
     pub fn open(root: &Path) -> Result<Self> {
         for sub in ["chunks", "manifests", "tmp"] {
             let d = root.join(sub);
+            refuse_symlink(&d)?;
             crate::durable::create_dir_durable(&d)?;
         }
         Ok(LocalStorage {
@@ -115,6 +124,7 @@ impl LocalStorage {
             .truncate(false)
             .read(true)
             .write(true)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&path)
             .map_err(|e| Error::io(&path, e))?;
         loop {
@@ -128,6 +138,22 @@ impl LocalStorage {
                 return Err(Error::io(&path, err));
             }
         }
+    }
+}
+
+/// A store never writes or deletes outside its own tree: a store directory
+/// that is a symbolic link (`ln -s ~/thesis store/tmp`) is refused, so gc
+/// cannot empty its target.
+fn refuse_symlink(path: &Path) -> Result<()> {
+    match fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => Err(Error::PermissionDenied {
+            path: path.to_path_buf(),
+            source: std::io::Error::other(
+                "is a symbolic link; a store's own directories must be real directories \
+                 (it never writes or deletes outside its tree)",
+            ),
+        }),
+        _ => Ok(()),
     }
 }
 
@@ -187,13 +213,34 @@ impl Storage for LocalStorage {
         }
     }
 
+    fn quarantine_chunk(&self, id: &ChunkId) -> Result<()> {
+        let from = self.chunk_path(id);
+        let dir = self.root.join("quarantine");
+        refuse_symlink(&dir)?;
+        durable::create_dir_durable(&dir)?;
+        let to = dir.join(id.to_hex());
+        match fs::rename(&from, &to) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(Error::io(from, e)),
+        }
+        durable::sync_dir(from.parent().unwrap_or(&self.root))?;
+        durable::sync_dir(&dir)
+    }
+
     fn list_chunks(&self) -> Result<Vec<(ChunkId, u64)>> {
         let base = self.root.join("chunks");
         let mut out = Vec::new();
         for fan in fs::read_dir(&base).map_err(|e| Error::io(&base, e))? {
             let fan = fan.map_err(|e| Error::io(&base, e))?;
             let prefix = fan.file_name().to_string_lossy().into_owned();
-            if !fan.path().is_dir() {
+            // `file_type` does not follow links: a symlinked fan-out
+            // directory is not ours, and gc must not delete through it.
+            if !fan
+                .file_type()
+                .map_err(|e| Error::io(fan.path(), e))?
+                .is_dir()
+            {
                 continue;
             }
             for f in fs::read_dir(fan.path()).map_err(|e| Error::io(fan.path(), e))? {
@@ -313,6 +360,7 @@ impl Storage for LocalStorage {
     }
 
     fn clean_staging(&self) -> Result<u64> {
+        refuse_symlink(&self.tmp)?; // replaced since open: still not ours to empty
         let mut n = 0;
         for e in fs::read_dir(&self.tmp).map_err(|e| Error::io(&self.tmp, e))? {
             let e = e.map_err(|e| Error::io(&self.tmp, e))?;

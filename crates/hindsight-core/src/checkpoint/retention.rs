@@ -5,8 +5,8 @@
 //! it. The newest checkpoint is always kept, whatever the policy says, so a
 //! resume always has somewhere to start.
 
+use crate::checkpoint::naming::CheckpointId;
 use crate::error::{Error, Result};
-use crate::naming::CheckpointId;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BestMode {
@@ -140,7 +140,7 @@ pub fn removals(entries: &[Entry], prefix: &str, policy: &Retention) -> Vec<Chec
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::naming::Kind;
+    use crate::checkpoint::naming::Kind;
     use proptest::prelude::*;
 
     fn id(index: u64, kind: Kind) -> CheckpointId {

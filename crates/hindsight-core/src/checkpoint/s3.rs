@@ -68,9 +68,9 @@ use object_store::{
     ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, UpdateVersion,
 };
 
+use crate::checkpoint::format::ChunkId;
+use crate::checkpoint::storage::{LockGuard, Storage, CONFIG_FILE};
 use crate::error::{Error, Result};
-use crate::format::ChunkId;
-use crate::storage::{LockGuard, Storage, CONFIG_FILE};
 use crate::sync::lock;
 
 /// A lease not renewed for this long belongs to a dead process.

@@ -16,6 +16,29 @@ pub fn zeroed(len: usize) -> Vec<u8> {
     v
 }
 
+/// Like [`zeroed`], but `None` instead of aborting the process when the
+/// memory cannot be had: for sizes read from a file, which may lie.
+pub fn try_zeroed(len: usize) -> Option<Vec<u8>> {
+    if len == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(len).ok()?;
+    // SAFETY: the layout has a non-zero size. A non-null result is an
+    // allocation of `len` zeroed bytes with the global allocator and u8's
+    // alignment, exactly what a Vec<u8> of capacity `len` owns and frees.
+    let v = unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout);
+        if ptr.is_null() {
+            return None;
+        }
+        Vec::from_raw_parts(ptr, len, len)
+    };
+    if len >= 2 * HUGE {
+        advise_huge(&v);
+    }
+    Some(v)
+}
+
 #[cfg(target_os = "linux")]
 fn advise_huge(v: &[u8]) {
     let start = v.as_ptr() as usize;
@@ -45,6 +68,14 @@ mod tests {
             let v = super::zeroed(len);
             assert_eq!(v.len(), len);
             assert!(v.iter().all(|&b| b == 0));
+            let w = super::try_zeroed(len).unwrap();
+            assert_eq!(w.len(), len);
+            assert!(w.iter().all(|&b| b == 0));
         }
+    }
+
+    #[test]
+    fn an_impossible_size_is_refused_not_fatal() {
+        assert!(super::try_zeroed(usize::MAX / 2).is_none());
     }
 }

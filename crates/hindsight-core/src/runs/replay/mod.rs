@@ -16,13 +16,15 @@
 //! iteration to it (`<index>\n`) and, before exiting, one summary line
 //! `steps <inner steps executed> restored <checkpoints restored>\n`.
 
+pub mod schedule;
+
 use std::collections::{BTreeMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 
+use self::schedule::PartialStep;
 use crate::error::{Error, Result};
-use crate::logdb::IterationRow;
-use crate::plan::{self, PartialStep};
+use crate::runs::db::IterationRow;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -144,7 +146,7 @@ pub fn plan(req: &Request<'_>) -> Result<ReplayPlan> {
         .collect();
     let (kind, per_worker) = if req.needs_inner {
         let mut by_worker: BTreeMap<usize, BTreeMap<u64, Mode>> = BTreeMap::new();
-        for s in plan::plan_segments(n, &times, &has_ck, &selected, req.workers.max(1)) {
+        for s in schedule::plan_segments(n, &times, &has_ck, &selected, req.workers.max(1)) {
             let modes = by_worker.entry(s.worker).or_default();
             if let Some(r) = s.restore_from {
                 modes.entry(r as u64).or_insert(Mode::Restore);
@@ -156,7 +158,7 @@ pub fn plan(req: &Request<'_>) -> Result<ReplayPlan> {
         (Kind::Parallel, by_worker.into_values().collect::<Vec<_>>())
     } else {
         let mut modes: BTreeMap<u64, Mode> = BTreeMap::new();
-        for (i, step) in plan::plan_partial(n, &has_ck, &selected)
+        for (i, step) in schedule::plan_partial(n, &has_ck, &selected)
             .steps
             .into_iter()
             .enumerate()

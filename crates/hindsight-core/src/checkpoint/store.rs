@@ -8,11 +8,14 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
+use crate::checkpoint::format::{
+    self, Blob, ChunkId, Codec, Manifest, Node, CHUNK_HEADER_LEN, FORMAT_VERSION,
+};
+use crate::checkpoint::location::Location;
+use crate::checkpoint::storage::{LocalStorage, Storage, CONFIG_FILE};
+use crate::checkpoint::writer::Cancel;
 use crate::error::{Error, Result};
-use crate::format::{self, Blob, ChunkId, Codec, Manifest, Node, CHUNK_HEADER_LEN, FORMAT_VERSION};
-use crate::storage::{LocalStorage, Storage, CONFIG_FILE};
 use crate::sync::lock;
-use crate::writer::Cancel;
 
 pub const DEFAULT_CHUNK_SIZE: usize = 4 << 20;
 
@@ -94,20 +97,20 @@ impl Store {
     /// Open a store by location: `s3://bucket/prefix` (with the `s3` feature;
     /// connection settings from the AWS environment variables) or a local directory.
     pub fn open_url(url: &str, create: bool, options: Option<StoreOptions>) -> Result<Store> {
-        if url.starts_with("s3://") {
+        match Location::parse(url, "store")? {
             #[cfg(feature = "s3")]
-            return Store::open_storage(
-                Arc::new(crate::s3::S3Storage::open(url)?),
+            Location::S3(url) => Store::open_storage(
+                Arc::new(crate::checkpoint::s3::S3Storage::open(&url)?),
                 create,
                 options,
-            );
+            ),
             #[cfg(not(feature = "s3"))]
-            return Err(Error::invalid(
+            Location::S3(url) => Err(Error::invalid(
                 "store URL",
                 format!("{url}: this build of hindsight has no S3 support (cargo feature `s3`)"),
-            ));
+            )),
+            Location::Local(dir) => Store::open_local(&dir, create, options),
         }
-        Store::open_local(Path::new(url), create, options)
     }
 
     /// Open the store kept in `storage` (its options file says how it was
@@ -215,8 +218,35 @@ impl Store {
         Ok(())
     }
 
-    /// Read one chunk into `dest` (exactly its raw length) and verify its hash.
+    /// Read one chunk into `dest` (exactly its raw length) and verify its
+    /// hash. A chunk found damaged is quarantined: later saves that hold
+    /// its bytes write it again, which repairs every checkpoint sharing it.
     pub fn read_chunk_into(&self, id: &ChunkId, dest: &mut [u8]) -> Result<()> {
+        match self.check_chunk_into(id, dest) {
+            Err(Error::Corrupt {
+                path,
+                checkpoint,
+                key_path,
+                detail,
+            }) if self.storage.has_chunk(id).unwrap_or(false) => {
+                let detail = match self.storage.quarantine_chunk(id) {
+                    Ok(()) => format!(
+                        "{detail} (quarantined: the next save holding these bytes writes them again)"
+                    ),
+                    Err(q) => format!("{detail} (could not quarantine it: {q})"),
+                };
+                Err(Error::Corrupt {
+                    path,
+                    checkpoint,
+                    key_path,
+                    detail,
+                })
+            }
+            r => r,
+        }
+    }
+
+    fn check_chunk_into(&self, id: &ChunkId, dest: &mut [u8]) -> Result<()> {
         let path = self.storage.chunk_path(id);
         let mut r = self.storage.open_chunk(id)?;
         let mut header = [0u8; CHUNK_HEADER_LEN];
@@ -294,10 +324,24 @@ impl Store {
         node.for_each_blob(&mut base.to_vec(), &mut |p, b| {
             blobs.push((p.join("/"), b.clone()))
         });
-        let mut buffers: Vec<Vec<u8>> = blobs
-            .iter()
-            .map(|(_, b)| crate::mem::zeroed(b.nbytes as usize))
-            .collect();
+        // Sizes come from the manifest: a checksum-valid but hostile one may
+        // claim more than any machine has, which must be an error, not an abort.
+        let mut buffers: Vec<Vec<u8>> = Vec::with_capacity(blobs.len());
+        for (key, b) in &blobs {
+            let buf = usize::try_from(b.nbytes)
+                .ok()
+                .and_then(crate::staging::try_zeroed)
+                .ok_or_else(|| {
+                    Error::corrupt(
+                        self.storage.manifest_path(checkpoint),
+                        format!(
+                            "key '{key}' claims {} bytes, more than can be allocated here",
+                            b.nbytes
+                        ),
+                    )
+                })?;
+            buffers.push(buf);
+        }
         let mut work = Vec::new();
         for ((key, blob), buf) in blobs.iter().zip(buffers.iter_mut()) {
             let mut rest: &mut [u8] = buf;
@@ -454,7 +498,9 @@ impl Store {
             names.to_vec()
         };
         let mut problems = Vec::new();
-        let mut checked: HashMap<ChunkId, Option<String>> = HashMap::new();
+        // Per chunk: None if intact, else what is wrong with it (the first
+        // read quarantines a damaged chunk, so it is read once).
+        let mut checked: HashMap<ChunkId, Option<(std::path::PathBuf, String)>> = HashMap::new();
         let mut buf = Vec::new();
         for name in &names {
             progress(name);
@@ -477,20 +523,20 @@ impl Store {
                 for c in &blob.chunks {
                     let result = checked.entry(c.id).or_insert_with(|| {
                         buf.resize(c.len as usize, 0);
-                        self.read_chunk_into(&c.id, &mut buf)
-                            .err()
-                            .map(|e| e.to_string())
+                        match self.read_chunk_into(&c.id, &mut buf) {
+                            Ok(()) => None,
+                            Err(Error::Corrupt { path, detail, .. }) => Some((path, detail)),
+                            Err(e) => Some((self.storage.chunk_path(&c.id), e.to_string())),
+                        }
                     });
-                    if result.is_some() && reported.insert(c.id) {
-                        let error = match self.read_chunk_into(&c.id, &mut vec![0; c.len as usize])
-                        {
-                            Err(e) => e.in_checkpoint(name, &key),
-                            Ok(()) => continue,
-                        };
-                        problems.push(Problem {
-                            checkpoint: Some(name.clone()),
-                            error,
-                        });
+                    if let Some((path, detail)) = result {
+                        if reported.insert(c.id) {
+                            problems.push(Problem {
+                                checkpoint: Some(name.clone()),
+                                error: Error::corrupt(path.clone(), detail.clone())
+                                    .in_checkpoint(name, &key),
+                            });
+                        }
                     }
                 }
             }

@@ -81,7 +81,7 @@ impl CheckpointId {
             index,
             kind,
         };
-        crate::format::validate_name(&id.name())?;
+        crate::checkpoint::format::validate_name(&id.name())?;
         Ok(id)
     }
 

@@ -7,8 +7,8 @@
 //! or the same host with its process dead (kill -9, OOM). A live run of the
 //! same command is left alone and the new process starts a new run.
 
-use crate::json::{self, J};
-use crate::logdb::{LogDb, RunRow, RunStatus};
+use crate::runs::db::{LogDb, RunRow, RunStatus};
+use crate::runs::json::{self, J};
 use crate::Result;
 
 /// Where the asking process runs.

@@ -12,14 +12,15 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
-use crate::fingerprint::{self, Fingerprint, SegmentHasher, COPY_STEP};
-use crate::format::{
+use crate::checkpoint::fingerprint::{self, Fingerprint, SegmentHasher, COPY_STEP};
+use crate::checkpoint::format::{
     self, Blob, ChunkId, ChunkRef, Manifest, Node, Pending, StagedChunks, FORMAT_VERSION,
 };
-use crate::store::Store;
+use crate::checkpoint::storage::LockGuard;
+use crate::checkpoint::store::Store;
+use crate::checkpoint::upload::Uploader;
+use crate::error::{Error, Result};
 use crate::sync::lock;
-use crate::upload::Uploader;
 
 #[derive(Clone, Debug)]
 pub struct WriterOptions {
@@ -99,7 +100,7 @@ impl Budget {
         // memory is undefined behaviour. Large fresh blocks are usually zero
         // pages from mmap, and steady-state saves reuse pooled blocks, so the
         // zeroing is rarely paid.
-        crate::mem::zeroed(len)
+        crate::staging::zeroed(len)
     }
 
     fn release(&self, buf: Vec<u8>) {
@@ -225,6 +226,9 @@ struct Job {
     state: Mutex<JobState>,
     cv: Condvar,
     handle: Arc<HandleState>,
+    /// The store's shared lock, taken by the caller before it decided which
+    /// chunks to reuse ([`SaveBuilder::hold_lock`]); kept until the commit.
+    held: Mutex<Option<Box<dyn LockGuard>>>,
 }
 
 #[derive(Debug, Default)]
@@ -389,6 +393,7 @@ impl Writer {
             state: Default::default(),
             cv: Condvar::new(),
             handle: Default::default(),
+            held: Mutex::new(None),
         });
         {
             let mut q = lock(&self.shared.queue);
@@ -414,31 +419,9 @@ impl Writer {
     pub fn flush_timeout(&self, timeout: Option<Duration>) -> Result<bool> {
         self.check_process()?;
         let deadline = timeout.map(|t| Instant::now() + t);
-        let mut q = lock(&self.shared.queue);
-        while !q.jobs.is_empty() || q.running > 0 {
-            match deadline {
-                None => {
-                    q = self
-                        .shared
-                        .queue_cv
-                        .wait(q)
-                        .unwrap_or_else(|p| p.into_inner())
-                }
-                Some(d) => {
-                    let now = Instant::now();
-                    if now >= d {
-                        return Ok(false);
-                    }
-                    q = self
-                        .shared
-                        .queue_cv
-                        .wait_timeout(q, d - now)
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0;
-                }
-            }
+        if !self.wait_idle(deadline) {
+            return Ok(false);
         }
-        drop(q);
         if let Some(u) = &self.shared.uploader {
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             if !u.flush_timeout(left)? {
@@ -447,6 +430,40 @@ impl Writer {
         }
         self.take_error()?;
         Ok(true)
+    }
+
+    /// Wait until no save is queued or running; a failure stays unreported
+    /// (for the save's handle or the next call). `remove` calls this so that
+    /// a save in flight of the removed name cannot commit after it.
+    pub fn settle(&self) -> Result<()> {
+        self.check_process()?;
+        self.wait_idle(None);
+        Ok(())
+    }
+
+    fn wait_idle(&self, deadline: Option<Instant>) -> bool {
+        let mut q = lock(&self.shared.queue);
+        while !q.jobs.is_empty() || q.running > 0 {
+            q = match deadline {
+                None => self
+                    .shared
+                    .queue_cv
+                    .wait(q)
+                    .unwrap_or_else(|p| p.into_inner()),
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        return false;
+                    }
+                    self.shared
+                        .queue_cv
+                        .wait_timeout(q, d - now)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0
+                }
+            };
+        }
+        true
     }
 
     pub fn flush(&self) -> Result<()> {
@@ -508,7 +525,55 @@ pub struct StagedBlob {
 /// A cancellation check polled while staging waits or copies.
 pub type Cancel<'a> = &'a (dyn Fn() -> bool + Sync);
 
+/// The store's shared lock, taken to decide which earlier blobs a save may
+/// reuse and held by that save until it commits ([`Writer::confirm_reuse`]).
+#[derive(Debug)]
+pub struct ReuseLock(Box<dyn LockGuard>);
+
+impl Writer {
+    /// Which of `blobs` (from earlier saves of this writer) a new save may
+    /// reuse instead of copying: not from a save that failed, and every
+    /// chunk still in the store. Returns the shared lock under which that was
+    /// checked; give it to the save with [`SaveBuilder::hold`] so gc (in any
+    /// process) cannot delete those chunks before the save commits. A blob
+    /// whose chunks are gone (gc after a remove, quarantine after damage) is
+    /// then copied again instead of failing the save.
+    pub fn confirm_reuse(&self, blobs: &[&Blob]) -> Result<(ReuseLock, Vec<bool>)> {
+        let storage = self.shared.store.storage();
+        let guard = storage.lock_shared()?;
+        let mut present: std::collections::HashMap<ChunkId, bool> = Default::default();
+        let mut ok = Vec::with_capacity(blobs.len());
+        for b in blobs {
+            if b.from_failed_save() {
+                ok.push(false);
+                continue;
+            }
+            // Chunks still unknown belong to a save in flight, which holds
+            // the lock until it commits, and this save commits after it.
+            let mut all = true;
+            for c in b.known_chunks().unwrap_or_default() {
+                let here = match present.get(&c.id) {
+                    Some(&h) => h,
+                    None => {
+                        let h = storage.has_chunk(&c.id)?;
+                        present.insert(c.id, h);
+                        h
+                    }
+                };
+                all &= here;
+            }
+            ok.push(all);
+        }
+        Ok((ReuseLock(guard), ok))
+    }
+}
+
 impl SaveBuilder<'_> {
+    /// Keep `lock` until this save is committed (or fails).
+    pub fn hold(&mut self, lock: ReuseLock) {
+        *crate::sync::lock(&self.job.held) = Some(lock.0);
+    }
+
     /// Copy each source into staging and return one pending blob per source,
     /// with the [`Fingerprint`] of the bytes copied (computed during the copy).
     /// Copies run on up to `copy_threads` threads; returns once every byte is
@@ -705,6 +770,11 @@ fn dispatcher_loop(shared: &Shared, tasks: &mpsc::Sender<Task>) {
             }
         };
         let result = run_job(shared, &job, tasks);
+        if result.is_err() {
+            job.chunks.failed.store(true, Ordering::Release);
+        }
+        // A lock taken for this save by its caller is released with it.
+        drop(lock(&job.held).take());
         let aborted = lock(&job.state).aborted;
         match (&result, &shared.uploader) {
             (Err(e), _) if !aborted => {
@@ -790,7 +860,7 @@ fn run_job(
         .collect::<Result<_>>()
         .map_err(Arc::new)?;
     let own_ids: HashSet<ChunkId> = own.iter().map(|c| c.id).collect();
-    let _ = job.chunks.0.set(own);
+    let _ = job.chunks.refs.set(own);
 
     // Resolve pending blobs; chunks from earlier saves must still exist.
     let mut root = root;
@@ -798,7 +868,7 @@ fn run_job(
     let mut foreign: Vec<ChunkId> = Vec::new();
     root.for_each_blob_mut(&mut |b| {
         if let Some(p) = b.pending.take() {
-            match p.chunks.0.get() {
+            match p.chunks.refs.get() {
                 Some(all) if p.range.end <= all.len() => b.chunks = all[p.range.clone()].to_vec(),
                 _ => {
                     problem.get_or_insert(Error::invalid(

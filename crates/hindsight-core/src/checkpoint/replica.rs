@@ -8,13 +8,13 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
+use crate::checkpoint::format::{Manifest, Node};
+use crate::checkpoint::naming::{self, CheckpointId};
+use crate::checkpoint::retention::{self, Entry, Retention};
+use crate::checkpoint::store::{DescribeRow, GcReport, Problem, Store, StoreOptions, Usage};
+use crate::checkpoint::upload::Uploader;
+use crate::checkpoint::writer::{Cancel, Writer, WriterOptions};
 use crate::error::{Error, Result};
-use crate::format::{Manifest, Node};
-use crate::naming::{self, CheckpointId};
-use crate::retention::{self, Entry, Retention};
-use crate::store::{DescribeRow, GcReport, Problem, Store, StoreOptions, Usage};
-use crate::upload::Uploader;
-use crate::writer::{Cancel, Writer, WriterOptions};
 
 /// Manifest metadata keys of a checkpoint's retention metric.
 pub const META_MONITOR: &str = "monitor";
@@ -162,21 +162,53 @@ impl Replica {
         cancel: Cancel<'_>,
     ) -> Result<ReadTree> {
         let store = self.holder(name)?;
-        let manifest = store.manifest(name)?;
-        let node = manifest
-            .root
-            .select(path)
-            .cloned()
-            .ok_or_else(|| Error::NotFound {
-                what: "key path",
-                name: path.join("/"),
-                location: format!("checkpoint '{name}' in store {}", store.location()),
-            })?;
-        let buffers = store.read_blobs(name, &node, path, threads, cancel)?;
-        Ok(ReadTree {
-            manifest,
-            node,
-            buffers,
+        // Another process may replace (save again) or remove the checkpoint
+        // and gc its old chunks while we read. A failed read is damage only
+        // if the manifest is still the one we read; otherwise read the new
+        // one, or report the removal. Never call a race corruption.
+        const ATTEMPTS: usize = 3;
+        for _ in 0..ATTEMPTS {
+            let manifest = store.manifest(name)?;
+            let node = manifest
+                .root
+                .select(path)
+                .cloned()
+                .ok_or_else(|| Error::NotFound {
+                    what: "key path",
+                    name: path.join("/"),
+                    location: format!("checkpoint '{name}' in store {}", store.location()),
+                })?;
+            let err = match store.read_blobs(name, &node, path, threads, cancel) {
+                Ok(buffers) => {
+                    return Ok(ReadTree {
+                        manifest,
+                        node,
+                        buffers,
+                    })
+                }
+                Err(e @ (Error::Corrupt { .. } | Error::NotFound { .. })) => e,
+                Err(e) => return Err(e),
+            };
+            match store.manifest(name) {
+                Err(Error::NotFound { .. }) => {
+                    return Err(Error::NotFound {
+                        what: "checkpoint",
+                        name: name.to_string(),
+                        location: format!(
+                            "store {} (removed by another process while it was being loaded)",
+                            store.location()
+                        ),
+                    })
+                }
+                Ok(now) if now != manifest => continue, // replaced: read the new one
+                _ => return Err(err),
+            }
+        }
+        Err(Error::Precondition {
+            path: store.storage().manifest_path(name),
+            source: std::io::Error::other(format!(
+                "checkpoint '{name}' was replaced by another process {ATTEMPTS} times while loading; load again"
+            )),
         })
     }
 

@@ -107,6 +107,14 @@ pub fn parse_chunk_header(h: &[u8], path: &Path) -> Result<(Codec, u64)> {
     }
     let codec = Codec::from_byte(h[4])
         .ok_or_else(|| Error::corrupt(path, format!("unknown codec {}", h[4])))?;
+    // Reserved bytes are written as zeros; anything else is damage the
+    // content hash (over the raw bytes) would not see.
+    if h[5..8] != [0, 0, 0] {
+        return Err(Error::corrupt(
+            path,
+            "chunk header: reserved bytes are not zero",
+        ));
+    }
     let mut len = [0u8; 8];
     len.copy_from_slice(&h[8..16]);
     Ok((codec, u64::from_le_bytes(len)))
@@ -132,7 +140,30 @@ pub struct Blob {
 
 /// The chunk refs of one save, known once its background work hashed them.
 #[derive(Debug, Default)]
-pub struct StagedChunks(pub std::sync::OnceLock<Vec<ChunkRef>>);
+pub struct StagedChunks {
+    pub refs: std::sync::OnceLock<Vec<ChunkRef>>,
+    /// The save failed or was abandoned: its chunks will never be known, so
+    /// a later save must not reuse its blobs.
+    pub failed: std::sync::atomic::AtomicBool,
+}
+
+impl Blob {
+    /// The chunks of this blob: its own, or those of the save it is pending
+    /// in once that save has hashed them (None while still unknown).
+    pub fn known_chunks(&self) -> Option<&[ChunkRef]> {
+        match &self.pending {
+            None => Some(&self.chunks),
+            Some(p) => p.chunks.refs.get().and_then(|all| all.get(p.range.clone())),
+        }
+    }
+
+    /// This blob belongs to a save that failed: reusing it cannot work.
+    pub fn from_failed_save(&self) -> bool {
+        self.pending
+            .as_ref()
+            .is_some_and(|p| p.chunks.failed.load(std::sync::atomic::Ordering::Acquire))
+    }
+}
 
 #[derive(Clone, Debug)]
 pub struct Pending {
@@ -349,33 +380,103 @@ impl Manifest {
         Ok(m)
     }
 
-    /// Structural checks a checksum cannot give (a manifest written by a buggy or hostile writer).
+    /// Structural checks a checksum cannot give (a manifest written by a
+    /// buggy or hostile writer): every length with checked arithmetic, the
+    /// node grammar (dict keys are scalars or tuples of them), integers,
+    /// dtypes and shapes that Python can build.
     fn validate(&self) -> Result<(), String> {
-        let mut err = None;
-        let mut path = Vec::new();
-        self.root.for_each_blob(&mut path, &mut |p, b| {
-            let sum: u64 = b.chunks.iter().map(|c| c.len).sum();
-            if err.is_none() && sum != b.nbytes {
-                err = Some(format!(
-                    "blob at '{}' has {} bytes in chunks but claims {}",
-                    p.join("/"),
-                    sum,
-                    b.nbytes
-                ));
-            }
-        });
-        if let Some(e) = err {
-            return Err(e);
-        }
-        validate_arrays(&self.root, &mut Vec::new())
+        validate_node(&self.root, &mut Vec::new(), 0)
     }
 }
 
-fn validate_arrays(node: &Node, path: &mut Vec<String>) -> Result<(), String> {
+/// The largest chunk any store writes (`chunk_size` is at most 1 GiB).
+pub const MAX_CHUNK_LEN: u64 = 1 << 30;
+/// Python refuses to parse longer decimal integers by default.
+const MAX_BIGINT_DIGITS: usize = 4300;
+/// Nesting deeper than this is not a checkpoint (and would risk the stack).
+const MAX_DEPTH: usize = 512;
+
+fn validate_blob(b: &Blob, path: &[String]) -> Result<(), String> {
+    let mut sum: u64 = 0;
+    for c in &b.chunks {
+        if c.len == 0 || c.len > MAX_CHUNK_LEN {
+            return Err(format!(
+                "blob at '{}' has a chunk of {} bytes (allowed: 1..={MAX_CHUNK_LEN})",
+                path.join("/"),
+                c.len
+            ));
+        }
+        sum = sum
+            .checked_add(c.len)
+            .ok_or_else(|| format!("chunk lengths of '{}' overflow", path.join("/")))?;
+    }
+    if sum != b.nbytes {
+        return Err(format!(
+            "blob at '{}' has {sum} bytes in chunks but claims {}",
+            path.join("/"),
+            b.nbytes
+        ));
+    }
+    Ok(())
+}
+
+fn validate_bigint(s: &str, path: &[String]) -> Result<(), String> {
+    let digits = s.strip_prefix('-').unwrap_or(s);
+    if digits.is_empty()
+        || digits.len() > MAX_BIGINT_DIGITS
+        || !digits.bytes().all(|c| c.is_ascii_digit())
+    {
+        return Err(format!(
+            "integer at '{}' is not a decimal of at most {MAX_BIGINT_DIGITS} digits",
+            path.join("/")
+        ));
+    }
+    Ok(())
+}
+
+/// Dict keys: what Python can hash and we can label.
+fn validate_key(k: &Node, path: &[String]) -> Result<(), String> {
+    match k {
+        Node::None | Node::Bool(_) | Node::Int(_) | Node::Float(_) | Node::Str(_) => Ok(()),
+        Node::BigInt(s) => validate_bigint(s, path),
+        Node::Tuple(items) => items.iter().try_for_each(|i| validate_key(i, path)),
+        other => Err(format!(
+            "a {} is used as a dict key at '{}'",
+            other.kind(),
+            path.join("/")
+        )),
+    }
+}
+
+fn validate_node(node: &Node, path: &mut Vec<String>, depth: usize) -> Result<(), String> {
+    if depth > MAX_DEPTH {
+        return Err(format!(
+            "nesting deeper than {MAX_DEPTH} at '{}'",
+            path.join("/")
+        ));
+    }
     match node {
+        Node::None | Node::Bool(_) | Node::Int(_) | Node::Float(_) | Node::Str(_) => Ok(()),
+        Node::BigInt(s) => validate_bigint(s, path),
+        Node::Bytes(b) | Node::Pickle(b) => validate_blob(b, path),
         Node::Array(a) => {
+            validate_blob(&a.data, path)?;
             let item = itemsize(a.lib, &a.dtype)
                 .ok_or_else(|| format!("unknown dtype {:?} at '{}'", a.dtype, path.join("/")))?;
+            if a.byte_order != "little" {
+                return Err(format!(
+                    "byte order {:?} at '{}' (only \"little\" is written)",
+                    a.byte_order,
+                    path.join("/")
+                ));
+            }
+            if a.shape.len() > 64 || a.shape.iter().any(|&d| d > i64::MAX as u64) {
+                return Err(format!(
+                    "shape {:?} at '{}' is not one an array can have",
+                    a.shape,
+                    path.join("/")
+                ));
+            }
             let n = a
                 .shape
                 .iter()
@@ -395,18 +496,18 @@ fn validate_arrays(node: &Node, path: &mut Vec<String>) -> Result<(), String> {
         Node::List(items) | Node::Tuple(items) => {
             items.iter().enumerate().try_for_each(|(i, n)| {
                 path.push(i.to_string());
-                let r = validate_arrays(n, path);
+                let r = validate_node(n, path, depth + 1);
                 path.pop();
                 r
             })
         }
         Node::Dict(items) => items.iter().try_for_each(|(k, v)| {
+            validate_key(k, path)?;
             path.push(k.key_label());
-            let r = validate_arrays(v, path);
+            let r = validate_node(v, path, depth + 1);
             path.pop();
             r
         }),
-        _ => Ok(()),
     }
 }
 
@@ -431,7 +532,14 @@ pub fn itemsize(lib: ArrayLib, dtype: &str) -> Option<u64> {
             {
                 return None;
             }
-            dtype[2..].parse::<u64>().ok().filter(|&n| n > 0 && n <= 32)
+            let n = dtype[2..].parse::<u64>().ok()?;
+            let ok = match b[1] {
+                b'b' => n == 1,
+                b'i' | b'u' => matches!(n, 1 | 2 | 4 | 8),
+                b'f' => matches!(n, 2 | 4 | 8 | 16),
+                _ => matches!(n, 8 | 16 | 32), // complex
+            };
+            ok.then_some(n)
         }
     }
 }
@@ -459,8 +567,22 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// What Python can use as a dict key (the format's key grammar).
+    fn arb_key() -> impl Strategy<Value = Node> {
+        let scalar = prop_oneof![
+            Just(Node::None),
+            any::<bool>().prop_map(Node::Bool),
+            any::<i64>().prop_map(Node::Int),
+            ".*".prop_map(Node::Str),
+        ];
+        prop_oneof![
+            scalar.clone(),
+            prop::collection::vec(scalar, 0..3).prop_map(Node::Tuple),
+        ]
+    }
+
     fn arb_blob() -> impl Strategy<Value = Blob> {
-        prop::collection::vec((any::<[u8; 32]>(), 0u64..1 << 40), 0..4).prop_map(|cs| {
+        prop::collection::vec((any::<[u8; 32]>(), 1u64..=MAX_CHUNK_LEN), 0..4).prop_map(|cs| {
             let chunks: Vec<ChunkRef> = cs
                 .into_iter()
                 .map(|(id, len)| ChunkRef {
@@ -519,7 +641,7 @@ mod tests {
             prop_oneof![
                 prop::collection::vec(inner.clone(), 0..6).prop_map(Node::List),
                 prop::collection::vec(inner.clone(), 0..6).prop_map(Node::Tuple),
-                prop::collection::vec((inner.clone(), inner), 0..6).prop_map(Node::Dict),
+                prop::collection::vec((arb_key(), inner), 0..6).prop_map(Node::Dict),
             ]
         })
     }

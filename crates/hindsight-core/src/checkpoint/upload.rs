@@ -14,9 +14,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::checkpoint::format::{ChunkId, Manifest};
+use crate::checkpoint::store::Store;
 use crate::error::{Error, Result};
-use crate::format::{ChunkId, Manifest};
-use crate::store::Store;
 use crate::sync::lock;
 
 /// Parallel transfers per checkpoint: object stores reward concurrency
@@ -36,7 +36,7 @@ pub struct CopyStats {
 /// so neither side's gc can remove a chunk mid-copy. Returns `Ok(None)` when
 /// `from` no longer has the checkpoint (it was removed meanwhile).
 pub fn copy_checkpoint(from: &Store, to: &Store, name: &str) -> Result<Option<CopyStats>> {
-    crate::format::validate_name(name)?;
+    crate::checkpoint::format::validate_name(name)?;
     let _from_lock = from.storage().lock_shared()?;
     let bytes = match from.storage().get_manifest(name) {
         Ok(b) => b,
@@ -300,7 +300,7 @@ impl Drop for Uploader {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::writer::{Writer, WriterOptions};
+    use crate::checkpoint::writer::{Writer, WriterOptions};
     use crate::Node;
     use std::collections::BTreeMap;
 

@@ -1,0 +1,16 @@
+//! Checkpoints: the on-disk format and tree visitor, content fingerprints,
+//! names, storage backends, the store (read, gc, verify), the background
+//! writer, the local-first replica, retention and upload.
+
+pub mod fingerprint;
+pub mod format;
+pub mod location;
+pub mod naming;
+pub mod replica;
+pub mod retention;
+#[cfg(feature = "s3")]
+pub mod s3;
+pub mod storage;
+pub mod store;
+pub mod upload;
+pub mod writer;

@@ -1,0 +1,290 @@
+//! The adaptive checkpoint policy of record (Flor's joint invariant). Pure:
+//! no I/O, no clocks; the caller measures times and feeds them in.
+
+/// Default record-overhead bound ε of the adaptive policy (1/15 ≈ 6.67%, Flor).
+pub const DEFAULT_EPSILON: f64 = 1.0 / 15.0;
+
+/// Adaptive checkpointing period: Flor's *Joint Invariant* (seed 001, §3.2).
+///
+/// A block (loop iteration) is tested after it executed and before its
+/// checkpoint would be materialized; it is checkpointed only while
+///
+/// ```text
+///     M / C  <  n / (k + 1) · min(1 / (1 + c), ε)
+/// ```
+///
+/// where `n` counts executions so far (this one included), `k` checkpoints
+/// so far (this one excluded: the `+ 1` asks whether the invariant still
+/// holds once this checkpoint is written), `c` is the restore/materialize
+/// time ratio and `ε` the record-overhead bound. As in the paper, `M` and
+/// `C` are the block's per-execution materialization and compute times; with
+/// times that vary between iterations we use their running means, `C̄ = ΣC / n`
+/// over all executions and `M̄ = (ΣM + M_i) / (k + 1)` over the checkpoints
+/// including the candidate. The test then reads
+///
+/// ```text
+///     ΣM_checkpointed + M_i  <  ΣC · min(1 / (1 + c), ε)
+/// ```
+///
+/// which gives both of the paper's invariants at every point of the run:
+/// the *Record Overhead* invariant (materialization time stays below
+/// `ε` × compute time so far) and the *Replay Latency* invariant
+/// (`k (M̄ + R̄) < n C̄` with `R = c M`). On the first iteration (`n = 1,
+/// k = 0`) it checkpoints iff `M < C · min(1/(1+c), ε)`; when `M ≪ C` every
+/// iteration is checkpointed; when `M` is large the period grows until
+/// enough compute has accumulated.
+///
+/// `M` is not known before the checkpoint is written, so the caller passes an
+/// estimate (typically the previous measured materialization time, or a
+/// size/bandwidth guess for the first one) and may correct it afterwards
+/// with [`AdaptivePolicy::observe_materialize`].
+///
+/// The fields are public so a resumed run can carry the policy's state over.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdaptivePolicy {
+    /// Record-overhead bound ε (fraction of compute time).
+    pub epsilon: f64,
+    /// Restore time / materialize time ratio; 1.0 until observed.
+    pub c: f64,
+    /// Executions observed so far.
+    pub n: u64,
+    /// Checkpoints decided so far.
+    pub k: u64,
+    /// Σ compute seconds over all `n` executions.
+    pub total_compute_secs: f64,
+    /// Σ materialize seconds over the `k` checkpoints (expected, or actual
+    /// once corrected by [`observe_materialize`](Self::observe_materialize)).
+    pub total_materialize_secs: f64,
+    /// Restore observations that `c` is the mean of (0: `c` is the prior).
+    pub restore_observations: u64,
+    /// Expected materialization of the latest checkpoint, until corrected.
+    pub pending_materialize_secs: Option<f64>,
+}
+
+impl Default for AdaptivePolicy {
+    fn default() -> Self {
+        Self::new(DEFAULT_EPSILON)
+    }
+}
+
+impl AdaptivePolicy {
+    /// A fresh policy with overhead bound `epsilon` and `c = 1.0`.
+    pub fn new(epsilon: f64) -> Self {
+        AdaptivePolicy {
+            epsilon,
+            c: 1.0,
+            n: 0,
+            k: 0,
+            total_compute_secs: 0.0,
+            total_materialize_secs: 0.0,
+            restore_observations: 0,
+            pending_materialize_secs: None,
+        }
+    }
+
+    /// `min(1 / (1 + c), ε)`: the bound on materialization / compute.
+    pub fn threshold(&self) -> f64 {
+        let c = if self.c.is_finite() && self.c >= 0.0 {
+            self.c
+        } else {
+            1.0
+        };
+        (1.0 / (1.0 + c)).min(self.epsilon)
+    }
+
+    /// Materialization seconds / compute seconds so far (0 before any compute).
+    pub fn overhead(&self) -> f64 {
+        if self.total_compute_secs > 0.0 {
+            self.total_materialize_secs / self.total_compute_secs
+        } else {
+            0.0
+        }
+    }
+
+    /// One iteration finished after `compute_secs` of compute; decide whether
+    /// to checkpoint it, expecting `expected_materialize_secs` to write it.
+    /// Increments `n`, and `k` when it answers `true`. An invalid compute
+    /// time counts as 0; an unknown (NaN/infinite) materialization time
+    /// never checkpoints; a negative one counts as 0.
+    pub fn observe_iteration(&mut self, compute_secs: f64, expected_materialize_secs: f64) -> bool {
+        self.n += 1;
+        if compute_secs.is_finite() && compute_secs > 0.0 {
+            self.total_compute_secs += compute_secs;
+        }
+        if !expected_materialize_secs.is_finite() {
+            return false;
+        }
+        let m = expected_materialize_secs.max(0.0);
+        // (ΣM + M) / (k + 1)  /  (ΣC / n)  <  n / (k + 1) · threshold, multiplied out.
+        let checkpoint =
+            self.total_materialize_secs + m < self.total_compute_secs * self.threshold();
+        if checkpoint {
+            self.k += 1;
+            self.total_materialize_secs += m;
+            self.pending_materialize_secs = Some(m);
+        }
+        checkpoint
+    }
+
+    /// The checkpoint last decided took `actual_secs` to materialize: replace
+    /// its estimate in the running total. Later decisions compensate for an
+    /// underestimate. Ignored without a pending checkpoint or for an invalid time.
+    pub fn observe_materialize(&mut self, actual_secs: f64) {
+        if !(actual_secs.is_finite() && actual_secs >= 0.0) {
+            return;
+        }
+        if let Some(expected) = self.pending_materialize_secs.take() {
+            self.total_materialize_secs =
+                (self.total_materialize_secs - expected + actual_secs).max(0.0);
+        }
+    }
+
+    /// A checkpoint that took `materialize_secs` to write took `restore_secs`
+    /// to restore: refine `c` as the running mean of the observed ratios (the
+    /// first observation replaces the 1.0 prior). Invalid pairs are ignored.
+    pub fn observe_restore(&mut self, restore_secs: f64, materialize_secs: f64) {
+        let valid = restore_secs.is_finite()
+            && restore_secs >= 0.0
+            && materialize_secs.is_finite()
+            && materialize_secs > 0.0;
+        if !valid {
+            return;
+        }
+        let ratio = restore_secs / materialize_secs;
+        if !ratio.is_finite() {
+            return;
+        }
+        self.restore_observations += 1;
+        if self.restore_observations == 1 {
+            self.c = ratio;
+        } else {
+            self.c += (ratio - self.c) / self.restore_observations as f64;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    // ---------- AdaptivePolicy ----------
+
+    #[test]
+    fn first_iteration_follows_formula() {
+        let mut p = AdaptivePolicy::default();
+        // min(1/2, 1/15) = 1/15: M/C must be < 1/15 on the first iteration.
+        assert!(p.observe_iteration(100.0, 6.0));
+        assert_eq!((p.n, p.k), (1, 1));
+        let mut p = AdaptivePolicy::default();
+        assert!(!p.observe_iteration(100.0, 7.0));
+        assert_eq!((p.n, p.k), (1, 0));
+        // c dominates when 1/(1+c) < ε.
+        let mut p = AdaptivePolicy::new(0.9);
+        assert!((p.threshold() - 0.5).abs() < 1e-12);
+        assert!(p.observe_iteration(10.0, 4.9));
+        let mut p = AdaptivePolicy::new(0.9);
+        assert!(!p.observe_iteration(10.0, 5.0));
+    }
+
+    #[test]
+    fn large_checkpoints_get_a_longer_period() {
+        // M/C = 0.2 = 3 ε: one checkpoint per ~3 iterations at most, never above ε.
+        let mut p = AdaptivePolicy::default();
+        let decisions: Vec<bool> = (0..30).map(|_| p.observe_iteration(1.0, 0.2)).collect();
+        let k = decisions.iter().filter(|&&d| d).count();
+        assert!((8..=10).contains(&k), "{k} checkpoints: {decisions:?}");
+        assert!(!decisions[0] && !decisions[1]);
+        assert!(p.overhead() <= DEFAULT_EPSILON + 1e-12);
+        assert_eq!(p.k as usize, k);
+        assert_eq!(p.n, 30);
+    }
+
+    #[test]
+    fn unknown_or_invalid_inputs() {
+        let mut p = AdaptivePolicy::default();
+        assert!(!p.observe_iteration(10.0, f64::NAN));
+        assert!(!p.observe_iteration(10.0, f64::INFINITY));
+        assert!(p.observe_iteration(f64::NAN, 0.0)); // compute ignored; M = 0 fits
+        assert_eq!(p.total_compute_secs, 20.0);
+        assert!(p.observe_iteration(10.0, -1.0)); // counts as 0
+        let mut p = AdaptivePolicy::default();
+        assert!(!p.observe_iteration(0.0, 0.0)); // no compute: nothing to amortize
+        assert_eq!(p.overhead(), 0.0);
+    }
+
+    #[test]
+    fn materialize_correction_is_compensated() {
+        let mut p = AdaptivePolicy::default();
+        assert!(p.observe_iteration(100.0, 1.0));
+        // It really took 7: the next checkpoint must wait until ΣM stays < ΣC/15.
+        p.observe_materialize(7.0);
+        assert_eq!(p.total_materialize_secs, 7.0);
+        assert!(!p.observe_iteration(10.0, 1.0)); // 8 vs 110/15 = 7.33
+        assert!(!p.observe_iteration(10.0, 1.0)); // 8 vs 8.0 (strict)
+        assert!(p.observe_iteration(10.0, 1.0)); // 8 vs 8.67
+        assert_eq!((p.n, p.k), (4, 2));
+        p.observe_materialize(1.0);
+        p.observe_materialize(100.0); // no pending checkpoint: ignored
+        assert_eq!(p.total_materialize_secs, 8.0);
+    }
+
+    #[test]
+    fn restore_ratio_running_mean() {
+        let mut p = AdaptivePolicy::default();
+        assert_eq!(p.c, 1.0);
+        p.observe_restore(2.0, 1.0);
+        assert_eq!(p.c, 2.0); // first observation replaces the prior
+        p.observe_restore(1.0, 1.0);
+        assert_eq!(p.c, 1.5);
+        p.observe_restore(3.0, 2.0);
+        assert!((p.c - 1.5).abs() < 1e-12);
+        p.observe_restore(1.0, 0.0); // invalid: ignored
+        p.observe_restore(f64::NAN, 1.0);
+        assert_eq!(p.restore_observations, 3);
+        // Larger c lowers the threshold once 1/(1+c) < ε.
+        let mut p = AdaptivePolicy::new(0.5);
+        p.observe_restore(3.0, 1.0);
+        assert!((p.threshold() - 0.25).abs() < 1e-12);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// The Record Overhead invariant: Σ M(checkpointed) / Σ C never exceeds ε,
+        /// after every iteration, for arbitrary (known) M and C.
+        #[test]
+        fn overhead_never_exceeds_epsilon(
+            iters in prop::collection::vec((0.0f64..100.0, 0.0f64..50.0), 1..200),
+            eps in 0.001f64..0.9,
+            c in 0.0f64..5.0,
+        ) {
+            let mut p = AdaptivePolicy::new(eps);
+            p.c = c;
+            let (mut sum_m, mut sum_c) = (0.0, 0.0);
+            for &(compute, m) in &iters {
+                sum_c += compute;
+                if p.observe_iteration(compute, m) {
+                    sum_m += m;
+                }
+                prop_assert!(sum_m <= eps * sum_c * (1.0 + 1e-12), "{sum_m} > {eps} * {sum_c}");
+                // Replay latency invariant: k (M̄ + c M̄) <= n C̄, i.e. ΣM (1 + c) <= ΣC.
+                prop_assert!(sum_m * (1.0 + c) <= sum_c * (1.0 + 1e-12));
+            }
+            prop_assert_eq!(p.n as usize, iters.len());
+        }
+
+        /// When M is well below ε C every iteration is checkpointed.
+        #[test]
+        fn cheap_checkpoints_always_taken(
+            iters in prop::collection::vec((0.001f64..100.0, 0.0f64..0.99), 1..200),
+        ) {
+            let mut p = AdaptivePolicy::default();
+            for &(compute, frac) in &iters {
+                let m = compute * p.threshold() * frac;
+                prop_assert!(p.observe_iteration(compute, m));
+            }
+            prop_assert_eq!(p.k, p.n);
+        }
+    }
+}

@@ -1,0 +1,364 @@
+//! The `logs` table: values logged per loop context, in the record and the
+//! replay phase, and the divergences between the two.
+
+use std::fmt;
+use std::str::FromStr;
+
+use rusqlite::params;
+
+use super::{to_i64, to_u64, DbResult, LogDb};
+use crate::error::{Error, Result};
+use crate::runs::dates::now_ms;
+use crate::runs::json;
+
+/// Which phase wrote a log row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Phase {
+    Record,
+    Replay,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Record => "record",
+            Phase::Replay => "replay",
+        }
+    }
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Phase {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "record" => Ok(Phase::Record),
+            "replay" => Ok(Phase::Replay),
+            _ => Err(Error::invalid(
+                "log phase",
+                format!("'{s}' is not one of record, replay"),
+            )),
+        }
+    }
+}
+
+/// One value to log: `name` at loop context `ctx` (outermost loop first,
+/// e.g. `[("epoch", 3), ("step", 17)]`; empty at top level).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogRow {
+    pub name: String,
+    pub ctx: Vec<(String, i64)>,
+    pub value_json: String,
+}
+
+/// A stored log value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogRecord {
+    pub name: String,
+    pub ctx: Vec<(String, i64)>,
+    /// The context as stored: canonical JSON, e.g. `{"epoch":3,"step":17}`.
+    pub ctx_json: String,
+    pub value_json: String,
+    pub phase: Phase,
+    /// Position in the run's write order (both phases share one sequence).
+    pub seq: i64,
+    pub created_ms: u64,
+}
+
+/// One name at one loop context, with what each phase wrote there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogValue {
+    pub name: String,
+    pub ctx: Vec<(String, i64)>,
+    pub ctx_json: String,
+    /// JSON text written by the recorded run, if it logged this.
+    pub recorded: Option<String>,
+    /// JSON text written by a replay, if one logged this.
+    pub replayed: Option<String>,
+}
+
+impl LogValue {
+    /// The value to show: the recorded one where the run logged it (it is
+    /// what happened in training; a replay that disagrees is reported as a
+    /// divergence), else the one a replay added.
+    pub fn value(&self) -> &str {
+        self.recorded
+            .as_deref()
+            .or(self.replayed.as_deref())
+            .unwrap_or("null")
+    }
+
+    /// Both phases logged it and the values differ (as JSON values).
+    pub fn diverged(&self) -> bool {
+        match (&self.recorded, &self.replayed) {
+            (Some(a), Some(b)) => !json::values_equal(a, b),
+            _ => false,
+        }
+    }
+}
+
+/// A value logged in both phases at the same context that differs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Divergence {
+    pub name: String,
+    pub ctx: Vec<(String, i64)>,
+    pub ctx_json: String,
+    pub record_value: String,
+    pub replay_value: String,
+    /// `seq` of the record-phase row (divergences come in this order).
+    pub record_seq: i64,
+}
+
+/// Canonical JSON text of a loop context: keys in nesting order.
+pub fn ctx_json(ctx: &[(String, i64)]) -> String {
+    let mut s = String::from("{");
+    for (i, (name, idx)) in ctx.iter().enumerate() {
+        if i > 0 {
+            s.push(',');
+        }
+        // Serializing a &str cannot fail.
+        s.push_str(&serde_json::to_string(name).unwrap_or_default());
+        s.push(':');
+        s.push_str(&idx.to_string());
+    }
+    s.push('}');
+    s
+}
+
+fn parse_ctx(text: &str) -> Option<Vec<(String, i64)>> {
+    match json::parse(text)? {
+        json::J::Obj(entries) => entries
+            .into_iter()
+            .map(|(k, v)| match v {
+                json::J::Num(tok) => tok.parse::<i64>().ok().map(|i| (k, i)),
+                _ => None,
+            })
+            .collect(),
+        _ => None,
+    }
+}
+
+impl LogDb {
+    // ---------------------------------------------------------------- logs
+
+    /// Append log values of a run in one transaction. A value logged again
+    /// with the same name and context in the same phase replaces the old
+    /// one (and moves to the end of the sequence), so re-executed
+    /// iterations do not duplicate rows.
+    pub fn append_logs(&self, run_id: &str, phase: Phase, rows: &[LogRow]) -> Result<()> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let mut prepared = Vec::with_capacity(rows.len());
+        for row in rows {
+            let what = || format!("log '{}' of run {run_id}", row.name);
+            if row.name.is_empty() {
+                return Err(Error::invalid(
+                    format!("log of run {run_id}"),
+                    "the name is empty",
+                ));
+            }
+            for (i, (loop_name, _)) in row.ctx.iter().enumerate() {
+                if loop_name.is_empty() {
+                    return Err(Error::invalid(
+                        what(),
+                        "a loop name in its context is empty",
+                    ));
+                }
+                if row.ctx[..i].iter().any(|(n, _)| n == loop_name) {
+                    return Err(Error::invalid(
+                        what(),
+                        format!("loop '{loop_name}' appears twice in its context"),
+                    ));
+                }
+            }
+            let value = row.value_json.trim();
+            if json::parse(value).is_none() {
+                return Err(Error::invalid(
+                    what(),
+                    format!("value is not valid JSON: {value:.80}"),
+                ));
+            }
+            prepared.push((row.name.as_str(), ctx_json(&row.ctx), value));
+        }
+        let created = to_i64(now_ms());
+        self.write(|tx| {
+            self.require_run(tx, run_id)?;
+            let mut seq: i64 = tx
+                .prepare_cached("SELECT COALESCE(MAX(seq), 0) FROM logs WHERE run_id = ?1")
+                .and_then(|mut st| st.query_row([run_id], |r| r.get(0)))
+                .db(&self.path)?;
+            let mut st = tx
+                .prepare_cached(
+                    "INSERT INTO logs (run_id, name, ctx, value, phase, seq, created_ms) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) \
+                     ON CONFLICT (run_id, name, ctx, phase) DO UPDATE SET \
+                     value = excluded.value, seq = excluded.seq, created_ms = excluded.created_ms",
+                )
+                .db(&self.path)?;
+            for (name, ctx, value) in &prepared {
+                seq += 1;
+                st.execute(params![
+                    run_id,
+                    name,
+                    ctx,
+                    value,
+                    phase.as_str(),
+                    seq,
+                    created
+                ])
+                .db(&self.path)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// A run's log values in write order (both phases); only `names` if not empty.
+    pub fn logs(&self, run_id: &str, names: &[String]) -> Result<Vec<LogRecord>> {
+        self.require_run(&self.conn, run_id)?;
+        let filter = if names.is_empty() {
+            None
+        } else {
+            Some(
+                serde_json::to_string(names)
+                    .map_err(|e| Error::invalid("log names", e.to_string()))?,
+            )
+        };
+        let mut st = self
+            .conn
+            .prepare_cached(
+                "SELECT name, ctx, value, phase, seq, created_ms FROM logs \
+                 WHERE run_id = ?1 AND (?2 IS NULL OR name IN (SELECT value FROM json_each(?2))) \
+                 ORDER BY seq",
+            )
+            .db(&self.path)?;
+        let rows = st
+            .query_map(params![run_id, filter], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, String>(2)?,
+                    r.get::<_, String>(3)?,
+                    r.get::<_, i64>(4)?,
+                    r.get::<_, i64>(5)?,
+                ))
+            })
+            .db(&self.path)?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (name, ctx_text, value_json, phase, seq, created) = row.db(&self.path)?;
+            out.push(LogRecord {
+                ctx: self.decode_ctx(run_id, &name, &ctx_text)?,
+                phase: phase
+                    .parse()
+                    .map_err(|_| self.bad_row(run_id, &name, "phase"))?,
+                name,
+                ctx_json: ctx_text,
+                value_json,
+                seq,
+                created_ms: to_u64(created),
+            });
+        }
+        Ok(out)
+    }
+
+    /// The values of `names` (all when empty) per loop context, both phases
+    /// merged: what `hindsight logs` and `hs.dataframe` show. In the order
+    /// each (name, context) was first written.
+    pub fn values(&self, run_id: &str, names: &[String]) -> Result<Vec<LogValue>> {
+        let mut out: Vec<LogValue> = Vec::new();
+        let mut at: std::collections::HashMap<(String, String), usize> = Default::default();
+        for rec in self.logs(run_id, names)? {
+            let i = *at
+                .entry((rec.name.clone(), rec.ctx_json.clone()))
+                .or_insert_with(|| {
+                    out.push(LogValue {
+                        name: rec.name.clone(),
+                        ctx: rec.ctx.clone(),
+                        ctx_json: rec.ctx_json.clone(),
+                        recorded: None,
+                        replayed: None,
+                    });
+                    out.len() - 1
+                });
+            match rec.phase {
+                Phase::Record => out[i].recorded = Some(rec.value_json),
+                Phase::Replay => out[i].replayed = Some(rec.value_json),
+            }
+        }
+        Ok(out)
+    }
+
+    fn bad_row(&self, run_id: &str, name: &str, what: &str) -> Error {
+        Error::corrupt(
+            &self.path,
+            format!("log '{name}' of run {run_id} has an invalid {what}"),
+        )
+    }
+
+    fn decode_ctx(&self, run_id: &str, name: &str, text: &str) -> Result<Vec<(String, i64)>> {
+        parse_ctx(text).ok_or_else(|| self.bad_row(run_id, name, "context"))
+    }
+
+    /// Names a run logged, in order of first appearance.
+    pub fn log_names(&self, run_id: &str) -> Result<Vec<String>> {
+        self.require_run(&self.conn, run_id)?;
+        let mut st = self
+            .conn
+            .prepare_cached(
+                "SELECT name FROM logs WHERE run_id = ?1 GROUP BY name ORDER BY MIN(seq)",
+            )
+            .db(&self.path)?;
+        let rows = st.query_map([run_id], |r| r.get(0)).db(&self.path)?;
+        rows.collect::<rusqlite::Result<Vec<String>>>()
+            .db(&self.path)
+    }
+
+    /// Values logged in both phases at the same name and context whose
+    /// replay value differs from the recorded one (see
+    /// [`json::values_equal`]), in record order: the first divergence first.
+    pub fn divergences(&self, run_id: &str) -> Result<Vec<Divergence>> {
+        self.require_run(&self.conn, run_id)?;
+        let mut st = self
+            .conn
+            .prepare_cached(
+                "SELECT r.name, r.ctx, r.value, p.value, r.seq FROM logs r \
+                 JOIN logs p ON p.run_id = r.run_id AND p.name = r.name AND p.ctx = r.ctx \
+                      AND p.phase = 'replay' \
+                 WHERE r.run_id = ?1 AND r.phase = 'record' ORDER BY r.seq",
+            )
+            .db(&self.path)?;
+        let rows = st
+            .query_map([run_id], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, String>(2)?,
+                    r.get::<_, String>(3)?,
+                    r.get::<_, i64>(4)?,
+                ))
+            })
+            .db(&self.path)?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (name, ctx_text, record_value, replay_value, record_seq) = row.db(&self.path)?;
+            if json::values_equal(&record_value, &replay_value) {
+                continue;
+            }
+            out.push(Divergence {
+                ctx: self.decode_ctx(run_id, &name, &ctx_text)?,
+                name,
+                ctx_json: ctx_text,
+                record_value,
+                replay_value,
+                record_seq,
+            });
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,267 @@
+//! The run/log database of hindsight logging: which training runs were
+//! recorded (script, source snapshot, arguments, status), what they logged
+//! (per loop context, in the record and the replay phase), how long each
+//! loop iteration took and which checkpoint it left behind.
+//!
+//! One SQLite file in WAL mode with a 10 s busy timeout, so several
+//! processes (a training run, parallel replay workers, a CLI query) can
+//! read and write it at once. Every write is one `BEGIN IMMEDIATE`
+//! transaction (taking the write lock up front, so the busy timeout, not an
+//! immediate `SQLITE_BUSY`, arbitrates between writers). The schema version
+//! lives in `PRAGMA user_version`; a newer version than this build knows is
+//! refused.
+//!
+//! Values are JSON text. Python's `json.dumps` may write `NaN`, `Infinity`
+//! and `-Infinity`; they are accepted wherever a JSON value is.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use rusqlite::{Connection, ErrorCode, Transaction, TransactionBehavior};
+
+use crate::error::{Error, Result};
+
+/// Schema version this build writes (`PRAGMA user_version`).
+pub const SCHEMA_VERSION: i64 = 2;
+
+/// How long a writer waits for another process's transaction.
+pub const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+const SCHEMA_V1: &str = r#"
+CREATE TABLE IF NOT EXISTS runs (
+    id           TEXT PRIMARY KEY,
+    script       TEXT NOT NULL,
+    script_abs   TEXT NOT NULL,
+    project_root TEXT NOT NULL,
+    source_hash  TEXT NOT NULL,
+    git_commit   TEXT,
+    git_dirty    INTEGER,
+    args         TEXT NOT NULL,
+    status       TEXT NOT NULL CHECK (status IN ('running', 'completed', 'failed', 'interrupted')),
+    started_ms   INTEGER NOT NULL,
+    ended_ms     INTEGER,
+    host         TEXT NOT NULL,
+    versions     TEXT NOT NULL,
+    pid          INTEGER NOT NULL,
+    resume_key   TEXT
+);
+CREATE INDEX IF NOT EXISTS runs_by_start ON runs (started_ms);
+CREATE INDEX IF NOT EXISTS runs_by_script ON runs (script_abs, started_ms);
+CREATE INDEX IF NOT EXISTS runs_by_resume_key ON runs (resume_key, started_ms)
+    WHERE resume_key IS NOT NULL;
+
+CREATE TABLE IF NOT EXISTS sources (
+    hash  TEXT PRIMARY KEY,
+    files TEXT NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS logs (
+    run_id     TEXT NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
+    name       TEXT NOT NULL,
+    ctx        TEXT NOT NULL,
+    value      TEXT NOT NULL,
+    phase      TEXT NOT NULL CHECK (phase IN ('record', 'replay')),
+    seq        INTEGER NOT NULL,
+    created_ms INTEGER NOT NULL,
+    UNIQUE (run_id, name, ctx, phase)
+);
+CREATE INDEX IF NOT EXISTS logs_by_seq ON logs (run_id, seq);
+
+CREATE TABLE IF NOT EXISTS iterations (
+    run_id              TEXT NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
+    loop_name           TEXT NOT NULL,
+    idx                 INTEGER NOT NULL,
+    seconds             REAL NOT NULL,
+    checkpoint          TEXT,
+    materialize_seconds REAL,
+    restore_seconds     REAL,
+    PRIMARY KEY (run_id, loop_name, idx)
+);
+"#;
+
+/// Version 2: the checkpoint store a run writes to (a directory or
+/// `s3://bucket/prefix`), so replay and resume read the same one.
+const SCHEMA_V2: &str = "ALTER TABLE runs ADD COLUMN store TEXT;";
+
+const RUN_COLUMNS: &str =
+    "id, script, script_abs, project_root, source_hash, git_commit, git_dirty, \
+     args, status, started_ms, ended_ms, host, versions, pid, resume_key, store";
+
+mod iterations;
+mod logs;
+mod runs;
+#[cfg(test)]
+mod tests;
+
+pub use iterations::IterationRow;
+pub use logs::{ctx_json, Divergence, LogRecord, LogRow, LogValue, Phase};
+pub use runs::{NewRun, RunRow, RunStatus};
+
+/// The run/log database. `Send` but not `Sync` (one SQLite connection):
+/// share it behind a `Mutex`, or open one per thread/process.
+#[derive(Debug)]
+pub struct LogDb {
+    conn: Connection,
+    path: PathBuf,
+}
+
+fn db_err(path: &Path, e: rusqlite::Error) -> Error {
+    if let rusqlite::Error::SqliteFailure(f, _) = &e {
+        match f.code {
+            ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase => {
+                return Error::corrupt(path, format!("not a usable log database: {e}"))
+            }
+            ErrorCode::DiskFull => {
+                return Error::StorageFull {
+                    path: path.to_path_buf(),
+                    source: io::Error::other(e.to_string()),
+                }
+            }
+            _ => {}
+        }
+    }
+    Error::Database {
+        path: path.to_path_buf(),
+        detail: e.to_string(),
+        source: Some(e),
+    }
+}
+
+/// An error while opening: SQLite's (maybe a lock to wait out) or ours.
+enum Setup {
+    Sql(rusqlite::Error),
+    Hindsight(Error),
+}
+
+impl From<rusqlite::Error> for Setup {
+    fn from(e: rusqlite::Error) -> Self {
+        Setup::Sql(e)
+    }
+}
+
+fn is_busy(e: &rusqlite::Error) -> bool {
+    matches!(e, rusqlite::Error::SqliteFailure(f, _)
+        if matches!(f.code, ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked))
+}
+
+trait DbResult<T> {
+    fn db(self, path: &Path) -> Result<T>;
+}
+
+impl<T> DbResult<T> for rusqlite::Result<T> {
+    fn db(self, path: &Path) -> Result<T> {
+        self.map_err(|e| db_err(path, e))
+    }
+}
+
+fn to_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+fn to_u64(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
+impl LogDb {
+    /// Open (creating it, its parent directory and the schema if needed) the
+    /// log database at `path`.
+    pub fn open(path: &Path) -> Result<LogDb> {
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            crate::durable::create_dir_durable(parent)?;
+        }
+        let conn = Connection::open(path).db(path)?;
+        conn.busy_timeout(BUSY_TIMEOUT).db(path)?;
+        // Another process may be creating the file right now: the first
+        // statements can hit a lock the busy handler does not cover; retry.
+        let mut attempt = 0;
+        loop {
+            match Self::configure(&conn, path) {
+                Err(Setup::Sql(e)) if is_busy(&e) && attempt < 100 => {
+                    attempt += 1;
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(Setup::Sql(e)) => return Err(db_err(path, e)),
+                Err(Setup::Hindsight(e)) => return Err(e),
+                Ok(()) => break,
+            }
+        }
+        Ok(LogDb {
+            conn,
+            path: path.to_path_buf(),
+        })
+    }
+
+    fn configure(conn: &Connection, path: &Path) -> std::result::Result<(), Setup> {
+        // WAL may be unavailable (e.g. some network file systems): the
+        // rollback journal then still works, with less concurrency.
+        let _mode: String =
+            conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))?;
+        conn.pragma_update(None, "synchronous", "NORMAL")?;
+        conn.pragma_update(None, "foreign_keys", true)?;
+        if Self::schema_version(conn, path)? == SCHEMA_VERSION {
+            return Ok(());
+        }
+        let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate)?;
+        let found = Self::schema_version(&tx, path)?;
+        if found < 1 {
+            tx.execute_batch(SCHEMA_V1)?;
+        }
+        if found < 2 {
+            tx.execute_batch(SCHEMA_V2)?;
+        }
+        if found < SCHEMA_VERSION {
+            tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
+        }
+        Ok(tx.commit()?)
+    }
+
+    fn schema_version(conn: &Connection, path: &Path) -> std::result::Result<i64, Setup> {
+        let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+        if version > SCHEMA_VERSION {
+            return Err(Setup::Hindsight(Error::Database {
+                path: path.to_path_buf(),
+                detail: format!(
+                    "schema version {version} is newer than this hindsight supports \
+                     ({SCHEMA_VERSION}); upgrade hindsight to read it"
+                ),
+                source: None,
+            }));
+        }
+        Ok(version)
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Run `f` in one `BEGIN IMMEDIATE` transaction; commit if it succeeds.
+    fn write<T>(&self, f: impl FnOnce(&Transaction<'_>) -> Result<T>) -> Result<T> {
+        let tx =
+            Transaction::new_unchecked(&self.conn, TransactionBehavior::Immediate).db(&self.path)?;
+        let out = f(&tx)?;
+        tx.commit().db(&self.path)?;
+        Ok(out)
+    }
+
+    fn not_found(&self, what: &'static str, name: &str) -> Error {
+        Error::NotFound {
+            what,
+            name: name.to_string(),
+            location: self.path.display().to_string(),
+        }
+    }
+
+    fn require_run(&self, conn: &Connection, run_id: &str) -> Result<()> {
+        let exists = conn
+            .prepare_cached("SELECT 1 FROM runs WHERE id = ?1")
+            .and_then(|mut st| st.exists([run_id]))
+            .db(&self.path)?;
+        if exists {
+            Ok(())
+        } else {
+            Err(self.not_found("run", run_id))
+        }
+    }
+}

@@ -1,0 +1,11 @@
+//! Runs: the project home, the run/log database, JSON values, run ids and
+//! dates, the adaptive checkpoint policy, replay plans and resume selection.
+
+pub mod adaptive;
+pub mod dates;
+pub mod db;
+pub mod ids;
+pub mod json;
+pub mod project;
+pub mod replay;
+pub mod resume;

@@ -1,0 +1,377 @@
+"""The Lightning classes of `hindsight.lightning`, in a module of their own
+because defining them imports Lightning: `hindsight.lightning` loads this
+module on first use of `HindsightCheckpoint` or `HindsightCheckpointIO`."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from hindsight import _native, _preemption
+from hindsight._state import rng_state, set_rng_state
+from hindsight._store import Store
+from hindsight.errors import InvalidArgumentError, UnsupportedTypeError
+from hindsight.lightning import (
+    DEFAULT_PREFIX,
+    _check_prefix,
+    _import_lightning,
+    _map_location,
+    _name_of,
+    _pack,
+    _unpack,
+    _unsupported,
+    checkpoints,
+    latest,
+    latest_path,
+)
+
+pl = _import_lightning()
+_io = importlib.import_module(pl.__name__ + ".plugins")
+CheckpointIO = _io.CheckpointIO
+TorchCheckpointIO = _io.TorchCheckpointIO
+
+
+class HindsightCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
+    """A Lightning ``CheckpointIO`` for ``hindsight://<name>`` paths.
+
+    ``save_checkpoint`` snapshots into the store and returns while the
+    write continues (``store.flush()`` or ``teardown`` waits);
+    ``load_checkpoint`` verifies every byte; ``remove_checkpoint`` removes
+    the manifest (``store.gc()`` reclaims space). Any other path goes to
+    ``fallback`` (default ``TorchCheckpointIO``), so ``ModelCheckpoint``
+    files keep working. Use as ``Trainer(plugins=[HindsightCheckpointIO(store)])``;
+    :class:`HindsightCheckpoint` installs one by itself.
+    """
+
+    def __init__(
+        self, store: Store | str | os.PathLike[str], *, fallback: Any = None, allow_pickle: bool = False
+    ) -> None:
+        super().__init__()
+        self._store = store if isinstance(store, Store) else None
+        self._store_path = store.path if isinstance(store, Store) else os.fspath(store)
+        self.fallback = fallback
+        self.allow_pickle = allow_pickle
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = Store(self._store_path)
+        return self._store
+
+    def _fallback(self) -> Any:
+        if self.fallback is None:
+            self.fallback = TorchCheckpointIO()
+        return self.fallback
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        name = _name_of(path)
+        if name is None:
+            self._fallback().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        meta = storage_options if isinstance(storage_options, Mapping) else None
+        self.store.save(name, _pack(checkpoint), meta=meta, allow_pickle=self.allow_pickle)
+        return None
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any = None, weights_only: bool | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        name = _name_of(path)
+        if name is None:
+            if weights_only is not None:
+                kwargs["weights_only"] = weights_only
+            loaded: dict[str, Any] = self._fallback().load_checkpoint(path, map_location=map_location, **kwargs)
+            return loaded
+        # weights_only: a hindsight checkpoint never runs code when loaded
+        # unless allow_pickle=True was chosen for this store.
+        return _unpack(self.store.load(name, map_location=_map_location(map_location), allow_pickle=self.allow_pickle))
+
+    def remove_checkpoint(self, path: Any) -> None:
+        name = _name_of(path)
+        if name is None:
+            self._fallback().remove_checkpoint(path)
+            return
+        self.store.remove(name)
+        return None
+
+    def teardown(self) -> None:
+        if self._store is not None and self._store._pid == os.getpid():
+            self._store.flush()
+        if self.fallback is not None:
+            self.fallback.teardown()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_store"] = None  # reopened from the path in a spawned process
+        return state
+
+
+class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
+    """Checkpoint ``Trainer.fit`` into a hindsight store; stop cleanly on
+    preemption signals; keep what the retention policy says.
+
+    See the module documentation (``help(hindsight.lightning)``).
+    """
+
+    def __init__(
+        self,
+        store: Store | str | os.PathLike[str],
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        every_n_epochs: int | None = 1,
+        every_n_train_steps: int | None = None,
+        keep_last: int | None = None,
+        keep_best: int | None = None,
+        monitor: str | None = None,
+        mode: str = "min",
+        keep_every: int | None = None,
+        exit_code: int | None = None,
+        requeue: bool | None = None,
+        catch_sigint: bool = False,
+        allow_pickle: bool = False,
+        restore_rng: bool = True,
+    ) -> None:
+        super().__init__()
+        self.prefix = _check_prefix(prefix)
+        for arg, v in (
+            ("every_n_epochs", every_n_epochs),
+            ("every_n_train_steps", every_n_train_steps),
+            ("keep_last", keep_last),
+            ("keep_best", keep_best),
+            ("keep_every", keep_every),
+        ):
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise InvalidArgumentError(f"HindsightCheckpoint({arg}={v!r}): must be an int of at least 1")
+        if keep_best is not None and not monitor:
+            raise InvalidArgumentError("HindsightCheckpoint(keep_best=...) needs monitor='<logged metric>'")
+        if mode not in ("min", "max"):
+            raise InvalidArgumentError(f"HindsightCheckpoint(mode={mode!r}): use 'min' or 'max'")
+        self._store = store if isinstance(store, Store) else None
+        self._store_path = store.path if isinstance(store, Store) else os.fspath(store)
+        self.every_n_epochs = every_n_epochs
+        self.every_n_train_steps = every_n_train_steps
+        self.keep_last = keep_last
+        self.keep_best = keep_best
+        self.monitor = monitor
+        self.mode = mode
+        self.keep_every = keep_every
+        self.exit_code = exit_code
+        self.requeue = requeue if requeue is not None else _preemption.requeue_default()
+        self.catch_sigint = catch_sigint
+        self.allow_pickle = allow_pickle
+        self.restore_rng = restore_rng
+        self._signals = _preemption.StopSignals(catch_sigint)
+        self.last_saved: str | None = None
+        self._last_step_saved = -1
+
+    # -- plumbing ----------------------------------------------------------------
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = Store(self._store_path)
+        return self._store
+
+    @property
+    def state_key(self) -> str:
+        return str(self._generate_state_key(prefix=self.prefix))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_store"] = None
+        return state
+
+    latest = staticmethod(latest)
+    latest_path = staticmethod(latest_path)
+    checkpoints = staticmethod(checkpoints)
+
+    def resume_path(self, *, verify: bool = False) -> str | None:
+        """``hindsight://<newest checkpoint of this callback's store and prefix>``, or None."""
+        return latest_path(self.store, self.prefix, verify=verify)
+
+    # -- signals -------------------------------------------------------------------
+    @property
+    def stop_signal(self) -> int | None:
+        return self._signals.received
+
+    @stop_signal.setter
+    def stop_signal(self, signum: int | None) -> None:
+        self._signals.received = signum
+
+    def _fix_lightning_teardown(self, trainer: Any) -> None:
+        # Lightning's teardown puts back the handlers it found when fit
+        # started, ours among them; make it put back the ones we replaced.
+        found = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", None)
+        if isinstance(found, dict):
+            for sig, handler in list(found.items()):
+                if handler == self._signals.handler:
+                    found[sig] = self._signals.replaced.get(sig, signal.SIG_DFL)
+
+    def _restore_signals(self, trainer: Any = None) -> None:
+        self._fix_lightning_teardown(trainer)
+        self._signals.restore()
+
+    def _should_stop(self, trainer: Any) -> bool:
+        stop = self.stop_signal is not None
+        if trainer.world_size > 1:
+            stop = bool(trainer.strategy.reduce_boolean_decision(stop, all=False))
+            if stop and self.stop_signal is None:
+                self.stop_signal = signal.SIGTERM  # another rank got it
+        return stop
+
+    def _exit(self, trainer: Any) -> None:
+        self._restore_signals(trainer)
+        zero = bool(trainer.is_global_zero)  # one rank requeues and speaks for all
+        _preemption.leave(
+            self.stop_signal, str(self.last_saved), self.exit_code, requeue=self.requeue and zero, announce=zero
+        )
+
+    # -- saving -----------------------------------------------------------------------
+    def _save(self, trainer: Any, end: bool, wait: bool) -> None:
+        epoch = trainer.current_epoch
+        step = trainer.global_step
+        name = _native.CheckpointId(self.prefix, "epoch", epoch, "block" if end else "step", None if end else step).name
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        if trainer.is_global_zero:
+            meta: dict[str, object] = {
+                "lightning": pl.__version__,
+                "epoch": epoch,
+                "global_step": step,
+                "kind": "epoch" if end else "step",
+            }
+            metric = self._metric(trainer) if end else None
+            if metric is not None:
+                meta["monitor"] = self.monitor
+                meta["metric"] = repr(metric)
+            try:
+                handle = self.store.save(name, _pack(checkpoint), meta=meta, allow_pickle=self.allow_pickle)
+            except UnsupportedTypeError as e:
+                raise UnsupportedTypeError(
+                    f"{e}. HindsightCheckpoint stores the Lightning checkpoint without pickling; make this "
+                    "value a plain type, or pass HindsightCheckpoint(..., allow_pickle=True) if the store is "
+                    "trusted (loading then unpickles it)"
+                ) from e
+            self.last_saved = name
+            self._last_step_saved = step
+            if wait:
+                handle.wait()
+                self.store.flush()
+            self._apply_retention()
+        else:
+            self.last_saved = name
+            self._last_step_saved = step
+        if wait:
+            trainer.strategy.barrier("hindsight_checkpoint")
+
+    def _metric(self, trainer: Any) -> float | None:
+        if not self.monitor:
+            return None
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is None:
+            if self.keep_best is not None and not getattr(self, "_warned_monitor", False):
+                self._warned_monitor = True
+                warnings.warn(
+                    f"HindsightCheckpoint: monitor {self.monitor!r} is not among the logged metrics "
+                    f"at epoch end ({sorted(trainer.callback_metrics)}); keep_best ignores those epochs",
+                    stacklevel=2,
+                )
+            return None
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return None
+
+    def _apply_retention(self, final: bool = False) -> None:
+        if self.keep_last is None and self.keep_best is None and self.keep_every is None:
+            return
+        self.store.apply_retention(
+            self.prefix,
+            keep_last=self.keep_last,
+            keep_best=self.keep_best,
+            best_mode=self.mode,
+            keep_every=self.keep_every,
+            monitor=self.monitor if self.keep_best else None,
+        )
+
+    # -- Lightning hooks -------------------------------------------------------------------
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        # Teach the strategy's CheckpointIO hindsight:// paths before
+        # Lightning restores from ckpt_path.
+        strategy = trainer.strategy
+        io = strategy.checkpoint_io
+        if not isinstance(io, HindsightCheckpointIO):
+            strategy.checkpoint_io = HindsightCheckpointIO(self.store, fallback=io, allow_pickle=self.allow_pickle)
+        elif self.allow_pickle and not io.allow_pickle and io.store.path == self.store.path:
+            io.allow_pickle = True
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if not self.allow_pickle:
+            for owner, obj in (("LightningModule", pl_module), ("LightningDataModule", trainer.datamodule)):
+                hparams = getattr(obj, "hparams", None) if obj is not None else None
+                if hparams:
+                    bad = _unsupported(dict(hparams), "hyper_parameters")
+                    if bad:
+                        raise UnsupportedTypeError(
+                            f"HindsightCheckpoint: the {owner}'s hyper-parameter at {bad} cannot be stored "
+                            "without pickling; save plain values (str, int, float, bool, None, lists, dicts, "
+                            "tensors) with save_hyperparameters, or pass HindsightCheckpoint(..., "
+                            "allow_pickle=True) if the store is trusted (loading then unpickles it)"
+                        )
+        self._last_step_saved = trainer.global_step
+        self._signals.received = None
+        self._signals.install()
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # Lightning registered its own SIGTERM handler after on_fit_start
+        # (composed with ours); it would stop with exit status 0 and no
+        # checkpoint. Take SIGTERM back for the duration of fit.
+        self._signals.install()
+        self._fix_lightning_teardown(trainer)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        epoch_loop = trainer.fit_loop.epoch_loop
+        should_accumulate = getattr(epoch_loop, "_should_accumulate", None)
+        if callable(should_accumulate) and should_accumulate():
+            return  # mid gradient accumulation: not a step boundary
+        if self._should_stop(trainer):
+            self._save(trainer, end=False, wait=True)
+            self._exit(trainer)
+        n = self.every_n_train_steps
+        step = trainer.global_step
+        if n and step > self._last_step_saved and step % n == 0 and not epoch_loop.batch_progress.is_last_batch:
+            self._save(trainer, end=False, wait=False)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        stop = self._should_stop(trainer)
+        n = self.every_n_epochs
+        if stop or (n and (trainer.current_epoch + 1) % n == 0):
+            self._save(trainer, end=True, wait=stop)
+        if stop:
+            self._exit(trainer)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.is_global_zero and self._store is not None:
+            self.store.flush()
+            self._apply_retention(final=True)
+            self.store.gc()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._restore_signals(trainer)
+        # A signal before on_train_start reached Lightning's handler too,
+        # which stops with SystemExit(None) (status 0): nothing was trained
+        # since the last checkpoint, but the batch system must reschedule.
+        if self.stop_signal is not None and isinstance(exception, SystemExit) and not exception.code:
+            exception.code = _preemption.exit_code(self.exit_code)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._restore_signals(trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"prefix": self.prefix, "rng": rng_state() if self.restore_rng else None}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        rng = state_dict.get("rng")
+        if self.restore_rng and rng:
+            set_rng_state(rng)

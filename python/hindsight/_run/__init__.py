@@ -1,0 +1,152 @@
+"""Recording and replaying a training run: hs.arg, hs.loop, hs.log,
+hs.checkpointing. One run per process, created at the first call: a
+`RecordRun` (record.py) for a plain `python train.py`, a `ReplayRun`
+(replay.py) in a worker that `hindsight replay` started."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from hindsight._run.common import ENV_HOME, ENV_REPLAY, Run, T, _script_path
+from hindsight._run.record import RecordRun
+from hindsight._run.replay import ReplayRun
+from hindsight.errors import InvalidArgumentError
+
+__all__ = ["ENV_HOME", "ENV_REPLAY", "Run", "_script_path", "arg", "checkpointing", "current", "log", "loop", "run_id"]
+
+_RUN: Run | None = None
+
+
+def current() -> Run:
+    global _RUN
+    if _RUN is None or _RUN.finished:
+        plan = os.environ.get(ENV_REPLAY)
+        _RUN = ReplayRun(plan) if plan else RecordRun()
+    return _RUN
+
+
+def _after_fork() -> None:
+    # A forked child (DataLoader worker) must not write into the parent's run.
+    global _RUN
+    if _RUN is not None:
+        _RUN.finished = True
+    _RUN = None
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+# -- public API -------------------------------------------------------------------
+def arg(name: str, default: T) -> T:
+    """A recorded hyper-parameter; `--name value` on the command line overrides the default.
+    During replay it returns the recorded value."""
+    value: T = current().arg(name, default)
+    return value
+
+
+def log(name: str, value: T) -> T:
+    """Record `value` under `name` in the current loop context; returns `value`."""
+    current().log(name, value)
+    return value
+
+
+def loop(name: str, iterable: Iterable[T]) -> Iterator[T]:
+    """Iterate and record the loop context. The outermost `hs.loop` delimits
+    checkpoints; the first `hs.loop` nested in it is the block replay can skip."""
+    if not isinstance(name, str) or not name:
+        raise InvalidArgumentError("hs.loop(name, iterable): name must be a non-empty string")
+    return current().loop(name, iterable)
+
+
+@contextmanager
+def checkpointing(
+    *,
+    every: int | None = None,
+    keep_last: int | None = None,
+    keep_best: int | None = None,
+    best_metric: str | None = None,
+    best_mode: str = "min",
+    keep_every: int | None = None,
+    safety_minutes: float | None = None,
+    exit_code: int | None = None,
+    requeue: bool | None = None,
+    store: str | os.PathLike[str] | None = None,
+    local_first: str | os.PathLike[str] | None = None,
+    **objects: Any,
+) -> Iterator[None]:
+    """Objects (modules, optimizers, schedulers, grad scalers, tensors) whose
+    state is checkpointed at the end of each outer-loop iteration's training
+    steps, restored during replay, and resumed after preemption.
+
+    Period: adaptive by default (seed 001's Joint Invariant, epsilon 1/15 or
+    $HINDSIGHT_EPSILON, so checkpointing costs at most epsilon of training
+    time); ``every=N`` (or $HINDSIGHT_CHECKPOINT_EVERY) fixes it.
+
+    Preemption: SIGTERM and SIGUSR1 (SIGINT with $HINDSIGHT_CATCH_SIGINT=1)
+    make the loop checkpoint at the next step boundary, wait until durable,
+    and exit with ``exit_code`` (default: HTCondor's CheckpointExitCode, else
+    $HINDSIGHT_EXIT_CODE, else 85); ``requeue=True`` (or
+    $HINDSIGHT_SLURM_REQUEUE=1) runs ``scontrol requeue $SLURM_JOB_ID`` first.
+    ``safety_minutes`` (or $HINDSIGHT_SAFETY_MINUTES) adds a time-based
+    checkpoint so a kill -9 loses at most that much work.
+
+    Retention (a union; the newest checkpoint is always kept): ``keep_last=N``,
+    ``keep_best=K`` by the epoch-level log ``best_metric`` (``best_mode`` "min"
+    or "max"), ``keep_every=N`` epochs.
+
+    Destination: ``store`` is a directory (local or a shared file system) or
+    ``"s3://bucket/prefix"`` (AWS_* variables configure the endpoint and
+    credentials); default $HINDSIGHT_STORE, else the project's
+    ``.hindsight/store``. The run remembers it: replay and resume read there.
+    ``local_first`` (or $HINDSIGHT_LOCAL_FIRST) is a local directory each
+    checkpoint is committed to first and then uploaded from in the
+    background; the exit on a signal waits for the upload.
+    """
+    if every is not None and every < 1:
+        raise InvalidArgumentError(f"hs.checkpointing(every={every}): must be at least 1")
+    if keep_best is not None and not best_metric:
+        raise InvalidArgumentError("hs.checkpointing(keep_best=...) needs best_metric='<logged name>'")
+    if best_mode not in ("min", "max"):
+        raise InvalidArgumentError(f"hs.checkpointing(best_mode={best_mode!r}): use 'min' or 'max'")
+    for key, obj in objects.items():
+        torch = sys.modules.get("torch")
+        if not hasattr(obj, "state_dict") and not (torch is not None and isinstance(obj, torch.Tensor)):
+            raise InvalidArgumentError(
+                f"hs.checkpointing({key}=...): {type(obj).__qualname__} has neither "
+                "state_dict/load_state_dict nor is a tensor"
+            )
+    run = current()
+    run.set_store(store, local_first)
+    run.objects.update(objects)
+    if every is not None:
+        run.every = every
+    if safety_minutes is not None:
+        run.safety_seconds = safety_minutes * 60.0
+    if exit_code is not None:
+        run.exit_code = exit_code
+    if requeue is not None:
+        run.requeue = requeue
+    policy = {
+        "keep_last": keep_last,
+        "keep_best": keep_best,
+        "best_metric": best_metric,
+        "best_mode": best_mode,
+        "keep_every": keep_every,
+    }
+    if any(v is not None for k, v in policy.items() if k != "best_mode"):
+        run.retention = policy
+    try:
+        yield
+    finally:
+        for key in objects:
+            run.objects.pop(key, None)
+        if run._store is not None:
+            run._store.flush()
+
+
+def run_id() -> str:
+    return str(current().run_id)

@@ -1,0 +1,464 @@
+"""What recording and replaying share: the process's run (logs, arguments,
+the loop stack, the objects given to `hs.checkpointing`, the store), and the
+helpers that read the script, its source and its command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hindsight import _native
+from hindsight._state import apply_state, capture, set_rng_state
+from hindsight.errors import InvalidArgumentError
+
+T = TypeVar("T")
+
+ENV_HOME = "HINDSIGHT_HOME"
+ENV_REPLAY = "HINDSIGHT_REPLAY"
+ENV_EPSILON = "HINDSIGHT_EPSILON"
+ENV_EVERY = "HINDSIGHT_CHECKPOINT_EVERY"
+ENV_RUN_NAME = "HINDSIGHT_RUN_NAME"
+ENV_RESUME = "HINDSIGHT_RESUME"
+ENV_STORE = "HINDSIGHT_STORE"
+ENV_LOCAL_FIRST = "HINDSIGHT_LOCAL_FIRST"
+_INF = float("inf")
+
+
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("hindsight")
+    except Exception:  # noqa: BLE001 - informational only
+        return "unknown"
+
+
+def _env_float(name: str, scale: float) -> float | None:
+    v = os.environ.get(name)
+    return float(v) * scale if v else None
+
+
+def _advance(it: Iterator[Any], n: int) -> None:
+    """Skip n items. For a single-process DataLoader, skip indices without loading the samples."""
+    sampler_iter = getattr(it, "_sampler_iter", None)
+    if sampler_iter is not None and getattr(it, "_num_workers", 1) == 0 and hasattr(it, "_num_yielded"):
+        for _ in range(n):
+            next(sampler_iter)
+        it._num_yielded += n
+        return
+    for _ in range(n):
+        next(it)
+
+
+LOG_BATCH = 1024
+MAX_LOGGED_ELEMENTS = 10_000
+_SKIP_DIRS = {".git", ".hindsight", "__pycache__", "node_modules", "site-packages", ".venv", "venv", "build", "target"}
+
+
+def _script_path() -> Path:
+    argv0 = sys.argv[0] if sys.argv else ""
+    if argv0 and argv0 not in ("-c", "-m") and Path(argv0).exists():
+        return Path(argv0).resolve()
+    return Path.cwd().resolve() / "<interactive>"
+
+
+def _snapshot_source(root: Path, script: Path) -> dict[str, str]:
+    """The project's Python files as they are now (content-addressed by the db)."""
+    files: dict[str, str] = {}
+    budget = 20 << 20
+    candidates = [script] if script.exists() else []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [
+            d
+            for d in dirnames
+            if d not in _SKIP_DIRS and not d.startswith(".") and not (Path(dirpath) / d / "pyvenv.cfg").exists()
+        ]
+        candidates += [Path(dirpath) / f for f in filenames if f.endswith(".py")]
+        if len(candidates) > 2000:
+            break
+    for p in candidates:
+        try:
+            rel = str(p.relative_to(root))
+        except ValueError:
+            rel = str(p)
+        if rel in files:
+            continue
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        budget -= len(text)
+        if budget < 0:
+            break
+        files[rel] = text
+    return files
+
+
+def _git(root: Path) -> tuple[str | None, bool | None]:
+    if not (root / ".git").exists():
+        return None, None
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        status = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None, None
+    if commit.returncode != 0:
+        return None, None
+    return commit.stdout.strip(), bool(status.stdout.strip())
+
+
+def _to_json(value: Any, name: str, what: str = "hs.log") -> Any:
+    """``value`` as plain JSON types (numpy and torch scalars become numbers);
+    refuses what cannot be recorded, naming ``what(name)``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        if value.numel() > MAX_LOGGED_ELEMENTS:
+            raise InvalidArgumentError(
+                f"{what}({name!r}): tensor of {value.numel()} elements is too large to log "
+                f"(at most {MAX_LOGGED_ELEMENTS}); log a summary such as .norm()"
+            )
+        return value.detach().cpu().tolist()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        if isinstance(value, np.ndarray):
+            if value.size > MAX_LOGGED_ELEMENTS:
+                raise InvalidArgumentError(f"{what}({name!r}): array of {value.size} elements is too large to log")
+            return value.tolist()
+        if isinstance(value, np.generic):
+            return value.item()
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v, name, what) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _to_json(v, name, what) for k, v in value.items()}
+    raise InvalidArgumentError(
+        f"{what}({name!r}): cannot record a value of type {type(value).__qualname__}; "
+        "use numbers, strings, bools, or small tensors/arrays"
+    )
+
+
+def _parse_override(name: str, default: Any) -> tuple[bool, Any]:
+    """`--name value` or `--name=value` on the command line, converted to the
+    default's type (a list or dict default takes JSON of the same kind; a
+    None default takes JSON, else the text as given)."""
+    argv = sys.argv[1:]
+    flag = f"--{name}"
+    raw = None
+    for i, a in enumerate(argv):
+        if a == flag:
+            if i + 1 >= len(argv):
+                raise InvalidArgumentError(f"argument --{name}: expected a value after it")
+            raw = argv[i + 1]
+        elif a.startswith(flag + "="):
+            raw = a[len(flag) + 1 :]
+    if raw is None:
+        return False, default
+    want = type(default).__name__
+    try:
+        if isinstance(default, bool):
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return True, raw.lower() in ("1", "true", "yes")
+        if isinstance(default, int):
+            return True, int(raw)
+        if isinstance(default, float):
+            return True, float(raw)
+        if isinstance(default, str):
+            return True, raw
+        np = sys.modules.get("numpy")
+        if np is not None and isinstance(default, np.generic) and default.dtype.kind in "iuf":
+            return True, type(default)(raw)  # np.float32(0.1) stays a float32
+        if default is None:
+            try:
+                return True, json.loads(raw)
+            except ValueError:
+                return True, raw
+        value = json.loads(raw)
+        if isinstance(default, (list, tuple)) and isinstance(value, list):
+            return True, type(default)(value)
+        if isinstance(default, dict) and isinstance(value, dict):
+            return True, value
+        raise ValueError(f"JSON of type {type(value).__name__}")
+    except ValueError as e:
+        raise InvalidArgumentError(f"argument --{name}: cannot read {raw!r} as {want}") from e
+
+
+class Run:
+    """The process's run, created by the first hs.* call: a `RecordRun` for a
+    plain `python train.py`, a `ReplayRun` in a worker started by
+    `hindsight replay`. This class holds what both do the same way; the
+    loops call the hooks the two subclasses define."""
+
+    #: "record" or "replay": the phase its log rows are written in.
+    phase = "record"
+
+    def __init__(self) -> None:
+        self.script = _script_path()
+        self.paths = _native.project_paths(str(self.script.parent))
+        self.home = Path(self.paths.home)
+        self.root = self.home.parent
+        self.db = _native.LogDb(str(self.paths.db))  # creates the home durably if needed
+        self.run_id = ""
+        self._store: Any = None
+        # Where checkpoints go: hs.checkpointing(store=, local_first=), else
+        # $HINDSIGHT_STORE / $HINDSIGHT_LOCAL_FIRST, else <home>/store. Read at
+        # the first store access, so hs.checkpointing may come after hs.arg.
+        self.store_location: str | None = None
+        self.local_first: str | None = None
+        self.recorded_store: str | None = None
+        self.args: dict[str, Any] = {}
+        self.buffer: list[tuple[str, list[tuple[str, int]], str]] = []
+        self.log_queue: queue.Queue[Any] = queue.Queue()
+        self.log_error: BaseException | None = None
+        self.log_thread: threading.Thread | None = threading.Thread(
+            target=self._log_writer, name="hindsight-logs", daemon=True
+        )
+        self.log_thread.start()
+        self.stack: list[list[Any]] = []  # [loop name, index]
+        self.objects: dict[str, Any] = {}
+        self.outer_name: str | None = None
+        self.outer_idx = -1
+        self.iter_start = 0.0
+        self.block_done = False
+        self.finished = False
+        # Set by hs.checkpointing; only recording acts on them.
+        self.exit_code: int | None = None
+        self.requeue = False
+        self.every: int | None = None
+        self.safety_seconds: float | None = None
+        self.retention: dict[str, Any] = {}
+
+    # -- store -------------------------------------------------------------------
+    def set_store(self, location: str | os.PathLike[str] | None, local_first: str | os.PathLike[str] | None) -> None:
+        """hs.checkpointing(store=..., local_first=...): only before the store is first used."""
+        loc = None if location is None else _native.store_location(os.fspath(location), "store")
+        local = None if local_first is None else _native.store_location(os.fspath(local_first), "local_first", True)
+        if (
+            self._store is not None
+            and (loc, local) != (self.store_location, self.local_first)
+            and (loc is not None or local is not None)
+        ):
+            raise InvalidArgumentError(
+                f"hs.checkpointing(store={location!r}): this run already uses the store {self._store.path}; "
+                "give store= at the first hs.checkpointing of the script"
+            )
+        if loc is not None:
+            self.store_location = loc
+        if local is not None:
+            self.local_first = local
+
+    def _configured_store(self) -> str | None:
+        env = os.environ.get(ENV_STORE) or None
+        return self.store_location or (None if env is None else _native.store_location(env, ENV_STORE))
+
+    def _configured_local_first(self) -> str | None:
+        if self.local_first is None and os.environ.get(ENV_LOCAL_FIRST):
+            return str(_native.store_location(os.environ[ENV_LOCAL_FIRST], ENV_LOCAL_FIRST, True))
+        return self.local_first
+
+    def _open_store(self) -> tuple[str, str | None]:
+        """(store location, local-first directory or None) for this run."""
+        raise NotImplementedError
+
+    @property
+    def store(self) -> Any:
+        if self._store is None:
+            from hindsight._store import Store
+
+            location, local = self._open_store()
+            self._store = Store(location, local_first=local)
+            self.store_location, self.local_first = location, local
+        return self._store
+
+    # -- logs --------------------------------------------------------------------
+    def _log_writer(self) -> None:
+        """Background thread: full batches go to SQLite off the training thread
+        (the database call releases the GIL)."""
+        while True:
+            rows = self.log_queue.get()
+            try:
+                if rows is None:
+                    return
+                if self.log_error is None:
+                    self.db.append_logs(self.run_id, self.phase, rows)
+            except BaseException as e:  # noqa: BLE001 - surfaced by the next log/flush
+                self.log_error = e
+            finally:
+                self.log_queue.task_done()
+
+    def _raise_log_error(self) -> None:
+        if self.log_error is not None:
+            e, self.log_error = self.log_error, None
+            raise e
+
+    def _submit(self, rows: list[tuple[str, list[tuple[str, int]], str]]) -> None:
+        if self.log_thread is not None and self.log_thread.is_alive():
+            self.log_queue.put(rows)
+        else:  # after finish (or in a process without the thread): write directly
+            self.db.append_logs(self.run_id, self.phase, rows)
+
+    def flush_logs(self) -> None:
+        """Everything logged so far is in the database when this returns."""
+        if self.buffer:
+            rows, self.buffer = self.buffer, []
+            self._submit(rows)
+        if self.log_thread is not None and self.log_thread.is_alive():
+            self.log_queue.join()
+        self._raise_log_error()
+
+    def log(self, name: str, value: Any) -> None:
+        ctx = [(e[0], e[1]) for e in self.stack]
+        t = type(value)
+        if t is float and value == value and value not in (_INF, -_INF):
+            text = repr(value)  # the JSON of a finite float, without the encoder's overhead
+        elif t is int or t is bool:
+            text = "true" if value is True else "false" if value is False else str(value)
+        else:
+            text = json.dumps(_to_json(value, name))
+        self.buffer.append((name, ctx, text))
+        if len(self.buffer) >= LOG_BATCH:
+            self._raise_log_error()
+            rows, self.buffer = self.buffer, []
+            self._submit(rows)
+
+    def arg(self, name: str, default: Any) -> Any:
+        raise NotImplementedError
+
+    def finish(self, status: str = "completed") -> None:
+        """At exit (or on an uncaught exception): logs and checkpoints made durable."""
+        if self.finished:
+            return
+        self.finished = True
+        self.flush_logs()
+        self.log_queue.put(None)
+        self._finish(status)
+
+    def _finish(self, status: str) -> None:
+        if self._store is not None:
+            self._store.flush()
+
+    # -- loops -------------------------------------------------------------------
+    def loop(self, name: str, iterable: Iterable[T]) -> Iterator[T]:
+        if not self.stack:
+            return self._outer(name, iterable)
+        if len(self.stack) == 1 and not self.block_done:
+            return self._block(name, iterable)
+        return self._plain(name, iterable)
+
+    def _plain(self, name: str, iterable: Iterable[T]) -> Iterator[T]:
+        entry: list[Any] = [name, -1]
+        self.stack.append(entry)
+        try:
+            for i, x in enumerate(iterable):
+                entry[1] = i
+                yield x
+        finally:
+            self.stack.remove(entry)
+
+    def _outer(self, name: str, iterable: Iterable[T]) -> Iterator[T]:
+        """The outermost loop: one iteration is the unit of checkpoints and replay."""
+        entry: list[Any] = [name, -1]
+        self.stack.append(entry)
+        self.outer_name = name
+        self._outer_starts()
+        try:
+            for i, x in enumerate(iterable):
+                visit = self._visit(i)
+                if visit is None:
+                    break
+                if not visit:
+                    continue
+                entry[1] = i
+                self.outer_idx = i
+                self.iter_start = time.perf_counter()
+                self.block_done = False
+                yield x
+                if not self.block_done:
+                    self._end_block(i, at="iteration")
+                self._end_iteration(i)
+        finally:
+            self.stack.remove(entry)
+            self.flush_logs()
+
+    def _block(self, name: str, iterable: Iterable[T]) -> Iterator[T]:
+        """The first loop nested in the outer loop: the skippable training steps."""
+        i = self.outer_idx
+        if self._skip_block(i):
+            self.block_done = True
+            return
+        entry: list[Any] = [name, -1]
+        self.stack.append(entry)
+        ok = False
+        try:
+            it, start = self._block_iter(i, iterable)
+            for j, x in enumerate(it, start):
+                entry[1] = j
+                self._step_starts()
+                yield x
+                self._step_boundary(i, j)
+            ok = True
+        except GeneratorExit:
+            ok = True  # `break` out of the steps: the block still ended
+            raise
+        finally:
+            self.stack.remove(entry)
+            self._block_ends()
+            if ok and not self.block_done:
+                self._end_block(i)
+
+    # Hooks of the loops, defined by RecordRun and ReplayRun.
+    def _outer_starts(self) -> None:
+        pass
+
+    def _visit(self, i: int) -> bool | None:
+        """Run outer iteration i (True), skip it (False) or stop the loop (None)."""
+        return True
+
+    def _skip_block(self, i: int) -> bool:
+        """True when iteration i's steps are not run: their state comes from a checkpoint."""
+        return False
+
+    def _block_iter(self, i: int, iterable: Iterable[T]) -> tuple[Iterator[T], int]:
+        return iter(iterable), 0
+
+    def _step_starts(self) -> None:
+        pass
+
+    def _step_boundary(self, i: int, j: int) -> None:
+        pass
+
+    def _block_ends(self) -> None:
+        pass
+
+    def _end_block(self, i: int, at: str = "block") -> None:
+        self.block_done = True
+
+    def _end_iteration(self, i: int) -> None:
+        self.flush_logs()
+
+    # -- state -------------------------------------------------------------------
+    def capture(self) -> dict[str, Any]:
+        return capture(self.objects, [(e[0], e[1]) for e in self.stack])
+
+    def _apply_objects(self, state: dict[str, Any], name: str) -> None:
+        apply_state(self.objects, state["objects"], name)
+
+    def _apply(self, state: dict[str, Any], name: str) -> None:
+        self._apply_objects(state, name)
+        set_rng_state(state["rng"])

@@ -1,0 +1,360 @@
+"""Recording (a plain `python train.py`): arguments, source, logs and, at the
+end of the first `hs.loop` nested in the outer loop (the training steps) of
+each outer iteration, a checkpoint of the objects given to `hs.checkpointing`
+plus the RNG states, when the adaptive policy says it is worth it. Also
+preemption (checkpoint at the next step boundary, then exit) and resume."""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from hindsight import _native, _preemption
+from hindsight._run.common import (
+    ENV_EPSILON,
+    ENV_EVERY,
+    ENV_RESUME,
+    ENV_RUN_NAME,
+    Run,
+    T,
+    _advance,
+    _env_float,
+    _git,
+    _package_version,
+    _parse_override,
+    _snapshot_source,
+    _to_json,
+)
+from hindsight._state import rng_state, set_rng_state, tensor_bytes
+from hindsight.errors import CorruptError
+
+
+class RecordRun(Run):
+    phase = "record"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resume_pending = False
+        self.iter_checkpoint: str | None = None
+        self.iter_materialize: float | None = None
+        self.last_blocked: float | None = None
+        # Preemption: a signal is noted by the handler and acted on at the next step boundary.
+        self.signals = _preemption.StopSignals(os.environ.get("HINDSIGHT_CATCH_SIGINT") == "1")
+        self.requeue = _preemption.requeue_default()
+        self.safety_seconds = _env_float("HINDSIGHT_SAFETY_MINUTES", 60.0)
+        self.last_checkpoint_time = time.monotonic()
+        self.resume: dict[str, Any] | None = None
+        self.block_rng: dict[str, Any] | None = None
+        self.block_iterable: Any = None
+        self.policy = _native.AdaptivePolicy(float(os.environ.get(ENV_EPSILON, 1.0 / 15.0)))
+        every = os.environ.get(ENV_EVERY)
+        self.every = int(every) if every else None
+        self._start()
+        self._wrap_excepthook()
+        self.signals.install()
+        atexit.register(self.finish)
+
+    @property
+    def stop_signal(self) -> int | None:
+        return self.signals.received
+
+    def _start(self) -> None:
+        explicit = os.environ.get(ENV_RUN_NAME)
+        key = explicit or hashlib.sha256(json.dumps([str(self.script), sys.argv[1:]]).encode()).hexdigest()[:32]
+        prev = None
+        if os.environ.get(ENV_RESUME, "1") != "0":
+            prev = self.db.run_to_resume(key, explicit is not None)
+        if prev is not None:
+            self.run_id = prev["id"]
+            self.args = json.loads(prev["args_json"] or "{}")
+            self.db.set_status(self.run_id, "running", False)
+            self.recorded_store = prev.get("store")
+            # The checkpoint is looked up when the outer loop starts: by then
+            # hs.checkpointing has said where the store is.
+            self.resume_pending = True
+            print(f"hindsight: resuming run {self.run_id}", file=sys.stderr, flush=True)
+            return
+        files = _snapshot_source(self.root, self.script)
+        source_hash = self.db.put_source(files)
+        commit, dirty = _git(self.root)
+        versions = {
+            "python": platform.python_version(),
+            "hindsight": _package_version(),
+            "argv": sys.argv[:],
+            "cwd": os.getcwd(),
+            "executable": sys.executable,
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        }
+        for mod in ("torch", "numpy"):
+            m = sys.modules.get(mod)
+            if m is not None:
+                versions[mod] = getattr(m, "__version__", "?")
+        try:
+            script_rel = str(self.script.relative_to(self.root))
+        except ValueError:
+            script_rel = str(self.script)
+        self.run_id = self.db.create_run(
+            script_rel,
+            str(self.script),
+            str(self.root),
+            source_hash,
+            "{}",
+            socket.gethostname(),
+            json.dumps(versions),
+            commit,
+            dirty,
+            key,
+        )
+
+    def _wrap_excepthook(self) -> None:
+        previous = sys.excepthook
+
+        def hook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+            self.finish("interrupted" if issubclass(tp, KeyboardInterrupt) else "failed")
+            previous(tp, value, tb)
+
+        sys.excepthook = hook
+
+    def arg(self, name: str, default: Any) -> Any:
+        _, value = _parse_override(name, default)
+        # Recorded as plain JSON (a numpy scalar as a number; NaN and
+        # infinities as Python's json writes them, which the engine accepts).
+        self.args[name] = _to_json(value, name, "hs.arg")
+        self.db.set_args(self.run_id, json.dumps(self.args))
+        return value
+
+    def _open_store(self) -> tuple[str, str | None]:
+        default = str(self.paths.store)
+        configured = self._configured_store()
+        if self.recorded_store:
+            # A resumed run keeps writing where it wrote.
+            location = self.recorded_store
+            if configured is not None and configured != location:
+                print(
+                    f"hindsight: resuming in the run's store {location} (not {configured})", file=sys.stderr, flush=True
+                )
+        else:
+            location = configured or default
+        local = self._configured_local_first()
+        if local == location:
+            local = None
+        if self.recorded_store != location:
+            self.db.set_store(self.run_id, location)
+            self.recorded_store = location
+        return location, local
+
+    def _finish(self, status: str) -> None:
+        self.signals.restore()
+        if self._store is not None:
+            self._store.flush()
+            if status == "completed":
+                self.apply_retention(final=True)
+        self.db.set_status(self.run_id, status)
+
+    # -- checkpoints -------------------------------------------------------------
+    def _checkpoint_id(self, i: int, kind: str = "block", step: int | None = None) -> _native.CheckpointId:
+        return _native.CheckpointId(self.run_id, self.outer_name or "loop", i, kind, step)
+
+    def _save_now(self, ck: _native.CheckpointId, extra: dict[str, Any], wait: bool) -> None:
+        state = self.capture()
+        state.update(extra)
+        t0 = time.perf_counter()
+        h = self.store.save(ck.name, state, meta={**ck.meta(), "run": self.run_id})
+        self.last_blocked = time.perf_counter() - t0
+        self.last_checkpoint_time = time.monotonic()
+        if wait:
+            h.wait()
+            self.store.flush()
+
+    def _estimate_materialize(self) -> float:
+        nbytes = 0
+        for obj in self.objects.values():
+            nbytes += tensor_bytes(obj.state_dict() if hasattr(obj, "state_dict") else {"t": obj})
+        return nbytes / 2e9  # a first guess: a memory copy; refined by the first save
+
+    def _end_block(self, i: int, at: str = "block") -> None:
+        self.block_done = True
+        if not self.objects:
+            return
+        compute = time.perf_counter() - self.iter_start
+        expected = self.last_blocked if self.last_blocked is not None else self._estimate_materialize()
+        if self.every is not None:
+            if i % self.every != 0:
+                return
+        elif not self.policy.observe_iteration(compute, expected):
+            return
+        ck = self._checkpoint_id(i)
+        self._save_now(ck, {"at": at}, wait=False)
+        self.policy.observe_materialize(self.last_blocked or 0.0)
+        self.iter_checkpoint = ck.name
+        self.iter_materialize = self.last_blocked
+
+    def apply_retention(self, final: bool = False) -> None:
+        if not self.retention or self._store is None:
+            return
+        metric = self.retention.get("best_metric")
+        if metric:
+            self.flush_logs()
+        self.store.apply_retention(
+            self.run_id,
+            keep_last=self.retention.get("keep_last"),
+            keep_best=self.retention.get("keep_best"),
+            best_mode=self.retention.get("best_mode", "min"),
+            keep_every=self.retention.get("keep_every"),
+            metrics=self._epoch_metric(metric) if metric else None,
+        )
+        if final:
+            self.store.gc()
+
+    def _epoch_metric(self, metric: str) -> dict[int, float]:
+        """The outer-loop-level values of `metric` by iteration (what keep_best ranks)."""
+        values: dict[int, float] = {}
+        for rec in self.db.logs(self.run_id, [metric]):
+            if len(rec.ctx) == 1 and rec.phase == "record":
+                try:
+                    values[rec.ctx[0][1]] = float(json.loads(rec.value_json))
+                except (TypeError, ValueError):
+                    pass  # not a number at that iteration: not ranked
+        return values
+
+    # -- preemption and resume ----------------------------------------------------
+    def _latest_checkpoint(self) -> dict[str, Any] | None:
+        """The newest complete checkpoint of this run (listed = complete)."""
+        for ck in reversed(self.store.checkpoints(self.run_id)):
+            try:
+                state = self.store.load(ck.name)
+            except CorruptError as e:
+                # Damaged (a race with another process is not reported as
+                # corruption): fall back to the previous one, and say so.
+                print(
+                    f"hindsight: WARNING: checkpoint {ck.name} is damaged ({e}); resuming from an older one",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                continue
+            kind = ck.kind
+            if kind == "block" and state.get("at") == "iteration":
+                kind = "end"  # taken at the end of an outer iteration without an inner hs.loop
+            return {"name": ck.name, "kind": kind, "epoch": ck.index, "step": ck.step or 0, "state": state}
+        return None
+
+    def _outer_starts(self) -> None:
+        if not self.resume_pending:
+            return
+        self.resume_pending = False
+        self.resume = self._latest_checkpoint()
+        where = "the start" if self.resume is None else f"checkpoint {self.resume['name']}"
+        print(
+            f"hindsight: run {self.run_id} continues from {where} (store {self.store.path})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _visit(self, i: int) -> bool | None:
+        self.iter_checkpoint = None
+        self.iter_materialize = None
+        resume = self.resume
+        if resume is None:
+            return True
+        first = resume["epoch"] + 1 if resume["kind"] == "end" else resume["epoch"]
+        if i < first:
+            return False  # done before the interruption; its state is in the checkpoint
+        if resume["kind"] == "end":
+            self._apply(resume["state"], resume["name"])
+            self.resume = None
+        return True
+
+    def _skip_block(self, i: int) -> bool:
+        resume = self.resume
+        if resume is not None and resume["epoch"] == i and resume["kind"] == "block":
+            # Interrupted after this block's checkpoint: restore it, skip the steps.
+            self.resume = None
+            self._apply(resume["state"], resume["name"])
+            return True
+        return False
+
+    def _block_iter(self, i: int, iterable: Iterable[T]) -> tuple[Iterator[T], int]:
+        self.block_iterable = iterable
+        resume = self.resume
+        if resume is not None and resume["epoch"] == i and resume["kind"] == "step":
+            self.resume = None
+            return self._resume_steps(iterable, resume)
+        self.block_rng = rng_state()  # before iter(): a DataLoader draws its order here
+        return iter(iterable), 0
+
+    def _resume_steps(self, iterable: Any, resume: dict[str, Any]) -> tuple[Iterator[Any], int]:
+        """Continue an interrupted block exactly: same data order, no sample repeated or skipped."""
+        state = resume["state"]
+        self._apply_objects(state, resume["name"])
+        done = int(state["position"][1]) + 1
+        if "loader_state" in state and hasattr(iterable, "load_state_dict"):
+            iterable.load_state_dict(state["loader_state"])  # a stateful loader knows its own position
+            self.block_rng = state["block_rng"]
+            it = iter(iterable)
+        else:
+            # Re-create the epoch's order from the RNG state it was drawn from,
+            # then step over what was consumed before the interruption.
+            set_rng_state(state["block_rng"])
+            self.block_rng = state["block_rng"]
+            it = iter(iterable)
+            _advance(it, done)
+        set_rng_state(state["rng"])
+        return it, done
+
+    def _block_ends(self) -> None:
+        self.block_iterable = None
+
+    def _step_boundary(self, i: int, j: int) -> None:
+        """Between two training steps: act on a signal or a due safety checkpoint."""
+        if not self.objects:
+            if self.stop_signal is not None:
+                self._exit_for_signal()
+            return
+        mid = {"block_rng": self.block_rng, "position": [i, j]}
+        loader = self.block_iterable
+        if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict") and not hasattr(loader, "parameters"):
+            mid["loader_state"] = loader.state_dict()
+        if self.stop_signal is not None:
+            self.flush_logs()
+            self._save_now(self._checkpoint_id(i, "step", j), mid, wait=True)
+            self._exit_for_signal()
+        if self.safety_seconds is not None and time.monotonic() - self.last_checkpoint_time > self.safety_seconds:
+            self.flush_logs()
+            self._save_now(self._checkpoint_id(i, "step", j), mid, wait=False)
+
+    def _end_iteration(self, i: int) -> None:
+        self.db.record_iteration(
+            self.run_id,
+            self.outer_name or "",
+            i,
+            time.perf_counter() - self.iter_start,
+            self.iter_checkpoint,
+            self.iter_materialize,
+        )
+        if self.retention and self.iter_checkpoint is not None:
+            self.flush_logs()
+            self.apply_retention()
+        self.flush_logs()
+        if self.stop_signal is not None:
+            # After outer iteration i: the next iteration starts afresh on resume.
+            if self.objects:
+                self._save_now(self._checkpoint_id(i, "end"), {}, wait=True)
+            self._exit_for_signal()
+
+    def _exit_for_signal(self) -> None:
+        sig = self.stop_signal
+        self.flush_logs()
+        if self._store is not None:
+            self._store.flush()
+        self.db.set_status(self.run_id, "interrupted")
+        self.finished = True
+        self.signals.restore()
+        _preemption.leave(sig, f"run {self.run_id}", self.exit_code, requeue=self.requeue)

@@ -1,0 +1,89 @@
+"""Replaying (a worker started by `hindsight replay`, env HINDSIGHT_REPLAY):
+the outer loop visits only the iterations of this worker's plan. In
+"restore" iterations the inner loop yields nothing and the state comes from
+that iteration's checkpoint instead, so the code after it (and any new
+`hs.log` there) runs on exactly the recorded state; in "execute" iterations
+it runs. The worker protocol (plan file, progress lines) is documented with
+`WorkerPlan` in the engine (`runs::replay`)."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from hindsight import _native
+from hindsight._run.common import Run
+from hindsight.errors import HindsightError, ReplayError
+
+
+class ReplayRun(Run):
+    phase = "replay"
+
+    def __init__(self, plan_path: str) -> None:
+        super().__init__()
+        with open(plan_path) as f:
+            self.plan = _native.WorkerPlan.from_json(f.read())
+        self.run_id = self.plan.run_id
+        row = self.db.run(self.run_id)
+        self.recorded_store = row.get("store")
+        self.args = json.loads(row["args_json"] or "{}")
+        self.modes: dict[int, str] = self.plan.modes
+        self.checkpoints: dict[int, str] = self.plan.checkpoints
+        self.progress: int | None = self.plan.progress_fd
+        self.last_needed = max(self.modes, default=-1)
+        self.inner_steps_executed = 0
+        self.blocks_restored = 0
+        atexit.register(self.finish)
+
+    def arg(self, name: str, default: Any) -> Any:
+        return self.args.get(name, default)
+
+    def _open_store(self) -> tuple[str, str | None]:
+        # Replay reads where the run wrote, never through a local-first cache.
+        return self.recorded_store or str(self.paths.store), None
+
+    def _progress(self, line: str) -> None:
+        if self.progress is None:
+            return
+        try:
+            os.write(self.progress, line.encode())
+        except OSError:
+            self.progress = None  # the driver went away; replay still finishes
+
+    def _finish(self, status: str) -> None:
+        self._progress(f"steps {self.inner_steps_executed} restored {self.blocks_restored}\n")
+        super()._finish(status)
+
+    def _visit(self, i: int) -> bool | None:
+        if i > self.last_needed:
+            return None
+        return self.modes.get(i, "skip") != "skip"
+
+    def _skip_block(self, i: int) -> bool:
+        if self.modes.get(i) != "restore":
+            return False
+        self._restore(i)
+        return True
+
+    def _step_starts(self) -> None:
+        self.inner_steps_executed += 1
+
+    def _end_iteration(self, i: int) -> None:
+        self.flush_logs()  # the driver may read the logs as soon as it sees the line
+        self._progress(f"{i}\n")
+
+    def _restore(self, i: int) -> None:
+        name = self.checkpoints.get(i)
+        if name is None:
+            raise ReplayError(f"replay plan has no checkpoint for {self.outer_name} {i}")
+        t0 = time.perf_counter()
+        self._apply(self.store.load(name), name)
+        self.blocks_restored += 1
+        try:
+            self.db.set_restore_seconds(self.run_id, self.outer_name or "", i, time.perf_counter() - t0)
+        except HindsightError as e:  # bookkeeping only: say so, but never fail a replay for it
+            print(f"hindsight: could not record the restore time of {name}: {e}", file=sys.stderr)

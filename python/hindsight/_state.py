@@ -1,0 +1,88 @@
+"""State capture shared by `hs.checkpointing` and the Lightning callback: the
+RNG states a checkpoint must carry for an exact resume, and putting saved
+state back into live objects."""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from hindsight.errors import InvalidArgumentError, ReplayError
+
+
+def rng_state() -> dict[str, Any]:
+    """Python's, NumPy's (if imported), torch's and CUDA's (if initialized) RNG states."""
+    state: dict[str, Any] = {"python": random.getstate()}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        state["torch"] = torch.get_rng_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Apply what `rng_state` captured (also after a round trip that turned tuples into lists)."""
+    if "python" in state:
+        v = state["python"]
+        random.setstate((v[0], tuple(v[1]), v[2]))
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(tuple(state["numpy"]))
+    if "torch" in state:
+        import torch
+
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(list(state["cuda"]))
+
+
+def capture(objects: Mapping[str, Any], loop: list[tuple[str, int]]) -> dict[str, Any]:
+    """What a checkpoint of `hs.checkpointing`'s objects holds: their state
+    dicts (tensors as they are), the RNG states and the loop position."""
+    objs: dict[str, Any] = {}
+    for key, obj in objects.items():
+        objs[key] = obj.state_dict() if hasattr(obj, "state_dict") else obj
+    return {"objects": objs, "rng": rng_state(), "loop": loop}
+
+
+def apply_state(objects: Mapping[str, Any], saved: Mapping[str, Any], checkpoint: str) -> None:
+    """Put saved state back into the live objects given to hs.checkpointing."""
+    missing = set(objects) - set(saved)
+    if missing:
+        raise ReplayError(
+            f"checkpoint '{checkpoint}' has no state for {sorted(missing)}; "
+            "hs.checkpointing(...) must name the same objects as when it was recorded"
+        )
+    import torch
+
+    for key, obj in objects.items():
+        if hasattr(obj, "load_state_dict"):
+            obj.load_state_dict(saved[key])
+            if isinstance(obj, torch.optim.Optimizer):
+                # The restored optimizer has stepped (in the recorded run); tell
+                # LR schedulers so they do not warn about step order.
+                obj._opt_called = True  # type: ignore[attr-defined]
+        elif isinstance(obj, torch.Tensor):
+            with torch.no_grad():
+                obj.copy_(saved[key])
+        else:
+            raise InvalidArgumentError(f"hs.checkpointing({key}=...): {type(obj).__qualname__} has no load_state_dict")
+
+
+def tensor_bytes(tree: Any) -> int:
+    """Bytes of the tensors in a state tree (a first guess at a save's cost)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(tree, torch.Tensor):
+        return int(tree.numel() * tree.element_size())
+    if isinstance(tree, dict):
+        return sum(tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(tensor_bytes(v) for v in tree)
+    return 0

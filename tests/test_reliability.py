@@ -1,0 +1,153 @@
+"""The holes an unlucky or hostile user finds (issue 11): each test reproduces
+one and pins the fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import hindsight as hs
+
+from conftest import hindsight_cmd
+
+
+def test_a_save_after_gc_took_its_reused_chunks_copies_them_again(store_dir: Path) -> None:
+    store = hs.Store(store_dir)
+    f = torch.randn(1 << 20)
+    store.save("a", {"f": f}).wait()
+    store.remove("a")
+    store.gc()  # the only chunk of `f`, which the writer would reuse, is gone
+    store.save("b", {"f": f}).wait()
+    assert torch.equal(store.load("b")["f"], f)
+    # ...and the writer is not left broken: later saves keep working.
+    store.save("c", {"f": f}).wait()
+    assert torch.equal(store.load("c")["f"], f)
+    assert store.verify() == []
+
+
+def test_saving_while_another_process_runs_gc_never_fails(store_dir: Path) -> None:
+    # One process replaces a checkpoint over and over (remove, then save
+    # again, reusing the unchanged tensor) while another runs gc in a loop:
+    # every save must succeed and load exactly.
+    hs.Store(store_dir)  # create it
+    gc_loop = textwrap.dedent(
+        f"""
+        import os, sys, time, hindsight as hs
+        s = hs.Store({str(store_dir)!r})
+        print("ready", flush=True)
+        end = time.monotonic() + 60
+        while time.monotonic() < end and not os.path.exists({str(store_dir.parent / "stop")!r}):
+            s.gc()
+        """
+    )
+    gc = subprocess.Popen([sys.executable, "-c", gc_loop], stdout=subprocess.PIPE, text=True)
+    assert gc.stdout is not None
+    try:
+        assert gc.stdout.readline().strip() == "ready"
+        store = hs.Store(store_dir)
+        frozen = torch.randn(1 << 18)  # unchanged across saves: reused
+        w = torch.zeros(1 << 16)
+        for _ in range(40):
+            w += 1
+            if "latest" in store.list():
+                store.remove("latest")
+            store.save("latest", {"frozen": frozen, "w": w}).wait()
+            loaded = store.load("latest")
+            assert torch.equal(loaded["frozen"], frozen) and torch.equal(loaded["w"], w)
+        assert store.verify() == []
+    finally:
+        (store_dir.parent / "stop").touch()
+        gc.stdout.close()
+        assert gc.wait(timeout=60) == 0
+
+
+def test_remove_of_a_checkpoint_still_being_saved_removes_it(store_dir: Path) -> None:
+    store = hs.Store(store_dir)
+    big = torch.randn(16 << 20)  # 64 MiB: the write is still running when remove comes
+    h = store.save("ck", {"big": big})
+    store.remove("ck")  # waits for the save, then removes it
+    assert h.done()
+    store.flush()
+    assert "ck" not in store.list()
+
+
+def test_gc_never_deletes_through_a_symlinked_store_directory(tmp_path: Path, store_dir: Path) -> None:
+    hs.Store(store_dir).save("a", {"x": torch.ones(3)}).wait()
+    thesis = tmp_path / "thesis"
+    thesis.mkdir()
+    (thesis / "chapter1.tex").write_text("years of work")
+    (store_dir / "tmp").rmdir()
+    (store_dir / "tmp").symlink_to(thesis)
+    with pytest.raises(hs.HindsightError, match="symbolic link"):
+        hs.Store(store_dir).gc()
+    r = subprocess.run([*hindsight_cmd(), "gc", str(store_dir)], capture_output=True, text=True)
+    assert r.returncode != 0 and "symbolic link" in r.stderr
+    assert (thesis / "chapter1.tex").read_text() == "years of work"
+
+
+@pytest.mark.parametrize("location", ["", "S3://bucket/p", "s3:/bucket/p"])
+def test_store_locations_that_are_not_what_they_seem_are_refused(
+    location: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(hs.InvalidArgumentError):
+        hs.Store(location)
+    assert not any(tmp_path.iterdir())
+
+
+def test_loads_racing_a_replacing_writer_and_gc_never_report_corruption(store_dir: Path) -> None:
+    # Another process saves "ck" again and again (new content each time) and
+    # runs gc after each, deleting the chunks of the version being loaded.
+    # A load returns one consistent version; it is never called corrupt.
+    store = hs.Store(store_dir)
+    store.save("ck", {"x": torch.full((1 << 18,), 0.0)}).wait()
+    writer = textwrap.dedent(
+        f"""
+        import os, time, torch, hindsight as hs
+        s = hs.Store({str(store_dir)!r})
+        i, end = 1, time.monotonic() + 60
+        while time.monotonic() < end and not os.path.exists({str(store_dir.parent / "stop")!r}):
+            s.save("ck", {{"x": torch.full((1 << 18,), float(i))}}).wait()
+            s.gc()
+            i += 1
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", writer])
+    try:
+        loads = 0
+        for _ in range(150):
+            try:
+                x = store.load("ck")["x"]
+            except hs.NotFoundError:
+                continue  # between a remove and a save: reported as such, not as damage
+            assert bool((x == x[0]).all()), "a load mixed two versions"
+            loads += 1
+        assert loads > 0
+    finally:
+        (store_dir.parent / "stop").touch()
+        assert proc.wait(timeout=60) == 0
+
+
+def test_a_damaged_chunk_is_rewritten_by_the_next_save_with_its_bytes(store_dir: Path) -> None:
+    frozen = torch.randn(1 << 16)  # a frozen layer, saved unchanged every epoch
+    store = hs.Store(store_dir)
+    store.save("ep1", {"frozen": frozen}).wait()
+    [chunk] = sorted(p for p in (store_dir / "chunks").rglob("*") if p.is_file())
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0x40  # bit rot
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(hs.CorruptError, match="quarantined"):
+        store.load("ep1")
+    # The next save with the same bytes must write them again, not trust
+    # the damaged copy; that also repairs ep1, which shares the chunk.
+    store2 = hs.Store(store_dir)
+    store2.save("ep2", {"frozen": frozen}).wait()
+    assert torch.equal(store2.load("ep2")["frozen"], frozen)
+    assert torch.equal(store2.load("ep1")["frozen"], frozen)
+    assert store2.verify() == []
+    assert any((store_dir / "quarantine").iterdir())  # the damaged bytes are kept aside
