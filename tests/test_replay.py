@@ -247,3 +247,35 @@ def test_two_concurrent_recordings_in_one_project(tmp_path):
     assert json.loads(r.stdout) == [["completed", 1, 30, 5, 5], ["completed", 2, 30, 5, 5]]
     r = subprocess.run([*hindsight_cmd(), "verify", str(home / "store")], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout
+
+
+@pytest.mark.parametrize(
+    ("where", "says"),
+    [
+        ("epoch >=", "not an expression"),
+        ("epoch in 'abc'", "not a number"),
+        ("epoch // 0 == 1", "division"),
+        ("'a' * 20000000000 == epoch", "not a number"),
+        ("[0] * 10**10 == epoch", "no arithmetic on lists"),
+        ("__import__('os')", "only comparisons"),
+    ],
+)
+def test_bad_where_is_a_one_line_error(recorded: tuple[Path, Path], where: str, says: str) -> None:
+    script, home = recorded
+    edit(script, INNER_PROBE)
+    r = replay(script, home, "--where", where)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr and says in r.stderr
+    assert r.stderr.strip().count("\n") == 0, r.stderr
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [(b"for x in range(3)\n    pass\n", "syntax error"), (b"x = '\xff\xfe'\n", "not UTF-8")],
+)
+def test_a_script_that_is_not_python_is_a_clear_error(recorded: tuple[Path, Path], content: bytes, says: str) -> None:
+    script, home = recorded
+    script.write_bytes(content)
+    r = replay(script, home)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert says in r.stderr and script.name in r.stderr

@@ -7,16 +7,13 @@ drift."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 from typing import Any, NoReturn
 
-#: The exit code that tells a batch system "checkpointed, reschedule me".
-DEFAULT_EXIT_CODE = 85
+from hindsight import _native
 
 
 def signals(catch_sigint: bool) -> list[int]:
@@ -82,18 +79,9 @@ class StopSignals:
 
 def exit_code(explicit: int | None = None) -> int:
     """``explicit``, else HTCondor's CheckpointExitCode from the job ad, else
-    ``$HINDSIGHT_EXIT_CODE``, else 85."""
-    if explicit is not None:
-        return explicit
-    ad = os.environ.get("_CONDOR_JOB_AD")
-    if ad:
-        try:
-            m = re.search(r"^\s*CheckpointExitCode\s*=\s*(\d+)", Path(ad).read_text(), re.MULTILINE)
-            if m:
-                return int(m.group(1))
-        except OSError as e:
-            print(f"hindsight: cannot read the HTCondor job ad {ad}: {e}", file=sys.stderr)
-    return int(os.environ.get("HINDSIGHT_EXIT_CODE", DEFAULT_EXIT_CODE))
+    ``$HINDSIGHT_EXIT_CODE``, else 85 (the engine's rule, shared with
+    ``hindsight run``)."""
+    return _native.checkpoint_exit_code(explicit)
 
 
 def requeue_default() -> bool:

@@ -34,7 +34,10 @@ def _where(expr: str | None, loop: str) -> Any:
     """A restricted predicate over the outer loop's index, e.g. 'epoch >= 10 and epoch % 2 == 0'."""
     if not expr:
         return lambda i: True
-    tree = ast.parse(expr, mode="eval")
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError as e:
+        raise ReplayError(f"--where {expr!r}: not an expression ({e.msg})") from None
     allowed = (
         ast.Expression,
         ast.BoolOp,
@@ -69,8 +72,48 @@ def _where(expr: str | None, loop: str) -> Any:
             raise ReplayError(f"--where {expr!r}: only comparisons and arithmetic on '{loop}' are allowed")
         if isinstance(node, ast.Name) and node.id != loop:
             raise ReplayError(f"--where {expr!r}: unknown name '{node.id}' (the outer loop is '{loop}')")
+        # Numbers only, and lists/tuples only as the right side of `in`: so
+        # no expression can build a large value ('a' * 10**10, [0] * 10**10).
+        if isinstance(node, ast.Constant) and not (
+            isinstance(node.value, (int, float))
+            and not isinstance(node.value, bool)
+            and abs(node.value) <= _WHERE_MAX_CONSTANT
+        ):
+            raise ReplayError(f"--where {expr!r}: {node.value!r} is not a number this filter accepts")
+        if isinstance(node, ast.Compare):
+            for op, right in zip(node.ops, node.comparators, strict=True):
+                if isinstance(right, (ast.List, ast.Tuple)) and not isinstance(op, (ast.In, ast.NotIn)):
+                    raise ReplayError(f"--where {expr!r}: a list can only follow 'in'")
+        if isinstance(node, ast.BinOp) and any(isinstance(x, (ast.List, ast.Tuple)) for x in (node.left, node.right)):
+            raise ReplayError(f"--where {expr!r}: no arithmetic on lists")
+        if isinstance(node, (ast.List, ast.Tuple)) and len(node.elts) > 10_000:
+            raise ReplayError(f"--where {expr!r}: list too long")
     code = compile(tree, "<--where>", "eval")
-    return lambda i: bool(eval(code, {"__builtins__": {}}, {loop: i}))
+
+    def pred(i: int) -> bool:
+        try:
+            return bool(eval(code, {"__builtins__": {}}, {loop: i}))
+        except (ArithmeticError, TypeError, ValueError) as e:
+            raise ReplayError(f"--where {expr!r} at {loop}={i}: {e}") from None
+
+    return pred
+
+
+_WHERE_MAX_CONSTANT = 10**12
+
+
+def _read_script(path: Path) -> str:
+    """The script's text; a clear error for bytes that are not UTF-8 or Python."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ReplayError(f"{path}: not UTF-8 text (byte {e.start}); hindsight replays Python source") from None
+    try:
+        ast.parse(text, str(path))
+    except SyntaxError as e:
+        raise ReplayError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
+    return text
 
 
 @dataclass
@@ -135,7 +178,8 @@ def replay(args: argparse.Namespace) -> int:
         if latest is None:
             raise NotFoundError(f"no recorded run of {script} in {home}")
         runs = [latest]
-    current = script.read_text()
+    db.check_integrity()  # replay must not plan from a damaged database
+    current = _read_script(script)
     status = 0
     names_at: dict[str, set[str]] = {}
     for run in runs:

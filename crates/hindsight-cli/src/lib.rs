@@ -17,9 +17,11 @@ use std::ffi::OsString;
 use std::fmt::{self, Write as _};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use clap::builder::TypedValueParser as _;
 use clap::{Parser, Subcommand};
+use hindsight_core::runs::supervise;
 use hindsight_core::{LogDb, Manifest, Node, Store};
 use serde_json::json;
 
@@ -152,6 +154,23 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Run a training command; restart it after a crash or hang (it resumes
+    /// from its last checkpoint); pass signals through to it
+    Run {
+        /// Restarts after a crash or hang before giving up
+        #[arg(long, default_value_t = 3)]
+        max_restarts: u32,
+        /// Seconds without a step boundary of `hs.loop` (counted from the
+        /// first one) that mean hung (default: no hang detection)
+        #[arg(long, value_name = "SECONDS")]
+        hang_timeout: Option<f64>,
+        /// Seconds to wait before the first restart (doubles per quick failure)
+        #[arg(long, value_name = "SECONDS", default_value_t = 1.0)]
+        backoff: f64,
+        /// The training command, after `--`
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<std::ffi::OsString>,
+    },
     /// Re-run a recorded run with new log statements (provided by the Python package)
     #[command(disable_help_flag = true)]
     Replay {
@@ -253,6 +272,32 @@ fn execute(cli: Cli, out: &mut String, err: &mut dyn Write) -> Result<i32, Failu
             phase,
             json,
         } => runcmds::cmd_logs(&places.open_db()?, run, names, phase, json, out),
+        Command::Run {
+            max_restarts,
+            hang_timeout,
+            backoff,
+            command,
+        } => {
+            let seconds = |arg: &str, v: f64| {
+                if v.is_finite() && v >= 0.0 {
+                    Ok(Duration::from_secs_f64(v))
+                } else {
+                    Err(Failure::Usage(format!(
+                        "--{arg} {v}: give a number of seconds"
+                    )))
+                }
+            };
+            let policy = supervise::Policy {
+                max_restarts,
+                hang_timeout: hang_timeout
+                    .map(|v| seconds("hang-timeout", v))
+                    .transpose()?,
+                backoff: seconds("backoff", backoff)?,
+                ..Default::default()
+            };
+            // Live messages: the command's own output is interleaved with them.
+            Ok(supervise::supervise(&command, &policy, &mut io::stderr())?)
+        }
         Command::Replay { args: _ } => Err(Failure::Usage(
             "hindsight replay is provided by the Python package: run \
              `python -m hindsight replay ...` (or the `hindsight` command installed by pip)"
@@ -318,7 +363,10 @@ impl Places {
         if !path.is_file() {
             return Err(no_project(&home));
         }
-        Ok(LogDb::open(&path)?)
+        let db = LogDb::open(&path)?;
+        // Answers from a damaged database would be silently wrong.
+        db.check_integrity()?;
+        Ok(db)
     }
 }
 
@@ -339,7 +387,11 @@ fn cmd_show_any(
     let db_path = home::db_path(&places.home());
     let mut db_problem = None;
     if db_path.is_file() {
-        match LogDb::open(&db_path).and_then(|db| db.run(name).map(|run| (db, run))) {
+        let found = LogDb::open(&db_path).and_then(|db| {
+            db.check_integrity()?;
+            db.run(name).map(|run| (db, run))
+        });
+        match found {
             Ok((db, run)) => return runcmds::cmd_show_run(&db, &run, out),
             Err(hindsight_core::Error::NotFound { .. }) => {}
             Err(e) => db_problem = Some(e),

@@ -94,11 +94,24 @@ impl Store {
         create: bool,
         compression: Option<&str>,
         zstd_level: Option<i32>,
-        chunk_size: Option<usize>,
-        staging_bytes: Option<usize>,
-        threads: Option<usize>,
+        chunk_size: Option<i64>,
+        staging_bytes: Option<i64>,
+        threads: Option<i64>,
         local_first: Option<PathBuf>,
     ) -> PyResult<Self> {
+        // Sizes arrive as Python ints of any sign: refuse bad ones by name
+        // (not with an OverflowError from the conversion).
+        let size = |arg: &str, v: Option<i64>| -> PyResult<Option<usize>> {
+            v.map(|n| {
+                usize::try_from(n).ok().filter(|&n| n > 0).ok_or_else(|| {
+                    errors::to_py(Error::invalid(arg, format!("{n} is not a positive size")))
+                })
+            })
+            .transpose()
+        };
+        let chunk_size = size("chunk_size", chunk_size)?;
+        let staging_bytes = size("staging_bytes", staging_bytes)?;
+        let threads = size("threads", threads)?;
         let options = if compression.is_some() || chunk_size.is_some() || zstd_level.is_some() {
             let mut o = StoreOptions::default();
             match compression {

@@ -67,10 +67,20 @@ pub(crate) fn store_location(location: &str, what: &str, local: bool) -> PyResul
     Ok(parsed.map_err(crate::errors::to_py)?.to_string())
 }
 
+/// The exit code that tells a batch system "checkpointed, reschedule me":
+/// `explicit`, else HTCondor's CheckpointExitCode, else
+/// `$HINDSIGHT_EXIT_CODE`, else 85 (the engine's one rule).
+#[pyfunction]
+#[pyo3(signature = (explicit=None))]
+pub(crate) fn checkpoint_exit_code(explicit: Option<i32>) -> i32 {
+    hindsight_core::runs::preempt::exit_code(explicit)
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ProjectPaths>()?;
     m.add_function(wrap_pyfunction!(project_paths, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoint_names, m)?)?;
     m.add_function(wrap_pyfunction!(store_location, m)?)?;
+    m.add_function(wrap_pyfunction!(checkpoint_exit_code, m)?)?;
     Ok(())
 }

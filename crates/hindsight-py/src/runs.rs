@@ -163,15 +163,6 @@ impl LogDb {
         r.map(|r| run_dict(py, &r)).transpose()
     }
 
-    fn find_resumable<'py>(
-        &self,
-        py: Python<'py>,
-        resume_key: String,
-    ) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let r = self.with(py, |db| db.find_resumable(&resume_key))?;
-        r.map(|r| run_dict(py, &r)).transpose()
-    }
-
     /// The run a process started with `resume_key` here continues, if any
     /// (the engine's rule: interrupted, or running but certainly gone).
     #[pyo3(signature = (resume_key, explicit=false))]
@@ -251,6 +242,12 @@ impl LogDb {
                 replayed: v.replayed,
             })
             .collect())
+    }
+
+    /// SQLite's consistency check plus rows that belong to no run; raises
+    /// `CorruptError` naming the database.
+    fn check_integrity(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |db| db.check_integrity())
     }
 
     fn log_names(&self, py: Python<'_>, run_id: String) -> PyResult<Vec<String>> {

@@ -199,6 +199,25 @@ def _parse_override(name: str, default: Any) -> tuple[bool, Any]:
         raise InvalidArgumentError(f"argument --{name}: cannot read {raw!r} as {want}") from e
 
 
+def _heartbeat_fd() -> int | None:
+    """The pipe `hindsight run` watches for hangs, if this process has one.
+    Also arranges that SIGUSR2 (sent before a hung process is killed) dumps
+    every thread's Python stack to stderr."""
+    text = os.environ.get("HINDSIGHT_HEARTBEAT_FD")
+    if not text:
+        return None
+    try:
+        fd = int(text)
+        os.fstat(fd)
+    except (ValueError, OSError):
+        return None  # not ours (inherited env var without the descriptor)
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
+    return fd
+
+
 class Run:
     """The process's run, created by the first hs.* call: a `RecordRun` for a
     plain `python train.py`, a `ReplayRun` in a worker started by
@@ -243,6 +262,20 @@ class Run:
         self.every: int | None = None
         self.safety_seconds: float | None = None
         self.retention: dict[str, Any] = {}
+        self._beat_fd, self._next_beat = _heartbeat_fd(), 0.0
+
+    def heartbeat(self) -> None:
+        """Tell `hindsight run` the loop is alive (a byte at most once per second)."""
+        if self._beat_fd is None:
+            return
+        now = time.monotonic()
+        if now < self._next_beat:
+            return
+        self._next_beat = now + 1.0
+        try:
+            os.write(self._beat_fd, b".")
+        except OSError:
+            self._beat_fd = None  # the supervisor is gone; training goes on
 
     # -- store -------------------------------------------------------------------
     def set_store(self, location: str | os.PathLike[str] | None, local_first: str | os.PathLike[str] | None) -> None:
@@ -367,6 +400,7 @@ class Run:
         try:
             for i, x in enumerate(iterable):
                 entry[1] = i
+                self.heartbeat()
                 yield x
         finally:
             self.stack.remove(entry)
@@ -386,9 +420,11 @@ class Run:
                     continue
                 entry[1] = i
                 self.outer_idx = i
+                self.heartbeat()
                 self.iter_start = time.perf_counter()
                 self.block_done = False
                 yield x
+                self._iteration_continues()
                 if not self.block_done:
                     self._end_block(i, at="iteration")
                 self._end_iteration(i)
@@ -404,27 +440,41 @@ class Run:
             return
         entry: list[Any] = [name, -1]
         self.stack.append(entry)
-        ok = False
+        ok = closed = False
         try:
             it, start = self._block_iter(i, iterable)
             for j, x in enumerate(it, start):
                 entry[1] = j
                 self._step_starts()
+                self.heartbeat()
                 yield x
                 self._step_boundary(i, j)
             ok = True
         except GeneratorExit:
-            ok = True  # `break` out of the steps: the block still ended
+            # Closed early: a `break` out of the steps (the block ended), or
+            # an exception unwinding the loop (it did not), which Python does
+            # not let us tell apart here. The checkpoint is written now and
+            # kept unless the run then fails (see `_block_closed`); a run
+            # already finished (torn down after a crash) writes none.
+            closed = not self.finished
             raise
         finally:
             self.stack.remove(entry)
             self._block_ends()
-            if ok and not self.block_done:
+            if (ok or closed) and not self.block_done:
                 self._end_block(i)
+                if closed:
+                    self._block_closed(i)
 
     # Hooks of the loops, defined by RecordRun and ReplayRun.
     def _outer_starts(self) -> None:
         pass
+
+    def _block_closed(self, i: int) -> None:
+        """The steps of iteration i were left early (break or exception)."""
+
+    def _iteration_continues(self) -> None:
+        """The body of the current outer iteration went on normally after the steps."""
 
     def _visit(self, i: int) -> bool | None:
         """Run outer iteration i (True), skip it (False) or stop the loop (None)."""

@@ -43,6 +43,9 @@ class RecordRun(Run):
     def __init__(self) -> None:
         super().__init__()
         self.resume_pending = False
+        # A checkpoint written when the steps were closed early, until the
+        # iteration is seen to go on (see Run._block).
+        self.unconfirmed: str | None = None
         self.iter_checkpoint: str | None = None
         self.iter_materialize: float | None = None
         self.last_blocked: float | None = None
@@ -151,7 +154,20 @@ class RecordRun(Run):
             self.recorded_store = location
         return location, local
 
+    def _block_closed(self, i: int) -> None:
+        # Kept only if the iteration goes on (a break), not if the run fails.
+        self.unconfirmed = self.iter_checkpoint
+
+    def _iteration_continues(self) -> None:
+        self.unconfirmed = None
+
     def _finish(self, status: str) -> None:
+        if status != "completed" and self.unconfirmed is not None and self._store is not None:
+            # The steps were left by an exception, not a break: their state
+            # is no block end, and a resume must not start from it.
+            name, self.unconfirmed = self.unconfirmed, None
+            self._store.remove(name)
+            print(f"hindsight: discarded checkpoint {name}: the run failed inside its steps", file=sys.stderr)
         self.signals.restore()
         if self._store is not None:
             self._store.flush()

@@ -83,8 +83,15 @@ pub struct Problem {
 impl Store {
     /// Open a store in a local directory; create it (with `options`) if `create` and missing.
     pub fn open_local(root: &Path, create: bool, options: Option<StoreOptions>) -> Result<Store> {
-        if !create && !root.join(CONFIG_FILE).exists() {
-            // Checked before `LocalStorage::open`, which creates directories.
+        // Both checked before `LocalStorage::open`, which creates directories:
+        // a refused open leaves nothing behind.
+        if let Some(o) = &options {
+            check_options(o)?;
+        }
+        let config = root.join(CONFIG_FILE);
+        // try_exists, not exists: an unreadable store is not a missing one.
+        let exists = config.try_exists().map_err(|e| Error::io(&config, e))?;
+        if !create && !exists {
             return Err(Error::NotFound {
                 what: "store",
                 name: root.display().to_string(),

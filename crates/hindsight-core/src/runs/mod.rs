@@ -6,6 +6,8 @@ pub mod dates;
 pub mod db;
 pub mod ids;
 pub mod json;
+pub mod preempt;
 pub mod project;
 pub mod replay;
 pub mod resume;
+pub mod supervise;

@@ -5,7 +5,8 @@
 //! run still marked running resumes only when it is certainly gone: the
 //! same Slurm job id (a requeued job; the earlier attempt cannot be alive),
 //! or the same host with its process dead (kill -9, OOM). A live run of the
-//! same command is left alone and the new process starts a new run.
+//! same command is left alone and the new process starts a new run. A run
+//! that failed (crashed) resumes only when `hindsight run` restarts it.
 
 use crate::runs::db::{LogDb, RunRow, RunStatus};
 use crate::runs::json::{self, J};
@@ -17,6 +18,8 @@ pub struct Here {
     pub host: String,
     /// `$SLURM_JOB_ID` of this process, if any.
     pub slurm_job: Option<String>,
+    /// Started by `hindsight run` after a crash or hang of the same command.
+    pub restarted: bool,
 }
 
 impl Here {
@@ -25,6 +28,10 @@ impl Here {
         Here {
             host: hostname(),
             slurm_job: std::env::var("SLURM_JOB_ID").ok().filter(|s| !s.is_empty()),
+            restarted: std::env::var(crate::runs::supervise::RESTART_ENV)
+                .ok()
+                .and_then(|v| v.parse::<u32>().ok())
+                .is_some_and(|n| n > 0),
         }
     }
 }
@@ -74,6 +81,8 @@ pub fn resumable(run: &RunRow, explicit: bool, here: &Here) -> bool {
         RunStatus::Interrupted => return true,
         _ if explicit => return true,
         RunStatus::Running => {}
+        // A crash the supervisor restarts after: its process is gone.
+        RunStatus::Failed if here.restarted => return true,
         RunStatus::Completed | RunStatus::Failed => return false,
     }
     if let (Some(job), Some(recorded)) = (&here.slurm_job, recorded_slurm_job(run)) {
@@ -93,7 +102,7 @@ impl LogDb {
         here: &Here,
     ) -> Result<Option<RunRow>> {
         Ok(self
-            .find_resumable(resume_key)?
+            .find_resumable(resume_key, here.restarted)?
             .filter(|r| resumable(r, explicit, here)))
     }
 }
@@ -136,6 +145,7 @@ mod tests {
         let here = Here {
             host: "node1".into(),
             slurm_job: None,
+            restarted: false,
         };
         let me = std::process::id();
         assert!(resumable(
@@ -175,6 +185,7 @@ mod tests {
         let job = Here {
             host: "node3".into(),
             slurm_job: Some("4242".into()),
+            restarted: false,
         };
         let versions = r#"{"python": "3.11", "slurm_job_id": "4242", "x": NaN}"#;
         assert!(resumable(
@@ -187,6 +198,24 @@ mod tests {
             &row(RunStatus::Running, "node2", me, other),
             false,
             &job
+        ));
+    }
+
+    #[test]
+    fn a_failed_run_resumes_only_when_the_supervisor_restarts_it() {
+        let mut here = Here {
+            host: "node1".into(),
+            slurm_job: None,
+            restarted: false,
+        };
+        let failed = row(RunStatus::Failed, "node1", dead_pid(), "{}");
+        assert!(!resumable(&failed, false, &here));
+        here.restarted = true;
+        assert!(resumable(&failed, false, &here));
+        assert!(!resumable(
+            &row(RunStatus::Completed, "node1", 1, "{}"),
+            false,
+            &here
         ));
     }
 

@@ -192,6 +192,41 @@ impl LogDb {
         })
     }
 
+    /// SQLite's own consistency check (`quick_check`: pages, indexes,
+    /// constraints) plus rows whose run is gone. Run before answers that
+    /// must not be silently wrong (`show`, `logs`, `replay`); any finding is
+    /// a `Corrupt` error naming the database.
+    pub fn check_integrity(&self) -> Result<()> {
+        let mut st = self.conn.prepare("PRAGMA quick_check(20)").db(&self.path)?;
+        let found: Vec<String> = st
+            .query_map([], |r| r.get::<_, String>(0))
+            .db(&self.path)?
+            .collect::<rusqlite::Result<_>>()
+            .db(&self.path)?;
+        if found.len() != 1 || found[0] != "ok" {
+            return Err(Error::corrupt(
+                &self.path,
+                format!("log database fails SQLite's check: {}", found.join("; ")),
+            ));
+        }
+        let orphans: i64 = self
+            .conn
+            .query_row(
+                "SELECT (SELECT count(*) FROM logs WHERE run_id NOT IN (SELECT id FROM runs)) + \
+                        (SELECT count(*) FROM iterations WHERE run_id NOT IN (SELECT id FROM runs))",
+                [],
+                |r| r.get(0),
+            )
+            .db(&self.path)?;
+        if orphans > 0 {
+            return Err(Error::corrupt(
+                &self.path,
+                format!("{orphans} log or iteration rows belong to no run"),
+            ));
+        }
+        Ok(())
+    }
+
     fn configure(conn: &Connection, path: &Path) -> std::result::Result<(), Setup> {
         // WAL may be unavailable (e.g. some network file systems): the
         // rollback journal then still works, with less concurrency.

@@ -273,11 +273,17 @@ impl LogDb {
 
     /// The newest run with this resume key whose status is `interrupted` or
     /// `running` (a run killed without a chance to say so stays `running`).
-    pub fn find_resumable(&self, resume_key: &str) -> Result<Option<RunRow>> {
+    /// `include_failed`: also a run that failed (for a restart by `hindsight run`).
+    pub fn find_resumable(&self, resume_key: &str, include_failed: bool) -> Result<Option<RunRow>> {
+        let statuses = if include_failed {
+            "'interrupted', 'running', 'failed'"
+        } else {
+            "'interrupted', 'running'"
+        };
         let rows = self.query_runs(
             &format!(
                 "SELECT {RUN_COLUMNS} FROM runs WHERE resume_key = ?1 \
-                 AND status IN ('interrupted', 'running') \
+                 AND status IN ({statuses}) \
                  ORDER BY started_ms DESC, rowid DESC LIMIT 1"
             ),
             [resume_key],

@@ -156,12 +156,15 @@ fn resumable_runs() {
         .unwrap();
     db.set_status(&newer, RunStatus::Completed, Some(20))
         .unwrap();
-    assert_eq!(db.find_resumable("k").unwrap().unwrap().id, old);
+    assert_eq!(db.find_resumable("k", false).unwrap().unwrap().id, old);
     // A run that died without updating its status is still `running`.
-    assert_eq!(db.find_resumable("other").unwrap().unwrap().id, other);
+    assert_eq!(
+        db.find_resumable("other", false).unwrap().unwrap().id,
+        other
+    );
     db.set_status(&other, RunStatus::Failed, Some(30)).unwrap();
-    assert_eq!(db.find_resumable("other").unwrap(), None);
-    assert_eq!(db.find_resumable("none").unwrap(), None);
+    assert_eq!(db.find_resumable("other", false).unwrap(), None);
+    assert_eq!(db.find_resumable("none", false).unwrap(), None);
     // Resuming: back to running, end time cleared.
     db.set_status(&old, RunStatus::Running, None).unwrap();
     let r = db.run(&old).unwrap();
@@ -797,4 +800,55 @@ fn two_processes_append_concurrently() {
     check_concurrent_result(&db, &id, &["p", "q"], 2000);
     // 2 x 50 runs created in the same millisecond from two processes, none lost.
     assert_eq!(db.runs(None).unwrap().len(), 101);
+}
+
+#[test]
+fn integrity_check_finds_damage_and_orphan_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("logs.db");
+    let db = LogDb::open(&path).unwrap();
+    let id = db.create_run(&new_run("train.py")).unwrap();
+    db.append_logs(&id, Phase::Record, &[row("loss", &[("epoch", 0)], "1.0")])
+        .unwrap();
+    db.check_integrity().unwrap();
+    drop(db);
+    // A row whose run is gone (written by something that bypassed the
+    // foreign keys, or left by damage) makes the answers wrong: reported.
+    let raw = rusqlite::Connection::open(&path).unwrap();
+    raw.execute_batch("PRAGMA foreign_keys = OFF;").unwrap();
+    raw.execute(
+        "INSERT INTO logs (run_id, name, ctx, value, phase, seq, created_ms) \
+         VALUES ('no-such-run', 'x', '{}', '1', 'record', 99, 0)",
+        [],
+    )
+    .unwrap();
+    drop(raw);
+    let e = LogDb::open(&path).unwrap().check_integrity().unwrap_err();
+    assert!(matches!(e, Error::Corrupt { .. }), "{e:?}");
+    assert!(e.to_string().contains("belong to no run"), "{e}");
+}
+
+#[test]
+fn integrity_check_catches_a_damaged_page() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("logs.db");
+    let db = LogDb::open(&path).unwrap();
+    let id = db.create_run(&new_run("train.py")).unwrap();
+    let rows: Vec<LogRow> = (0..2000)
+        .map(|i| row("loss", &[("step", i)], "0.5"))
+        .collect();
+    db.append_logs(&id, Phase::Record, &rows).unwrap();
+    drop(db); // the last connection checkpoints the WAL into the file
+    let mut bytes = std::fs::read(&path).unwrap();
+    let page = 4096;
+    assert!(bytes.len() > 8 * page);
+    // A torn write in a b-tree page in the middle of the file.
+    for b in &mut bytes[5 * page..5 * page + 64] {
+        *b = 0xA5;
+    }
+    std::fs::write(&path, bytes).unwrap();
+    let e = LogDb::open(&path)
+        .and_then(|db| db.check_integrity())
+        .unwrap_err();
+    assert!(matches!(e, Error::Corrupt { .. }), "{e:?}");
 }
