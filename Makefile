@@ -72,6 +72,10 @@ bench: develop-release ## Benchmarks: checkpoints vs torch.save/load, record ove
 	$(PY) benches/bench_replay.py
 	$(PY) benches/bench_preempt.py
 
+.PHONY: chaos
+chaos: develop-release ## Fault injection (kill -9, gc vs writers, corruption, manifest fuzzer): table of trials and failures
+	$(PY) benches/chaos.py
+
 .PHONY: clean
 clean:
 	cargo clean

@@ -151,3 +151,12 @@ def test_a_damaged_chunk_is_rewritten_by_the_next_save_with_its_bytes(store_dir:
     assert torch.equal(store2.load("ep1")["frozen"], frozen)
     assert store2.verify() == []
     assert any((store_dir / "quarantine").iterdir())  # the damaged bytes are kept aside
+
+
+@pytest.mark.parametrize("options", [{"chunk_size": -1}, {"chunk_size": 1}, {"zstd_level": 99, "compression": "zstd"}])
+def test_bad_store_options_are_refused_by_name_and_leave_nothing(tmp_path: Path, options: dict[str, object]) -> None:
+    where = tmp_path / "new-store"
+    with pytest.raises(hs.InvalidArgumentError) as e:
+        hs.Store(where, **options)  # type: ignore[arg-type]
+    assert e.value.arg in options
+    assert not where.exists()

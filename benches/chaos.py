@@ -1,0 +1,232 @@
+"""Fault injection against the checkpoint store, bounded in time, with a table
+of trials, failures and failure kinds (`make chaos`; `--quick` is what CI runs
+through tests/test_chaos.py).
+
+1. kill -9: a process saves, replaces, removes and gc's checkpoints; it is
+   killed at a random instant. Afterwards every listed checkpoint must load
+   and verify (no torn checkpoint is ever visible).
+2. gc vs writers: two processes keep replacing checkpoints (reusing unchanged
+   tensors) while a third runs gc in a loop. No save may fail, no load may be
+   called corrupt.
+3. corruption sweep: one file of a store (chunk or manifest) is flipped,
+   truncated or deleted. Loading every checkpoint must either return the
+   saved values or raise CorruptError / NotFoundError: never wrong values.
+4. manifest fuzzer: the proptest in crates/hindsight-core/tests/manifests.rs
+   with many cases (mutated, re-signed manifests must be Corrupt, never a panic).
+
+Everything runs on local files in a temporary directory and stops by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+
+import hindsight as hs
+
+REPO = Path(__file__).resolve().parent.parent
+
+SAVER = textwrap.dedent(
+    """
+    import sys, torch, hindsight as hs
+    s = hs.Store(sys.argv[1])
+    frozen = torch.arange(1 << 16, dtype=torch.float32)
+    w = torch.zeros(1 << 15)
+    i = 0
+    while True:
+        i += 1
+        w += 1
+        s.save(f"ck{i % 4}", {"frozen": frozen, "w": w, "i": i}).wait()
+        if i % 3 == 0:
+            s.remove(f"ck{(i + 1) % 4}") if f"ck{(i + 1) % 4}" in s.list() else None
+        if i % 5 == 0:
+            s.gc()
+    """
+)
+
+
+def check_store(path: Path) -> str | None:
+    """None if every listed checkpoint loads exactly as some save wrote it."""
+    s = hs.Store(path)
+    frozen = torch.arange(1 << 16, dtype=torch.float32)
+    for name in s.list():
+        try:
+            state = s.load(name)
+        except hs.HindsightError as e:
+            return f"{type(e).__name__}"
+        if not torch.equal(state["frozen"], frozen) or not bool((state["w"] == float(state["i"])).all()):
+            return "wrong values"
+    problems = s.verify()
+    return "verify: " + problems[0][:60] if problems else None
+
+
+def kill9(trials: int, base: Path, rng: random.Random) -> tuple[int, collections.Counter[str]]:
+    kinds: collections.Counter[str] = collections.Counter()
+    store = base / "kill9"
+    for _ in range(trials):
+        p = subprocess.Popen([sys.executable, "-c", SAVER, str(store)], stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0.3, 1.5))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        problem = check_store(store)
+        if problem:
+            kinds[problem] += 1
+    return trials, kinds
+
+
+REPLACER = textwrap.dedent(
+    """
+    import sys, time, torch, hindsight as hs
+    s = hs.Store(sys.argv[1]); tag = sys.argv[2]; end = time.monotonic() + float(sys.argv[3])
+    frozen = torch.arange(1 << 16, dtype=torch.float32)
+    w = torch.zeros(1 << 15)
+    ok = bad = 0
+    while time.monotonic() < end:
+        w += 1
+        try:
+            s.save(tag, {"frozen": frozen, "w": w}).wait()
+            x = s.load(tag)
+            assert torch.equal(x["frozen"], frozen) and torch.equal(x["w"], w)
+            ok += 1
+        except hs.HindsightError as e:
+            bad += 1
+            print("FAIL", type(e).__name__, flush=True)
+    print("OK", ok, bad, flush=True)
+    """
+)
+
+GC_LOOP = textwrap.dedent(
+    """
+    import sys, time, hindsight as hs
+    s = hs.Store(sys.argv[1]); end = time.monotonic() + float(sys.argv[2])
+    while time.monotonic() < end:
+        s.gc()
+    """
+)
+
+
+def gc_vs_writers(seconds: float, base: Path) -> tuple[int, collections.Counter[str]]:
+    store = base / "gcw"
+    hs.Store(store)
+    gc = subprocess.Popen([sys.executable, "-c", GC_LOOP, str(store), str(seconds)])
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", REPLACER, str(store), tag, str(seconds)], stdout=subprocess.PIPE, text=True
+        )
+        for tag in ("a", "b")
+    ]
+    kinds: collections.Counter[str] = collections.Counter()
+    trials = 0
+    for w in writers:
+        out, _ = w.communicate(timeout=seconds + 120)
+        for line in out.splitlines():
+            if line.startswith("FAIL"):
+                kinds[line.split()[1]] += 1
+            elif line.startswith("OK"):
+                trials += int(line.split()[1]) + int(line.split()[2])
+        if w.returncode != 0:
+            kinds[f"writer exit {w.returncode}"] += 1
+    gc.wait(timeout=seconds + 120)
+    if gc.returncode != 0:
+        kinds[f"gc exit {gc.returncode}"] += 1
+    return trials, kinds
+
+
+def corruption(trials: int, base: Path, rng: random.Random) -> tuple[int, collections.Counter[str]]:
+    pristine = base / "pristine"
+    s = hs.Store(pristine)
+    saved = {}
+    for i in range(4):
+        state = {"w": torch.full((1 << 14,), float(i)), "shared": torch.arange(1 << 14, dtype=torch.float64)}
+        s.save(f"ck{i}", state).wait()
+        saved[f"ck{i}"] = state
+    s.close()
+    files = [p for p in pristine.rglob("*") if p.is_file() and p.parent.name != "tmp" and p.name != "gc.lock"]
+    kinds: collections.Counter[str] = collections.Counter()
+    for t in range(trials):
+        copy = base / f"c{t}"
+        shutil.copytree(pristine, copy)
+        victim = copy / rng.choice(files).relative_to(pristine)
+        data = bytearray(victim.read_bytes())
+        how = rng.choice(["flip", "truncate", "delete"])
+        if how == "flip" and data:
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+            victim.write_bytes(bytes(data))
+        elif how == "truncate" and data:
+            victim.write_bytes(bytes(data[: rng.randrange(len(data))]))
+        else:
+            victim.unlink()
+        try:
+            st = hs.Store(copy)
+        except hs.HindsightError:
+            shutil.rmtree(copy)
+            continue  # refused to open: detected
+        for name, want in saved.items():
+            try:
+                got = st.load(name)
+            except (hs.CorruptError, hs.NotFoundError):
+                continue
+            except Exception as e:  # anything else is a finding
+                kinds[f"{type(e).__name__} on {how}"] += 1
+                continue
+            if not all(torch.equal(got[k], want[k]) for k in want):
+                kinds[f"wrong values after {how}"] += 1
+        st.close()
+        shutil.rmtree(copy)
+    return trials, kinds
+
+
+def fuzz(cases: int) -> tuple[int, collections.Counter[str]]:
+    r = subprocess.run(
+        ["cargo", "test", "-q", "-p", "hindsight-core", "--test", "manifests"],
+        cwd=REPO,
+        env={**os.environ, "HINDSIGHT_FUZZ_CASES": str(cases)},
+        capture_output=True,
+        text=True,
+    )
+    kinds: collections.Counter[str] = collections.Counter()
+    if r.returncode != 0:
+        kinds["proptest failure (see cargo test output)"] += 1
+        sys.stderr.write(r.stdout[-3000:] + r.stderr[-3000:])
+    return cases, kinds
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a short run of each (what CI runs)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-fuzz", action="store_true", help="skip the cargo fuzzer (no Rust toolchain)")
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+    q = args.quick
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="hindsight-chaos-") as tmp:
+        base = Path(tmp)
+        rows.append(("kill -9 during save/remove/gc", *kill9(5 if q else 60, base, rng)))
+        rows.append(("gc loop vs 2 replacing writers", *gc_vs_writers(8 if q else 60, base)))
+        rows.append(("flip / truncate / delete one file", *corruption(30 if q else 400, base, rng)))
+        if not args.no_fuzz:
+            rows.append(("mutated, re-signed manifests", *fuzz(200 if q else 5000)))
+    print(f"\n{'experiment':<36} {'trials':>7} {'failures':>9}  failure kinds")
+    failed = 0
+    for name, trials, kinds in rows:
+        n = sum(kinds.values())
+        failed += n
+        print(f"{name:<36} {trials:>7} {n:>9}  {', '.join(f'{k} x{v}' for k, v in kinds.items()) or '-'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
