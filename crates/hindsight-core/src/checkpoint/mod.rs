@@ -4,6 +4,7 @@
 
 pub mod fingerprint;
 pub mod format;
+pub mod layout;
 pub mod location;
 pub mod naming;
 pub mod replica;

@@ -69,6 +69,7 @@ use object_store::{
 };
 
 use crate::checkpoint::format::ChunkId;
+use crate::checkpoint::layout;
 use crate::checkpoint::storage::{LockGuard, Storage, CONFIG_FILE};
 use crate::error::{Error, Result};
 use crate::sync::lock;
@@ -76,7 +77,6 @@ use crate::sync::lock;
 /// A lease not renewed for this long belongs to a dead process.
 pub const DEFAULT_LEASE_TIMEOUT: Duration = Duration::from_secs(600);
 
-const MANIFEST_EXT: &str = "hsm";
 const GC_LEASE: &str = "gc";
 const WRITER_PREFIX: &str = "writer-";
 const CLOCK_PREFIX: &str = "clock-";
@@ -327,12 +327,12 @@ impl Inner {
     }
 
     fn chunk_key(&self, id: &ChunkId) -> Key {
-        let hex = id.to_hex();
-        self.key(&["chunks", &hex[..2], &hex[2..]])
+        let (fan, file) = layout::chunk_parts(id);
+        self.key(&[layout::CHUNKS, &fan, &file])
     }
 
     fn manifest_key(&self, name: &str) -> Key {
-        self.key(&["manifests", &format!("{name}.{MANIFEST_EXT}")])
+        self.key(&[layout::MANIFESTS, &layout::manifest_file(name)])
     }
 
     /// The object's URL, for messages.
@@ -682,7 +682,7 @@ impl Storage for S3Storage {
     }
 
     fn list_chunks(&self) -> Result<Vec<(ChunkId, u64)>> {
-        let dir = self.inner.key(&["chunks"]);
+        let dir = self.inner.key(&[layout::CHUNKS]);
         let mut out = Vec::new();
         for m in self.inner.list(&dir)? {
             let Some(parts) = m.location.prefix_match(&dir) else {
@@ -690,8 +690,7 @@ impl Storage for S3Storage {
             };
             let parts: Vec<_> = parts.collect();
             if let [fan, rest] = &parts[..] {
-                let hex = format!("{}{}", fan.as_ref(), rest.as_ref());
-                if let Some(id) = ChunkId::from_hex(&hex) {
+                if let Some(id) = layout::chunk_from_parts(fan.as_ref(), rest.as_ref()) {
                     out.push((id, m.size));
                 }
             }
@@ -730,8 +729,7 @@ impl Storage for S3Storage {
     }
 
     fn list_manifests(&self) -> Result<Vec<String>> {
-        let dir = self.inner.key(&["manifests"]);
-        let suffix = format!(".{MANIFEST_EXT}");
+        let dir = self.inner.key(&[layout::MANIFESTS]);
         let mut out = Vec::new();
         for m in self.inner.list(&dir)? {
             let Some(parts) = m.location.prefix_match(&dir) else {
@@ -739,7 +737,7 @@ impl Storage for S3Storage {
             };
             let parts: Vec<_> = parts.collect();
             if let [file] = &parts[..] {
-                if let Some(stem) = file.as_ref().strip_suffix(&suffix) {
+                if let Some(stem) = layout::manifest_name(file.as_ref()) {
                     out.push(stem.to_string());
                 }
             }

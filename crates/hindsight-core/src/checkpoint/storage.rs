@@ -19,6 +19,7 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use crate::checkpoint::format::ChunkId;
+use crate::checkpoint::layout;
 use crate::durable::{self, DirSync};
 use crate::error::{Error, Result};
 
@@ -96,19 +97,17 @@ pub struct LocalStorage {
     dirty_dirs: std::sync::Mutex<BTreeSet<PathBuf>>,
 }
 
-const MANIFEST_EXT: &str = "hsm";
-
 impl LocalStorage {
     /// Open the layout under `root`, creating its directories.
     pub fn open(root: &Path) -> Result<Self> {
-        for sub in ["chunks", "manifests", "tmp"] {
+        for sub in [layout::CHUNKS, layout::MANIFESTS, layout::TMP] {
             let d = root.join(sub);
             refuse_symlink(&d)?;
             crate::durable::create_dir_durable(&d)?;
         }
         Ok(LocalStorage {
             root: root.to_path_buf(),
-            tmp: root.join("tmp"),
+            tmp: root.join(layout::TMP),
             dirty_dirs: Default::default(),
         })
     }
@@ -168,14 +167,14 @@ impl Storage for LocalStorage {
     }
 
     fn chunk_path(&self, id: &ChunkId) -> PathBuf {
-        let hex = id.to_hex();
-        self.root.join("chunks").join(&hex[..2]).join(&hex[2..])
+        let (fan, file) = layout::chunk_parts(id);
+        self.root.join(layout::CHUNKS).join(fan).join(file)
     }
 
     fn manifest_path(&self, name: &str) -> PathBuf {
         self.root
-            .join("manifests")
-            .join(format!("{name}.{MANIFEST_EXT}"))
+            .join(layout::MANIFESTS)
+            .join(layout::manifest_file(name))
     }
 
     fn has_chunk(&self, id: &ChunkId) -> Result<bool> {
@@ -215,7 +214,7 @@ impl Storage for LocalStorage {
 
     fn quarantine_chunk(&self, id: &ChunkId) -> Result<()> {
         let from = self.chunk_path(id);
-        let dir = self.root.join("quarantine");
+        let dir = self.root.join(layout::QUARANTINE);
         refuse_symlink(&dir)?;
         durable::create_dir_durable(&dir)?;
         let to = dir.join(id.to_hex());
@@ -229,7 +228,7 @@ impl Storage for LocalStorage {
     }
 
     fn list_chunks(&self) -> Result<Vec<(ChunkId, u64)>> {
-        let base = self.root.join("chunks");
+        let base = self.root.join(layout::CHUNKS);
         let mut out = Vec::new();
         for fan in fs::read_dir(&base).map_err(|e| Error::io(&base, e))? {
             let fan = fan.map_err(|e| Error::io(&base, e))?;
@@ -245,8 +244,9 @@ impl Storage for LocalStorage {
             }
             for f in fs::read_dir(fan.path()).map_err(|e| Error::io(fan.path(), e))? {
                 let f = f.map_err(|e| Error::io(fan.path(), e))?;
-                let name = format!("{prefix}{}", f.file_name().to_string_lossy());
-                if let Some(id) = ChunkId::from_hex(&name) {
+                if let Some(id) =
+                    layout::chunk_from_parts(&prefix, &f.file_name().to_string_lossy())
+                {
                     let len = f.metadata().map_err(|e| Error::io(f.path(), e))?.len();
                     out.push((id, len));
                 }
@@ -304,12 +304,12 @@ impl Storage for LocalStorage {
     }
 
     fn list_manifests(&self) -> Result<Vec<String>> {
-        let dir = self.root.join("manifests");
+        let dir = self.root.join(layout::MANIFESTS);
         let mut out = Vec::new();
         for e in fs::read_dir(&dir).map_err(|e| Error::io(&dir, e))? {
             let e = e.map_err(|e| Error::io(&dir, e))?;
             let name = e.file_name().to_string_lossy().into_owned();
-            if let Some(stem) = name.strip_suffix(&format!(".{MANIFEST_EXT}")) {
+            if let Some(stem) = layout::manifest_name(&name) {
                 out.push(stem.to_string());
             }
         }
