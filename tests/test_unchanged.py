@@ -9,6 +9,8 @@ proof is computed on the device.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -186,3 +188,16 @@ def test_device_fingerprint_sees_swaps_and_spans_blocks():
     assert same and torch.equal(fp, fp2)
     same, _ = _staging.device_fingerprint(u, fp)
     assert not same
+
+
+def test_one_time_setup_is_reported_apart_from_the_steady_cost(tmp_path: Path) -> None:
+    # The adaptive policy prices a checkpoint at its steady cost: the first
+    # save's fresh staging memory is set-up, later saves reuse it.
+    store = hs.Store(tmp_path / "s", chunk_size=1 << 20)
+    first = store.save("a", {"w": torch.randn(4 << 18)})  # 4 full 1 MiB blocks
+    assert first.setup_seconds > 0 and store.last_setup_seconds >= first.setup_seconds
+    first.wait()
+    second = store.save("b", {"w": torch.randn(4 << 18)})  # new content, same size
+    assert second.setup_seconds == 0.0 and store.last_setup_seconds == 0.0
+    stats = second.wait()
+    assert stats is not None and stats["setup_seconds"] == 0.0 and stats["bytes_staged"] == 4 << 20

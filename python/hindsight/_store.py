@@ -8,6 +8,7 @@ import builtins
 import os
 import pickle
 import sys
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -81,6 +82,11 @@ class Store:
         self._pid = os.getpid()
         # Pinned host buffers for CUDA tensors, reused across saves.
         self._pinned_free: dict[tuple[Any, tuple[int, ...]], list[Any]] = {}
+        self._pinned_setup = 0.0
+        #: Seconds of one-time set-up inside the latest `save` call (fresh
+        #: staging memory, pinned buffers): what its blocking time cost
+        #: beyond the steady state, which the adaptive policy prices.
+        self.last_setup_seconds = 0.0
         self._pinned_used: list[tuple[tuple[Any, tuple[int, ...]], Any]] = []
         self._cuda_devices: set[Any] = set()
         _live.add(self)
@@ -148,8 +154,9 @@ class Store:
             return self._describe(obj, key, allow_pickle)
 
         meta_s = {str(k): str(v) for k, v in (meta or {}).items()}
+        self._pinned_setup = 0.0
         try:
-            return self._native.save(
+            h = self._native.save(
                 name,
                 state,
                 describe,
@@ -159,6 +166,8 @@ class Store:
                 meta_s,
                 skip_unchanged,
             )
+            self.last_setup_seconds = h.setup_seconds + self._pinned_setup
+            return h
         finally:
             for key, buf in self._pinned_used:
                 self._pinned_free.setdefault(key, []).append(buf)
@@ -220,7 +229,12 @@ class Store:
         if t.device.type == "cuda":
             key = (t.dtype, tuple(t.shape))
             free = self._pinned_free.get(key)
-            buf = free.pop() if free else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            if free:
+                buf = free.pop()
+            else:
+                t0 = time.perf_counter()
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                self._pinned_setup += time.perf_counter() - t0  # one-time, not the steady cost
             self._pinned_used.append((key, buf))
             buf.copy_(t, non_blocking=True)
             self._cuda_devices.add(t.device)

@@ -16,6 +16,16 @@ pub fn zeroed(len: usize) -> Vec<u8> {
     v
 }
 
+/// Touch every page of `buf` (writing the zero it holds), so the faults of
+/// first use are paid here, where they can be timed, and not in a copy.
+pub fn prefault(buf: &mut [u8]) {
+    for i in (0..buf.len()).step_by(4096) {
+        // SAFETY: `i` is in bounds; a volatile write keeps the touch from
+        // being optimised away (the byte is already zero).
+        unsafe { std::ptr::write_volatile(buf.as_mut_ptr().add(i), 0) };
+    }
+}
+
 /// Like [`zeroed`], but `None` instead of aborting the process when the
 /// memory cannot be had: for sizes read from a file, which may lie.
 pub fn try_zeroed(len: usize) -> Option<Vec<u8>> {

@@ -46,6 +46,9 @@ impl Store {
 #[pyclass(module = "hindsight._native", frozen)]
 struct SaveHandle {
     inner: core::SaveHandle,
+    /// One-time set-up inside the save call (fresh staging memory).
+    #[pyo3(get)]
+    setup_seconds: f64,
 }
 
 fn stats_dict<'py>(py: Python<'py>, s: &core::SaveStats) -> PyResult<Bound<'py, PyDict>> {
@@ -56,6 +59,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &core::SaveStats) -> PyResult<Bound<'py, 
     d.set_item("bytes_written", s.bytes_written)?;
     d.set_item("chunks_deduplicated", s.chunks_deduplicated)?;
     d.set_item("seconds_to_durable", s.seconds_to_durable)?;
+    d.set_item("setup_seconds", s.setup_seconds)?;
     Ok(d)
 }
 
@@ -273,6 +277,7 @@ impl Store {
                 .map(|i| sources[i].as_slice())
                 .collect();
             let staged = b.stage_many(&srcs, copy_threads, &|| intr.check())?;
+            let setup = b.setup_seconds();
             let reused: u64 = slots
                 .iter()
                 .map(|s| match s {
@@ -283,17 +288,20 @@ impl Store {
             b.note_reused(reused);
             let mut root = root;
             let filled = tree::fill_blobs(&mut root, slots, staged, proven)?;
-            Ok((b.commit(root, meta.unwrap_or_default()), filled))
+            Ok((b.commit(root, meta.unwrap_or_default()), filled, setup))
         });
         drop(keepalive);
-        let (handle, filled) = result?;
+        let (handle, filled, setup_seconds) = result?;
         if skip_unchanged {
             *lock(&self.cache) = tracked
                 .into_iter()
                 .filter_map(|t| t.into_entry(&filled))
                 .collect();
         }
-        Ok(SaveHandle { inner: handle })
+        Ok(SaveHandle {
+            inner: handle,
+            setup_seconds,
+        })
     }
 
     /// Load a checkpoint (or the sub-tree at `path`) into Python objects.

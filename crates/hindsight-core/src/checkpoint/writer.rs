@@ -82,7 +82,9 @@ struct BudgetState {
 impl Budget {
     /// A buffer of `len` bytes; waits while the budget is spent.
     /// One request larger than the whole budget is let through alone.
-    fn acquire(&self, len: usize) -> Vec<u8> {
+    /// `(buffer, fresh)`: fresh buffers are newly allocated (their pages
+    /// not yet touched), others come from the pool.
+    fn acquire(&self, len: usize) -> (Vec<u8>, bool) {
         let mut st = lock(&self.state);
         while st.used > 0 && st.used + len > self.limit {
             st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
@@ -92,7 +94,7 @@ impl Budget {
             if let Some(mut b) = st.pool.pop() {
                 drop(st);
                 b.truncate(len);
-                return b;
+                return (b, false);
             }
         }
         drop(st);
@@ -100,7 +102,7 @@ impl Budget {
         // memory is undefined behaviour. Large fresh blocks are usually zero
         // pages from mmap, and steady-state saves reuse pooled blocks, so the
         // zeroing is rarely paid.
-        crate::staging::zeroed(len)
+        (crate::staging::zeroed(len), true)
     }
 
     fn release(&self, buf: Vec<u8>) {
@@ -133,6 +135,9 @@ pub struct SaveStats {
     pub chunks_deduplicated: u64,
     /// Seconds from the save call to durable commit.
     pub seconds_to_durable: f64,
+    /// Seconds of one-time set-up inside the save call (fresh staging
+    /// memory faulted in): part of the first saves, not of the steady cost.
+    pub setup_seconds: f64,
 }
 
 #[derive(Debug, Default)]
@@ -569,6 +574,11 @@ impl Writer {
 }
 
 impl SaveBuilder<'_> {
+    /// One-time set-up seconds spent staging so far ([`SaveStats::setup_seconds`]).
+    pub fn setup_seconds(&self) -> f64 {
+        lock(&self.job.stats).setup_seconds
+    }
+
     /// Keep `lock` until this save is committed (or fails).
     pub fn hold(&mut self, lock: ReuseLock) {
         *crate::sync::lock(&self.job.held) = Some(lock.0);
@@ -610,6 +620,7 @@ impl SaveBuilder<'_> {
         let total: u64 = sources.iter().map(|s| s.len() as u64).sum();
         let segment_hashes: Vec<OnceLock<u128>> = plan.iter().map(|_| OnceLock::new()).collect();
         let next = AtomicU64::new(0);
+        let setup_ns = AtomicU64::new(0);
         let shared = &self.writer.shared;
         let job = &self.job;
         let run = || -> Result<()> {
@@ -621,7 +632,14 @@ impl SaveBuilder<'_> {
                 let Some(&(s, off, len, index)) = plan.get(i) else {
                     return Ok(());
                 };
-                let mut data = shared.budget.acquire(len);
+                let (mut data, fresh) = shared.budget.acquire(len);
+                if fresh {
+                    // One-time set-up, timed apart from the copy: the
+                    // adaptive policy prices checkpoints at steady state.
+                    let t = Instant::now();
+                    crate::staging::prefault(&mut data);
+                    setup_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                }
                 // Copy and fingerprint in cache-sized steps: the hash reads
                 // bytes the copy just wrote, not main memory again.
                 let mut hasher = SegmentHasher::default();
@@ -653,6 +671,10 @@ impl SaveBuilder<'_> {
                 r
             })
         };
+        // Summed over the copy threads, which fault in parallel: the share
+        // of the caller's wait is the sum over the threads that ran.
+        let ran = if threads == 1 || total < (16 << 20) { 1 } else { threads };
+        lock(&job.stats).setup_seconds += setup_ns.into_inner() as f64 * 1e-9 / ran as f64;
         if let Err(e) = result {
             // Cancelled part way: copy threads check before taking an index and
             // stage every index they take, so exactly plan[..taken] was staged.
