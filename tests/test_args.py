@@ -101,3 +101,75 @@ def test_list_and_none_defaults_take_json_of_their_kind(tmp_path: Path) -> None:
 def test_a_flag_without_its_value_is_an_error(tmp_path: Path) -> None:
     r = _run_args(tmp_path, "--lr")
     assert r.returncode != 0 and "--lr" in r.stderr and "expected a value" in r.stderr
+
+
+FLAG_SCRIPT = """
+import json, hindsight as hs
+dry = hs.arg("dry_run", False)
+lr = hs.arg("lr", 0.1)
+for epoch in hs.loop("epoch", range(1)):
+    pass
+print(json.dumps({"dry_run": dry, "lr": lr}))
+"""
+
+
+def _run_flags(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "flags.py"
+    script.write_text(FLAG_SCRIPT)
+    env = {**os.environ, "HINDSIGHT_HOME": str(tmp_path / "home")}
+    return subprocess.run([sys.executable, str(script), *argv], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_bare_boolean_flags(tmp_path: Path) -> None:
+    r = _run_flags(tmp_path, "--dry_run", "--lr", "0.5")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"dry_run": True, "lr": 0.5}
+    r = _run_flags(tmp_path, "--lr", "0.5", "--dry_run")
+    assert json.loads(r.stdout) == {"dry_run": True, "lr": 0.5}
+    r = _run_flags(tmp_path, "--dry_run", "false")
+    assert json.loads(r.stdout) == {"dry_run": False, "lr": 0.1}
+
+
+def test_a_misspelt_flag_is_refused_with_the_known_ones(tmp_path: Path) -> None:
+    r = _run_flags(tmp_path, "--lrr", "3")
+    assert r.returncode != 0
+    assert "unknown argument --lrr; did you mean --lr?" in r.stderr
+    assert "--dry_run, --lr" in r.stderr
+
+
+def test_help_lists_the_arguments(tmp_path: Path) -> None:
+    r = _run_flags(tmp_path, "--help")
+    assert r.returncode == 0, r.stderr
+    assert "--lr FLOAT  (default: 0.1)" in r.stdout and "--dry_run BOOL" in r.stdout
+
+
+ARGPARSE_SCRIPT = """
+import argparse, json, hindsight as hs
+p = argparse.ArgumentParser()
+p.add_argument("--layers", type=int, nargs="+", default=[64])
+p.add_argument("--name", default=None)
+ns = hs.args(p)
+wd = hs.arg("wd", 0.0)
+for epoch in hs.loop("epoch", range(1)):
+    pass
+print(json.dumps({"layers": ns.layers, "name": ns.name, "wd": wd}))
+"""
+
+
+def test_an_argparse_parser_is_recorded_and_its_flags_are_known(tmp_path: Path) -> None:
+    script = tmp_path / "ap.py"
+    script.write_text(ARGPARSE_SCRIPT)
+    home = tmp_path / "home"
+    env = {**os.environ, "HINDSIGHT_HOME": str(home)}
+    r = subprocess.run(
+        [sys.executable, str(script), "--layers", "8", "16", "--wd", "0.5", "--name", "x"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"layers": [8, 16], "name": "x", "wd": 0.5}
+    runs = subprocess.run([*hindsight_cmd(), "--home", str(home), "runs", "--json"], capture_output=True, text=True)
+    [run] = json.loads(runs.stdout)
+    assert run["args"] == {"layers": [8, 16], "name": "x", "wd": 0.5}

@@ -9,7 +9,7 @@ state = store.load("epoch-3")
 from __future__ import annotations
 
 from hindsight._query import dataframe
-from hindsight._run import arg, checkpointing, log, loop, run_id
+from hindsight._run import arg, args, checkpointing, log, loop, run_id
 from hindsight._store import SaveHandle, Store
 from hindsight.errors import (
     AbandonedError,
@@ -52,6 +52,7 @@ __all__ = [
     "UnsupportedTypeError",
     "WrongProcessError",
     "arg",
+    "args",
     "checkpointing",
     "dataframe",
     "log",

@@ -226,6 +226,15 @@ def replay_one(
         else str(Path(run["script_abs"]).parent)
     )
     workers = [Worker(w.worker, w.modes, w) for w in plan.workers]
+    # workers x threads <= cores: oversubscribed workers are slower than one.
+    threads = max(1, (os.cpu_count() or 1) // len(workers))
+    recorded_threads = versions.get("torch_threads")
+    if recorded_threads and recorded_threads != threads:
+        print(
+            f"note: each worker uses {threads} thread(s); the recording used {recorded_threads}, "
+            "so values may differ in the last bits",
+            file=sys.stderr,
+        )
     total = sum(sum(1 for m in w.modes.values() if m != "skip") for w in workers)
     start = time.monotonic()
     sel = selectors.DefaultSelector()
@@ -234,7 +243,13 @@ def replay_one(
             r, wfd = os.pipe()
             plan_path = Path(tmp) / f"worker-{w.index}.json"
             plan_path.write_text(w.plan.to_json(wfd))  # the worker protocol: hindsight_core::replay
-            env = {**os.environ, ENV_REPLAY: str(plan_path), ENV_HOME: str(home)}
+            env = {
+                **os.environ,
+                ENV_REPLAY: str(plan_path),
+                ENV_HOME: str(home),
+                "OMP_NUM_THREADS": str(threads),
+                "MKL_NUM_THREADS": str(threads),
+            }
             # The script as it is now (the one analysed above), which may be a
             # copy of the recorded one elsewhere, run in the recorded directory.
             w.proc = subprocess.Popen(

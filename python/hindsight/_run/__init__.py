@@ -16,7 +16,7 @@ from hindsight._run.record import RecordRun
 from hindsight._run.replay import ReplayRun
 from hindsight.errors import InvalidArgumentError
 
-__all__ = ["ENV_HOME", "ENV_REPLAY", "Run", "_script_path", "arg", "checkpointing", "current", "log", "loop", "run_id"]
+__all__ = ["ENV_HOME", "ENV_REPLAY", "Run", "_script_path", "arg", "args", "checkpointing", "current", "log", "loop", "run_id"]
 
 _RUN: Run | None = None
 
@@ -46,6 +46,14 @@ def arg(name: str, default: T) -> T:
     During replay it returns the recorded value."""
     value: T = current().arg(name, default)
     return value
+
+
+def args(parser: Any, argv: list[str] | None = None) -> Any:
+    """`parser.parse_args(argv)` for a script that keeps its argparse, with
+    the result recorded as the run's arguments (JSON-able values). During
+    replay it returns the recorded values. Its options count as known
+    flags for the check of misspelt ones."""
+    return current().parse_args(parser, argv)
 
 
 def log(name: str, value: T) -> T:

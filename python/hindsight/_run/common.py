@@ -153,52 +153,6 @@ def _to_json(value: Any, name: str, what: str = "hs.log") -> Any:
     )
 
 
-def _parse_override(name: str, default: Any) -> tuple[bool, Any]:
-    """`--name value` or `--name=value` on the command line, converted to the
-    default's type (a list or dict default takes JSON of the same kind; a
-    None default takes JSON, else the text as given)."""
-    argv = sys.argv[1:]
-    flag = f"--{name}"
-    raw = None
-    for i, a in enumerate(argv):
-        if a == flag:
-            if i + 1 >= len(argv):
-                raise InvalidArgumentError(f"argument --{name}: expected a value after it")
-            raw = argv[i + 1]
-        elif a.startswith(flag + "="):
-            raw = a[len(flag) + 1 :]
-    if raw is None:
-        return False, default
-    want = type(default).__name__
-    try:
-        if isinstance(default, bool):
-            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(raw)
-            return True, raw.lower() in ("1", "true", "yes")
-        if isinstance(default, int):
-            return True, int(raw)
-        if isinstance(default, float):
-            return True, float(raw)
-        if isinstance(default, str):
-            return True, raw
-        np = sys.modules.get("numpy")
-        if np is not None and isinstance(default, np.generic) and default.dtype.kind in "iuf":
-            return True, type(default)(raw)  # np.float32(0.1) stays a float32
-        if default is None:
-            try:
-                return True, json.loads(raw)
-            except ValueError:
-                return True, raw
-        value = json.loads(raw)
-        if isinstance(default, (list, tuple)) and isinstance(value, list):
-            return True, type(default)(value)
-        if isinstance(default, dict) and isinstance(value, dict):
-            return True, value
-        raise ValueError(f"JSON of type {type(value).__name__}")
-    except ValueError as e:
-        raise InvalidArgumentError(f"argument --{name}: cannot read {raw!r} as {want}") from e
-
-
 def _heartbeat_fd() -> int | None:
     """The pipe `hindsight run` watches for hangs, if this process has one.
     Also arranges that SIGUSR2 (sent before a hung process is killed) dumps
@@ -371,6 +325,9 @@ class Run:
             self._submit(rows)
 
     def arg(self, name: str, default: Any) -> Any:
+        raise NotImplementedError
+
+    def parse_args(self, parser: Any, argv: list[str] | None) -> Any:
         raise NotImplementedError
 
     def finish(self, status: str = "completed") -> None:

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from hindsight import _native, _preemption
+from hindsight._run import cmdline
 from hindsight._run.common import (
     ENV_EPSILON,
     ENV_EVERY,
@@ -29,7 +30,6 @@ from hindsight._run.common import (
     _env_float,
     _git,
     _package_version,
-    _parse_override,
     _snapshot_source,
     _to_json,
 )
@@ -43,6 +43,7 @@ class RecordRun(Run):
     def __init__(self) -> None:
         super().__init__()
         self.resume_pending = False
+        self.known = cmdline.Known()
         # A checkpoint written when the steps were closed early, until the
         # iteration is seen to go on (see Run._block).
         self.unconfirmed: str | None = None
@@ -100,6 +101,9 @@ class RecordRun(Run):
             m = sys.modules.get(mod)
             if m is not None:
                 versions[mod] = getattr(m, "__version__", "?")
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            versions["torch_threads"] = torch.get_num_threads()  # replay says when its own differ
         try:
             script_rel = str(self.script.relative_to(self.root))
         except ValueError:
@@ -127,7 +131,8 @@ class RecordRun(Run):
         sys.excepthook = hook
 
     def arg(self, name: str, default: Any) -> Any:
-        _, value = _parse_override(name, default)
+        self.known.defaults[name] = default
+        _, value = cmdline.parse(name, default)
         # Recorded as plain JSON (a numpy scalar as a number; NaN and
         # infinities as Python's json writes them, which the engine accepts).
         self.args[name] = _to_json(value, name, "hs.arg")
@@ -264,7 +269,20 @@ class RecordRun(Run):
             return {"name": ck.name, "kind": kind, "epoch": ck.index, "step": ck.step or 0, "state": state}
         return None
 
+    def parse_args(self, parser: Any, argv: list[str] | None) -> Any:
+        """`hs.args(parser)`: parse as the script always did, record the result."""
+        self.known.add_parser(parser)
+        # Known args only: flags of hs.arg live beside the parser's; what
+        # neither knows is refused when the loop starts (cmdline.Known.check).
+        ns, _ = parser.parse_known_args(argv)
+        for k, v in vars(ns).items():
+            self.args[k] = _to_json(v, k, "hs.args")
+        self.db.set_args(self.run_id, json.dumps(self.args))
+        return ns
+
     def _outer_starts(self) -> None:
+        # Arguments are declared by now: a misspelt --flag must not run silently.
+        self.known.check(str(self.script.name))
         if not self.resume_pending:
             return
         self.resume_pending = False

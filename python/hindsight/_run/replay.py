@@ -42,6 +42,13 @@ class ReplayRun(Run):
     def arg(self, name: str, default: Any) -> Any:
         return self.args.get(name, default)
 
+    def parse_args(self, parser: Any, argv: list[str] | None) -> Any:
+        """The recorded values, on the parser's defaults (for options added since)."""
+        ns = parser.parse_args([])
+        for k, v in self.args.items():
+            setattr(ns, k, v)
+        return ns
+
     def _open_store(self) -> tuple[str, str | None]:
         # Replay reads where the run wrote, never through a local-first cache.
         return self.recorded_store or str(self.paths.store), None
