@@ -83,11 +83,16 @@ print(json.dumps({"layers": hs.arg("layers", [64, 64]), "name": hs.arg("name", N
 """
 
 
-def _run_args(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
-    script = tmp_path / "args.py"
-    script.write_text(ARG_SCRIPT)
+def _run_script(tmp_path: Path, text: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """Run `text` as a script in its own project home."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
     env = {**os.environ, "HINDSIGHT_HOME": str(tmp_path / "home")}
     return subprocess.run([sys.executable, str(script), *argv], env=env, capture_output=True, text=True, timeout=120)
+
+
+def _run_args(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    return _run_script(tmp_path, ARG_SCRIPT, *argv)
 
 
 def test_list_and_none_defaults_take_json_of_their_kind(tmp_path: Path) -> None:
@@ -114,10 +119,7 @@ print(json.dumps({"dry_run": dry, "lr": lr}))
 
 
 def _run_flags(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
-    script = tmp_path / "flags.py"
-    script.write_text(FLAG_SCRIPT)
-    env = {**os.environ, "HINDSIGHT_HOME": str(tmp_path / "home")}
-    return subprocess.run([sys.executable, str(script), *argv], env=env, capture_output=True, text=True, timeout=120)
+    return _run_script(tmp_path, FLAG_SCRIPT, *argv)
 
 
 def test_bare_boolean_flags(tmp_path: Path) -> None:
