@@ -245,6 +245,18 @@ def test_two_concurrent_recordings_in_one_project(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], env=env_for(home), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == [["completed", 1, 30, 5, 5], ["completed", 2, 30, 5, 5]]
+    # Argument columns tell the runs apart in one frame.
+    code = (
+        "import json, hindsight as hs\n"
+        "from hindsight import _native\n"
+        "import os\n"
+        "db = _native.LogDb(os.path.join(os.environ['HINDSIGHT_HOME'], 'logs.db'))\n"
+        "df = hs.dataframe('val_acc', run=[r['id'] for r in db.runs()], args=True)\n"
+        "print(json.dumps(sorted(df.groupby('seed')['val_acc'].count().items())))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], env=env_for(home), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [[1, 5], [2, 5]]
     r = subprocess.run([*hindsight_cmd(), "verify", str(home / "store")], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout
 
@@ -279,3 +291,41 @@ def test_a_script_that_is_not_python_is_a_clear_error(recorded: tuple[Path, Path
     r = replay(script, home)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert says in r.stderr and script.name in r.stderr
+
+
+def test_a_later_exact_replay_is_not_blamed_for_an_earlier_forced_one(recorded: tuple[Path, Path]) -> None:
+    script, home = recorded
+    noisy = (
+        "loss = nn.functional.cross_entropy(net(x), y)",
+        "loss = nn.functional.cross_entropy(net(x + 0.1 * torch.randn(x.shape)), y)",
+    )
+    edit(script, INNER_PROBE, noisy)
+    assert replay(script, home, "--force").returncode == 0  # diverges, leaves replayed rows behind
+    edit(script, (noisy[1], noisy[0]))  # back to the recorded computation
+    r = replay(script, home, "--strict", "--where", "epoch == 0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "DIVERGENCE" not in r.stderr
+
+
+def test_rm_run_deletes_the_run_its_logs_and_its_checkpoints(tmp_path: Path) -> None:
+    script = make_project(tmp_path / "proj")
+    home = tmp_path / "proj" / ".hindsight"
+    record(script, home)
+    record(script, home, HINDSIGHT_RESUME="0")  # a second run, kept
+    runs = json.loads(
+        subprocess.run([*hindsight_cmd(), "--home", str(home), "runs", "--json"], capture_output=True, text=True).stdout
+    )
+    gone, kept = runs[1]["id"], runs[0]["id"]  # newest first
+    ls = subprocess.run([*hindsight_cmd(), "ls", str(home / "store")], capture_output=True, text=True).stdout
+    assert gone in ls and kept in ls
+    r = subprocess.run([*hindsight_cmd(), "--home", str(home), "rm", "--run", gone], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert f"removed run {gone} and 5 checkpoints" in r.stdout
+    after = json.loads(
+        subprocess.run([*hindsight_cmd(), "--home", str(home), "runs", "--json"], capture_output=True, text=True).stdout
+    )
+    assert [x["id"] for x in after] == [kept]
+    ls = subprocess.run([*hindsight_cmd(), "ls", str(home / "store")], capture_output=True, text=True).stdout
+    assert gone not in ls and kept in ls
+    r = subprocess.run([*hindsight_cmd(), "--home", str(home), "rm", "--run", gone], capture_output=True, text=True)
+    assert r.returncode == 1 and gone in r.stderr  # no such run any more

@@ -19,8 +19,10 @@ def _db() -> Any:
     return _native.LogDb(str(paths.db))
 
 
-def dataframe(*names: str, run: str | list[str] | None = None) -> Any:
+def dataframe(*names: str, run: str | list[str] | None = None, args: bool = False) -> Any:
     """One pandas row per (run, loop context), one column per loop and per name.
+    ``args=True`` adds a column per recorded argument (``hs.arg``/``hs.args``),
+    so runs that differ in, say, ``lr`` can be grouped and compared.
 
     Values written by a replay appear beside the recorded ones in the same
     run; where both exist for a context, the recorded value is shown (the
@@ -51,8 +53,19 @@ def dataframe(*names: str, run: str | list[str] | None = None) -> Any:
                     loops.append(loop)
             row = rows.setdefault((r, tuple(v.ctx)), {"run": r, **dict(v.ctx)})
             row[v.name] = json.loads(v.value_json)
+    arg_names: list[str] = []
+    if args:
+        for r in runs:
+            recorded = json.loads(db.run(r)["args_json"] or "{}")
+            for k in recorded:
+                if k not in arg_names:
+                    arg_names.append(k)
+            for key, row in rows.items():
+                if key[0] == r:
+                    for k in arg_names:
+                        row.setdefault(k, recorded.get(k))
     order = sorted(rows, key=lambda k: (runs.index(k[0]), [v for _, v in k[1]], len(k[1])))
-    columns = ["run", *loops, *names]
+    columns = ["run", *arg_names, *loops, *names]
     df = pd.DataFrame([rows[k] for k in order], columns=columns)
     for loop in loops:
         df[loop] = df[loop].astype("Int64")

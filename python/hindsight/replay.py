@@ -225,6 +225,7 @@ def replay_one(
         if versions.get("cwd") and Path(versions["cwd"]).is_dir()
         else str(Path(run["script_abs"]).parent)
     )
+    start_seq = db.last_seq(run["id"])
     workers = [Worker(w.worker, w.modes, w) for w in plan.workers]
     # workers x threads <= cores: oversubscribed workers are slower than one.
     threads = max(1, (os.cpu_count() or 1) // len(workers))
@@ -298,7 +299,8 @@ def replay_one(
     for w in workers:
         if w.returncode == 0 and w.stderr_tail.strip():
             sys.stderr.write(w.stderr_tail)
-    divergences = db.divergences(run["id"])
+    # Judge only what this replay wrote, not rows an earlier one left.
+    divergences = db.divergences(run["id"], start_seq)
     if divergences:
         first = divergences[0]
         where = ", ".join(f"{k}={v}" for k, v in first.ctx) or "top level"

@@ -136,8 +136,11 @@ enum Command {
     /// Remove checkpoints (run `hindsight gc` afterwards to reclaim space)
     Rm {
         /// The checkpoint names
-        #[arg(required = true, value_name = "NAME")]
+        #[arg(value_name = "NAME", required_unless_present = "runs")]
         names: Vec<String>,
+        /// Delete this recorded run: its checkpoints, logs and iterations (repeatable)
+        #[arg(long = "run", value_name = "RUN")]
+        runs: Vec<String>,
     },
     /// Delete chunks no checkpoint references and stale staging files
     Gc {
@@ -262,7 +265,16 @@ fn execute(cli: Cli, out: &mut String, err: &mut dyn Write) -> Result<i32, Failu
         Command::Verify { store_dir, names } => {
             cmd_verify(&places.open_store(store_dir)?, names, out)
         }
-        Command::Rm { names } => Ok(cmd_rm(&places.open_store(None)?, &names, out, err)),
+        Command::Rm { names, runs } => {
+            let mut code = EXIT_OK;
+            if !runs.is_empty() {
+                code = cmd_rm_runs(&places, &runs, out, err)?;
+            }
+            if !names.is_empty() {
+                code = code.max(cmd_rm(&places.open_store(None)?, &names, out, err));
+            }
+            Ok(code)
+        }
         Command::Gc { store_dir } => cmd_gc(&places.open_store(store_dir)?, out),
         Command::Du { store_dir, json } => cmd_du(&places.open_store(store_dir)?, json, out),
         Command::Runs { limit, json } => runcmds::cmd_runs(&places.open_db()?, limit, json, out),
@@ -610,6 +622,44 @@ fn cmd_rm(store: &Store, names: &[String], out: &mut String, err: &mut dyn Write
         );
     }
     code
+}
+
+/// `rm --run ID...`: the runs, with their checkpoints (engine rule:
+/// `runs::remove::remove_run`).
+fn cmd_rm_runs(
+    places: &Places,
+    runs: &[String],
+    out: &mut String,
+    err: &mut dyn Write,
+) -> Result<i32, Failure> {
+    let db = places.open_db()?;
+    let default_store = home::store_path(&places.home())
+        .to_string_lossy()
+        .into_owned();
+    let mut code = EXIT_OK;
+    for run in runs {
+        match hindsight_core::runs::remove::remove_run(&db, run, &default_store) {
+            Ok(r) => {
+                let from = r.store.map(|s| format!(" from {s}")).unwrap_or_default();
+                outln!(
+                    out,
+                    "removed run {run} and {}{from}",
+                    plural(r.checkpoints.len() as u64, "checkpoint")
+                );
+            }
+            Err(e) => {
+                let _ = writeln!(err, "error: {e}");
+                code = EXIT_FAILURE;
+            }
+        }
+    }
+    if code == EXIT_OK {
+        outln!(
+            out,
+            "note: the space is reclaimed when you run `hindsight gc`"
+        );
+    }
+    Ok(code)
 }
 
 fn cmd_gc(store: &Store, out: &mut String) -> Result<i32, Failure> {

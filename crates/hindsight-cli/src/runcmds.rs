@@ -72,6 +72,49 @@ fn truncate(s: &str, max: usize) -> String {
 // ---------------------------------------------------------------------------
 // runs
 
+/// (argument, compact JSON value) pairs of a run, in recorded order.
+fn arg_pairs(r: &RunRow) -> Vec<(String, String)> {
+    jsontext::members(&jsontext::compact(&r.args_json)).unwrap_or_default()
+}
+
+/// Per script: the arguments whose values differ between its listed runs
+/// (a missing argument counts as a value; all of them when the script has
+/// one run), so runs that differ in `--lr` do not look alike.
+fn differing_args(runs: &[RunRow]) -> HashMap<String, HashSet<String>> {
+    let mut by_script: HashMap<String, Vec<HashMap<String, String>>> = HashMap::new();
+    for r in runs {
+        by_script
+            .entry(r.script.clone())
+            .or_default()
+            .push(arg_pairs(r).into_iter().collect());
+    }
+    by_script
+        .into_iter()
+        .map(|(script, maps)| {
+            let keys: HashSet<String> = maps.iter().flat_map(|m| m.keys().cloned()).collect();
+            let differ = keys
+                .into_iter()
+                .filter(|k| maps.len() == 1 || maps.iter().any(|m| m.get(k) != maps[0].get(k)))
+                .collect();
+            (script, differ)
+        })
+        .collect()
+}
+
+fn args_cell(r: &RunRow, differing: &HashMap<String, HashSet<String>>) -> String {
+    let keys = differing.get(&r.script);
+    let shown: Vec<String> = arg_pairs(r)
+        .into_iter()
+        .filter(|(k, _)| keys.is_some_and(|ks| ks.contains(k)))
+        .map(|(k, v)| format!("{k}={}", truncate(&v, 24)))
+        .collect();
+    if shown.is_empty() {
+        "-".to_string()
+    } else {
+        shown.join(" ")
+    }
+}
+
 pub(crate) fn cmd_runs(
     db: &LogDb,
     limit: Option<usize>,
@@ -84,6 +127,7 @@ pub(crate) fn cmd_runs(
         outln!(out, "{}", jsontext::pretty(&jsontext::array(&items)));
         return Ok(EXIT_OK);
     }
+    let differing = differing_args(&runs);
     let rows: Vec<Vec<String>> = runs
         .iter()
         .map(|r| {
@@ -93,7 +137,7 @@ pub(crate) fn cmd_runs(
                 format_utc(r.started_ms),
                 run_duration(r),
                 r.script.clone(),
-                truncate(&jsontext::compact(&r.args_json), 40),
+                args_cell(r, &differing),
             ]
         })
         .collect();

@@ -230,6 +230,8 @@ fn project() -> Project {
 
 #[test]
 fn runs_lists_newest_first() {
+    // ARGS shows, per script, the arguments that differ between its runs
+    // (a missing one counts), in full up to 24 characters per value.
     let p = project();
     assert_eq!(
         p.hs(&["runs"]),
@@ -237,9 +239,9 @@ fn runs_lists_newest_first() {
             0,
             "\
 RUN                     STATUS     STARTED              DURATION  SCRIPT    ARGS
-20240302-083000-<run3>  running    2024-03-02 08:30:00   running  eval.py   {\"checkpoint\":\"runs/very/long/path/to...
-20240301-180000-<run2>  failed     2024-03-01 18:00:00         -  train.py  {}
-20240301-120000-<run1>  completed  2024-03-01 12:00:00   1:02:03  train.py  {\"lr\":0.1,\"epochs\":2,\"tags\":[\"a\",\"b\"]}
+20240302-083000-<run3>  running    2024-03-02 08:30:00   running  eval.py   checkpoint=\"runs/very/long/path/... batch_size=64
+20240301-180000-<run2>  failed     2024-03-01 18:00:00         -  train.py  -
+20240301-120000-<run1>  completed  2024-03-01 12:00:00   1:02:03  train.py  lr=0.1 epochs=2 tags=[\"a\",\"b\"]
 ",
             ""
         )

@@ -244,6 +244,11 @@ impl LogDb {
             .collect())
     }
 
+    /// The position of the run's latest log row (0 when none).
+    fn last_seq(&self, py: Python<'_>, run_id: String) -> PyResult<i64> {
+        self.with(py, |db| db.last_seq(&run_id))
+    }
+
     /// SQLite's consistency check plus rows that belong to no run; raises
     /// `CorruptError` naming the database.
     fn check_integrity(&self, py: Python<'_>) -> PyResult<()> {
@@ -256,8 +261,16 @@ impl LogDb {
 
     /// Values both phases logged at the same context that differ, first
     /// differing context first.
-    fn divergences(&self, py: Python<'_>, run_id: String) -> PyResult<Vec<Divergence>> {
-        let ds = self.with(py, |db| db.divergences(&run_id))?;
+    /// `after`: only replayed values written after that position
+    /// (`last_seq` before a replay): what that replay wrote.
+    #[pyo3(signature = (run_id, after=None))]
+    fn divergences(
+        &self,
+        py: Python<'_>,
+        run_id: String,
+        after: Option<i64>,
+    ) -> PyResult<Vec<Divergence>> {
+        let ds = self.with(py, |db| db.divergences_since(&run_id, after))?;
         Ok(ds
             .into_iter()
             .map(|d| Divergence {

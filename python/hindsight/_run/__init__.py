@@ -16,7 +16,19 @@ from hindsight._run.record import RecordRun
 from hindsight._run.replay import ReplayRun
 from hindsight.errors import InvalidArgumentError
 
-__all__ = ["ENV_HOME", "ENV_REPLAY", "Run", "_script_path", "arg", "args", "checkpointing", "current", "log", "loop", "run_id"]
+__all__ = [
+    "ENV_HOME",
+    "ENV_REPLAY",
+    "Run",
+    "_script_path",
+    "arg",
+    "args",
+    "checkpointing",
+    "current",
+    "log",
+    "loop",
+    "run_id",
+]
 
 _RUN: Run | None = None
 

@@ -38,7 +38,9 @@ def parse(name: str, default: Any, argv: list[str] | None = None) -> tuple[bool,
     for i, a in enumerate(argv):
         if a == flag:
             nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if isinstance(default, bool) and (nxt is None or _flag_name(nxt) is not None or nxt.lower() not in _TRUE + _FALSE):
+            if isinstance(default, bool) and (
+                nxt is None or _flag_name(nxt) is not None or nxt.lower() not in _TRUE + _FALSE
+            ):
                 raw = "true"  # a bare boolean flag
             elif nxt is None:
                 raise InvalidArgumentError(f"argument --{name}: expected a value after it")

@@ -673,7 +673,11 @@ impl SaveBuilder<'_> {
         };
         // Summed over the copy threads, which fault in parallel: the share
         // of the caller's wait is the sum over the threads that ran.
-        let ran = if threads == 1 || total < (16 << 20) { 1 } else { threads };
+        let ran = if threads == 1 || total < (16 << 20) {
+            1
+        } else {
+            threads
+        };
         lock(&job.stats).setup_seconds += setup_ns.into_inner() as f64 * 1e-9 / ran as f64;
         if let Err(e) = result {
             // Cancelled part way: copy threads check before taking an index and

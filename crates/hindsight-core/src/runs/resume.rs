@@ -49,7 +49,7 @@ fn hostname() -> String {
 }
 
 /// Whether process `pid` exists on this host (EPERM: it does, someone else's).
-fn alive(pid: u32) -> bool {
+pub(crate) fn alive(pid: u32) -> bool {
     let Ok(pid) = libc::pid_t::try_from(pid) else {
         return false;
     };

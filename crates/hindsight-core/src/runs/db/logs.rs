@@ -323,18 +323,38 @@ impl LogDb {
     /// replay value differs from the recorded one (see
     /// [`json::values_equal`]), in record order: the first divergence first.
     pub fn divergences(&self, run_id: &str) -> Result<Vec<Divergence>> {
+        self.divergences_since(run_id, None)
+    }
+
+    /// The position of the run's latest log row (0 when it has none): a
+    /// replay notes it before it starts, to judge only what it writes.
+    pub fn last_seq(&self, run_id: &str) -> Result<i64> {
+        self.require_run(&self.conn, run_id)?;
+        self.conn
+            .query_row(
+                "SELECT COALESCE(MAX(seq), 0) FROM logs WHERE run_id = ?1",
+                [run_id],
+                |r| r.get(0),
+            )
+            .db(&self.path)
+    }
+
+    /// Like [`LogDb::divergences`], but only replayed values written after
+    /// position `after` ([`LogDb::last_seq`]): what one replay wrote, not
+    /// what an earlier (maybe failed or forced) replay left behind.
+    pub fn divergences_since(&self, run_id: &str, after: Option<i64>) -> Result<Vec<Divergence>> {
         self.require_run(&self.conn, run_id)?;
         let mut st = self
             .conn
             .prepare_cached(
                 "SELECT r.name, r.ctx, r.value, p.value, r.seq FROM logs r \
                  JOIN logs p ON p.run_id = r.run_id AND p.name = r.name AND p.ctx = r.ctx \
-                      AND p.phase = 'replay' \
+                      AND p.phase = 'replay' AND (?2 IS NULL OR p.seq > ?2) \
                  WHERE r.run_id = ?1 AND r.phase = 'record' ORDER BY r.seq",
             )
             .db(&self.path)?;
         let rows = st
-            .query_map([run_id], |r| {
+            .query_map(params![run_id, after], |r| {
                 Ok((
                     r.get::<_, String>(0)?,
                     r.get::<_, String>(1)?,

@@ -273,6 +273,25 @@ impl LogDb {
 
     /// The newest run with this resume key whose status is `interrupted` or
     /// `running` (a run killed without a chance to say so stays `running`).
+    /// Delete a run and (by cascade) its logs and iterations; source
+    /// snapshots no run uses any more go too. NotFound if there is no such run.
+    pub fn delete_run(&self, run_id: &str) -> Result<()> {
+        self.write(|tx| {
+            let n = tx
+                .execute("DELETE FROM runs WHERE id = ?1", [run_id])
+                .db(&self.path)?;
+            if n == 0 {
+                return Err(self.not_found("run", run_id));
+            }
+            tx.execute(
+                "DELETE FROM sources WHERE hash NOT IN (SELECT source_hash FROM runs)",
+                [],
+            )
+            .db(&self.path)?;
+            Ok(())
+        })
+    }
+
     /// `include_failed`: also a run that failed (for a restart by `hindsight run`).
     pub fn find_resumable(&self, resume_key: &str, include_failed: bool) -> Result<Option<RunRow>> {
         let statuses = if include_failed {

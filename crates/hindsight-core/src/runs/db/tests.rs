@@ -435,6 +435,31 @@ fn divergence_detection() {
 }
 
 #[test]
+fn divergences_since_judge_only_the_latest_replay() {
+    let (_dir, db) = temp_db();
+    let id = db.create_run(&new_run("train.py")).unwrap();
+    let rec = [
+        row("loss", &[("epoch", 0)], "1.0"),
+        row("loss", &[("epoch", 1)], "0.5"),
+    ];
+    db.append_logs(&id, Phase::Record, &rec).unwrap();
+    // An earlier (forced) replay disagreed everywhere.
+    let bad = [
+        row("loss", &[("epoch", 0)], "9"),
+        row("loss", &[("epoch", 1)], "9"),
+    ];
+    db.append_logs(&id, Phase::Replay, &bad).unwrap();
+    assert_eq!(db.divergences(&id).unwrap().len(), 2);
+    // A later exact replay of epoch 0 only.
+    let start = db.last_seq(&id).unwrap();
+    db.append_logs(&id, Phase::Replay, &[row("loss", &[("epoch", 0)], "1.0")])
+        .unwrap();
+    assert!(db.divergences_since(&id, Some(start)).unwrap().is_empty());
+    // The stale row of epoch 1 is still there for whoever asks about all.
+    assert_eq!(db.divergences(&id).unwrap().len(), 1);
+}
+
+#[test]
 fn values_merge_phases_and_prefer_the_recorded_value() {
     let (_dir, db) = temp_db();
     let id = db.create_run(&new_run("train.py")).unwrap();
