@@ -260,3 +260,20 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_manifest_that_lies_about_a_chunk_never_quarantines_the_good_chunk() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = new_store(dir.path());
+    let base = base_manifest(&store);
+    // The bytes blob claims one byte more than its (intact) chunk holds.
+    let mut body = base.clone();
+    let d = &mut entry(&mut body, "b")["v"];
+    d["chunks"][0]["len"] = json!(6);
+    d["nbytes"] = json!(6);
+    assert_corrupt(load_crafted(&store, "liar", &body), "length lie");
+    // The chunk was not blamed: the real checkpoint still loads.
+    assert!(!dir.path().join("quarantine").exists());
+    let bufs = load_crafted(&store, "honest", &base).unwrap();
+    assert!(bufs.iter().any(|b| b == b"hello"));
+}

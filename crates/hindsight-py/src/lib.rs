@@ -266,10 +266,7 @@ impl Store {
             before_copy.call0()?;
         }
         let result = interrupt::run(py, |intr| {
-            let mut b = writer.begin(&name)?;
-            if let Some(l) = reuse_lock {
-                b.hold(l);
-            }
+            let mut b = writer.begin_with(&name, reuse_lock)?;
             let segment = b.fingerprint_segment();
             let proven = tree::verify_unchanged(&mut slots, &sources, segment, copy_threads);
             let srcs: Vec<&[u8]> = tree::stage_order(&slots)

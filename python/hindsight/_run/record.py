@@ -34,7 +34,7 @@ from hindsight._run.common import (
     _to_json,
 )
 from hindsight._state import rng_state, set_rng_state, tensor_bytes
-from hindsight.errors import CorruptError
+from hindsight.errors import CorruptError, NotFoundError
 
 
 class RecordRun(Run):
@@ -167,18 +167,25 @@ class RecordRun(Run):
         self.unconfirmed = None
 
     def _finish(self, status: str) -> None:
-        if status != "completed" and self.unconfirmed is not None and self._store is not None:
-            # The steps were left by an exception, not a break: their state
-            # is no block end, and a resume must not start from it.
-            name, self.unconfirmed = self.unconfirmed, None
-            self._store.remove(name)
-            print(f"hindsight: discarded checkpoint {name}: the run failed inside its steps", file=sys.stderr)
-        self.signals.restore()
-        if self._store is not None:
-            self._store.flush()
-            if status == "completed":
-                self.apply_retention(final=True)
-        self.db.set_status(self.run_id, status)
+        try:
+            if status != "completed" and self.unconfirmed is not None and self._store is not None:
+                # The steps were left by an exception, not a break: their state
+                # is no block end, and a resume must not start from it.
+                name, self.unconfirmed = self.unconfirmed, None
+                try:
+                    self._store.remove(name)
+                    print(f"hindsight: discarded checkpoint {name}: the run failed inside its steps", file=sys.stderr)
+                except NotFoundError:
+                    pass  # its save failed: there is nothing to discard
+            self.signals.restore()
+            if self._store is not None:
+                self._store.flush()
+                if status == "completed":
+                    self.apply_retention(final=True)
+        finally:
+            # Whatever went wrong above, the run's status is recorded: a
+            # "running" left behind would be resumed by a plain rerun.
+            self.db.set_status(self.run_id, status)
 
     # -- checkpoints -------------------------------------------------------------
     def _checkpoint_id(self, i: int, kind: str = "block", step: int | None = None) -> _native.CheckpointId:

@@ -80,6 +80,9 @@ pub struct Problem {
     pub error: Error,
 }
 
+/// Marks the one read error that blames the manifest, not the chunk.
+const MANIFEST_EXPECTS: &str = "manifest expects";
+
 impl Store {
     /// Open a store in a local directory; create it (with `options`) if `create` and missing.
     pub fn open_local(root: &Path, create: bool, options: Option<StoreOptions>) -> Result<Store> {
@@ -226,8 +229,10 @@ impl Store {
     }
 
     /// Read one chunk into `dest` (exactly its raw length) and verify its
-    /// hash. A chunk found damaged is quarantined: later saves that hold
-    /// its bytes write it again, which repairs every checkpoint sharing it.
+    /// hash. A chunk whose file is damaged in itself (header, length, hash)
+    /// is quarantined: later saves that hold its bytes write it again, which
+    /// repairs every checkpoint sharing it. A length the manifest expects but
+    /// the chunk does not have is the manifest's problem, not the chunk's.
     pub fn read_chunk_into(&self, id: &ChunkId, dest: &mut [u8]) -> Result<()> {
         match self.check_chunk_into(id, dest) {
             Err(Error::Corrupt {
@@ -235,11 +240,14 @@ impl Store {
                 checkpoint,
                 key_path,
                 detail,
-            }) if self.storage.has_chunk(id).unwrap_or(false) => {
-                let detail = match self.storage.quarantine_chunk(id) {
-                    Ok(()) => format!(
+            }) if !detail.contains(MANIFEST_EXPECTS)
+                && self.storage.has_chunk(id).unwrap_or(false) =>
+            {
+                let detail = match self.quarantine(id) {
+                    Ok(true) => format!(
                         "{detail} (quarantined: the next save holding these bytes writes them again)"
                     ),
+                    Ok(false) => detail,
                     Err(q) => format!("{detail} (could not quarantine it: {q})"),
                 };
                 Err(Error::Corrupt {
@@ -253,6 +261,41 @@ impl Store {
         }
     }
 
+    /// Move a damaged chunk aside, under the exclusive lock (no save is
+    /// between deduplicating against it and committing), after checking
+    /// again that it is still damaged (a save may have rewritten it). True
+    /// if it was moved.
+    fn quarantine(&self, id: &ChunkId) -> Result<bool> {
+        let _lock = self.storage.lock_exclusive()?;
+        let mut r = self.storage.open_chunk(id)?;
+        let mut data = Vec::new();
+        r.read_to_end(&mut data)
+            .map_err(|e| Error::io(self.storage.chunk_path(id), e))?;
+        let intact = data.len() >= CHUNK_HEADER_LEN
+            && format::parse_chunk_header(&data[..CHUNK_HEADER_LEN], &self.storage.chunk_path(id))
+                .ok()
+                .and_then(|(codec, raw_len)| {
+                    let payload = &data[CHUNK_HEADER_LEN..];
+                    match codec {
+                        Codec::Raw => {
+                            (payload.len() as u64 == raw_len).then(|| ChunkId::of(payload))
+                        }
+                        Codec::Zstd => {
+                            zstd::bulk::decompress(payload, usize::try_from(raw_len).ok()?)
+                                .ok()
+                                .filter(|raw| raw.len() as u64 == raw_len)
+                                .map(|raw| ChunkId::of(&raw))
+                        }
+                    }
+                })
+                .is_some_and(|actual| actual == *id);
+        if intact {
+            return Ok(false);
+        }
+        self.storage.quarantine_chunk(id)?;
+        Ok(true)
+    }
+
     fn check_chunk_into(&self, id: &ChunkId, dest: &mut [u8]) -> Result<()> {
         let path = self.storage.chunk_path(id);
         let mut r = self.storage.open_chunk(id)?;
@@ -264,7 +307,7 @@ impl Store {
             return Err(Error::corrupt(
                 &path,
                 format!(
-                    "chunk holds {raw_len} bytes, manifest expects {}",
+                    "chunk holds {raw_len} bytes, {MANIFEST_EXPECTS} {}",
                     dest.len()
                 ),
             ));

@@ -76,20 +76,25 @@ struct Budget {
 #[derive(Debug, Default)]
 struct BudgetState {
     used: usize,
+    /// The most staging ever in use: memory beyond it is new to the process.
+    peak: usize,
     pool: Vec<Vec<u8>>,
 }
 
 impl Budget {
     /// A buffer of `len` bytes; waits while the budget is spent.
     /// One request larger than the whole budget is let through alone.
-    /// `(buffer, fresh)`: fresh buffers are newly allocated (their pages
-    /// not yet touched), others come from the pool.
+    /// `(buffer, first_use)`: `first_use` when staging grew beyond the most
+    /// it ever held, i.e. memory this process meets for the first time
+    /// (one-time set-up); a reallocated small buffer of a later save is not.
     fn acquire(&self, len: usize) -> (Vec<u8>, bool) {
         let mut st = lock(&self.state);
         while st.used > 0 && st.used + len > self.limit {
             st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
         }
         st.used += len;
+        let first_use = st.used > st.peak;
+        st.peak = st.peak.max(st.used);
         if len == self.block {
             if let Some(mut b) = st.pool.pop() {
                 drop(st);
@@ -102,7 +107,7 @@ impl Budget {
         // memory is undefined behaviour. Large fresh blocks are usually zero
         // pages from mmap, and steady-state saves reuse pooled blocks, so the
         // zeroing is rarely paid.
-        (crate::staging::zeroed(len), true)
+        (crate::staging::zeroed(len), first_use)
     }
 
     fn release(&self, buf: Vec<u8>) {
@@ -379,6 +384,14 @@ impl Writer {
 
     /// Start a save. Fails first with any unreported background failure.
     pub fn begin(&self, name: &str) -> Result<SaveBuilder<'_>> {
+        self.begin_with(name, None)
+    }
+
+    /// [`Writer::begin`] for a save that reuses blobs checked by
+    /// [`Writer::confirm_reuse`]: `lock` becomes the save's own store lock,
+    /// held until it commits (it is in the job before the job is queued, so
+    /// the save never asks for a second one that a waiting gc could refuse).
+    pub fn begin_with(&self, name: &str, reuse: Option<ReuseLock>) -> Result<SaveBuilder<'_>> {
         self.check_process()?;
         format::validate_name(name)?;
         self.take_error()?;
@@ -398,7 +411,7 @@ impl Writer {
             state: Default::default(),
             cv: Condvar::new(),
             handle: Default::default(),
-            held: Mutex::new(None),
+            held: Mutex::new(reuse.map(|l| l.0)),
         });
         {
             let mut q = lock(&self.shared.queue);
@@ -531,7 +544,8 @@ pub struct StagedBlob {
 pub type Cancel<'a> = &'a (dyn Fn() -> bool + Sync);
 
 /// The store's shared lock, taken to decide which earlier blobs a save may
-/// reuse and held by that save until it commits ([`Writer::confirm_reuse`]).
+/// reuse and held by that save until it commits ([`Writer::confirm_reuse`],
+/// [`Writer::begin_with`]).
 #[derive(Debug)]
 pub struct ReuseLock(Box<dyn LockGuard>);
 
@@ -539,7 +553,7 @@ impl Writer {
     /// Which of `blobs` (from earlier saves of this writer) a new save may
     /// reuse instead of copying: not from a save that failed, and every
     /// chunk still in the store. Returns the shared lock under which that was
-    /// checked; give it to the save with [`SaveBuilder::hold`] so gc (in any
+    /// checked; give it to the save with [`Writer::begin_with`] so gc (in any
     /// process) cannot delete those chunks before the save commits. A blob
     /// whose chunks are gone (gc after a remove, quarantine after damage) is
     /// then copied again instead of failing the save.
@@ -577,11 +591,6 @@ impl SaveBuilder<'_> {
     /// One-time set-up seconds spent staging so far ([`SaveStats::setup_seconds`]).
     pub fn setup_seconds(&self) -> f64 {
         lock(&self.job.stats).setup_seconds
-    }
-
-    /// Keep `lock` until this save is committed (or fails).
-    pub fn hold(&mut self, lock: ReuseLock) {
-        *crate::sync::lock(&self.job.held) = Some(lock.0);
     }
 
     /// Copy each source into staging and return one pending blob per source,
@@ -632,8 +641,8 @@ impl SaveBuilder<'_> {
                 let Some(&(s, off, len, index)) = plan.get(i) else {
                     return Ok(());
                 };
-                let (mut data, fresh) = shared.budget.acquire(len);
-                if fresh {
+                let (mut data, first_use) = shared.budget.acquire(len);
+                if first_use {
                     // One-time set-up, timed apart from the copy: the
                     // adaptive policy prices checkpoints at steady state.
                     let t = Instant::now();
@@ -799,7 +808,7 @@ fn dispatcher_loop(shared: &Shared, tasks: &mpsc::Sender<Task>) {
         if result.is_err() {
             job.chunks.failed.store(true, Ordering::Release);
         }
-        // A lock taken for this save by its caller is released with it.
+        // Released here if the job never reached `run_job`'s own use of it.
         drop(lock(&job.held).take());
         let aborted = lock(&job.state).aborted;
         match (&result, &shared.uploader) {
@@ -824,8 +833,13 @@ fn run_job(
 ) -> Result<SaveStats, Arc<Error>> {
     let storage = shared.store.storage().clone();
     // Held until commit so gc (in any process) cannot delete chunks this save
-    // wrote or reuses. Taken before any chunk is written.
-    let lock_guard = storage.lock_shared();
+    // wrote or reuses. Taken before any chunk is written; a save that reuses
+    // blobs brings the lock they were checked under.
+    let held = lock(&job.held).take();
+    let lock_guard = match held {
+        Some(g) => Ok(g),
+        None => storage.lock_shared(),
+    };
     let (done_tx, done_rx) = mpsc::channel();
     let mut sent = 0usize;
     let (root, meta, n) = loop {

@@ -19,7 +19,7 @@
 use std::ffi::OsString;
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::process::ExitStatusExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitStatus};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
@@ -156,16 +156,21 @@ fn beat(read: &OwnedFd, timeout: Duration) -> bool {
     }
 }
 
+/// Signal the command's whole process group: a wrapper (`bash train.sh`,
+/// a launcher) and the trainer it started, with its data-loading workers.
 fn kill(child: &Child, sig: libc::c_int) {
     if let Ok(pid) = libc::pid_t::try_from(child.id()) {
-        // SAFETY: signals a child we started and have not reaped.
-        unsafe { libc::kill(pid, sig) };
+        // SAFETY: signals the process group led by a child we started.
+        unsafe { libc::kill(-pid, sig) };
     }
 }
 
 fn run_once(cmd: &[OsString], restart: u32, policy: &Policy, log: &mut dyn Write) -> Result<End> {
     let (read, write) = heartbeat_pipe()?;
     let mut c = Command::new(&cmd[0]);
+    // Its own process group: signals reach all of it through us, once (a
+    // terminal's Ctrl-C no longer arrives twice), and a hang kills all of it.
+    c.process_group(0);
     c.args(&cmd[1..])
         .env(HEARTBEAT_ENV, write.as_raw_fd().to_string());
     if restart > 0 {
@@ -221,7 +226,7 @@ fn run_once(cmd: &[OsString], restart: u32, policy: &Policy, log: &mut dyn Write
                     }
                     std::thread::sleep(Duration::from_millis(50));
                 }
-                let _ = child.kill();
+                kill(&child, libc::SIGKILL);
                 let _ = child.wait();
                 return Ok(End::Hung);
             }
