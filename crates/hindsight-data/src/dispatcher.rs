@@ -1,0 +1,822 @@
+//! The dispatcher: which worker computes which split, under which attempt.
+//!
+//! It is never on the data path: clients stream units straight from
+//! workers, so a dispatcher restart only delays new assignments. Every
+//! decision is written to the journal before it is answered (write-ahead),
+//! and the state is rebuilt from the journal by the same [`State::apply`]
+//! that the live path uses, so a restarted dispatcher hands out exactly the
+//! attempts it would have, and never reuses an attempt number.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use prost::Message;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::{Request, Response, Status};
+
+use crate::error::{Error, Result};
+use crate::journal::Journal;
+use crate::proto::{self, check_protocol, journal_record::Event, Key};
+
+/// How the dispatcher detects failures.
+#[derive(Debug, Clone)]
+pub struct DispatcherOptions {
+    pub journal_dir: PathBuf,
+    /// A worker silent for this long is declared dead.
+    pub heartbeat_timeout: Duration,
+    /// How long a probe of a worker reported by a client may take.
+    pub probe_timeout: Duration,
+}
+
+impl DispatcherOptions {
+    pub fn new(journal_dir: impl Into<PathBuf>) -> Self {
+        DispatcherOptions {
+            journal_dir: journal_dir.into(),
+            heartbeat_timeout: Duration::from_millis(1000),
+            probe_timeout: Duration::from_millis(300),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct WorkerEntry {
+    address: String,
+    dataset: String,
+    code_version: String,
+    alive: bool,
+    last_seen: Instant,
+}
+
+#[derive(Debug)]
+struct SplitEntry {
+    latest: proto::Assignment,
+    finished: bool,
+}
+
+/// The dispatcher's state: a pure function of the journal's records.
+#[derive(Debug, Default)]
+struct State {
+    jobs: HashMap<String, proto::JobSpec>,
+    workers: BTreeMap<String, WorkerEntry>,
+    splits: HashMap<Key, SplitEntry>,
+    cursors: HashMap<(String, u32), (u64, u64)>,
+    /// Digest of every unit delivered, per (job, epoch, rank).
+    digests: HashMap<(String, u64, u32), BTreeMap<u64, Vec<u8>>>,
+    assignments: u64,
+    reassignments: u64,
+    records: u64,
+}
+
+impl State {
+    /// The one place a record changes the state: replay and live path.
+    fn apply(&mut self, event: &Event, now: Instant) {
+        self.records += 1;
+        match event {
+            Event::Job(spec) => {
+                let id = crate::order::JobSpec::from(spec).job_id();
+                self.jobs.insert(id, spec.clone());
+            }
+            Event::Worker(w) => {
+                self.workers.insert(
+                    w.worker_id.clone(),
+                    WorkerEntry {
+                        address: w.address.clone(),
+                        dataset: w.dataset.clone(),
+                        code_version: w.code_version.clone(),
+                        alive: true,
+                        last_seen: now,
+                    },
+                );
+            }
+            Event::WorkerDead(id) => {
+                if let Some(w) = self.workers.get_mut(id) {
+                    w.alive = false;
+                }
+            }
+            Event::Assigned(a) => {
+                let Some(key) = a.key.as_ref().map(proto::SplitKey::key) else {
+                    return;
+                };
+                self.assignments += 1;
+                if a.attempt > 1 {
+                    self.reassignments += 1;
+                }
+                self.splits.insert(
+                    key,
+                    SplitEntry {
+                        latest: a.clone(),
+                        finished: false,
+                    },
+                );
+            }
+            Event::Finished(k) => {
+                if let Some(s) = self.splits.get_mut(&k.key()) {
+                    s.finished = true;
+                }
+            }
+            Event::Cursor(p) => {
+                if !p.digests.is_empty() {
+                    let known = self
+                        .digests
+                        .entry((p.job_id.clone(), p.epoch, p.rank))
+                        .or_default();
+                    for d in &p.digests {
+                        known.entry(d.batch).or_insert_with(|| d.digest.clone());
+                    }
+                }
+                let slot = (p.job_id.clone(), p.rank);
+                let previous = self.cursors.insert(slot, (p.epoch, p.cursor_batch));
+                // Splits two epochs back can no longer be asked for: forget
+                // them, so the state (and a compacted journal) stays bounded.
+                if previous.is_none_or(|(e, _)| e < p.epoch) && p.epoch >= 2 {
+                    let (job, rank, keep) = (&p.job_id, p.rank, p.epoch - 1);
+                    self.splits
+                        .retain(|k, _| !(&k.0 == job && k.2 == rank && k.1 < keep));
+                    self.digests
+                        .retain(|k, _| !(&k.0 == job && k.2 == rank && k.1 < keep));
+                }
+            }
+        }
+    }
+
+    /// Records that rebuild this state: what a compacted journal holds.
+    fn snapshot(&self) -> Vec<Event> {
+        let mut out: Vec<Event> = self.jobs.values().cloned().map(Event::Job).collect();
+        for (id, w) in &self.workers {
+            if w.alive {
+                out.push(Event::Worker(proto::RegisterWorkerRequest {
+                    protocol: proto::PROTOCOL,
+                    worker_id: id.clone(),
+                    address: w.address.clone(),
+                    dataset: w.dataset.clone(),
+                    code_version: w.code_version.clone(),
+                }));
+            }
+        }
+        let mut splits: Vec<_> = self.splits.iter().collect();
+        splits.sort_by(|a, b| a.0.cmp(b.0));
+        for (_, s) in splits {
+            // A split whose worker is gone keeps its latest attempt (as an
+            // assignment to the dead id), so the next attempt stays fenced.
+            out.push(Event::Assigned(s.latest.clone()));
+            if s.finished {
+                if let Some(k) = s.latest.key.clone() {
+                    out.push(Event::Finished(k));
+                }
+            }
+        }
+        let mut digests: Vec<_> = self.digests.iter().collect();
+        digests.sort_by(|a, b| a.0.cmp(b.0));
+        for ((job, epoch, rank), known) in digests {
+            out.push(Event::Cursor(proto::ProgressRequest {
+                protocol: proto::PROTOCOL,
+                job_id: job.clone(),
+                epoch: *epoch,
+                rank: *rank,
+                digests: known
+                    .iter()
+                    .map(|(b, d)| proto::UnitDigest {
+                        batch: *b,
+                        digest: d.clone(),
+                    })
+                    .collect(),
+                ..Default::default()
+            }));
+        }
+        for ((job, rank), (epoch, batch)) in &self.cursors {
+            out.push(Event::Cursor(proto::ProgressRequest {
+                protocol: proto::PROTOCOL,
+                job_id: job.clone(),
+                epoch: *epoch,
+                rank: *rank,
+                cursor_batch: *batch,
+                ..Default::default()
+            }));
+        }
+        out
+    }
+
+    fn live(&self, id: &str) -> bool {
+        self.workers.get(id).is_some_and(|w| w.alive)
+    }
+
+    /// The live worker for `job`'s dataset with the fewest unfinished
+    /// splits; `avoid` only if nobody else is left.
+    fn pick_worker(&self, job: &proto::JobSpec, avoid: Option<&str>) -> Option<(String, String)> {
+        let mut load: HashMap<&str, usize> = HashMap::new();
+        for s in self.splits.values().filter(|s| !s.finished) {
+            *load.entry(s.latest.worker_id.as_str()).or_default() += 1;
+        }
+        let candidates = self.workers.iter().filter(|(_, w)| {
+            w.alive && w.dataset == job.dataset && w.code_version == job.code_version
+        });
+        let best = |avoiding: bool| {
+            candidates
+                .clone()
+                .filter(|(id, _)| !avoiding || Some(id.as_str()) != avoid)
+                .min_by_key(|(id, _)| (load.get(id.as_str()).copied().unwrap_or(0), *id))
+                .map(|(id, w)| (id.clone(), w.address.clone()))
+        };
+        best(true).or_else(|| best(false))
+    }
+}
+
+struct Shared {
+    state: State,
+    journal: Journal,
+}
+
+struct Inner {
+    shared: Mutex<Shared>,
+    opts: DispatcherOptions,
+    seq: std::sync::atomic::AtomicU64,
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, Shared> {
+        self.shared.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Journal, then apply: what a client was told survives any crash.
+    fn commit(shared: &mut Shared, events: Vec<Event>) -> std::result::Result<(), Status> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let encoded: Vec<Vec<u8>> = events
+            .iter()
+            .map(|e| {
+                proto::JournalRecord {
+                    event: Some(e.clone()),
+                }
+                .encode_to_vec()
+            })
+            .collect();
+        let refs: Vec<&[u8]> = encoded.iter().map(Vec::as_slice).collect();
+        shared
+            .journal
+            .append(&refs)
+            .map_err(|e| Status::internal(format!("dispatcher journal: {e}")))?;
+        let now = Instant::now();
+        for e in &events {
+            shared.state.apply(e, now);
+        }
+        Ok(())
+    }
+
+    fn new_worker_id(&self) -> String {
+        let n = self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let h = blake3::hash(format!("{}:{nanos}:{n}", std::process::id()).as_bytes());
+        format!("w-{}", &h.to_hex()[..12])
+    }
+
+    /// A new attempt of `key` on a live worker (journaled before returned).
+    fn reassign(
+        shared: &mut Shared,
+        key: &proto::SplitKey,
+        from_batch: u64,
+        avoid: Option<&str>,
+    ) -> std::result::Result<proto::Assignment, Status> {
+        let Some(job) = shared.state.jobs.get(&key.job_id) else {
+            return Err(Status::not_found(format!(
+                "job {} is not attached at this dispatcher (attach first)",
+                key.job_id
+            )));
+        };
+        let Some((worker_id, worker_addr)) = shared.state.pick_worker(job, avoid) else {
+            return Err(Status::unavailable(format!(
+                "no live worker serves dataset {} (code version {})",
+                job.dataset, job.code_version
+            )));
+        };
+        let attempt = shared
+            .state
+            .splits
+            .get(&key.key())
+            .map_or(0, |s| s.latest.attempt)
+            + 1;
+        let a = proto::Assignment {
+            key: Some(key.clone()),
+            worker_id,
+            worker_addr,
+            attempt,
+            from_batch,
+        };
+        Self::commit(shared, vec![Event::Assigned(a.clone())])?;
+        Ok(a)
+    }
+
+    /// Declare workers dead whose heartbeats stopped.
+    fn expire(&self) {
+        let mut shared = self.lock();
+        let timeout = self.opts.heartbeat_timeout;
+        let dead: Vec<Event> = shared
+            .state
+            .workers
+            .iter()
+            .filter(|(_, w)| w.alive && w.last_seen.elapsed() > timeout)
+            .map(|(id, _)| Event::WorkerDead(id.clone()))
+            .collect();
+        if let Err(e) = Self::commit(&mut shared, dead) {
+            eprintln!("hindsight data dispatcher: {}", e.message());
+        }
+    }
+
+    /// Keep the journal proportional to the state, not to history.
+    fn maybe_compact(&self) {
+        let mut shared = self.lock();
+        if shared.state.records < 4 * (shared.state.splits.len() as u64 + 64) + 100_000 {
+            return;
+        }
+        let snapshot = shared.state.snapshot();
+        let encoded: Vec<Vec<u8>> = snapshot
+            .iter()
+            .map(|e| {
+                proto::JournalRecord {
+                    event: Some(e.clone()),
+                }
+                .encode_to_vec()
+            })
+            .collect();
+        let refs: Vec<&[u8]> = encoded.iter().map(Vec::as_slice).collect();
+        match shared.journal.compact(&refs) {
+            Ok(()) => shared.state.records = snapshot.len() as u64,
+            Err(e) => eprintln!("hindsight data dispatcher: compaction failed: {e}"),
+        }
+    }
+}
+
+/// The dispatcher's gRPC service.
+#[derive(Clone)]
+pub struct DispatcherService {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for DispatcherService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DispatcherService")
+            .field("journal", &self.inner.opts.journal_dir)
+            .finish()
+    }
+}
+
+/// What recovery found in the journal.
+#[derive(Debug, Clone)]
+pub struct Recovered {
+    pub records: usize,
+    pub truncated_bytes: u64,
+    pub jobs: usize,
+    pub workers: usize,
+    pub seconds: f64,
+}
+
+impl DispatcherService {
+    /// Rebuild the state from the journal (truncating a torn tail; a
+    /// corrupt record before the tail is an error naming its offset).
+    pub fn open(opts: DispatcherOptions) -> Result<(Self, Recovered)> {
+        let started = Instant::now();
+        let (journal, records, recovery) = Journal::open(&opts.journal_dir)?;
+        let mut state = State::default();
+        let now = Instant::now();
+        for (i, bytes) in records.iter().enumerate() {
+            let rec = proto::JournalRecord::decode(bytes.as_slice()).map_err(|e| {
+                Error::Journal(crate::journal::JournalError::Corrupt {
+                    path: journal.path().to_path_buf(),
+                    offset: 0,
+                    reason: format!("record {i} passed its checksum but does not decode: {e}"),
+                })
+            })?;
+            if let Some(event) = rec.event {
+                state.apply(&event, now);
+            }
+        }
+        // Workers known from the journal get one heartbeat timeout to
+        // check in (their `last_seen` is now) before they are declared dead.
+        let recovered = Recovered {
+            records: recovery.records,
+            truncated_bytes: recovery.truncated_bytes,
+            jobs: state.jobs.len(),
+            workers: state.workers.values().filter(|w| w.alive).count(),
+            seconds: started.elapsed().as_secs_f64(),
+        };
+        let service = DispatcherService {
+            inner: Arc::new(Inner {
+                shared: Mutex::new(Shared { state, journal }),
+                opts,
+                seq: std::sync::atomic::AtomicU64::new(0),
+            }),
+        };
+        Ok((service, recovered))
+    }
+
+    async fn probe(&self, address: &str, worker_id: &str) -> bool {
+        let timeout = self.inner.opts.probe_timeout;
+        let call = async {
+            let mut c = crate::worker::connect(address, timeout).await.ok()?;
+            c.probe(proto::ProbeRequest {
+                worker_id: worker_id.to_string(),
+            })
+            .await
+            .ok()
+        };
+        match tokio::time::timeout(timeout, call).await {
+            Ok(Some(reply)) => reply.get_ref().worker_id == worker_id,
+            _ => false,
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl proto::dispatcher_server::Dispatcher for DispatcherService {
+    async fn register_worker(
+        &self,
+        request: Request<proto::RegisterWorkerRequest>,
+    ) -> std::result::Result<Response<proto::RegisterWorkerReply>, Status> {
+        let mut req = request.into_inner();
+        check_protocol(req.protocol, "worker")?;
+        let mut shared = self.inner.lock();
+        let known = shared.state.workers.get(&req.worker_id);
+        let same = known.is_some_and(|w| {
+            w.alive
+                && w.address == req.address
+                && w.dataset == req.dataset
+                && w.code_version == req.code_version
+        });
+        if same {
+            if let Some(w) = shared.state.workers.get_mut(&req.worker_id) {
+                w.last_seen = Instant::now();
+            }
+        } else {
+            // Unknown, dead or changed: a new identity, so that anything the
+            // old one still sends is fenced off.
+            req.worker_id = self.inner.new_worker_id();
+            Inner::commit(&mut shared, vec![Event::Worker(req.clone())])?;
+        }
+        Ok(Response::new(proto::RegisterWorkerReply {
+            worker_id: req.worker_id,
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<proto::HeartbeatRequest>,
+    ) -> std::result::Result<Response<proto::HeartbeatReply>, Status> {
+        let req = request.into_inner();
+        check_protocol(req.protocol, "worker")?;
+        let mut shared = self.inner.lock();
+        let known = match shared.state.workers.get_mut(&req.worker_id) {
+            Some(w) if w.alive => {
+                w.last_seen = Instant::now();
+                true
+            }
+            _ => false,
+        };
+        Ok(Response::new(proto::HeartbeatReply { known }))
+    }
+
+    async fn attach(
+        &self,
+        request: Request<proto::AttachRequest>,
+    ) -> std::result::Result<Response<proto::AttachReply>, Status> {
+        let req = request.into_inner();
+        check_protocol(req.protocol, "client")?;
+        let Some(spec) = req.spec else {
+            return Err(Status::invalid_argument("attach without a job spec"));
+        };
+        let ours = crate::order::JobSpec::from(&spec);
+        ours.validate()
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        if req.world == 0 || req.rank >= req.world {
+            return Err(Status::invalid_argument(format!(
+                "rank {} is not below the world size {}",
+                req.rank, req.world
+            )));
+        }
+        let job_id = ours.job_id();
+        let mut shared = self.inner.lock();
+        if !req.expect_job_id.is_empty() && req.expect_job_id != job_id {
+            let detail = match shared.state.jobs.get(&req.expect_job_id) {
+                Some(theirs) => crate::order::JobSpec::from(theirs)
+                    .differences(&ours)
+                    .join("; "),
+                None => format!("job {} is not known here", req.expect_job_id),
+            };
+            return Err(Status::failed_precondition(format!(
+                "the input job differs from the one this training state was recorded with: {detail}"
+            )));
+        }
+        if !shared.state.jobs.contains_key(&job_id) {
+            Inner::commit(&mut shared, vec![Event::Job(spec.clone())])?;
+        }
+        let (cursor_epoch, cursor_batch) = shared
+            .state
+            .cursors
+            .get(&(job_id.clone(), req.rank))
+            .copied()
+            .unwrap_or((0, 0));
+        let live_workers = shared
+            .state
+            .workers
+            .values()
+            .filter(|w| w.alive && w.dataset == spec.dataset)
+            .count() as u32;
+        Ok(Response::new(proto::AttachReply {
+            job_id,
+            cursor_epoch,
+            cursor_batch,
+            live_workers,
+        }))
+    }
+
+    async fn assign(
+        &self,
+        request: Request<proto::AssignRequest>,
+    ) -> std::result::Result<Response<proto::AssignReply>, Status> {
+        let req = request.into_inner();
+        check_protocol(req.protocol, "client")?;
+        if req.from_batch.len() != req.splits.len() {
+            return Err(Status::invalid_argument("one from_batch per split"));
+        }
+        let mut shared = self.inner.lock();
+        let mut out = Vec::with_capacity(req.splits.len());
+        for (key, from) in req.splits.iter().zip(&req.from_batch) {
+            let current = shared.state.splits.get(&key.key()).and_then(|s| {
+                (!s.finished && shared.state.live(&s.latest.worker_id)).then(|| s.latest.clone())
+            });
+            let a = match current {
+                Some(mut a) => {
+                    a.from_batch = *from;
+                    a
+                }
+                None => Inner::reassign(&mut shared, key, *from, None)?,
+            };
+            out.push(a);
+        }
+        Ok(Response::new(proto::AssignReply { assignments: out }))
+    }
+
+    async fn report_failure(
+        &self,
+        request: Request<proto::ReportFailureRequest>,
+    ) -> std::result::Result<Response<proto::AssignReply>, Status> {
+        let req = request.into_inner();
+        check_protocol(req.protocol, "client")?;
+        let Some(failed) = req.failed else {
+            return Err(Status::invalid_argument("report without an assignment"));
+        };
+        let Some(key) = failed.key.clone() else {
+            return Err(Status::invalid_argument("assignment without a split"));
+        };
+        {
+            let shared = self.inner.lock();
+            if let Some(s) = shared.state.splits.get(&key.key()) {
+                if s.latest.attempt > failed.attempt && shared.state.live(&s.latest.worker_id) {
+                    let mut a = s.latest.clone();
+                    a.from_batch = req.from_batch;
+                    return Ok(Response::new(proto::AssignReply {
+                        assignments: vec![a],
+                    }));
+                }
+            }
+        }
+        // The express path: confirm the client's report at once with a
+        // probe instead of waiting for heartbeats to time out.
+        let alive = self.probe(&failed.worker_addr, &failed.worker_id).await;
+        let mut shared = self.inner.lock();
+        if !alive && shared.state.live(&failed.worker_id) {
+            Inner::commit(
+                &mut shared,
+                vec![Event::WorkerDead(failed.worker_id.clone())],
+            )?;
+        }
+        let latest = shared
+            .state
+            .splits
+            .get(&key.key())
+            .map(|s| s.latest.clone());
+        let a = match latest {
+            // Someone else already moved it on.
+            Some(mut a) if a.attempt > failed.attempt && shared.state.live(&a.worker_id) => {
+                a.from_batch = req.from_batch;
+                a
+            }
+            // A stall on a live worker: keep waiting for it.
+            Some(mut a) if alive && !req.broken && a.attempt == failed.attempt => {
+                a.from_batch = req.from_batch;
+                a
+            }
+            _ => Inner::reassign(
+                &mut shared,
+                &key,
+                req.from_batch,
+                Some(failed.worker_id.as_str()),
+            )?,
+        };
+        Ok(Response::new(proto::AssignReply {
+            assignments: vec![a],
+        }))
+    }
+
+    async fn progress(
+        &self,
+        request: Request<proto::ProgressRequest>,
+    ) -> std::result::Result<Response<proto::AssignReply>, Status> {
+        let req = request.into_inner();
+        check_protocol(req.protocol, "client")?;
+        let mut events = Vec::new();
+        let mut shared = self.inner.lock();
+        for split in &req.finished_splits {
+            let key = proto::SplitKey {
+                job_id: req.job_id.clone(),
+                epoch: req.epoch,
+                rank: req.rank,
+                split: *split,
+            };
+            if shared
+                .state
+                .splits
+                .get(&key.key())
+                .is_some_and(|s| !s.finished)
+            {
+                events.push(Event::Finished(key));
+            }
+        }
+        let slot = (req.job_id.clone(), req.rank);
+        if !req.digests.is_empty()
+            || shared.state.cursors.get(&slot) != Some(&(req.epoch, req.cursor_batch))
+        {
+            events.push(Event::Cursor(proto::ProgressRequest {
+                finished_splits: vec![],
+                window: vec![],
+                ..req.clone()
+            }));
+        }
+        Inner::commit(&mut shared, events)?;
+        let assignments = req
+            .window
+            .iter()
+            .filter_map(|split| {
+                let key = (req.job_id.clone(), req.epoch, req.rank, *split);
+                shared.state.splits.get(&key).map(|s| s.latest.clone())
+            })
+            .collect();
+        Ok(Response::new(proto::AssignReply { assignments }))
+    }
+
+    async fn digests(
+        &self,
+        request: Request<proto::DigestsRequest>,
+    ) -> std::result::Result<Response<proto::DigestsReply>, Status> {
+        let req = request.into_inner();
+        let shared = self.inner.lock();
+        let digests = shared
+            .state
+            .digests
+            .get(&(req.job_id, req.epoch, req.rank))
+            .map(|known| {
+                known
+                    .iter()
+                    .map(|(b, d)| proto::UnitDigest {
+                        batch: *b,
+                        digest: d.clone(),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        Ok(Response::new(proto::DigestsReply { digests }))
+    }
+
+    async fn status(
+        &self,
+        _request: Request<proto::StatusRequest>,
+    ) -> std::result::Result<Response<proto::StatusReply>, Status> {
+        let shared = self.inner.lock();
+        let mut assigned: HashMap<&str, u32> = HashMap::new();
+        for s in shared.state.splits.values().filter(|s| !s.finished) {
+            *assigned.entry(s.latest.worker_id.as_str()).or_default() += 1;
+        }
+        let workers = shared
+            .state
+            .workers
+            .iter()
+            .map(|(id, w)| proto::WorkerStatus {
+                worker_id: id.clone(),
+                address: w.address.clone(),
+                alive: w.alive,
+                since_heartbeat_s: w.last_seen.elapsed().as_secs_f64(),
+                assigned: assigned.get(id.as_str()).copied().unwrap_or(0),
+            })
+            .collect();
+        Ok(Response::new(proto::StatusReply {
+            workers,
+            assignments: shared.state.assignments,
+            reassignments: shared.state.reassignments,
+            journal_records: shared.state.records,
+        }))
+    }
+}
+
+/// A dispatcher serving on a loopback or public address.
+#[derive(Debug)]
+pub struct DispatcherHandle {
+    pub addr: SocketAddr,
+    pub recovered: Recovered,
+    shutdown: Option<oneshot::Sender<()>>,
+    join: Option<JoinHandle<()>>,
+}
+
+impl DispatcherHandle {
+    /// Stop serving (connections are dropped, as a crash would).
+    pub fn stop(mut self) {
+        self.shutdown.take();
+        if let Some(j) = self.join.take() {
+            j.abort();
+        }
+    }
+}
+
+impl Drop for DispatcherHandle {
+    fn drop(&mut self) {
+        if let Some(j) = self.join.take() {
+            j.abort();
+        }
+    }
+}
+
+/// Open the journal, bind `bind` ("127.0.0.1:0" picks a port) and serve on
+/// the current tokio runtime.
+pub async fn spawn(bind: &str, opts: DispatcherOptions) -> Result<DispatcherHandle> {
+    let (service, recovered) = DispatcherService::open(opts)?;
+    let listener = TcpListener::bind(bind).await.map_err(|e| Error::Io {
+        what: format!("bind the dispatcher to {bind}"),
+        source: e,
+    })?;
+    let addr = listener.local_addr().map_err(|e| Error::Io {
+        what: format!("address of {bind}"),
+        source: e,
+    })?;
+    let (tx, rx) = oneshot::channel::<()>();
+    let inner = service.inner.clone();
+    let monitor = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            tick.tick().await;
+            inner.expire();
+            inner.maybe_compact();
+        }
+    });
+    let join = tokio::spawn(async move {
+        let served = tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .add_service(proto::dispatcher_server::DispatcherServer::new(service))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+                let _ = rx.await;
+            })
+            .await;
+        monitor.abort();
+        if let Err(e) = served {
+            eprintln!("hindsight data dispatcher: {e}");
+        }
+    });
+    Ok(DispatcherHandle {
+        addr,
+        recovered,
+        shutdown: Some(tx),
+        join: Some(join),
+    })
+}
+
+/// Serve until the process is stopped (the `hindsight data dispatcher`
+/// command). Prints the address once it is listening.
+pub fn run_forever(bind: &str, opts: DispatcherOptions) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Io {
+            what: "start the dispatcher runtime".into(),
+            source: e,
+        })?;
+    rt.block_on(async {
+        let handle = spawn(bind, opts).await?;
+        let r = &handle.recovered;
+        println!(
+            "hindsight data dispatcher listening on {} (journal: {} records, {} torn bytes \
+             truncated, {} jobs, {} workers, replayed in {:.3} s)",
+            handle.addr, r.records, r.truncated_bytes, r.jobs, r.workers, r.seconds
+        );
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        std::future::pending::<()>().await;
+        Ok(())
+    })
+}

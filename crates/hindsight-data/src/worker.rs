@@ -1,0 +1,393 @@
+//! A worker: computes the units of the splits it is assigned and streams
+//! them to the client that asked. The user's preprocessing is behind
+//! [`Pipeline`] (the Python binding implements it); everything else (which
+//! indices, which seeds, digests, fencing, heartbeats) is decided here.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Response, Status};
+
+use crate::error::{Error, Result};
+use crate::order::{example_seed, JobSpec};
+use crate::proto::{self, check_protocol};
+
+/// What the worker asks the user's pipeline for: one rank's slice of one
+/// global batch.
+#[derive(Debug)]
+pub struct UnitRequest<'a> {
+    pub spec: &'a JobSpec,
+    pub epoch: u64,
+    pub batch: u64,
+    /// Dataset indices, in delivery order.
+    pub indices: &'a [u64],
+    /// The seed of every random draw for the example at the same position.
+    pub seeds: &'a [u64],
+}
+
+/// The user's code raised: the text (a traceback) goes to the client.
+#[derive(Debug, Clone)]
+pub struct PipelineFailure {
+    pub detail: String,
+}
+
+/// The preprocessing a worker runs.
+pub trait Pipeline: Send + Sync + 'static {
+    /// "module:factory", as in the job spec.
+    fn dataset(&self) -> &str;
+    /// A digest of the dataset's code; jobs of another version are refused.
+    fn code_version(&self) -> &str;
+    /// The payload of one unit. Must depend only on the request.
+    fn produce(&self, req: &UnitRequest<'_>) -> std::result::Result<Vec<u8>, PipelineFailure>;
+}
+
+/// The 16-byte content digest carried by every unit.
+pub fn digest(payload: &[u8]) -> Vec<u8> {
+    blake3::hash(payload).as_bytes()[..16].to_vec()
+}
+
+/// The indices and seeds of one rank's slice of a global batch.
+pub fn unit_indices(
+    spec: &JobSpec,
+    perm: &crate::order::Permutation,
+    epoch: u64,
+    batch: u64,
+    rank: u32,
+    world: u32,
+) -> Result<(Vec<u64>, Vec<u64>)> {
+    let positions = spec.rank_positions(batch, rank, world)?;
+    let indices: Vec<u64> = positions.map(|p| perm.index(p)).collect();
+    let seeds = indices
+        .iter()
+        .map(|&i| example_seed(spec.seed, epoch, i))
+        .collect();
+    Ok((indices, seeds))
+}
+
+pub(crate) async fn connect(
+    addr: &str,
+    timeout: Duration,
+) -> std::result::Result<proto::worker_client::WorkerClient<Channel>, tonic::transport::Error> {
+    let channel = endpoint(addr, timeout)?.connect().await?;
+    Ok(proto::worker_client::WorkerClient::new(channel).max_decoding_message_size(MAX_MESSAGE))
+}
+
+/// Units are whole batches: allow large messages (the default is 4 MiB).
+pub(crate) const MAX_MESSAGE: usize = 1 << 30;
+
+pub(crate) fn endpoint(
+    addr: &str,
+    timeout: Duration,
+) -> std::result::Result<Endpoint, tonic::transport::Error> {
+    let uri = if addr.contains("://") {
+        addr.to_string()
+    } else {
+        format!("http://{addr}")
+    };
+    Ok(Endpoint::from_shared(uri)?
+        .connect_timeout(timeout)
+        .tcp_nodelay(true))
+}
+
+/// How a worker finds and talks to its dispatcher.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    pub dispatcher: String,
+    /// Where to listen; port 0 picks one.
+    pub bind: String,
+    /// The address clients should use, if not the bound one.
+    pub advertise: Option<String>,
+    pub heartbeat: Duration,
+    /// How long the first registration may keep failing before giving up.
+    pub startup_timeout: Duration,
+}
+
+impl WorkerOptions {
+    pub fn new(dispatcher: impl Into<String>) -> Self {
+        WorkerOptions {
+            dispatcher: dispatcher.into(),
+            bind: "127.0.0.1:0".into(),
+            advertise: None,
+            heartbeat: Duration::from_millis(200),
+            startup_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+struct WorkerService {
+    pipeline: Arc<dyn Pipeline>,
+    /// The id the dispatcher knows this worker by; requests for another id
+    /// were meant for an earlier identity (fenced).
+    id: watch::Receiver<String>,
+    /// One unit at a time: the pipeline is the user's single interpreter.
+    compute: Arc<Mutex<()>>,
+    active: Arc<std::sync::atomic::AtomicU32>,
+}
+
+#[tonic::async_trait]
+impl proto::worker_server::Worker for WorkerService {
+    type ProduceStream = ReceiverStream<std::result::Result<proto::Unit, Status>>;
+
+    async fn produce(
+        &self,
+        request: Request<proto::ProduceRequest>,
+    ) -> std::result::Result<Response<Self::ProduceStream>, Status> {
+        let req = request.into_inner();
+        check_protocol(req.protocol, "client")?;
+        let (Some(spec), Some(a)) = (req.spec, req.assignment) else {
+            return Err(Status::invalid_argument(
+                "produce needs a spec and an assignment",
+            ));
+        };
+        let Some(key) = a.key.clone() else {
+            return Err(Status::invalid_argument("assignment without a split"));
+        };
+        let spec = JobSpec::from(&spec);
+        if spec.dataset != self.pipeline.dataset()
+            || spec.code_version != self.pipeline.code_version()
+        {
+            return Err(Status::failed_precondition(format!(
+                "this worker serves dataset {} at code version {}, the job wants {} at {}",
+                self.pipeline.dataset(),
+                self.pipeline.code_version(),
+                spec.dataset,
+                spec.code_version
+            )));
+        }
+        if spec.job_id() != key.job_id {
+            return Err(Status::invalid_argument(
+                "the spec does not hash to the job id",
+            ));
+        }
+        if *self.id.borrow() != a.worker_id {
+            return Err(Status::unavailable(format!(
+                "fenced: this worker is now {}, the assignment names {}",
+                *self.id.borrow(),
+                a.worker_id
+            )));
+        }
+        let batches = spec.split_batches(key.split);
+        if a.from_batch < batches.start || a.from_batch > batches.end {
+            return Err(Status::invalid_argument(format!(
+                "batch {} is not in split {}",
+                a.from_batch, key.split
+            )));
+        }
+        // Reject a bad rank before streaming.
+        spec.rank_positions(batches.start, key.rank, req.world)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let (tx, rx) = mpsc::channel(2);
+        let pipeline = self.pipeline.clone();
+        let compute = self.compute.clone();
+        let active = self.active.clone();
+        active.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        tokio::task::spawn_blocking(move || {
+            let perm = spec.permutation(key.epoch);
+            for batch in a.from_batch..batches.end {
+                if tx.is_closed() {
+                    break;
+                }
+                let unit = (|| {
+                    let (indices, seeds) =
+                        unit_indices(&spec, &perm, key.epoch, batch, key.rank, req.world)
+                            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+                    let payload = {
+                        let _one = compute.lock().unwrap_or_else(|p| p.into_inner());
+                        pipeline.produce(&UnitRequest {
+                            spec: &spec,
+                            epoch: key.epoch,
+                            batch,
+                            indices: &indices,
+                            seeds: &seeds,
+                        })
+                    }
+                    // Aborted is reserved for the user's code failing: the
+                    // client does not retry it elsewhere.
+                    .map_err(|f| Status::aborted(f.detail))?;
+                    Ok(proto::Unit {
+                        epoch: key.epoch,
+                        batch,
+                        attempt: a.attempt,
+                        digest: digest(&payload),
+                        payload,
+                        indices,
+                    })
+                })();
+                let failed = unit.is_err();
+                if tx.blocking_send(unit).is_err() || failed {
+                    break;
+                }
+            }
+            active.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn probe(
+        &self,
+        _request: Request<proto::ProbeRequest>,
+    ) -> std::result::Result<Response<proto::ProbeReply>, Status> {
+        Ok(Response::new(proto::ProbeReply {
+            worker_id: self.id.borrow().clone(),
+        }))
+    }
+}
+
+/// A running worker.
+#[derive(Debug)]
+pub struct WorkerHandle {
+    pub addr: SocketAddr,
+    id: watch::Receiver<String>,
+    shutdown: Option<oneshot::Sender<()>>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl WorkerHandle {
+    /// The id the dispatcher currently knows this worker by.
+    pub fn worker_id(&self) -> String {
+        self.id.borrow().clone()
+    }
+
+    /// Stop serving at once (clients see their streams break).
+    pub fn stop(mut self) {
+        self.shutdown.take();
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
+    }
+}
+
+impl Drop for WorkerHandle {
+    fn drop(&mut self) {
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
+    }
+}
+
+async fn register(
+    opts: &WorkerOptions,
+    pipeline: &dyn Pipeline,
+    address: &str,
+    previous: &str,
+) -> std::result::Result<String, Status> {
+    let channel = endpoint(&opts.dispatcher, Duration::from_secs(2))
+        .map_err(|e| Status::invalid_argument(e.to_string()))?
+        .connect()
+        .await
+        .map_err(|e| Status::unavailable(e.to_string()))?;
+    let mut d = proto::dispatcher_client::DispatcherClient::new(channel);
+    let reply = d
+        .register_worker(proto::RegisterWorkerRequest {
+            protocol: proto::PROTOCOL,
+            worker_id: previous.to_string(),
+            address: address.to_string(),
+            dataset: pipeline.dataset().to_string(),
+            code_version: pipeline.code_version().to_string(),
+        })
+        .await?;
+    Ok(reply.into_inner().worker_id)
+}
+
+/// Bind, register with the dispatcher and serve on the current runtime.
+/// Fails fast (naming the address) if the dispatcher cannot be reached
+/// within `startup_timeout` or refuses this worker.
+pub async fn spawn(pipeline: Arc<dyn Pipeline>, opts: WorkerOptions) -> Result<WorkerHandle> {
+    let listener = TcpListener::bind(&opts.bind).await.map_err(|e| Error::Io {
+        what: format!("bind the worker to {}", opts.bind),
+        source: e,
+    })?;
+    let addr = listener.local_addr().map_err(|e| Error::Io {
+        what: format!("address of {}", opts.bind),
+        source: e,
+    })?;
+    let advertised = opts.advertise.clone().unwrap_or_else(|| addr.to_string());
+    let deadline = Instant::now() + opts.startup_timeout;
+    let first = loop {
+        match register(&opts, pipeline.as_ref(), &advertised, "").await {
+            Ok(id) => break id,
+            Err(s) if s.code() == tonic::Code::Unavailable && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(s) if s.code() == tonic::Code::Unavailable => {
+                return Err(Error::Unreachable {
+                    role: "dispatcher",
+                    addr: opts.dispatcher.clone(),
+                    detail: s.message().to_string(),
+                })
+            }
+            Err(s) => return Err(Error::rpc("register the worker", &s)),
+        }
+    };
+    let (id_tx, id_rx) = watch::channel(first);
+    let active = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let service = WorkerService {
+        pipeline: pipeline.clone(),
+        id: id_rx.clone(),
+        compute: Arc::new(Mutex::new(())),
+        active: active.clone(),
+    };
+    let (tx, rx) = oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        let served = tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .add_service(
+                proto::worker_server::WorkerServer::new(service)
+                    .max_encoding_message_size(MAX_MESSAGE),
+            )
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+                let _ = rx.await;
+            })
+            .await;
+        if let Err(e) = served {
+            eprintln!("hindsight data worker: {e}");
+        }
+    });
+    // Heartbeats run on their own task, never behind the user's code, so a
+    // worker busy in a slow transform is not mistaken for a dead one. A
+    // dispatcher that is down is retried forever: streams keep flowing.
+    let heartbeat = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(opts.heartbeat);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut client: Option<proto::dispatcher_client::DispatcherClient<Channel>> = None;
+        loop {
+            tick.tick().await;
+            if client.is_none() {
+                client = endpoint(&opts.dispatcher, opts.heartbeat * 2)
+                    .ok()
+                    .map(|e| e.connect_lazy())
+                    .map(proto::dispatcher_client::DispatcherClient::new);
+            }
+            let Some(c) = client.as_mut() else { continue };
+            let id = id_tx.borrow().clone();
+            let beat = c.heartbeat(proto::HeartbeatRequest {
+                protocol: proto::PROTOCOL,
+                worker_id: id.clone(),
+                active_streams: active.load(std::sync::atomic::Ordering::Relaxed),
+            });
+            match tokio::time::timeout(opts.heartbeat * 2, beat).await {
+                Ok(Ok(r)) if r.get_ref().known => {}
+                Ok(Ok(_)) => {
+                    // Declared dead (e.g. after a SIGSTOP): come back under a
+                    // new identity; the old one's assignments stay fenced.
+                    if let Ok(new) = register(&opts, pipeline.as_ref(), &advertised, "").await {
+                        let _ = id_tx.send(new);
+                    }
+                }
+                _ => client = None,
+            }
+        }
+    });
+    Ok(WorkerHandle {
+        addr,
+        id: id_rx,
+        shutdown: Some(tx),
+        tasks: vec![server, heartbeat],
+    })
+}

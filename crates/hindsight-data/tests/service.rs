@@ -1,0 +1,319 @@
+//! The input service end to end on loopback gRPC: a dispatcher, workers and
+//! a client in this process, a synthetic pipeline whose payload encodes each
+//! example's index and random seed, and failures injected while an epoch
+//! streams. (Killing real worker processes is tested from Python.)
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hindsight_data::client::{Client, ClientOptions, Next};
+use hindsight_data::dispatcher::{self, DispatcherOptions};
+use hindsight_data::order::{example_seed, JobSpec};
+use hindsight_data::worker::{self, Pipeline, PipelineFailure, UnitRequest, WorkerOptions};
+use hindsight_data::Error;
+
+struct Synthetic {
+    delay: Duration,
+    /// Nonzero: every unit computed after the first `n` gets another byte.
+    drift_after: u64,
+    made: AtomicU64,
+}
+
+impl Synthetic {
+    fn new(delay_ms: u64) -> Arc<Self> {
+        Arc::new(Synthetic {
+            delay: Duration::from_millis(delay_ms),
+            drift_after: 0,
+            made: AtomicU64::new(0),
+        })
+    }
+}
+
+impl Pipeline for Synthetic {
+    fn dataset(&self) -> &str {
+        "synthetic:make"
+    }
+    fn code_version(&self) -> &str {
+        "v1"
+    }
+    fn produce(&self, req: &UnitRequest<'_>) -> Result<Vec<u8>, PipelineFailure> {
+        std::thread::sleep(self.delay);
+        let n = self.made.fetch_add(1, Ordering::Relaxed);
+        let mut out = Vec::with_capacity(req.indices.len() * 16);
+        for (i, s) in req.indices.iter().zip(req.seeds) {
+            out.extend_from_slice(&i.to_le_bytes());
+            out.extend_from_slice(&s.to_le_bytes());
+        }
+        if self.drift_after > 0 && n >= self.drift_after {
+            out.push(1);
+        }
+        Ok(out)
+    }
+}
+
+fn spec(len: u64) -> JobSpec {
+    JobSpec {
+        dataset: "synthetic:make".into(),
+        dataset_args: "{}".into(),
+        code_version: "v1".into(),
+        seed: 7,
+        length: len,
+        global_batch: 8,
+        split_batches: 3,
+        drop_last: false,
+        shuffle: true,
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn fast_options(dir: &std::path::Path) -> DispatcherOptions {
+    let mut o = DispatcherOptions::new(dir);
+    o.heartbeat_timeout = Duration::from_millis(600);
+    o
+}
+
+fn client_options() -> ClientOptions {
+    ClientOptions {
+        stall_timeout: Duration::from_millis(300),
+        no_worker_wait: Duration::from_secs(20),
+        ..ClientOptions::default()
+    }
+}
+
+/// Read a whole epoch; `during(batch)` runs after each delivered unit.
+fn read_epoch(
+    client: &mut Client,
+    epoch: u64,
+    mut during: impl FnMut(u64),
+) -> Result<Vec<(u64, Vec<u64>, Vec<u8>)>, Error> {
+    client.start_epoch(epoch, 0)?;
+    let mut out = Vec::new();
+    loop {
+        match client.next(Duration::from_secs(30))? {
+            Next::Unit(d) => {
+                during(d.batch);
+                out.push((d.batch, d.indices, d.payload));
+            }
+            Next::End => return Ok(out),
+            Next::Pending => panic!("no unit within 30 s"),
+        }
+    }
+}
+
+/// What an epoch must deliver: the permutation, batch by batch.
+fn expected(spec: &JobSpec, epoch: u64) -> Vec<(u64, Vec<u64>, Vec<u8>)> {
+    let perm = spec.permutation(epoch);
+    (0..spec.batches_per_epoch())
+        .map(|b| {
+            let idx: Vec<u64> = spec.batch_positions(b).map(|p| perm.index(p)).collect();
+            let mut payload = Vec::new();
+            for i in &idx {
+                payload.extend_from_slice(&i.to_le_bytes());
+                payload.extend_from_slice(&example_seed(spec.seed, epoch, *i).to_le_bytes());
+            }
+            (b, idx, payload)
+        })
+        .collect()
+}
+
+#[test]
+fn an_epoch_is_the_permutation_exactly_once_whatever_the_worker_count() {
+    let rt = runtime();
+    let dir = tempfile::tempdir().unwrap();
+    let d = rt
+        .block_on(dispatcher::spawn("127.0.0.1:0", fast_options(dir.path())))
+        .unwrap();
+    let addr = d.addr.to_string();
+    let mut workers = Vec::new();
+    for n in [1usize, 3] {
+        while workers.len() < n {
+            let w = rt
+                .block_on(worker::spawn(Synthetic::new(0), WorkerOptions::new(&addr)))
+                .unwrap();
+            workers.push(w);
+        }
+        let s = spec(203);
+        let mut c = Client::connect(&addr, s.clone(), 0, 1, None, client_options()).unwrap();
+        for epoch in 0..2 {
+            let got = read_epoch(&mut c, epoch, |_| {}).unwrap();
+            assert_eq!(got, expected(&s, epoch), "{n} workers, epoch {epoch}");
+            let mut seen: Vec<u64> = got.iter().flat_map(|g| g.1.clone()).collect();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..203).collect::<Vec<_>>());
+        }
+    }
+}
+
+#[test]
+fn ranks_read_disjoint_slices_that_make_up_the_global_batches() {
+    let rt = runtime();
+    let dir = tempfile::tempdir().unwrap();
+    let d = rt
+        .block_on(dispatcher::spawn("127.0.0.1:0", fast_options(dir.path())))
+        .unwrap();
+    let addr = d.addr.to_string();
+    let _w = rt
+        .block_on(worker::spawn(Synthetic::new(0), WorkerOptions::new(&addr)))
+        .unwrap();
+    let s = spec(100);
+    let all = expected(&s, 1);
+    let mut per_rank = Vec::new();
+    for rank in 0..3 {
+        let mut c = Client::connect(&addr, s.clone(), rank, 3, None, client_options()).unwrap();
+        per_rank.push(read_epoch(&mut c, 1, |_| {}).unwrap());
+    }
+    for (b, idx, _) in &all {
+        let joined: Vec<u64> = (0..3)
+            .flat_map(|r| per_rank[r][*b as usize].1.clone())
+            .collect();
+        assert_eq!(&joined, idx, "batch {b}");
+    }
+}
+
+#[test]
+fn a_worker_stopped_mid_epoch_loses_and_repeats_nothing() {
+    let rt = runtime();
+    let dir = tempfile::tempdir().unwrap();
+    let d = rt
+        .block_on(dispatcher::spawn("127.0.0.1:0", fast_options(dir.path())))
+        .unwrap();
+    let addr = d.addr.to_string();
+    let mut workers: Vec<_> = (0..3)
+        .map(|_| {
+            rt.block_on(worker::spawn(Synthetic::new(3), WorkerOptions::new(&addr)))
+                .unwrap()
+        })
+        .collect();
+    let s = spec(400);
+    let mut c = Client::connect(&addr, s.clone(), 0, 1, None, client_options()).unwrap();
+    let mut victims = vec![10u64, 30];
+    let got = read_epoch(&mut c, 0, |batch| {
+        if victims.first() == Some(&batch) {
+            victims.remove(0);
+            workers.remove(0).stop();
+        }
+    })
+    .unwrap();
+    assert_eq!(got, expected(&s, 0));
+    assert!(c.stats().failovers.load(Ordering::Relaxed) >= 1);
+}
+
+#[test]
+fn a_restarted_dispatcher_resumes_from_its_journal_and_streams_never_stop() {
+    let rt = runtime();
+    let dir = tempfile::tempdir().unwrap();
+    let d = rt
+        .block_on(dispatcher::spawn("127.0.0.1:0", fast_options(dir.path())))
+        .unwrap();
+    let addr = d.addr;
+    let _workers: Vec<_> = (0..2)
+        .map(|_| {
+            rt.block_on(worker::spawn(
+                Synthetic::new(2),
+                WorkerOptions::new(addr.to_string()),
+            ))
+            .unwrap()
+        })
+        .collect();
+    let s = spec(300);
+    let mut c =
+        Client::connect(&addr.to_string(), s.clone(), 0, 1, None, client_options()).unwrap();
+    let mut d = Some(d);
+    let got = read_epoch(&mut c, 0, |batch| {
+        if batch == 5 {
+            // Crash: connections drop; restart on the same port from the
+            // journal a moment later.
+            d.take().unwrap().stop();
+            std::thread::sleep(Duration::from_millis(200));
+            let again = rt
+                .block_on(dispatcher::spawn(
+                    &addr.to_string(),
+                    fast_options(dir.path()),
+                ))
+                .unwrap();
+            assert!(again.recovered.records > 0);
+            assert_eq!(again.recovered.jobs, 1);
+            d = Some(again);
+        }
+    })
+    .unwrap();
+    assert_eq!(got, expected(&s, 0));
+}
+
+#[test]
+fn a_reread_epoch_whose_units_differ_from_the_first_delivery_is_a_named_error() {
+    let rt = runtime();
+    let dir = tempfile::tempdir().unwrap();
+    let d = rt
+        .block_on(dispatcher::spawn("127.0.0.1:0", fast_options(dir.path())))
+        .unwrap();
+    let addr = d.addr.to_string();
+    // Deterministic for the first epoch's 8 units, then every unit differs.
+    let drifting = Arc::new(Synthetic {
+        delay: Duration::from_millis(1),
+        drift_after: 8,
+        made: AtomicU64::new(0),
+    });
+    let _w = rt
+        .block_on(worker::spawn(drifting, WorkerOptions::new(&addr)))
+        .unwrap();
+    let s = spec(64);
+    let mut c = Client::connect(&addr, s.clone(), 0, 1, None, client_options()).unwrap();
+    assert_eq!(read_epoch(&mut c, 0, |_| {}).unwrap(), expected(&s, 0));
+    // Let the last progress report (with the digests) land.
+    std::thread::sleep(Duration::from_millis(700));
+    // A trainer resumed from a checkpoint re-reads the epoch, in a new
+    // client: the dispatcher's journaled digests catch the drift.
+    let mut again = Client::connect(&addr, s.clone(), 0, 1, None, client_options()).unwrap();
+    let err = read_epoch(&mut again, 0, |_| {}).unwrap_err();
+    assert!(
+        matches!(err, Error::NonDeterministic { epoch: 0, .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("not deterministic"), "{err}");
+}
+
+#[test]
+fn attaching_a_changed_job_names_the_difference() {
+    let rt = runtime();
+    let dir = tempfile::tempdir().unwrap();
+    let d = rt
+        .block_on(dispatcher::spawn("127.0.0.1:0", fast_options(dir.path())))
+        .unwrap();
+    let addr = d.addr.to_string();
+    let s = spec(64);
+    let c = Client::connect(&addr, s.clone(), 0, 1, None, client_options()).unwrap();
+    let old_id = c.job_id().to_string();
+    let mut changed = s.clone();
+    changed.global_batch = 16;
+    let err = Client::connect(&addr, changed, 0, 1, Some(&old_id), client_options()).unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("global_batch"), "{text}");
+    assert!(matches!(err, Error::Mismatch { .. }), "{err:?}");
+}
+
+#[test]
+fn an_unreachable_dispatcher_fails_fast_naming_the_address() {
+    // A port nobody listens on: bind one, then close it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let started = std::time::Instant::now();
+    let err = Client::connect(&addr, spec(10), 0, 1, None, client_options()).unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert!(matches!(err, Error::Unreachable { .. }), "{err:?}");
+    assert!(err.to_string().contains(&addr), "{err}");
+}
