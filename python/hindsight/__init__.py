@@ -60,3 +60,12 @@ __all__ = [
     "run_id",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # `hs.data` (the input service) loads on first use.
+    if name == "data":
+        import importlib
+
+        return importlib.import_module("hindsight.data")
+    raise AttributeError(f"module 'hindsight' has no attribute {name!r}")

@@ -27,6 +27,29 @@ def _split_global(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     return options, argv[i:]
 
 
+def _data_dispatcher(argv: list[str]) -> int:
+    """`hindsight data dispatcher`: the input service's dispatcher (Rust), here until Ctrl-C or SIGTERM."""
+    import argparse
+    import signal
+
+    p = argparse.ArgumentParser(prog="hindsight data dispatcher", description=_data_dispatcher.__doc__)
+    p.add_argument("--journal", required=True, help="directory of its journal, on the dispatcher's local disk")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
+    p.add_argument("--heartbeat-timeout", type=float, default=1.0, help="seconds of silence before a worker is dead")
+    a = p.parse_args(argv)
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        _native.run_data_dispatcher(a.journal, bind=f"{a.host}:{a.port}", heartbeat_timeout=a.heartbeat_timeout)
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     options, rest = _split_global(argv)
@@ -39,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write("hindsight replay: --store is ignored (a run replays from the store it recorded)\n")
         home = ["--home", options["--home"]] if "--home" in options else []
         return replay_main([*rest[1:], *home])
+    if rest[:2] == ["data", "worker"]:
+        from hindsight.data._worker import main as worker_main
+
+        return worker_main(rest[2:])
+    if rest[:2] == ["data", "dispatcher"]:
+        return _data_dispatcher(rest[2:])
     args = ["hindsight", *argv]
     code, out, err = _native.run_cli(args)
     sys.stdout.write(out)

@@ -86,6 +86,39 @@ class InternalError(HindsightError):
     """A broken invariant inside hindsight (a bug): reported, never papered over."""
 
 
+class DataError(HindsightError):
+    """An error of the input service (``hindsight.data``)."""
+
+    #: The dispatcher or worker address the error is about.
+    address: str | None = None
+    #: The dataset factory (``module:factory``) the error is about.
+    dataset: str | None = None
+
+
+class DataUnreachableError(DataError, ConnectionError):
+    """Nothing answered at the dispatcher or worker address in time."""
+
+
+class DataMismatchError(DataError, ValueError):
+    """A job, protocol or code version that differs from the other side's; the message names the difference."""
+
+
+class DataPipelineError(DataError):
+    """The dataset factory or pipeline raised in a worker; the message holds its traceback."""
+
+
+class NonDeterministicDataError(DataError):
+    """A recomputed unit differs from its first computation: the pipeline is not deterministic."""
+
+
+class NoDataWorkersError(DataError):
+    """No live worker served the dataset within the wait."""
+
+
+class DataServiceError(DataError):
+    """A call inside the input service failed in a way no retry fixes."""
+
+
 E = TypeVar("E", bound=HindsightError)
 
 
@@ -107,11 +140,18 @@ __all__ = [
     "CancelledError",
     "ConcurrentChangeError",
     "CorruptError",
+    "DataError",
+    "DataMismatchError",
+    "DataPipelineError",
+    "DataServiceError",
+    "DataUnreachableError",
     "DatabaseError",
     "HindsightError",
     "InternalError",
     "InvalidArgumentError",
     "LeaseLostError",
+    "NoDataWorkersError",
+    "NonDeterministicDataError",
     "NotFoundError",
     "ReplayError",
     "StorageError",

@@ -124,15 +124,7 @@ impl Client {
         opts: ClientOptions,
     ) -> Result<Client> {
         spec.validate()?;
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("hindsight-data-client")
-            .enable_all()
-            .build()
-            .map_err(|e| Error::Io {
-                what: "start the input client's runtime".into(),
-                source: e,
-            })?;
+        let rt = crate::runtime("client")?;
         let wire_spec = proto::JobSpec::from(&spec);
         let unreachable = |detail: String| Error::Unreachable {
             role: "dispatcher",

@@ -725,6 +725,18 @@ impl proto::dispatcher_server::Dispatcher for DispatcherService {
     }
 }
 
+impl DispatcherHandle {
+    /// The line a dispatcher process prints once it listens.
+    pub fn listening_line(&self) -> String {
+        let r = &self.recovered;
+        format!(
+            "hindsight data dispatcher listening on {} (journal: {} records, {} torn bytes \
+             truncated, {} jobs, {} workers, replayed in {:.3} s)",
+            self.addr, r.records, r.truncated_bytes, r.jobs, r.workers, r.seconds
+        )
+    }
+}
+
 /// A dispatcher serving on a loopback or public address.
 #[derive(Debug)]
 pub struct DispatcherHandle {
@@ -795,28 +807,7 @@ pub async fn spawn(bind: &str, opts: DispatcherOptions) -> Result<DispatcherHand
     })
 }
 
-/// Serve until the process is stopped (the `hindsight data dispatcher`
-/// command). Prints the address once it is listening.
-pub fn run_forever(bind: &str, opts: DispatcherOptions) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| Error::Io {
-            what: "start the dispatcher runtime".into(),
-            source: e,
-        })?;
-    rt.block_on(async {
-        let handle = spawn(bind, opts).await?;
-        let r = &handle.recovered;
-        println!(
-            "hindsight data dispatcher listening on {} (journal: {} records, {} torn bytes \
-             truncated, {} jobs, {} workers, replayed in {:.3} s)",
-            handle.addr, r.records, r.truncated_bytes, r.jobs, r.workers, r.seconds
-        );
-        use std::io::Write;
-        let _ = std::io::stdout().flush();
-        std::future::pending::<()>().await;
-        Ok(())
-    })
+/// A dispatcher on its own runtime (see [`crate::Running`]).
+pub fn start(bind: &str, opts: DispatcherOptions) -> Result<crate::Running<DispatcherHandle>> {
+    crate::Running::new("dispatcher", spawn(bind, opts))
 }

@@ -58,7 +58,57 @@ pub enum Error {
     Closed(String),
 }
 
+/// What kind of failure an [`Error`] is: the binding maps each kind to one
+/// exception class with an exhaustive match, so a new kind does not compile
+/// until it has one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    InvalidArgument,
+    Corrupt,
+    Unreachable,
+    Mismatch,
+    Pipeline,
+    NonDeterministic,
+    NoWorkers,
+    Rpc,
+    Io,
+    Closed,
+}
+
 impl Error {
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::Order(_) => ErrorKind::InvalidArgument,
+            Error::Journal(JournalError::Io { .. }) => ErrorKind::Io,
+            Error::Journal(JournalError::TooLarge { .. }) => ErrorKind::InvalidArgument,
+            Error::Journal(_) => ErrorKind::Corrupt,
+            Error::Unreachable { .. } => ErrorKind::Unreachable,
+            Error::Mismatch { .. } => ErrorKind::Mismatch,
+            Error::Pipeline { .. } => ErrorKind::Pipeline,
+            Error::NonDeterministic { .. } => ErrorKind::NonDeterministic,
+            Error::NoWorkers { .. } => ErrorKind::NoWorkers,
+            Error::Rpc { .. } => ErrorKind::Rpc,
+            Error::Io { .. } => ErrorKind::Io,
+            Error::Closed(_) => ErrorKind::Closed,
+        }
+    }
+
+    /// The address the error is about, if any.
+    pub fn addr(&self) -> Option<&str> {
+        match self {
+            Error::Unreachable { addr, .. } => Some(addr),
+            _ => None,
+        }
+    }
+
+    /// The dataset ("module:factory") the error is about, if any.
+    pub fn dataset(&self) -> Option<&str> {
+        match self {
+            Error::Pipeline { dataset, .. } | Error::NoWorkers { dataset, .. } => Some(dataset),
+            _ => None,
+        }
+    }
+
     pub(crate) fn rpc(op: &'static str, status: &tonic::Status) -> Error {
         Error::Rpc {
             op,

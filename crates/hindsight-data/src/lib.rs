@@ -13,4 +13,68 @@ pub mod order;
 pub mod proto;
 pub mod worker;
 
-pub use error::{Error, Result};
+pub use error::{Error, ErrorKind, Result};
+
+/// A runtime for one service part; two threads are plenty for I/O.
+pub(crate) fn runtime(what: &str) -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name(format!("hindsight-data-{what}"))
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Io {
+            what: format!("start the {what} runtime"),
+            source: e,
+        })
+}
+
+/// A service part (dispatcher or worker) with its own runtime, for callers
+/// that are not async (the Python binding, command-line tools).
+#[derive(Debug)]
+pub struct Running<H> {
+    rt: Option<tokio::runtime::Runtime>,
+    handle: Option<H>,
+    pid: u32,
+}
+
+impl<H> Running<H> {
+    pub(crate) fn new(
+        what: &str,
+        start: impl std::future::Future<Output = Result<H>>,
+    ) -> Result<Self> {
+        let rt = runtime(what)?;
+        let handle = rt.block_on(start)?;
+        Ok(Running {
+            rt: Some(rt),
+            handle: Some(handle),
+            pid: std::process::id(),
+        })
+    }
+
+    pub fn handle(&self) -> Option<&H> {
+        self.handle.as_ref()
+    }
+
+    /// Stop serving. In a forked child the parent's threads are not
+    /// there: the runtime is leaked rather than touched.
+    pub fn stop(&mut self) {
+        let handle = self.handle.take();
+        if std::process::id() != self.pid {
+            std::mem::forget(handle);
+            if let Some(rt) = self.rt.take() {
+                std::mem::forget(rt);
+            }
+            return;
+        }
+        drop(handle);
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl<H> Drop for Running<H> {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

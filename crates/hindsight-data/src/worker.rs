@@ -391,3 +391,11 @@ pub async fn spawn(pipeline: Arc<dyn Pipeline>, opts: WorkerOptions) -> Result<W
         tasks: vec![server, heartbeat],
     })
 }
+
+/// A worker on its own runtime (see [`crate::Running`]).
+pub fn start(
+    pipeline: Arc<dyn Pipeline>,
+    opts: WorkerOptions,
+) -> Result<crate::Running<WorkerHandle>> {
+    crate::Running::new("worker", spawn(pipeline, opts))
+}

@@ -7,6 +7,7 @@
 
 use hindsight_core::error::ErrorKind;
 use hindsight_core::Error;
+use hindsight_data::ErrorKind as DataKind;
 use std::sync::Mutex;
 
 use hindsight_core::sync::lock;
@@ -64,6 +65,54 @@ fn build(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
 pub(crate) fn to_py(e: Error) -> PyErr {
     // Only a broken installation (no hindsight.errors) fails here; say so.
     Python::attach(|py| build(py, &e).unwrap_or_else(|import_failure| import_failure))
+}
+
+/// An engine error of either crate, as the Python exception it maps to.
+pub(crate) trait ToPyErr {
+    fn to_pyerr(self) -> PyErr;
+}
+
+impl ToPyErr for Error {
+    fn to_pyerr(self) -> PyErr {
+        to_py(self)
+    }
+}
+
+impl ToPyErr for hindsight_data::Error {
+    fn to_pyerr(self) -> PyErr {
+        data_to_py(self)
+    }
+}
+
+fn data_class_name(kind: DataKind) -> &'static str {
+    match kind {
+        DataKind::InvalidArgument => "InvalidArgumentError",
+        DataKind::Corrupt => "CorruptError",
+        DataKind::Unreachable => "DataUnreachableError",
+        DataKind::Mismatch => "DataMismatchError",
+        DataKind::Pipeline => "DataPipelineError",
+        DataKind::NonDeterministic => "NonDeterministicDataError",
+        DataKind::NoWorkers => "NoDataWorkersError",
+        DataKind::Rpc => "DataServiceError",
+        DataKind::Io => "StorageError",
+        DataKind::Closed => "StoreClosedError",
+    }
+}
+
+fn data_build(py: Python<'_>, e: &hindsight_data::Error) -> PyResult<PyErr> {
+    let cls = py
+        .import("hindsight.errors")?
+        .getattr(data_class_name(e.kind()))?
+        .cast_into::<PyType>()?;
+    let err = PyErr::from_type(cls, e.to_string());
+    let value = err.value(py);
+    value.setattr("address", e.addr())?;
+    value.setattr("dataset", e.dataset())?;
+    Ok(err)
+}
+
+pub(crate) fn data_to_py(e: hindsight_data::Error) -> PyErr {
+    Python::attach(|py| data_build(py, &e).unwrap_or_else(|import_failure| import_failure))
 }
 
 pub(crate) trait IntoPy<T> {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
 
-use crate::errors::to_py;
+use crate::errors::ToPyErr;
 
 const POLL: Duration = Duration::from_millis(50);
 
@@ -45,9 +45,9 @@ impl Interrupt {
 
 /// Run `work` without the GIL. A signal raised meanwhile wins over the
 /// work's own result; engine errors become Python exceptions.
-pub(crate) fn run<T: Send>(
+pub(crate) fn run<T: Send, E: ToPyErr + Send>(
     py: Python<'_>,
-    work: impl FnOnce(&Interrupt) -> hindsight_core::Result<T> + Send,
+    work: impl FnOnce(&Interrupt) -> Result<T, E> + Send,
 ) -> PyResult<T> {
     let intr = Interrupt {
         caller: std::thread::current().id(),
@@ -58,14 +58,14 @@ pub(crate) fn run<T: Send>(
     if let Some(e) = intr.err.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(e);
     }
-    result.map_err(to_py)
+    result.map_err(ToPyErr::to_pyerr)
 }
 
 /// Wait for `step` to report completion, polling for signals in between.
-pub(crate) fn wait_until<T: Send>(
+pub(crate) fn wait_until<T: Send, E: ToPyErr + Send>(
     py: Python<'_>,
     timeout: Option<f64>,
-    mut step: impl FnMut(Duration) -> hindsight_core::Result<Option<T>> + Send,
+    mut step: impl FnMut(Duration) -> Result<Option<T>, E> + Send,
 ) -> PyResult<Option<T>> {
     let deadline = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
     run(py, |intr| loop {
@@ -74,7 +74,7 @@ pub(crate) fn wait_until<T: Send>(
             None => POLL,
         };
         if let Some(v) = step(slice)? {
-            return Ok(Some(v));
+            return Ok::<_, E>(Some(v));
         }
         if deadline.is_some_and(|d| Instant::now() >= d) {
             return Ok(None);

@@ -3,6 +3,7 @@
 //! passes the callables this module needs (describe, make_array, ...).
 
 mod buffer;
+mod data;
 mod errors;
 mod interrupt;
 mod naming;
@@ -149,7 +150,7 @@ impl Store {
         let (replica, writer) = interrupt::run(py, move |_| {
             let replica = core::Replica::open(&location, local_first.as_deref(), create, options)?;
             let writer = replica.start_writer(wopts)?;
-            Ok((Arc::new(replica), writer))
+            Ok::<_, Error>((Arc::new(replica), writer))
         })?;
         Ok(Store {
             replica,
@@ -285,7 +286,7 @@ impl Store {
             b.note_reused(reused);
             let mut root = root;
             let filled = tree::fill_blobs(&mut root, slots, staged, proven)?;
-            Ok((b.commit(root, meta.unwrap_or_default()), filled, setup))
+            Ok::<_, Error>((b.commit(root, meta.unwrap_or_default()), filled, setup))
         });
         drop(keepalive);
         let (handle, filled, setup_seconds) = result?;
@@ -352,7 +353,7 @@ impl Store {
     fn flush(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
         let writer = self.writer()?;
         let r = interrupt::wait_until(py, timeout, |slice| {
-            Ok(writer.flush_timeout(Some(slice))?.then_some(()))
+            Ok::<_, Error>(writer.flush_timeout(Some(slice))?.then_some(()))
         });
         if r.is_err() {
             lock(&self.cache).clear();
@@ -414,7 +415,7 @@ impl Store {
         };
         lock(&self.cache).clear();
         let r = interrupt::wait_until(py, None, |slice| {
-            Ok(w.flush_timeout(Some(slice))?.then_some(()))
+            Ok::<_, Error>(w.flush_timeout(Some(slice))?.then_some(()))
         });
         py.detach(move || drop(w));
         r.map(|_| ())
@@ -485,6 +486,13 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<buffer::Buffer>()?;
     m.add_class::<naming::PyCheckpointId>()?;
     m.add_function(wrap_pyfunction!(run_cli, m)?)?;
+    m.add_class::<data::PyJobSpec>()?;
+    m.add_class::<data::DataUnit>()?;
+    m.add_class::<data::DataClient>()?;
+    m.add_class::<data::DataDispatcher>()?;
+    m.add_function(wrap_pyfunction!(data::data_example_seed, m)?)?;
+    m.add_function(wrap_pyfunction!(data::serve_data_worker, m)?)?;
+    m.add_function(wrap_pyfunction!(data::run_data_dispatcher, m)?)?;
     runs::register(m)?;
     project::register(m)?;
     m.add("FORMAT_VERSION", core::checkpoint::format::FORMAT_VERSION)?;

@@ -1,0 +1,406 @@
+//! The input service (`hindsight.data`) for Python: argument conversion and
+//! GIL handling only; every rule lives in `hindsight-data`.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use hindsight_data::client::{Client, ClientOptions, Next};
+use hindsight_data::dispatcher::{self, DispatcherHandle, DispatcherOptions};
+use hindsight_data::order::{self, JobSpec};
+use hindsight_data::worker::{self, Pipeline, PipelineFailure, UnitRequest, WorkerOptions};
+use hindsight_data::{Error as DataError, Running};
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyBytes, PyDict};
+
+use crate::errors::ToPyErr;
+use crate::interrupt;
+use hindsight_core::sync::lock;
+
+/// What makes two attachments the same input job (see `hindsight.data`).
+#[pyclass(
+    module = "hindsight._native",
+    name = "JobSpec",
+    frozen,
+    get_all,
+    skip_from_py_object
+)]
+#[derive(Clone)]
+pub(crate) struct PyJobSpec {
+    dataset: String,
+    dataset_args: String,
+    code_version: String,
+    seed: u64,
+    length: u64,
+    global_batch: u64,
+    split_batches: u64,
+    drop_last: bool,
+    shuffle: bool,
+}
+
+impl PyJobSpec {
+    fn core(&self) -> JobSpec {
+        JobSpec {
+            dataset: self.dataset.clone(),
+            dataset_args: self.dataset_args.clone(),
+            code_version: self.code_version.clone(),
+            seed: self.seed,
+            length: self.length,
+            global_batch: self.global_batch,
+            split_batches: self.split_batches,
+            drop_last: self.drop_last,
+            shuffle: self.shuffle,
+        }
+    }
+}
+
+#[pymethods]
+impl PyJobSpec {
+    #[new]
+    #[pyo3(signature = (*, dataset, dataset_args, code_version, seed, length, global_batch, split_batches, drop_last, shuffle))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        dataset: String,
+        dataset_args: String,
+        code_version: String,
+        seed: u64,
+        length: u64,
+        global_batch: u64,
+        split_batches: u64,
+        drop_last: bool,
+        shuffle: bool,
+    ) -> PyResult<Self> {
+        let s = PyJobSpec {
+            dataset,
+            dataset_args,
+            code_version,
+            seed,
+            length,
+            global_batch,
+            split_batches,
+            drop_last,
+            shuffle,
+        };
+        s.core()
+            .validate()
+            .map_err(|e| DataError::from(e).to_pyerr())?;
+        Ok(s)
+    }
+
+    fn job_id(&self) -> String {
+        self.core().job_id()
+    }
+
+    /// One "field: ours != theirs" per differing field.
+    fn differences(&self, other: &PyJobSpec) -> Vec<String> {
+        self.core().differences(&other.core())
+    }
+
+    fn batches_per_epoch(&self) -> u64 {
+        self.core().batches_per_epoch()
+    }
+
+    /// The dataset indices rank `rank` of `world` gets in global batch
+    /// `batch` of `epoch` (what a worker computes; for audits and tests).
+    fn batch_indices(&self, epoch: u64, batch: u64, rank: u32, world: u32) -> PyResult<Vec<u64>> {
+        let spec = self.core();
+        let perm = spec.permutation(epoch);
+        worker::unit_indices(&spec, &perm, epoch, batch, rank, world)
+            .map(|(indices, _)| indices)
+            .map_err(ToPyErr::to_pyerr)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "JobSpec(dataset={:?}, length={}, global_batch={}, split_batches={}, seed={}, shuffle={}, drop_last={})",
+            self.dataset,
+            self.length,
+            self.global_batch,
+            self.split_batches,
+            self.seed,
+            self.shuffle,
+            self.drop_last
+        )
+    }
+}
+
+/// The seed of every random draw made for example `index` in `epoch`.
+#[pyfunction]
+pub(crate) fn data_example_seed(seed: u64, epoch: u64, index: u64) -> u64 {
+    order::example_seed(seed, epoch, index)
+}
+
+/// One delivered unit: this rank's slice of one global batch.
+#[pyclass(module = "hindsight._native", name = "DataUnit", frozen, get_all)]
+pub(crate) struct DataUnit {
+    epoch: u64,
+    batch: u64,
+    indices: Vec<u64>,
+    digest: Py<PyBytes>,
+    /// Writable, so tensors can be views of it without a copy.
+    payload: Py<PyByteArray>,
+}
+
+/// A training process's connection to an input job.
+#[pyclass(module = "hindsight._native", frozen)]
+pub(crate) struct DataClient {
+    client: Mutex<Client>,
+}
+
+#[pymethods]
+impl DataClient {
+    #[new]
+    #[pyo3(signature = (dispatcher, spec, *, rank=0, world=1, expect_job_id=None, window_splits=4, stall_timeout=0.5, no_worker_wait=60.0, connect_timeout=3.0, warn_nondeterministic=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        dispatcher: String,
+        spec: &PyJobSpec,
+        rank: u32,
+        world: u32,
+        expect_job_id: Option<String>,
+        window_splits: usize,
+        stall_timeout: f64,
+        no_worker_wait: f64,
+        connect_timeout: f64,
+        warn_nondeterministic: bool,
+    ) -> PyResult<Self> {
+        let opts = ClientOptions {
+            window_splits,
+            stall_timeout: seconds(stall_timeout, "stall_timeout")?,
+            no_worker_wait: seconds(no_worker_wait, "no_worker_wait")?,
+            connect_timeout: seconds(connect_timeout, "connect_timeout")?,
+            warn_nondeterministic,
+            ..ClientOptions::default()
+        };
+        let spec = spec.core();
+        let client = interrupt::run(py, |_| {
+            Client::connect(
+                &dispatcher,
+                spec,
+                rank,
+                world,
+                expect_job_id.as_deref(),
+                opts,
+            )
+        })?;
+        Ok(DataClient {
+            client: Mutex::new(client),
+        })
+    }
+
+    #[getter]
+    fn job_id(&self) -> String {
+        lock(&self.client).job_id().to_string()
+    }
+
+    fn start_epoch(&self, epoch: u64, from_batch: u64) -> PyResult<()> {
+        lock(&self.client)
+            .start_epoch(epoch, from_batch)
+            .map_err(ToPyErr::to_pyerr)
+    }
+
+    /// The next unit, or None at the end of the epoch. Ctrl-C interrupts.
+    fn next(&self, py: Python<'_>) -> PyResult<Option<DataUnit>> {
+        let got =
+            interrupt::wait_until(py, None, |slice| match lock(&self.client).next(slice)? {
+                Next::Unit(d) => Ok::<_, DataError>(Some(Some(d))),
+                Next::End => Ok(Some(None)),
+                Next::Pending => Ok(None),
+            })?;
+        let Some(Some(d)) = got else {
+            return Ok(None);
+        };
+        Ok(Some(DataUnit {
+            epoch: d.epoch,
+            batch: d.batch,
+            indices: d.indices,
+            digest: PyBytes::new(py, &d.digest).unbind(),
+            payload: PyByteArray::new(py, &d.payload).unbind(),
+        }))
+    }
+
+    /// Counters: delivered, duplicates_dropped, stale_dropped, failovers, ...
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = lock(&self.client);
+        let s = c.stats();
+        let d = PyDict::new(py);
+        d.set_item("delivered", s.delivered.load(Relaxed))?;
+        d.set_item("duplicates_dropped", s.duplicates_dropped.load(Relaxed))?;
+        d.set_item("stale_dropped", s.stale_dropped.load(Relaxed))?;
+        d.set_item("failovers", s.failovers.load(Relaxed))?;
+        d.set_item("stalls_reported", s.stalls_reported.load(Relaxed))?;
+        d.set_item("units_after_failover", s.units_after_failover.load(Relaxed))?;
+        d.set_item("nondeterministic", s.nondeterministic.load(Relaxed))?;
+        d.set_item(
+            "last_failover_seconds",
+            s.last_failover_us.load(Relaxed) as f64 / 1e6,
+        )?;
+        Ok(d)
+    }
+
+    fn close(&self) {
+        lock(&self.client).close();
+    }
+}
+
+fn seconds(v: f64, arg: &str) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(v).map_err(|_| {
+        DataError::Mismatch {
+            what: "argument",
+            detail: format!("{arg} must be a non-negative number of seconds, got {v}"),
+        }
+        .to_pyerr()
+    })
+}
+
+/// A dispatcher inside this process (what `Loader(workers="local:N")`
+/// runs); `hindsight data dispatcher` runs the same in its own process.
+#[pyclass(module = "hindsight._native", frozen)]
+pub(crate) struct DataDispatcher {
+    running: Mutex<Running<DispatcherHandle>>,
+    address: String,
+}
+
+#[pymethods]
+impl DataDispatcher {
+    #[new]
+    #[pyo3(signature = (journal_dir, *, bind="127.0.0.1:0".to_string(), heartbeat_timeout=1.0))]
+    fn new(
+        py: Python<'_>,
+        journal_dir: std::path::PathBuf,
+        bind: String,
+        heartbeat_timeout: f64,
+    ) -> PyResult<Self> {
+        let mut opts = DispatcherOptions::new(journal_dir);
+        opts.heartbeat_timeout = seconds(heartbeat_timeout, "heartbeat_timeout")?;
+        let running = interrupt::run(py, |_| dispatcher::start(&bind, opts))?;
+        let address = running
+            .handle()
+            .map(|h| h.addr.to_string())
+            .unwrap_or_default();
+        Ok(DataDispatcher {
+            running: Mutex::new(running),
+            address,
+        })
+    }
+
+    #[getter]
+    fn address(&self) -> &str {
+        &self.address
+    }
+
+    fn stop(&self) {
+        lock(&self.running).stop();
+    }
+}
+
+/// The user's preprocessing, called with the GIL for each unit.
+struct PyPipeline {
+    dataset: String,
+    code_version: String,
+    produce: Py<PyAny>,
+}
+
+impl Pipeline for PyPipeline {
+    fn dataset(&self) -> &str {
+        &self.dataset
+    }
+    fn code_version(&self) -> &str {
+        &self.code_version
+    }
+    fn produce(&self, req: &UnitRequest<'_>) -> Result<Vec<u8>, PipelineFailure> {
+        Python::attach(|py| {
+            let out = self
+                .produce
+                .call1(
+                    py,
+                    (
+                        req.epoch,
+                        req.batch,
+                        req.indices.to_vec(),
+                        req.seeds.to_vec(),
+                    ),
+                )
+                .and_then(|v| v.extract::<Vec<u8>>(py));
+            out.map_err(|e| PipelineFailure {
+                detail: traceback(py, &e),
+            })
+        })
+    }
+}
+
+fn traceback(py: Python<'_>, e: &PyErr) -> String {
+    let formatted = py.import("traceback").and_then(|tb| {
+        tb.getattr("format_exception")?
+            .call1((e.value(py),))?
+            .extract::<Vec<String>>()
+    });
+    match formatted {
+        Ok(lines) => lines.concat(),
+        Err(_) => e.to_string(),
+    }
+}
+
+/// Serve as a worker until interrupted: register at `dispatcher`, compute
+/// the units clients ask for with `produce(epoch, batch, indices, seeds)`.
+/// `ready(address, worker_id)` is called once serving.
+#[pyfunction]
+#[pyo3(signature = (dispatcher, dataset, code_version, produce, *, bind="127.0.0.1:0".to_string(), advertise=None, ready=None))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn serve_data_worker(
+    py: Python<'_>,
+    dispatcher: String,
+    dataset: String,
+    code_version: String,
+    produce: Py<PyAny>,
+    bind: String,
+    advertise: Option<String>,
+    ready: Option<Py<PyAny>>,
+) -> PyResult<()> {
+    let pipeline = Arc::new(PyPipeline {
+        dataset,
+        code_version,
+        produce,
+    });
+    let mut opts = WorkerOptions::new(dispatcher);
+    opts.bind = bind;
+    opts.advertise = advertise;
+    let mut running = interrupt::run(py, |_| worker::start(pipeline, opts))?;
+    if let (Some(ready), Some(h)) = (ready, running.handle()) {
+        ready.call1(py, (h.addr.to_string(), h.worker_id()))?;
+    }
+    // Serve until a signal handler raises (Ctrl-C, or SIGTERM turned into
+    // an exception by the caller).
+    let result = interrupt::wait_until(py, None, |_slice| {
+        std::thread::sleep(Duration::from_millis(50));
+        Ok::<Option<()>, DataError>(None)
+    });
+    running.stop();
+    result.map(|_| ())
+}
+
+/// Run a dispatcher in this process until interrupted (`hindsight data
+/// dispatcher`); prints its address and what its journal held.
+#[pyfunction]
+#[pyo3(signature = (journal_dir, *, bind="0.0.0.0:50051".to_string(), heartbeat_timeout=1.0))]
+pub(crate) fn run_data_dispatcher(
+    py: Python<'_>,
+    journal_dir: std::path::PathBuf,
+    bind: String,
+    heartbeat_timeout: f64,
+) -> PyResult<()> {
+    let mut opts = DispatcherOptions::new(journal_dir);
+    opts.heartbeat_timeout = seconds(heartbeat_timeout, "heartbeat_timeout")?;
+    let mut running = interrupt::run(py, |_| dispatcher::start(&bind, opts))?;
+    if let Some(h) = running.handle() {
+        println!("{}", h.listening_line());
+    }
+    let _ = std::io::Write::flush(&mut std::io::stdout());
+    let result = interrupt::wait_until(py, None, |_slice| {
+        std::thread::sleep(Duration::from_millis(50));
+        Ok::<Option<()>, DataError>(None)
+    });
+    running.stop();
+    result.map(|_| ())
+}

@@ -1,0 +1,325 @@
+"""``hs.data.Loader``: a DataLoader whose every example arrives exactly once
+per epoch, in an order fixed by (seed, epoch), whatever happens to the
+worker processes. The rules (order, identity, failover) are in the Rust
+crate ``hindsight-data``; this module starts processes and converts data."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from hindsight import _native
+from hindsight.data._codec import decode
+from hindsight.errors import DataMismatchError, InvalidArgumentError, NoDataWorkersError
+
+
+def code_version(*objs: Any) -> str:
+    """A digest of the source files that define the dataset and collate code:
+    workers running other code are refused."""
+    h = hashlib.sha256()
+    for obj in objs:
+        if obj is None:
+            continue
+        try:
+            path = inspect.getsourcefile(obj)
+        except TypeError:
+            path = None
+        if path and os.path.exists(path):
+            with open(path, "rb") as f:
+                h.update(f.read())
+        else:
+            h.update(repr(obj).encode())
+    return h.hexdigest()[:16]
+
+
+def _name(factory: Callable[..., Any]) -> str:
+    module = getattr(factory, "__module__", None) or "?"
+    qual = getattr(factory, "__qualname__", None) or type(factory).__qualname__
+    return f"{module}:{qual}"
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class _LocalWorkers:
+    """``local:N``: a dispatcher in this process and N worker processes,
+    started the way remote ones are (``hindsight data worker``), never
+    forked from the trainer. A worker that dies is replaced, so capacity
+    recovers."""
+
+    def __init__(self, n: int, dataset: str, args_json: str, collate: str | None):
+        self._dir = tempfile.mkdtemp(prefix="hindsight-data-")
+        self.dispatcher = _native.DataDispatcher(self._dir)
+        self.address = self.dispatcher.address
+        self._cmd = [
+            sys.executable, "-m", "hindsight", "data", "worker",
+            "--dispatcher", self.address, "--dataset", dataset, "--args", args_json, "--bind", "127.0.0.1:0",
+        ]  # fmt: skip
+        if collate:
+            self._cmd += ["--collate", collate]
+        # Workers import the dataset by name: give them this process's path.
+        self._env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._started: list[float] = []
+        self.replaced = 0
+        self.quick_deaths = 0
+        self.last_exit: int | None = None
+        self._closing = threading.Event()
+        for _ in range(n):
+            self._start(None)
+        self._watch = threading.Thread(target=self._watcher, name="hindsight-data-workers", daemon=True)
+        self._watch.start()
+
+    def _start(self, slot: int | None) -> None:
+        p = subprocess.Popen(self._cmd, env=self._env, stdout=subprocess.DEVNULL)
+        if slot is None:
+            self.procs.append(p)
+            self._started.append(time.monotonic())
+        else:
+            self.procs[slot] = p
+            self._started[slot] = time.monotonic()
+
+    def _watcher(self) -> None:
+        while not self._closing.wait(0.1):
+            for i, p in enumerate(self.procs):
+                code = p.poll()
+                if code is None or self._closing.is_set():
+                    continue
+                self.last_exit = code
+                if time.monotonic() - self._started[i] < 3.0:
+                    self.quick_deaths += 1
+                if self.quick_deaths >= 5:
+                    continue  # it cannot start: the loader says so instead of looping
+                self._start(i)
+                self.replaced += 1
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.poll() is None]
+
+    def close(self) -> None:
+        self._closing.set()
+        self._watch.join(timeout=5)
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+        self.dispatcher.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _importable(obj: Callable[..., Any], what: str) -> str:
+    """``module:qualname`` of a module-level callable, which a worker process can import."""
+    name = _name(obj)
+    module, _, qual = name.partition(":")
+    if module in ("__main__", "__mp_main__", "?") or "<locals>" in qual or "<lambda>" in qual:
+        raise InvalidArgumentError(
+            f"Loader({what}=...): {name} cannot be imported by a worker process; define it at module "
+            "level in a module of its own (workers import it by name, like `hindsight data worker --dataset "
+            "module:factory`), and pass its arguments as dataset_args"
+        )
+    return name
+
+
+class Loader:
+    """Batches of ``dataset`` computed by worker processes, each example
+    exactly once per epoch, in the order (seed, epoch) fixes.
+
+    ``dataset`` is a factory (called with ``dataset_args``) returning a
+    map-style dataset, so workers on other machines can build it.
+    ``workers="local:N"`` runs N worker processes here (a drop-in for
+    ``DataLoader(num_workers=N)``); ``"host:port"`` attaches to a
+    dispatcher started with ``hindsight data dispatcher``.
+    ``batch_size`` is per rank; rank r of R gets slice r of each global
+    batch, so the global order does not depend on R.
+    """
+
+    def __init__(
+        self,
+        dataset: Callable[..., Any],
+        *,
+        batch_size: int,
+        seed: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        workers: str = "local:2",
+        shuffle: bool = True,
+        drop_last: bool = False,
+        split_batches: int = 2,
+        dataset_args: dict[str, Any] | None = None,
+        length: int | None = None,
+        rank: int | None = None,
+        world: int | None = None,
+        window: int | None = None,
+        nondeterministic: str = "error",
+        wait: float = 60.0,
+    ) -> None:
+        if not callable(dataset):
+            raise InvalidArgumentError("Loader(dataset=...) must be a factory returning a dataset")
+        if nondeterministic not in ("error", "warn"):
+            raise InvalidArgumentError(f"nondeterministic must be 'error' or 'warn', got {nondeterministic!r}")
+        if batch_size < 1:
+            raise InvalidArgumentError(f"batch_size must be at least 1, got {batch_size}")
+        args = dict(dataset_args or {})
+        try:
+            args_json = json.dumps(args, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"dataset_args must be JSON (workers elsewhere rebuild the dataset from them): {e}") from e
+        if rank is None or world is None:
+            rank, world = _world()
+        if length is None:
+            length = len(dataset(**args))
+        name = _importable(dataset, "dataset")
+        collate_name = _importable(collate_fn, "collate_fn") if collate_fn is not None else None
+        version = code_version(dataset, collate_fn)
+        self.spec = _native.JobSpec(
+            dataset=name,
+            dataset_args=args_json,
+            code_version=version,
+            seed=seed,
+            length=length,
+            global_batch=batch_size * world,
+            split_batches=split_batches,
+            drop_last=drop_last,
+            shuffle=shuffle,
+        )
+        self.rank, self.world = rank, world
+        self._local: _LocalWorkers | None = None
+        if workers.startswith("local:"):
+            try:
+                n = int(workers.removeprefix("local:"))
+            except ValueError:
+                n = 0
+            if n < 1:
+                raise InvalidArgumentError(f"workers={workers!r}: local:N needs N >= 1")
+            self._local = _LocalWorkers(n, name, args_json, collate_name)
+            address = self._local.address
+            window = window or max(2, 2 * n)
+        else:
+            address = workers.removeprefix("grpc://")
+            window = window or 8
+        self._client_args = {
+            "rank": rank,
+            "world": world,
+            "window_splits": window,
+            "no_worker_wait": wait,
+            "warn_nondeterministic": nondeterministic == "warn",
+        }
+        try:
+            self._client = _native.DataClient(address, self.spec, **self._client_args)  # type: ignore[arg-type]
+        except BaseException:
+            self.close()
+            raise
+        self._address = address
+        self.epoch = 0
+        self._position = 0
+        self._resume: int | None = None
+
+    @property
+    def job_id(self) -> str:
+        return self._client.job_id
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch the next iteration delivers (its order and randomness)."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.spec.batches_per_epoch()
+
+    def __iter__(self) -> Iterator[Any]:
+        start, self._resume = (self._resume or 0), None
+        self._client.start_epoch(self.epoch, start)
+        self._position = start
+        while True:
+            try:
+                unit = self._client.next()
+            except NoDataWorkersError as e:
+                if self._local is not None and self._local.quick_deaths:
+                    raise NoDataWorkersError(
+                        f"{e}; local workers exited right after starting ({self._local.quick_deaths} times, "
+                        f"last exit code {self._local.last_exit}; their errors are on stderr)"
+                    ) from e
+                raise
+            if unit is None:
+                return
+            self._position = unit.batch + 1
+            yield decode(unit.payload)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is: a few integers and the job's identity."""
+        s = self.spec
+        return {
+            "epoch": self.epoch,
+            "batch": self._position,
+            "job_id": self.job_id,
+            "job": {
+                "dataset": s.dataset,
+                "dataset_args": s.dataset_args,
+                "code_version": s.code_version,
+                "seed": s.seed,
+                "length": s.length,
+                "global_batch": s.global_batch,
+                "split_batches": s.split_batches,
+                "drop_last": s.drop_last,
+                "shuffle": s.shuffle,
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at the exact next batch of the recorded epoch. A loader
+        whose job differs (batch size, seed, dataset code...) is refused,
+        naming the difference."""
+        job = state.get("job")
+        if state.get("job_id") != self.job_id:
+            diff = "; ".join(_native.JobSpec(**job).differences(self.spec)) if isinstance(job, dict) else "unknown job"
+            raise DataMismatchError(f"the loader's input job differs from the one this state was recorded with: {diff}")
+        self.epoch = int(state["epoch"])
+        self._resume = int(state["batch"])
+        self._position = self._resume
+
+    def stats(self) -> dict[str, Any]:
+        out = dict(self._client.stats())
+        if self._local is not None:
+            out["workers_replaced"] = self._local.replaced
+        return out
+
+    def worker_pids(self) -> list[int]:
+        """The live local worker processes (for tests and tooling)."""
+        return self._local.pids() if self._local is not None else []
+
+    def close(self) -> None:
+        client = getattr(self, "_client", None)
+        if client is not None:
+            client.close()
+        if self._local is not None:
+            self._local.close()
+            self._local = None
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

@@ -1,0 +1,130 @@
+"""A worker process: runs the user's dataset and collate function for the
+units the Rust worker server is asked for. Before each example, Python's,
+NumPy's and torch's global generators are seeded from (seed, epoch, index),
+so unmodified random transforms draw the same numbers when a unit is
+recomputed elsewhere after a failure."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import random
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from hindsight import _native
+from hindsight.data._codec import encode
+
+_current_seed: int | None = None
+
+
+def current_example_seed() -> int:
+    """The seed of the example being produced (inside a dataset's ``__getitem__``)."""
+    if _current_seed is None:
+        raise RuntimeError("hindsight.data.current_example_seed() is only set while a worker produces an example")
+    return _current_seed
+
+
+def example_generator(device: str = "cpu") -> torch.Generator:
+    """A torch generator seeded for the example being produced, for transforms that take one."""
+    g = torch.Generator(device=device)
+    g.manual_seed(current_example_seed())
+    return g
+
+
+def _seed_all(seed: int) -> None:
+    global _current_seed
+    _current_seed = seed
+    random.seed(seed)
+    np.random.seed(seed & 0xFFFF_FFFF)
+    torch.manual_seed(seed)
+
+
+def make_produce(
+    factory: Callable[..., Any], args: dict[str, Any], collate_fn: Callable[[list[Any]], Any] | None
+) -> Callable[[int, int, list[int], list[int]], bytes]:
+    """The function the worker server calls for each unit. The dataset is
+    built on first use, so a factory that raises reaches the trainer as a
+    pipeline error with its traceback."""
+    collate = collate_fn or torch.utils.data.default_collate
+    built: list[Any] = []
+
+    def produce(epoch: int, batch: int, indices: list[int], seeds: list[int]) -> bytes:
+        if not built:
+            built.append(factory(**args))
+        ds = built[0]
+        items = []
+        for index, seed in zip(indices, seeds):
+            _seed_all(seed)
+            items.append(ds[index])
+        return encode(collate(items))
+
+    return produce
+
+
+def _raise_on_sigterm() -> None:
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
+def _import(spec: str, what: str) -> Callable[..., Any]:
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise SystemExit(f"hindsight data worker: {what} must be module:name, got {spec!r}")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"hindsight data worker: cannot import {what} {spec!r}: {e}") from e
+    return obj  # type: ignore[no-any-return]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``hindsight data worker``: serve a dataset for a remote dispatcher."""
+    from hindsight.data._loader import code_version
+
+    p = argparse.ArgumentParser(prog="hindsight data worker", description=main.__doc__)
+    p.add_argument("--dispatcher", required=True, help="host:port of the dispatcher")
+    p.add_argument("--dataset", required=True, help="module:factory returning a map-style dataset")
+    p.add_argument("--args", default="{}", help="JSON keyword arguments of the factory")
+    p.add_argument("--collate", default=None, help="module:function (default: torch's default_collate)")
+    p.add_argument("--bind", default="0.0.0.0:0", help="where to listen (default: any port)")
+    p.add_argument("--advertise", default=None, help="host:port clients should use to reach this worker")
+    a = p.parse_args(argv)
+    try:
+        args = json.loads(a.args)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"hindsight data worker: --args is not JSON: {e}") from e
+    if not isinstance(args, dict):
+        raise SystemExit("hindsight data worker: --args must be a JSON object")
+    sys.path.insert(0, "")
+    factory = _import(a.dataset, "--dataset")
+    collate = _import(a.collate, "--collate") if a.collate else None
+    torch.set_num_threads(1)
+    _raise_on_sigterm()
+
+    def ready(address: str, worker_id: str) -> None:
+        print(f"hindsight data worker {worker_id} serving {a.dataset} on {address}", flush=True)
+
+    try:
+        _native.serve_data_worker(
+            a.dispatcher,
+            a.dataset,
+            code_version(factory, collate),
+            make_produce(factory, args, collate),
+            bind=a.bind,
+            advertise=a.advertise,
+            ready=ready,
+        )
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    return 0

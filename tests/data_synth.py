@@ -1,0 +1,62 @@
+"""Datasets for the input-service tests and benchmark. Each example is a
+float64 tensor of its index and the random draws (Python, NumPy, torch)
+made while producing it, so a test sees at once whether an example was
+delivered twice, skipped, or drawn with other randomness."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import torch
+
+
+class Draws(torch.utils.data.Dataset[torch.Tensor]):
+    def __init__(self, n: int, sleep_ms: float, fail_at: int | None):
+        self.n, self.sleep, self.fail_at = n, sleep_ms / 1000, fail_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.fail_at:
+            raise ValueError(f"example {i} is broken")
+        if self.sleep:
+            time.sleep(self.sleep)
+        return torch.tensor([float(i), random.random(), float(np.random.rand()), float(torch.rand(()))], dtype=torch.float64)
+
+
+def make(n: int = 200, sleep_ms: float = 0.0, fail_at: int | None = None) -> Draws:
+    return Draws(n, sleep_ms, fail_at)
+
+
+def broken(n: int = 10) -> Draws:
+    raise RuntimeError("this dataset cannot be built here")
+
+
+class Augmented(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
+    """A CPU-bound augmentation pipeline (for the throughput benchmark)."""
+
+    def __init__(self, n: int, size: int):
+        self.n, self.size = n, size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        g = torch.Generator().manual_seed(i)
+        img = torch.rand(3, self.size, self.size, generator=g)
+        # Random crop, flip and blur: work whose randomness comes from the
+        # global generators, as torchvision transforms draw it.
+        dx, dy = random.randrange(8), random.randrange(8)
+        img = img[:, dy : dy + self.size - 8, dx : dx + self.size - 8]
+        if torch.rand(()) < 0.5:
+            img = img.flip(2)
+        k = torch.ones(3, 1, 5, 5) / 25
+        img = torch.nn.functional.conv2d(img[None], k, padding=2, groups=3)[0]
+        return img, i % 10
+
+
+def augmented(n: int = 2048, size: int = 96) -> Augmented:
+    return Augmented(n, size)
