@@ -24,7 +24,9 @@ class Draws(torch.utils.data.Dataset[torch.Tensor]):
             raise ValueError(f"example {i} is broken")
         if self.sleep:
             time.sleep(self.sleep)
-        return torch.tensor([float(i), random.random(), float(np.random.rand()), float(torch.rand(()))], dtype=torch.float64)
+        return torch.tensor(
+            [float(i), random.random(), float(np.random.rand()), float(torch.rand(()))], dtype=torch.float64
+        )
 
 
 def make(n: int = 200, sleep_ms: float = 0.0, fail_at: int | None = None) -> Draws:

@@ -1,6 +1,7 @@
 """Type stubs for the Rust extension. Use the wrappers in `hindsight` instead."""
 
 import builtins
+import os
 from collections.abc import Callable
 from typing import Any, Self, TypeAlias, final
 
@@ -13,8 +14,12 @@ __all__ = [
     "AdaptivePolicy",
     "Buffer",
     "CheckpointId",
+    "DataClient",
+    "DataDispatcher",
+    "DataUnit",
     "Divergence",
     "Iteration",
+    "JobSpec",
     "LogDb",
     "LogRecord",
     "LogValue",
@@ -25,8 +30,11 @@ __all__ = [
     "WorkerPlan",
     "checkpoint_exit_code",
     "checkpoint_names",
+    "data_example_seed",
     "project_paths",
     "run_cli",
+    "run_data_dispatcher",
+    "serve_data_worker",
     "store_location",
 ]
 
@@ -308,3 +316,90 @@ class ReplayPlan:
     def kind(self) -> str: ...
     @property
     def workers(self) -> list[WorkerPlan]: ...
+
+# The input service (hindsight.data).
+
+@final
+class JobSpec:
+    dataset: str
+    dataset_args: str
+    code_version: str
+    seed: int
+    length: int
+    global_batch: int
+    split_batches: int
+    drop_last: bool
+    shuffle: bool
+    def __new__(
+        cls,
+        *,
+        dataset: str,
+        dataset_args: str,
+        code_version: str,
+        seed: int,
+        length: int,
+        global_batch: int,
+        split_batches: int,
+        drop_last: bool,
+        shuffle: bool,
+    ) -> Self: ...
+    def job_id(self) -> str: ...
+    def differences(self, other: JobSpec) -> list[str]: ...
+    def batches_per_epoch(self) -> int: ...
+    def batch_indices(self, epoch: int, batch: int, rank: int, world: int) -> list[int]: ...
+
+@final
+class DataUnit:
+    epoch: int
+    batch: int
+    indices: list[int]
+    digest: bytes
+    payload: bytearray
+
+@final
+class DataClient:
+    def __new__(
+        cls,
+        dispatcher: str,
+        spec: JobSpec,
+        *,
+        rank: int = 0,
+        world: int = 1,
+        expect_job_id: str | None = None,
+        window_splits: int = 4,
+        stall_timeout: float = 0.5,
+        no_worker_wait: float = 60.0,
+        connect_timeout: float = 3.0,
+        warn_nondeterministic: bool = False,
+    ) -> Self: ...
+    @property
+    def job_id(self) -> str: ...
+    def start_epoch(self, epoch: int, from_batch: int) -> None: ...
+    def next(self) -> DataUnit | None: ...
+    def stats(self) -> dict[str, int | float]: ...
+    def close(self) -> None: ...
+
+@final
+class DataDispatcher:
+    def __new__(
+        cls, journal_dir: str | os.PathLike[str], *, bind: str = "127.0.0.1:0", heartbeat_timeout: float = 1.0
+    ) -> Self: ...
+    @property
+    def address(self) -> str: ...
+    def stop(self) -> None: ...
+
+def data_example_seed(seed: int, epoch: int, index: int) -> int: ...
+def serve_data_worker(
+    dispatcher: str,
+    dataset: str,
+    code_version: str,
+    produce: Callable[[int, int, list[int], list[int]], bytes],
+    *,
+    bind: str = "127.0.0.1:0",
+    advertise: str | None = None,
+    ready: Callable[[str, str], object] | None = None,
+    parent_pid: int | None = None,
+) -> None: ...
+def run_data_dispatcher(
+    journal_dir: str | os.PathLike[str], *, bind: str = "0.0.0.0:50051", heartbeat_timeout: float = 1.0
+) -> None: ...

@@ -90,12 +90,15 @@ fn client_options() -> ClientOptions {
     }
 }
 
+/// A delivered unit: (batch, dataset indices, payload).
+type Unit = (u64, Vec<u64>, Vec<u8>);
+
 /// Read a whole epoch; `during(batch)` runs after each delivered unit.
 fn read_epoch(
     client: &mut Client,
     epoch: u64,
     mut during: impl FnMut(u64),
-) -> Result<Vec<(u64, Vec<u64>, Vec<u8>)>, Error> {
+) -> Result<Vec<Unit>, Error> {
     client.start_epoch(epoch, 0)?;
     let mut out = Vec::new();
     loop {
@@ -111,7 +114,7 @@ fn read_epoch(
 }
 
 /// What an epoch must deliver: the permutation, batch by batch.
-fn expected(spec: &JobSpec, epoch: u64) -> Vec<(u64, Vec<u64>, Vec<u8>)> {
+fn expected(spec: &JobSpec, epoch: u64) -> Vec<Unit> {
     let perm = spec.permutation(epoch);
     (0..spec.batches_per_epoch())
         .map(|b| {

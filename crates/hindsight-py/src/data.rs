@@ -265,16 +265,16 @@ pub(crate) struct DataDispatcher {
 #[pymethods]
 impl DataDispatcher {
     #[new]
-    #[pyo3(signature = (journal_dir, *, bind="127.0.0.1:0".to_string(), heartbeat_timeout=1.0))]
+    #[pyo3(signature = (journal_dir, *, bind="127.0.0.1:0", heartbeat_timeout=1.0))]
     fn new(
         py: Python<'_>,
         journal_dir: std::path::PathBuf,
-        bind: String,
+        bind: &str,
         heartbeat_timeout: f64,
     ) -> PyResult<Self> {
         let mut opts = DispatcherOptions::new(journal_dir);
         opts.heartbeat_timeout = seconds(heartbeat_timeout, "heartbeat_timeout")?;
-        let running = interrupt::run(py, |_| dispatcher::start(&bind, opts))?;
+        let running = interrupt::run(py, |_| dispatcher::start(bind, opts))?;
         let address = running
             .handle()
             .map(|h| h.addr.to_string())
@@ -333,7 +333,7 @@ impl Pipeline for PyPipeline {
 fn traceback(py: Python<'_>, e: &PyErr) -> String {
     let formatted = py.import("traceback").and_then(|tb| {
         tb.getattr("format_exception")?
-            .call1((e.value(py),))?
+            .call1((e.get_type(py), e.value(py), e.traceback(py)))?
             .extract::<Vec<String>>()
     });
     match formatted {
@@ -344,9 +344,11 @@ fn traceback(py: Python<'_>, e: &PyErr) -> String {
 
 /// Serve as a worker until interrupted: register at `dispatcher`, compute
 /// the units clients ask for with `produce(epoch, batch, indices, seeds)`.
-/// `ready(address, worker_id)` is called once serving.
+/// `ready(address, worker_id)` is called once serving. With `parent_pid`
+/// (local workers), it also stops when that process is gone, so a trainer
+/// killed with SIGKILL leaves no workers behind.
 #[pyfunction]
-#[pyo3(signature = (dispatcher, dataset, code_version, produce, *, bind="127.0.0.1:0".to_string(), advertise=None, ready=None))]
+#[pyo3(signature = (dispatcher, dataset, code_version, produce, *, bind="127.0.0.1:0", advertise=None, ready=None, parent_pid=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn serve_data_worker(
     py: Python<'_>,
@@ -354,9 +356,10 @@ pub(crate) fn serve_data_worker(
     dataset: String,
     code_version: String,
     produce: Py<PyAny>,
-    bind: String,
+    bind: &str,
     advertise: Option<String>,
     ready: Option<Py<PyAny>>,
+    parent_pid: Option<u32>,
 ) -> PyResult<()> {
     let pipeline = Arc::new(PyPipeline {
         dataset,
@@ -364,7 +367,7 @@ pub(crate) fn serve_data_worker(
         produce,
     });
     let mut opts = WorkerOptions::new(dispatcher);
-    opts.bind = bind;
+    opts.bind = bind.to_string();
     opts.advertise = advertise;
     let mut running = interrupt::run(py, |_| worker::start(pipeline, opts))?;
     if let (Some(ready), Some(h)) = (ready, running.handle()) {
@@ -374,7 +377,8 @@ pub(crate) fn serve_data_worker(
     // an exception by the caller).
     let result = interrupt::wait_until(py, None, |_slice| {
         std::thread::sleep(Duration::from_millis(50));
-        Ok::<Option<()>, DataError>(None)
+        let orphaned = parent_pid.is_some_and(|p| std::os::unix::process::parent_id() != p);
+        Ok::<Option<()>, DataError>(orphaned.then_some(()))
     });
     running.stop();
     result.map(|_| ())
@@ -383,16 +387,16 @@ pub(crate) fn serve_data_worker(
 /// Run a dispatcher in this process until interrupted (`hindsight data
 /// dispatcher`); prints its address and what its journal held.
 #[pyfunction]
-#[pyo3(signature = (journal_dir, *, bind="0.0.0.0:50051".to_string(), heartbeat_timeout=1.0))]
+#[pyo3(signature = (journal_dir, *, bind="0.0.0.0:50051", heartbeat_timeout=1.0))]
 pub(crate) fn run_data_dispatcher(
     py: Python<'_>,
     journal_dir: std::path::PathBuf,
-    bind: String,
+    bind: &str,
     heartbeat_timeout: f64,
 ) -> PyResult<()> {
     let mut opts = DispatcherOptions::new(journal_dir);
     opts.heartbeat_timeout = seconds(heartbeat_timeout, "heartbeat_timeout")?;
-    let mut running = interrupt::run(py, |_| dispatcher::start(&bind, opts))?;
+    let mut running = interrupt::run(py, |_| dispatcher::start(bind, opts))?;
     if let Some(h) = running.handle() {
         println!("{}", h.listening_line());
     }

@@ -35,12 +35,22 @@ def encode(obj: Any) -> bytes:
         if isinstance(o, torch.Tensor):
             t = o.detach().cpu().contiguous()
             flat = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-            return {"T": add(memoryview(flat.numpy()).cast("B")), "n": flat.numel(), "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+            return {
+                "T": add(flat.numpy().data.cast("B")),
+                "n": flat.numel(),
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+            }
         if isinstance(o, np.ndarray):
             a = np.ascontiguousarray(o)
             if a.dtype.hasobject:
                 raise UnsupportedTypeError(f"batch{where}: a numpy array of Python objects cannot be sent")
-            return {"N": add(memoryview(a.reshape(-1).view(np.uint8)).cast("B")), "n": a.nbytes, "dtype": a.dtype.str, "shape": list(a.shape)}
+            return {
+                "N": add(a.reshape(-1).view(np.uint8).data.cast("B")),
+                "n": a.nbytes,
+                "dtype": a.dtype.str,
+                "shape": list(a.shape),
+            }
         if isinstance(o, np.generic):
             return walk(np.asarray(o), where)
         if o is None or isinstance(o, (bool, int, float, str)):
@@ -76,6 +86,7 @@ def decode(payload: bytearray) -> Any:
         raise UnsupportedTypeError("not a hindsight data unit (bad magic)")
     header = json.loads(bytes(payload[_HEAD.size : _HEAD.size + hlen]))
     start = (_HEAD.size + hlen + _ALIGN - 1) // _ALIGN * _ALIGN
+
     def build(node: Any) -> Any:
         if "T" in node:
             off, n = start + node["T"], node["n"]

@@ -70,6 +70,7 @@ class _LocalWorkers:
         self._cmd = [
             sys.executable, "-m", "hindsight", "data", "worker",
             "--dispatcher", self.address, "--dataset", dataset, "--args", args_json, "--bind", "127.0.0.1:0",
+            "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
         if collate:
             self._cmd += ["--collate", collate]
@@ -183,7 +184,9 @@ class Loader:
         try:
             args_json = json.dumps(args, sort_keys=True, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as e:
-            raise InvalidArgumentError(f"dataset_args must be JSON (workers elsewhere rebuild the dataset from them): {e}") from e
+            raise InvalidArgumentError(
+                f"dataset_args must be JSON (workers elsewhere rebuild the dataset from them): {e}"
+            ) from e
         if rank is None or world is None:
             rank, world = _world()
         if length is None:

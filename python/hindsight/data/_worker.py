@@ -60,7 +60,7 @@ def make_produce(
             built.append(factory(**args))
         ds = built[0]
         items = []
-        for index, seed in zip(indices, seeds):
+        for index, seed in zip(indices, seeds, strict=True):
             _seed_all(seed)
             items.append(ds[index])
         return encode(collate(items))
@@ -99,6 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--collate", default=None, help="module:function (default: torch's default_collate)")
     p.add_argument("--bind", default="0.0.0.0:0", help="where to listen (default: any port)")
     p.add_argument("--advertise", default=None, help="host:port clients should use to reach this worker")
+    p.add_argument("--parent-pid", type=int, default=None, help="stop when this process is gone (local workers)")
     a = p.parse_args(argv)
     try:
         args = json.loads(a.args)
@@ -124,6 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             bind=a.bind,
             advertise=a.advertise,
             ready=ready,
+            parent_pid=a.parent_pid,
         )
     except (KeyboardInterrupt, SystemExit):
         pass

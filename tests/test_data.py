@@ -1,0 +1,368 @@
+"""The input service (``hs.data``) with real worker processes, real gRPC on
+loopback and real signals: every example exactly once per epoch, in the
+order (seed, epoch) fixes, with the same random draws, whatever happens to
+workers and the dispatcher."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import data_synth
+import hindsight as hs
+from hindsight import _native
+from hindsight.data._codec import decode, encode
+from hindsight.errors import (
+    DataMismatchError,
+    DataPipelineError,
+    DataUnreachableError,
+    InvalidArgumentError,
+)
+
+from conftest import hindsight_cmd
+
+SEED = 5
+
+
+def expected_epoch(spec: _native.JobSpec, epoch: int, rank: int = 0, world: int = 1) -> list[torch.Tensor]:
+    """What an epoch must deliver, computed here without any worker: the
+    core's order, and each example's draws from its derived seed."""
+    ds = data_synth.make(spec.length)
+    out = []
+    for b in range(spec.batches_per_epoch()):
+        rows = []
+        for i in spec.batch_indices(epoch, b, rank, world):
+            s = _native.data_example_seed(spec.seed, epoch, i)
+            random.seed(s)
+            np.random.seed(s & 0xFFFF_FFFF)
+            torch.manual_seed(s)
+            rows.append(ds[i])
+        out.append(torch.stack(rows))
+    return out
+
+
+def read(loader: hs.data.Loader, epoch: int, during=None) -> list[torch.Tensor]:
+    loader.set_epoch(epoch)
+    got = []
+    for batch in loader:
+        got.append(batch.clone())
+        if during is not None:
+            during(len(got))
+    return got
+
+
+def audit(got: list[torch.Tensor], want: list[torch.Tensor]) -> tuple[int, int]:
+    """(duplicates, missing) of the delivered examples against the expected ones."""
+    seen = [int(i) for b in got for i in b[:, 0]]
+    dup = len(seen) - len(set(seen))
+    missing = len({int(i) for b in want for i in b[:, 0]} - set(seen))
+    return dup, missing
+
+
+def same(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    return len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_an_epoch_is_each_example_once_in_the_seeded_order_with_the_same_draws_for_any_worker_count():
+    runs = {}
+    for workers in ("local:1", "local:3"):
+        with hs.data.Loader(
+            data_synth.make, batch_size=8, seed=SEED, workers=workers, dataset_args={"n": 203}
+        ) as loader:
+            runs[workers] = [read(loader, e) for e in (0, 1)]
+            spec = loader.spec
+    for e in (0, 1):
+        want = expected_epoch(spec, e)
+        for workers, epochs in runs.items():
+            assert same(epochs[e], want), f"{workers}, epoch {e}"
+            assert audit(epochs[e], want) == (0, 0)
+    assert not torch.equal(runs["local:1"][0][0], runs["local:1"][1][0]), "each epoch has its own order"
+
+
+def test_ranks_get_disjoint_slices_of_the_same_global_batches():
+    per_rank = []
+    for rank in (0, 1):
+        with hs.data.Loader(
+            data_synth.make, batch_size=4, seed=SEED, workers="local:1", dataset_args={"n": 64}, rank=rank, world=2
+        ) as loader:
+            per_rank.append(read(loader, 3))
+            spec = loader.spec
+    assert spec.global_batch == 8
+    single = expected_epoch(spec, 3)
+    for b, want in enumerate(single):
+        assert torch.equal(torch.cat([per_rank[0][b], per_rank[1][b]]), want)
+
+
+def test_killed_and_stopped_workers_change_nothing_the_trainer_sees():
+    """Worker chaos, bounded: SIGKILL and SIGSTOP/SIGCONT random workers at
+    random moments of two epochs; the batches must be exactly those of a run
+    without failures."""
+    rng = random.Random(11)
+    with hs.data.Loader(
+        data_synth.make, batch_size=8, seed=SEED, workers="local:3", dataset_args={"n": 480, "sleep_ms": 2}
+    ) as loader:
+        spec = loader.spec
+        read(loader, 0)  # workers are up
+        resumes: list[threading.Timer] = []
+        for epoch in (1, 2):
+            kill_at, stop_at = rng.sample(range(3, len(loader) - 10), 2)
+
+            def chaos(n: int, kill_at: int = kill_at, stop_at: int = stop_at) -> None:
+                pids = loader.worker_pids()
+                if n == kill_at and pids:
+                    os.kill(rng.choice(pids), signal.SIGKILL)
+                if n == stop_at and pids:
+                    victim = rng.choice(pids)
+                    os.kill(victim, signal.SIGSTOP)
+                    t = threading.Timer(2.0, lambda: os.kill(victim, signal.SIGCONT))
+                    t.start()
+                    resumes.append(t)
+
+            got = read(loader, epoch, chaos)
+            want = expected_epoch(spec, epoch)
+            assert audit(got, want) == (0, 0)
+            assert same(got, want), f"epoch {epoch}: delivered batches differ from a run without failures"
+        for t in resumes:
+            t.join()
+        stats = loader.stats()
+    assert stats["failovers"] >= 1, stats
+    assert stats["workers_replaced"] >= 1, stats
+
+
+def test_a_dataset_that_raises_reaches_the_trainer_with_its_traceback():
+    with hs.data.Loader(
+        data_synth.make, batch_size=4, workers="local:1", dataset_args={"n": 40, "fail_at": 13}, shuffle=False
+    ) as loader:
+        with pytest.raises(DataPipelineError) as e:
+            read(loader, 0)
+    assert "example 13 is broken" in str(e.value)
+    assert "Traceback" in str(e.value)
+    assert e.value.dataset == "data_synth:make"
+    with hs.data.Loader(data_synth.broken, batch_size=4, workers="local:1", length=10) as loader:
+        with pytest.raises(DataPipelineError, match="cannot be built here"):
+            read(loader, 0)
+
+
+def test_a_factory_workers_cannot_import_is_refused_naming_it():
+    with pytest.raises(InvalidArgumentError, match="cannot be imported by a worker"):
+        hs.data.Loader(lambda: data_synth.make(10), batch_size=2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_an_unreachable_dispatcher_fails_fast_naming_the_address():
+    addr = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(DataUnreachableError) as e:
+        hs.data.Loader(data_synth.make, batch_size=2, workers=addr, dataset_args={"n": 10})
+    assert time.monotonic() - t0 < 10
+    assert e.value.address == addr
+    assert addr in str(e.value)
+
+
+def test_state_dict_continues_at_the_next_batch_and_refuses_another_job():
+    args = {"n": 96}
+    with hs.data.Loader(data_synth.make, batch_size=8, seed=SEED, workers="local:1", dataset_args=args) as loader:
+        spec = loader.spec
+        loader.set_epoch(2)
+        it = iter(loader)
+        first = [next(it).clone() for _ in range(5)]
+        state = loader.state_dict()
+        assert state["epoch"] == 2 and state["batch"] == 5
+        loader.load_state_dict(state)
+        rest = [b.clone() for b in loader]
+    assert same(first + rest, expected_epoch(spec, 2))
+    with hs.data.Loader(data_synth.make, batch_size=16, seed=SEED, workers="local:1", dataset_args=args) as other:
+        with pytest.raises(DataMismatchError, match="global_batch: 8 != 16"):
+            other.load_state_dict(state)
+
+
+def start_dispatcher(journal: Path, port: int) -> subprocess.Popen[str]:
+    p = subprocess.Popen(
+        [*hindsight_cmd(), "data", "dispatcher", "--journal", str(journal), "--port", str(port), "--host", "127.0.0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    assert "listening on" in line, (line, p.stderr.read() if p.poll() is not None and p.stderr else "")
+    p.first_line = line  # type: ignore[attr-defined]
+    return p
+
+
+def stop(p: subprocess.Popen[str]) -> None:
+    p.kill()
+    p.wait()
+    for pipe in (p.stdout, p.stderr):
+        if pipe is not None:
+            pipe.close()
+
+
+def start_worker(port: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*hindsight_cmd(), "data", "worker", "--dispatcher", f"127.0.0.1:{port}", "--dataset", "data_synth:make",
+         "--args", '{"n": 300, "sleep_ms": 2}', "--bind", "127.0.0.1:0"],
+        stdout=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])},
+        text=True,
+    )  # fmt: skip
+
+
+def test_remote_dispatcher_killed_with_a_worker_restarts_from_its_journal_including_a_torn_tail(tmp_path):
+    journal, port = tmp_path / "journal", free_port()
+    d = start_dispatcher(journal, port)
+    workers = [start_worker(port) for _ in range(3)]
+    try:
+        with hs.data.Loader(
+            data_synth.make,
+            batch_size=8,
+            seed=SEED,
+            workers=f"127.0.0.1:{port}",
+            dataset_args={"n": 300, "sleep_ms": 2},
+        ) as loader:
+            spec = loader.spec
+
+            def crash(n: int) -> None:
+                nonlocal d
+                if n != 8:
+                    return
+                # The dispatcher and a worker die together; the journal is
+                # left with a half-written record.
+                stop(d)
+                stop(workers[0])
+                with open(journal / "journal.hsj", "ab") as f:
+                    f.write(b"\x40\x00\x00\x00partial")
+                d = start_dispatcher(journal, port)
+                assert "torn bytes truncated" in d.first_line and " 0 torn" not in d.first_line, d.first_line
+                workers.append(start_worker(port))
+
+            got = read(loader, 0, crash)
+            want = expected_epoch(spec, 0)
+            assert audit(got, want) == (0, 0)
+            assert same(got, want)
+    finally:
+        for p in [d, *workers]:
+            stop(p)
+
+
+def test_a_journal_corrupt_before_its_tail_is_a_named_error(tmp_path):
+    journal, port = tmp_path / "journal", free_port()
+    d = start_dispatcher(journal, port)
+    w = start_worker(port)
+    try:
+        with hs.data.Loader(
+            data_synth.make, batch_size=8, workers=f"127.0.0.1:{port}", dataset_args={"n": 300, "sleep_ms": 2}
+        ) as loader:
+            read(loader, 0)
+    finally:
+        stop(w)
+        stop(d)
+    path = journal / "journal.hsj"
+    data = bytearray(path.read_bytes())
+    data[40] ^= 0xFF  # inside an early record, with intact records after it
+    path.write_bytes(bytes(data))
+    r = subprocess.run(
+        [*hindsight_cmd(), "data", "dispatcher", "--journal", str(journal), "--port", str(port)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode != 0
+    assert "corrupt" in r.stderr and "journal.hsj" in r.stderr, r.stderr
+    assert path.read_bytes() == bytes(data), "a failed recovery must not change the journal"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        {"x": torch.randn(2, 3).to(torch.bfloat16), "y": torch.tensor([True, False]), "n": 3, "s": "text"},
+        (torch.zeros(0, 5), torch.tensor(2.5, dtype=torch.float64), [np.arange(6, dtype=np.int16).reshape(2, 3), None]),
+        {"c": torch.randn(3, dtype=torch.complex64), 7: b"raw", "u8": torch.arange(5, dtype=torch.uint8)},
+    ],
+)
+def test_units_round_trip_every_structure_and_dtype_without_pickle(value):
+    back = decode(bytearray(encode(value)))
+
+    def eq(a, b):
+        if isinstance(a, torch.Tensor):
+            return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        if isinstance(a, np.ndarray):
+            return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(eq(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return type(a) is type(b) and len(a) == len(b) and all(eq(x, y) for x, y in zip(a, b, strict=True))
+        return a == b
+
+    assert eq(value, back)
+
+
+TRAIN = Path(__file__).resolve().parent.parent / "examples" / "data_train.py"
+
+
+def train(home: Path, out: Path, *extra: str, **env: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(TRAIN), "--epochs", "2", "--delay", "0.01", "--out", str(out), *extra],
+        env={**os.environ, "HINDSIGHT_HOME": str(home), **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=home.parent,
+    )
+
+
+def finish(p: subprocess.Popen[str]) -> tuple[int, str, str]:
+    out, err = p.communicate(timeout=240)
+    return p.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    d = tmp_path_factory.mktemp("data-ref")
+    code, _, err = finish(train(d / "home", d / "final.pt"))
+    assert code == 0, err
+    return torch.load(d / "final.pt")
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGUSR1", "kill-9"])
+def test_training_fed_by_the_service_resumes_bit_identical_after_preemption(tmp_path, trained, how):
+    """40 steps in 2 epochs; interrupt at a random step, run again: the
+    weights equal those of the uninterrupted run."""
+    rng = random.Random(how)
+    home, out = tmp_path / "home", tmp_path / "final.pt"
+    env = {"HINDSIGHT_SAFETY_MINUTES": "0.003"} if how == "kill-9" else {}
+    p = train(home, out, **env)
+    assert p.stdout is not None
+    at = rng.randrange(3, 36)
+    for _ in range(at):
+        assert p.stdout.readline().startswith("step "), p.stderr.read() if p.stderr else ""
+    if how == "kill-9":
+        p.kill()
+        finish(p)
+    else:
+        p.send_signal(getattr(signal, how))
+        code, _, err = finish(p)
+        assert code == 85, err
+    code, stdout, err = finish(train(home, out, **env))
+    assert code == 0, err
+    assert "resuming run" in err
+    assert stdout.count("step ") <= 40 - at + 1 + (40 if how == "kill-9" else 0)
+    weights = torch.load(out)
+    assert all(torch.equal(weights[k], trained[k]) for k in trained), f"weights differ ({how} at step {at})"
