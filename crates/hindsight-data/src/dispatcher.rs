@@ -743,23 +743,25 @@ pub struct DispatcherHandle {
     pub addr: SocketAddr,
     pub recovered: Recovered,
     shutdown: Option<oneshot::Sender<()>>,
-    join: Option<JoinHandle<()>>,
+    /// The server and the failure monitor; both hold the journal.
+    tasks: Vec<JoinHandle<()>>,
 }
 
 impl DispatcherHandle {
-    /// Stop serving (connections are dropped, as a crash would).
+    /// Stop serving (connections are dropped, as a crash would). The
+    /// journal's lock goes once the runtime has dropped the aborted tasks.
     pub fn stop(mut self) {
         self.shutdown.take();
-        if let Some(j) = self.join.take() {
-            j.abort();
+        for t in self.tasks.drain(..) {
+            t.abort();
         }
     }
 }
 
 impl Drop for DispatcherHandle {
     fn drop(&mut self) {
-        if let Some(j) = self.join.take() {
-            j.abort();
+        for t in self.tasks.drain(..) {
+            t.abort();
         }
     }
 }
@@ -794,7 +796,6 @@ pub async fn spawn(bind: &str, opts: DispatcherOptions) -> Result<DispatcherHand
                 let _ = rx.await;
             })
             .await;
-        monitor.abort();
         if let Err(e) = served {
             eprintln!("hindsight data dispatcher: {e}");
         }
@@ -803,7 +804,7 @@ pub async fn spawn(bind: &str, opts: DispatcherOptions) -> Result<DispatcherHand
         addr,
         recovered,
         shutdown: Some(tx),
-        join: Some(join),
+        tasks: vec![join, monitor],
     })
 }
 

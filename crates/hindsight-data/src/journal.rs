@@ -71,6 +71,7 @@ pub const FILE_NAME: &str = "journal.hsj";
 
 /// Name of the file `compact` writes before renaming it over the journal.
 const TMP_NAME: &str = "journal.hsj.tmp";
+const LOCK_NAME: &str = "journal.lock";
 
 /// Bytes before each payload: u32 length + u64 checksum.
 const FRAME_HEADER: usize = 12;
@@ -89,6 +90,8 @@ pub struct Journal {
     /// its rename). Appends are refused until a compaction succeeds, so none
     /// lands after a half record.
     broken: bool,
+    /// Held (flock) for the journal's lifetime: one dispatcher per journal.
+    _lock: File,
 }
 
 /// What [`Journal::open`] found: the dispatcher logs it at startup.
@@ -118,6 +121,9 @@ pub enum JournalError {
         offset: u64,
         reason: String,
     },
+    /// Another dispatcher holds this journal.
+    #[error("journal {path} is in use by another dispatcher (it holds the lock); stop it or give this one another --journal directory")]
+    Locked { path: PathBuf },
     #[error("journal {path}: not a hindsight dispatcher journal ({reason})")]
     NotAJournal { path: PathBuf, reason: String },
     #[error("journal {path}: record of {len} bytes exceeds the {max}-byte limit")]
@@ -126,6 +132,31 @@ pub enum JournalError {
         len: usize,
         max: usize,
     },
+}
+
+/// Take the directory's lock file exclusively, without waiting.
+fn lock_dir(dir: &Path, journal: &Path) -> Result<File, JournalError> {
+    use std::os::fd::AsRawFd;
+    let path = dir.join(LOCK_NAME);
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(io_at(&path))?;
+    // SAFETY: flock on a descriptor we own; no memory is involved.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc != 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::WouldBlock {
+            return Err(JournalError::Locked {
+                path: journal.to_path_buf(),
+            });
+        }
+        return Err(io_at(&path)(e));
+    }
+    Ok(f)
 }
 
 /// Maps an I/O error to [`JournalError::Io`] naming the file involved.
@@ -150,6 +181,7 @@ impl Journal {
     pub fn open(dir: &Path) -> Result<(Journal, Vec<Vec<u8>>, Recovery), JournalError> {
         fs::create_dir_all(dir).map_err(io_at(dir))?;
         let path = dir.join(FILE_NAME);
+        let lock = lock_dir(dir, &path)?;
 
         // A crash during compact leaves the temp file; the journal itself is
         // complete (old or new) because the rename is atomic.
@@ -190,6 +222,7 @@ impl Journal {
                 path,
                 len: header_len,
                 broken: false,
+                _lock: lock,
             };
             return Ok((journal, Vec::new(), recovery));
         }
@@ -233,6 +266,7 @@ impl Journal {
             path,
             len: kept,
             broken: false,
+            _lock: lock,
         };
         Ok((journal, records, recovery))
     }
@@ -491,6 +525,18 @@ mod tests {
             Ok(v) => v,
             Err(e) => panic!("open failed: {e}"),
         }
+    }
+
+    #[test]
+    fn a_second_dispatcher_on_the_same_journal_is_refused_until_the_first_closes() {
+        let dir = tempfile::tempdir().unwrap();
+        let (first, _, _) = Journal::open(dir.path()).unwrap();
+        match Journal::open(dir.path()) {
+            Err(JournalError::Locked { path }) => assert_eq!(path, dir.path().join(FILE_NAME)),
+            other => panic!("expected Locked, got {:?}", other.map(|_| ())),
+        }
+        drop(first);
+        assert!(Journal::open(dir.path()).is_ok());
     }
 
     #[test]

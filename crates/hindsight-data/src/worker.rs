@@ -307,7 +307,15 @@ pub async fn spawn(pipeline: Arc<dyn Pipeline>, opts: WorkerOptions) -> Result<W
         what: format!("address of {}", opts.bind),
         source: e,
     })?;
-    let advertised = opts.advertise.clone().unwrap_or_else(|| addr.to_string());
+    // "host" or "host:0" means: this host name, the port actually bound.
+    let advertised = match opts.advertise.as_deref() {
+        None => addr.to_string(),
+        Some(a) => match a.rsplit_once(':') {
+            Some((host, "0")) => format!("{host}:{}", addr.port()),
+            Some(_) => a.to_string(),
+            None => format!("{a}:{}", addr.port()),
+        },
+    };
     let deadline = Instant::now() + opts.startup_timeout;
     let first = loop {
         match register(&opts, pipeline.as_ref(), &advertised, "").await {
