@@ -320,3 +320,52 @@ fn an_unreachable_dispatcher_fails_fast_naming_the_address() {
     assert!(matches!(err, Error::Unreachable { .. }), "{err:?}");
     assert!(err.to_string().contains(&addr), "{err}");
 }
+
+mod random_failures {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        // Each case starts real servers on loopback: keep the count small
+        // (HINDSIGHT_FUZZ_CASES raises it).
+        #![proptest_config(ProptestConfig::with_cases(
+            std::env::var("HINDSIGHT_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(6)
+        ))]
+
+        /// Whatever the geometry, window and failure schedule, the reorder
+        /// and dedup logic delivers exactly the permutation, batch by batch.
+        #[test]
+        fn delivery_is_exact_under_random_geometry_and_failures(
+            len in 1u64..300,
+            global_batch in 1u64..17,
+            split_batches in 1u64..5,
+            drop_last in any::<bool>(),
+            window in 1usize..6,
+            workers in 1usize..4,
+            kills in proptest::collection::vec(0u64..40, 0..3),
+        ) {
+            let rt = runtime();
+            let dir = tempfile::tempdir().unwrap();
+            let d = rt
+                .block_on(dispatcher::spawn("127.0.0.1:0", fast_options(dir.path())))
+                .unwrap();
+            let addr = d.addr.to_string();
+            let mut live: Vec<_> = (0..workers + kills.len())
+                .map(|_| {
+                    rt.block_on(worker::spawn(Synthetic::new(1), WorkerOptions::new(&addr)))
+                        .unwrap()
+                })
+                .collect();
+            let s = JobSpec { global_batch, split_batches, drop_last, ..spec(len) };
+            let opts = ClientOptions { window_splits: window, ..client_options() };
+            let mut c = Client::connect(&addr, s.clone(), 0, 1, None, opts).unwrap();
+            let got = read_epoch(&mut c, 1, |batch| {
+                if kills.contains(&batch) && live.len() > 1 {
+                    live.remove(0).stop();
+                }
+            })
+            .unwrap();
+            prop_assert_eq!(got, expected(&s, 1));
+        }
+    }
+}
