@@ -13,6 +13,11 @@ through tests/test_chaos.py).
    saved values or raise CorruptError / NotFoundError: never wrong values.
 4. manifest fuzzer: the proptest in crates/hindsight-core/tests/manifests.rs
    with many cases (mutated, re-signed manifests must be Corrupt, never a panic).
+5. input-service workers: each trial reads one epoch from `hs.data.Loader`
+   (3 worker processes) while a random worker is SIGKILLed or SIGSTOPped
+   (and SIGCONTed 1.5 s later) at a random batch. The epoch must hold every
+   example once, with the batches and random draws of a run without
+   failures; duplicates and missing examples are counted.
 
 Everything runs on local files in a temporary directory and stops by itself.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import random
 import shutil
@@ -203,6 +209,63 @@ def fuzz(cases: int) -> tuple[int, collections.Counter[str]]:
     return cases, kinds
 
 
+def _resume(pid: int) -> None:
+    """SIGCONT a stopped worker, unless it is gone by now."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+def data_workers(trials: int, rng: random.Random) -> tuple[int, collections.Counter[str]]:
+    import threading
+
+    sys.path.insert(0, str(REPO / "tests"))
+    import data_synth  # the test datasets: each example records its index and draws
+
+    kinds: collections.Counter[str] = collections.Counter()
+    dups = missing = 0
+    timers: list[threading.Timer] = []
+    with hs.data.Loader(
+        data_synth.make, batch_size=8, seed=1, workers="local:3", dataset_args={"n": 160, "sleep_ms": 2}
+    ) as loader:
+        for trial in range(trials):
+            loader.set_epoch(trial)
+            at, kill = rng.randrange(1, len(loader) - 1), rng.random() < 0.3
+            got = []
+            try:
+                for batch in loader:
+                    got.append(batch.clone())
+                    pids = loader.worker_pids()
+                    if len(got) == at and pids:
+                        victim = rng.choice(pids)
+                        if kill:
+                            os.kill(victim, signal.SIGKILL)
+                        else:
+                            os.kill(victim, signal.SIGSTOP)
+                            t = threading.Timer(1.5, _resume, (victim,))
+                            t.start()
+                            timers.append(t)
+            except hs.HindsightError as e:
+                kinds[type(e).__name__] += 1
+                continue
+            want = data_synth.expected(loader.spec, trial)
+            d, m = data_synth.audit(got, want)
+            dups, missing = dups + d, missing + m
+            if d or m:
+                kinds["duplicated or missing examples"] += 1
+            elif len(got) != len(want) or not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
+                kinds["batches differ from a run without failures"] += 1
+        stats = loader.stats()
+    for t in timers:
+        t.join()
+    print(
+        f"input service: {trials} epochs, {dups} duplicated and {missing} missing examples; "
+        f"failovers {stats['failovers']}, workers replaced {stats.get('workers_replaced', 0)}, "
+        f"stale units dropped {stats['stale_dropped']}",
+        flush=True,
+    )
+    return trials, kinds
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a short run of each (what CI runs)")
@@ -219,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("flip / truncate / delete one file", *corruption(30 if q else 400, base, rng)))
         if not args.no_fuzz:
             rows.append(("mutated, re-signed manifests", *fuzz(200 if q else 5000)))
+        rows.append(("input service: kill/stop workers", *data_workers(4 if q else 1000, rng)))
     print(f"\n{'experiment':<36} {'trials':>7} {'failures':>9}  failure kinds")
     failed = 0
     for name, trials, kinds in rows:

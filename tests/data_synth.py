@@ -33,6 +33,34 @@ def make(n: int = 200, sleep_ms: float = 0.0, fail_at: int | None = None) -> Dra
     return Draws(n, sleep_ms, fail_at)
 
 
+def expected(spec: object, epoch: int, rank: int = 0, world: int = 1) -> list[torch.Tensor]:
+    """What an epoch of ``make`` must deliver, computed without any worker:
+    the core's order, and each example's draws from its derived seed."""
+    from hindsight import _native
+
+    assert isinstance(spec, _native.JobSpec)
+    ds = make(spec.length)
+    out = []
+    for b in range(spec.batches_per_epoch()):
+        rows = []
+        for i in spec.batch_indices(epoch, b, rank, world):
+            s = _native.data_example_seed(spec.seed, epoch, i)
+            random.seed(s)
+            np.random.seed(s & 0xFFFF_FFFF)
+            torch.manual_seed(s)
+            rows.append(ds[i])
+        out.append(torch.stack(rows))
+    return out
+
+
+def audit(got: list[torch.Tensor], want: list[torch.Tensor]) -> tuple[int, int]:
+    """(duplicates, missing) of the delivered examples against the expected ones."""
+    seen = [int(i) for b in got for i in b[:, 0]]
+    dup = len(seen) - len(set(seen))
+    missing = len({int(i) for b in want for i in b[:, 0]} - set(seen))
+    return dup, missing
+
+
 def broken(n: int = 10) -> Draws:
     raise RuntimeError("this dataset cannot be built here")
 

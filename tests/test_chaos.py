@@ -20,3 +20,4 @@ def test_quick_chaos_finds_nothing() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     table = r.stdout[r.stdout.index("experiment") :]
     assert "kill -9" in table and "gc loop" in table and "flip / truncate / delete" in table
+    assert "input service" in table

@@ -5,6 +5,7 @@ workers and the dispatcher."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -21,7 +22,6 @@ import torch
 
 import data_synth
 import hindsight as hs
-from hindsight import _native
 from hindsight.data._codec import decode, encode
 from hindsight.errors import (
     DataMismatchError,
@@ -35,21 +35,8 @@ from conftest import hindsight_cmd
 SEED = 5
 
 
-def expected_epoch(spec: _native.JobSpec, epoch: int, rank: int = 0, world: int = 1) -> list[torch.Tensor]:
-    """What an epoch must deliver, computed here without any worker: the
-    core's order, and each example's draws from its derived seed."""
-    ds = data_synth.make(spec.length)
-    out = []
-    for b in range(spec.batches_per_epoch()):
-        rows = []
-        for i in spec.batch_indices(epoch, b, rank, world):
-            s = _native.data_example_seed(spec.seed, epoch, i)
-            random.seed(s)
-            np.random.seed(s & 0xFFFF_FFFF)
-            torch.manual_seed(s)
-            rows.append(ds[i])
-        out.append(torch.stack(rows))
-    return out
+expected_epoch = data_synth.expected
+audit = data_synth.audit
 
 
 def read(loader: hs.data.Loader, epoch: int, during=None) -> list[torch.Tensor]:
@@ -60,14 +47,6 @@ def read(loader: hs.data.Loader, epoch: int, during=None) -> list[torch.Tensor]:
         if during is not None:
             during(len(got))
     return got
-
-
-def audit(got: list[torch.Tensor], want: list[torch.Tensor]) -> tuple[int, int]:
-    """(duplicates, missing) of the delivered examples against the expected ones."""
-    seen = [int(i) for b in got for i in b[:, 0]]
-    dup = len(seen) - len(set(seen))
-    missing = len({int(i) for b in want for i in b[:, 0]} - set(seen))
-    return dup, missing
 
 
 def same(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
@@ -104,6 +83,11 @@ def test_ranks_get_disjoint_slices_of_the_same_global_batches():
         assert torch.equal(torch.cat([per_rank[0][b], per_rank[1][b]]), want)
 
 
+def resume(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
 def test_killed_and_stopped_workers_change_nothing_the_trainer_sees():
     """Worker chaos, bounded: SIGKILL and SIGSTOP/SIGCONT random workers at
     random moments of two epochs; the batches must be exactly those of a run
@@ -125,7 +109,7 @@ def test_killed_and_stopped_workers_change_nothing_the_trainer_sees():
                 if n == stop_at and pids:
                     victim = rng.choice(pids)
                     os.kill(victim, signal.SIGSTOP)
-                    t = threading.Timer(2.0, lambda: os.kill(victim, signal.SIGCONT))
+                    t = threading.Timer(2.0, resume, (victim,))
                     t.start()
                     resumes.append(t)
 

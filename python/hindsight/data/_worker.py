@@ -98,7 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--args", default="{}", help="JSON keyword arguments of the factory")
     p.add_argument("--collate", default=None, help="module:function (default: torch's default_collate)")
     p.add_argument("--bind", default="0.0.0.0:0", help="where to listen (default: any port)")
-    p.add_argument("--advertise", default=None, help="host[:port] clients use to reach this worker (port 0 or none: the bound port)")
+    p.add_argument(
+        "--advertise",
+        default=None,
+        help="host[:port] clients use to reach this worker (port 0 or none: the bound port)",
+    )
     p.add_argument("--parent-pid", type=int, default=None, help="stop when this process is gone (local workers)")
     a = p.parse_args(argv)
     try:
