@@ -293,6 +293,26 @@ impl Inner {
             )));
         };
         let Some((worker_id, worker_addr)) = shared.state.pick_worker(job, avoid) else {
+            // Workers that serve the dataset from other code will never
+            // do: refuse at once instead of waiting for a matching one.
+            let others: Vec<&str> = shared
+                .state
+                .workers
+                .values()
+                .filter(|w| {
+                    w.alive && w.dataset == job.dataset && w.code_version != job.code_version
+                })
+                .map(|w| w.code_version.as_str())
+                .collect();
+            if !others.is_empty() {
+                return Err(Status::failed_precondition(format!(
+                    "code version mismatch: the job wants dataset {} at code version {}, the live \
+                     workers run version(s) {}; start the workers from the same code as the trainer",
+                    job.dataset,
+                    job.code_version,
+                    others.join(", ")
+                )));
+            }
             return Err(Status::unavailable(format!(
                 "no live worker serves dataset {} (code version {})",
                 job.dataset, job.code_version

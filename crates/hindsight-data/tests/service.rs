@@ -306,6 +306,34 @@ fn attaching_a_changed_job_names_the_difference() {
 }
 
 #[test]
+fn workers_running_other_code_are_refused_at_once_naming_both_versions() {
+    let rt = runtime();
+    let dir = tempfile::tempdir().unwrap();
+    let d = rt
+        .block_on(dispatcher::spawn("127.0.0.1:0", fast_options(dir.path())))
+        .unwrap();
+    let addr = d.addr.to_string();
+    let _w = rt
+        .block_on(worker::spawn(Synthetic::new(0), WorkerOptions::new(&addr)))
+        .unwrap();
+    let newer = JobSpec {
+        code_version: "v2".into(),
+        ..spec(40)
+    };
+    let mut c = Client::connect(&addr, newer, 0, 1, None, client_options()).unwrap();
+    let started = std::time::Instant::now();
+    let err = read_epoch(&mut c, 0, |_| {}).unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "refused only after {:?}",
+        started.elapsed()
+    );
+    assert!(matches!(err, Error::Mismatch { .. }), "{err:?}");
+    let text = err.to_string();
+    assert!(text.contains("v1") && text.contains("v2"), "{text}");
+}
+
+#[test]
 fn an_unreachable_dispatcher_fails_fast_naming_the_address() {
     // A port nobody listens on: bind one, then close it.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
