@@ -72,6 +72,11 @@ bench: develop-release ## Benchmarks: checkpoints vs torch.save/load, record ove
 	$(PY) benches/bench_replay.py
 	$(PY) benches/bench_preempt.py
 
+.PHONY: bench-data
+bench-data: develop-release ## Input service: hs.data.Loader vs DataLoader examples/s, a worker killed (bench-out/data_failover.png), journal replay
+	$(PY) -m pip install --quiet -r requirements-bench.txt
+	$(PY) benches/bench_data.py
+
 .PHONY: chaos
 chaos: develop-release ## Fault injection (kill -9, gc vs writers, corruption, manifest fuzzer): table of trials and failures
 	$(PY) benches/chaos.py

@@ -90,3 +90,58 @@ class Augmented(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
 
 def augmented(n: int = 2048, size: int = 96) -> Augmented:
     return Augmented(n, size)
+
+
+class Records:
+    """A sharded dataset: shards of records read in order, like files of a
+    web dataset. Each record is (shard, offset); ``transform`` adds the
+    example's random draws. Every ``open`` is appended to ``open_log``."""
+
+    def __init__(self, counts: list[int], open_log: str | None):
+        self.counts, self.open_log = counts, open_log
+
+    def shards(self) -> list[int]:
+        return self.counts
+
+    def open(self, shard: int, offset: int):  # type: ignore[no-untyped-def]
+        if self.open_log:
+            with open(self.open_log, "a") as f:
+                f.write(f"{shard} {offset}\n")
+        for o in range(offset, self.counts[shard]):
+            yield (shard, o)
+
+    def transform(self, record: tuple[int, int]) -> torch.Tensor:
+        shard, offset = record
+        return torch.tensor(
+            [float(shard), float(offset), random.random(), float(np.random.rand()), float(torch.rand(()))],
+            dtype=torch.float64,
+        )
+
+
+def records(counts: list[int], open_log: str | None = None) -> Records:
+    return Records(counts, open_log)
+
+
+def expected_records(spec: object, epoch: int) -> list[torch.Tensor]:
+    """What an epoch of ``records`` must deliver (one rank)."""
+    import bisect
+
+    from hindsight import _native
+
+    assert isinstance(spec, _native.JobSpec)
+    ds = Records(list(spec.shards), None)
+    bases = [sum(spec.shards[:i]) for i in range(len(spec.shards))]
+    out = []
+    for b in range(spec.batches_per_epoch()):
+        rows = []
+        for i in spec.batch_indices(epoch, b, 0, 1):
+            shard = bisect.bisect_right(bases, i) - 1
+            while spec.shards[shard] == 0:
+                shard -= 1
+            s = _native.data_example_seed(spec.seed, epoch, i)
+            random.seed(s)
+            np.random.seed(s & 0xFFFF_FFFF)
+            torch.manual_seed(s)
+            rows.append(ds.transform((shard, i - bases[shard])))
+        out.append(torch.stack(rows))
+    return out

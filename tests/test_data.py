@@ -124,6 +124,37 @@ def test_killed_and_stopped_workers_change_nothing_the_trainer_sees():
     assert stats["workers_replaced"] >= 1, stats
 
 
+def test_a_sharded_dataset_is_read_sequentially_each_record_once_in_a_seeded_order(tmp_path):
+    """Shards read with open(shard, offset): every record once per epoch,
+    the same batches whatever the worker count or a worker kill, and a
+    handful of opens (each split reads its shards as contiguous runs)."""
+    counts = [37, 0, 50, 23, 60]
+    got = {}
+    for workers in ("local:1", "local:2"):
+        log = tmp_path / f"opens-{workers[-1]}"
+        args = {"counts": counts, "open_log": str(log)}
+        with hs.data.Loader(data_synth.records, batch_size=8, seed=SEED, workers=workers, dataset_args=args) as loader:
+            spec = loader.spec
+            pids = []
+
+            def kill_once(n: int, pids: list[int] = pids) -> None:
+                if workers == "local:2" and n == 6 and not pids:
+                    pids.append(loader.worker_pids()[0])
+                    os.kill(pids[0], signal.SIGKILL)
+
+            got[workers] = [read(loader, e, kill_once) for e in (0, 1)]
+        opens = len(log.read_text().splitlines())
+        splits = -(-spec.batches_per_epoch() // spec.split_batches)
+        assert opens <= 2 * (splits + len(counts)) + 4, f"{opens} opens: records are not read sequentially"
+    assert list(spec.shards) == counts
+    for e in (0, 1):
+        want = data_synth.expected_records(spec, e)
+        for workers in got:
+            assert same(got[workers][e], want), f"{workers}, epoch {e}"
+        seen = sorted((int(r[0]), int(r[1])) for b in got["local:2"][e] for r in b)
+        assert seen == [(s, o) for s, n in enumerate(counts) for o in range(n)]
+
+
 def test_a_dataset_that_raises_reaches_the_trainer_with_its_traceback():
     with hs.data.Loader(
         data_synth.make, batch_size=4, workers="local:1", dataset_args={"n": 40, "fail_at": 13}, shuffle=False

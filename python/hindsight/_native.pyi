@@ -330,6 +330,7 @@ class JobSpec:
     split_batches: int
     drop_last: bool
     shuffle: bool
+    shards: list[int]
     def __new__(
         cls,
         *,
@@ -342,6 +343,7 @@ class JobSpec:
         split_batches: int,
         drop_last: bool,
         shuffle: bool,
+        shards: list[int] = ...,
     ) -> Self: ...
     def job_id(self) -> str: ...
     def differences(self, other: JobSpec) -> list[str]: ...
@@ -393,7 +395,7 @@ def serve_data_worker(
     dispatcher: str,
     dataset: str,
     code_version: str,
-    produce: Callable[[int, int, list[int], list[int]], bytes],
+    produce: Callable[..., bytes],
     *,
     bind: str = "127.0.0.1:0",
     advertise: str | None = None,

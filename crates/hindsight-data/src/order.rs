@@ -57,6 +57,10 @@ pub struct JobSpec {
     pub drop_last: bool,
     /// Shuffle each epoch; otherwise positions are dataset indices.
     pub shuffle: bool,
+    /// Record counts of the shards of a sharded dataset (read sequentially
+    /// with `open(shard, offset)`); empty for a map-style dataset.
+    #[serde(default)]
+    pub shards: Vec<u64>,
 }
 
 /// Versions the [`JobSpec::job_id`] encoding: bump it with any change to it.
@@ -82,6 +86,13 @@ impl JobSpec {
         }
         if self.split_batches == 0 {
             return invalid("split_batches", "must be at least 1");
+        }
+        let records = self
+            .shards
+            .iter()
+            .try_fold(0u64, |sum, n| sum.checked_add(*n));
+        if !self.shards.is_empty() && records != Some(self.length) {
+            return invalid("shards", "record counts must add up to length");
         }
         Ok(())
     }
@@ -110,6 +121,11 @@ impl JobSpec {
         bytes("split_batches", &self.split_batches.to_le_bytes());
         bytes("drop_last", &[u8::from(self.drop_last)]);
         bytes("shuffle", &[u8::from(self.shuffle)]);
+        // Absent for map-style jobs, so their ids stay what they were.
+        if !self.shards.is_empty() {
+            let counts: Vec<u8> = self.shards.iter().flat_map(|n| n.to_le_bytes()).collect();
+            bytes("shards", &counts);
+        }
         let mut id = h.finalize().to_hex().to_string();
         id.truncate(32);
         id
@@ -139,6 +155,19 @@ impl JobSpec {
         cmp!(split_batches, "{}");
         cmp!(drop_last, "{}");
         cmp!(shuffle, "{}");
+        if self.shards != other.shards {
+            let describe = |s: &[u64]| match s.len() {
+                0 => "map-style".to_string(),
+                n => format!("{n} shards of {} records", s.iter().sum::<u64>()),
+            };
+            let first = self.shards.iter().zip(&other.shards).position(|(a, b)| a != b);
+            let at = first.map_or(String::new(), |i| format!(", first difference at shard {i}"));
+            out.push(format!(
+                "shards: {} != {}{at}",
+                describe(&self.shards),
+                describe(&other.shards)
+            ));
+        }
         out
     }
 
@@ -216,6 +245,136 @@ impl JobSpec {
             Permutation::identity(self.length)
         }
     }
+
+    /// The order of `epoch` for either kind of dataset.
+    ///
+    /// A sharded dataset is read sequentially, so it cannot be permuted
+    /// globally: its shards are visited in a keyed order, and the records
+    /// of each split (a few consecutive batches) are shuffled among
+    /// themselves, like a shuffle buffer of one split. A worker then reads
+    /// each split as a few contiguous runs of records.
+    pub fn order(&self, epoch: u64) -> EpochOrder {
+        if self.shards.is_empty() {
+            return EpochOrder::Map(self.permutation(epoch));
+        }
+        let n = self.shards.len() as u64;
+        let visit = if self.shuffle {
+            Permutation::new(self.seed ^ SHARD_DOMAIN, epoch, n)
+        } else {
+            Permutation::identity(n)
+        };
+        let mut bases = Vec::with_capacity(self.shards.len());
+        let mut sum = 0u64;
+        for count in &self.shards {
+            bases.push(sum);
+            sum = sum.saturating_add(*count);
+        }
+        let mut starts = Vec::with_capacity(self.shards.len() + 1);
+        let mut shards = Vec::with_capacity(self.shards.len());
+        let mut at = 0u64;
+        for slot in 0..n {
+            let shard = visit.index(slot) as usize;
+            starts.push(at);
+            shards.push(shard);
+            at = at.saturating_add(self.shards[shard]);
+        }
+        starts.push(at);
+        EpochOrder::Sharded(ShardedOrder {
+            seed: self.seed,
+            epoch,
+            shuffle: self.shuffle,
+            len: self.length,
+            split_len: self.global_batch.saturating_mul(self.split_batches).max(1),
+            bases,
+            starts,
+            shards,
+            counts: self.shards.clone(),
+        })
+    }
+}
+
+/// Where a record of a sharded dataset lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardOffset {
+    pub shard: u64,
+    pub offset: u64,
+}
+
+/// The order of one epoch: position -> dataset index (and, for a sharded
+/// dataset, where that record is read).
+#[derive(Debug, Clone)]
+pub enum EpochOrder {
+    Map(Permutation),
+    Sharded(ShardedOrder),
+}
+
+/// See [`JobSpec::order`].
+#[derive(Debug, Clone)]
+pub struct ShardedOrder {
+    seed: u64,
+    epoch: u64,
+    shuffle: bool,
+    len: u64,
+    split_len: u64,
+    /// First record id of each shard, in the dataset's own shard order.
+    bases: Vec<u64>,
+    /// First position of each visited shard, in the epoch's visiting order
+    /// (one more entry: the end).
+    starts: Vec<u64>,
+    /// The shard visited at each slot.
+    shards: Vec<usize>,
+    counts: Vec<u64>,
+}
+
+impl EpochOrder {
+    /// The dataset index at `position` (a record id for a sharded dataset:
+    /// shards concatenated in their own order).
+    pub fn index(&self, position: u64) -> u64 {
+        match self {
+            EpochOrder::Map(p) => p.index(position),
+            EpochOrder::Sharded(s) => {
+                let at = s.locate(position);
+                s.bases[at.shard as usize] + at.offset
+            }
+        }
+    }
+
+    /// Where the record at `position` is read; None for a map-style dataset.
+    pub fn shard_offset(&self, position: u64) -> Option<ShardOffset> {
+        match self {
+            EpochOrder::Map(_) => None,
+            EpochOrder::Sharded(s) => Some(s.locate(position)),
+        }
+    }
+}
+
+impl ShardedOrder {
+    fn locate(&self, position: u64) -> ShardOffset {
+        let q = if self.shuffle {
+            let split = position / self.split_len;
+            let start = split * self.split_len;
+            let n = self.split_len.min(self.len.saturating_sub(start));
+            let key = mix(mix(self.seed ^ SPLIT_DOMAIN) ^ split);
+            start + Permutation::new(key, self.epoch, n).index(position - start)
+        } else {
+            position
+        };
+        // The last visited shard starting at or before q (empty shards
+        // share a start with the next one and are skipped).
+        let slot = self
+            .starts
+            .partition_point(|&s| s <= q)
+            .saturating_sub(1)
+            .min(self.shards.len().saturating_sub(1));
+        let mut slot = slot;
+        while slot > 0 && self.counts[self.shards[slot]] == 0 {
+            slot -= 1;
+        }
+        ShardOffset {
+            shard: self.shards[slot] as u64,
+            offset: q - self.starts[slot],
+        }
+    }
 }
 
 /// Feistel rounds; 4 already make a strong pseudo-random permutation, the
@@ -226,6 +385,8 @@ const ROUNDS: usize = 8;
 /// the example seeds never coincide for the same numbers.
 const PERMUTATION_DOMAIN: u64 = 0x6869_6e64_7065_726d; // "hindperm"
 const EXAMPLE_DOMAIN: u64 = 0x6869_6e64_6578_6d70; // "hindexmp"
+const SHARD_DOMAIN: u64 = 0x6869_6e64_7368_7264; // "hindshrd"
+const SPLIT_DOMAIN: u64 = 0x6869_6e64_7370_6c74; // "hindsplt"
 
 /// A stateless bijection of `0..len` keyed by `(seed, epoch)`.
 ///
@@ -354,6 +515,7 @@ mod tests {
             split_batches: 4,
             drop_last: false,
             shuffle: true,
+            shards: vec![],
         }
     }
 
@@ -717,6 +879,7 @@ mod tests {
                 "shuffle",
                 JobSpec {
                     shuffle: false,
+                    shards: vec![],
                     ..b
                 },
             ),
@@ -770,6 +933,7 @@ mod tests {
         let two = JobSpec {
             seed: 1,
             shuffle: false,
+            shards: vec![],
             ..spec()
         };
         assert_eq!(
@@ -805,4 +969,80 @@ mod tests {
             assert_ne!(example_seed(s, e, i), example_seed(e, s, i), "{k}");
         }
     }
+
+    fn sharded(counts: Vec<u64>, shuffle: bool) -> JobSpec {
+        JobSpec {
+            dataset: "shards:make".into(),
+            dataset_args: "{}".into(),
+            code_version: "v1".into(),
+            seed: 3,
+            length: counts.iter().sum(),
+            global_batch: 4,
+            split_batches: 3,
+            drop_last: false,
+            shuffle,
+            shards: counts,
+        }
+    }
+
+    proptest! {
+        /// Every record once per epoch, and each split reads every shard it
+        /// touches as one contiguous run (sequential reads, no seeks).
+        #[test]
+        fn sharded_orders_cover_every_record_once_in_contiguous_runs_per_split(
+            counts in proptest::collection::vec(0u64..40, 1..8),
+            shuffle in any::<bool>(),
+            epoch in 0u64..5,
+        ) {
+            prop_assume!(counts.iter().sum::<u64>() > 0);
+            let spec = sharded(counts.clone(), shuffle);
+            spec.validate().unwrap();
+            let order = spec.order(epoch);
+            let len = spec.length;
+            let mut seen: Vec<u64> = (0..len).map(|p| order.index(p)).collect();
+            seen.sort_unstable();
+            prop_assert_eq!(seen, (0..len).collect::<Vec<_>>());
+            let split_len = spec.global_batch * spec.split_batches;
+            let mut start = 0;
+            while start < len {
+                let end = (start + split_len).min(len);
+                let mut by_shard: std::collections::BTreeMap<u64, Vec<u64>> = Default::default();
+                for p in start..end {
+                    let at = order.shard_offset(p).unwrap();
+                    prop_assert!(at.offset < counts[at.shard as usize]);
+                    by_shard.entry(at.shard).or_default().push(at.offset);
+                }
+                for offsets in by_shard.values_mut() {
+                    offsets.sort_unstable();
+                    let first = offsets[0];
+                    prop_assert_eq!(offsets.clone(), (first..first + offsets.len() as u64).collect::<Vec<_>>());
+                }
+                start = end;
+            }
+            if !shuffle {
+                prop_assert!((0..len).all(|p| order.index(p) == p));
+            }
+        }
+    }
+
+    #[test]
+    fn sharded_jobs_change_their_order_per_epoch_and_name_shard_differences() {
+        let spec = sharded(vec![30, 0, 25, 40, 12], true);
+        let a: Vec<u64> = (0..spec.length).map(|p| spec.order(0).index(p)).collect();
+        let b: Vec<u64> = (0..spec.length).map(|p| spec.order(1).index(p)).collect();
+        assert_ne!(a, b);
+        let mut other = spec.clone();
+        other.shards[2] = 26;
+        other.length += 1;
+        assert_ne!(spec.job_id(), other.job_id());
+        let diff = spec.differences(&other);
+        assert!(diff.iter().any(|d| d.starts_with("shards:") && d.contains("shard 2")), "{diff:?}");
+        let mut bad = spec.clone();
+        bad.length += 1;
+        assert!(bad.validate().unwrap_err().to_string().contains("shards"));
+        // A map-style job keeps the id it had before shards existed.
+        let map = JobSpec { shards: vec![], ..spec };
+        assert_eq!(map.job_id(), JobSpec { shards: vec![], ..map.clone() }.job_id());
+    }
+
 }

@@ -20,6 +20,7 @@ impl From<&crate::order::JobSpec> for JobSpec {
             split_batches: s.split_batches,
             drop_last: s.drop_last,
             shuffle: s.shuffle,
+            shards: s.shards.clone(),
         }
     }
 }
@@ -36,6 +37,7 @@ impl From<&JobSpec> for crate::order::JobSpec {
             split_batches: s.split_batches,
             drop_last: s.drop_last,
             shuffle: s.shuffle,
+            shards: s.shards.clone(),
         }
     }
 }

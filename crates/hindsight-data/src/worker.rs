@@ -15,7 +15,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
 
 use crate::error::{Error, Result};
-use crate::order::{example_seed, JobSpec};
+use crate::order::{example_seed, EpochOrder, JobSpec};
 use crate::proto::{self, check_protocol};
 
 /// What the worker asks the user's pipeline for: one rank's slice of one
@@ -29,6 +29,9 @@ pub struct UnitRequest<'a> {
     pub indices: &'a [u64],
     /// The seed of every random draw for the example at the same position.
     pub seeds: &'a [u64],
+    /// Sharded datasets: where each record is read (empty otherwise).
+    pub shards: &'a [u64],
+    pub offsets: &'a [u64],
 }
 
 /// The user's code raised: the text (a traceback) goes to the client.
@@ -52,22 +55,36 @@ pub fn digest(payload: &[u8]) -> Vec<u8> {
     blake3::hash(payload).as_bytes()[..16].to_vec()
 }
 
-/// The indices and seeds of one rank's slice of a global batch.
+/// What one rank's slice of a global batch holds.
+#[derive(Debug, Clone, Default)]
+pub struct UnitIndices {
+    pub indices: Vec<u64>,
+    pub seeds: Vec<u64>,
+    /// Sharded datasets only: the shard and offset of each record.
+    pub shards: Vec<u64>,
+    pub offsets: Vec<u64>,
+}
+
+/// The indices, seeds (and shard offsets) of one rank's slice of a global batch.
 pub fn unit_indices(
     spec: &JobSpec,
-    perm: &crate::order::Permutation,
+    order: &EpochOrder,
     epoch: u64,
     batch: u64,
     rank: u32,
     world: u32,
-) -> Result<(Vec<u64>, Vec<u64>)> {
-    let positions = spec.rank_positions(batch, rank, world)?;
-    let indices: Vec<u64> = positions.map(|p| perm.index(p)).collect();
-    let seeds = indices
-        .iter()
-        .map(|&i| example_seed(spec.seed, epoch, i))
-        .collect();
-    Ok((indices, seeds))
+) -> Result<UnitIndices> {
+    let mut out = UnitIndices::default();
+    for p in spec.rank_positions(batch, rank, world)? {
+        let index = order.index(p);
+        out.indices.push(index);
+        out.seeds.push(example_seed(spec.seed, epoch, index));
+        if let Some(at) = order.shard_offset(p) {
+            out.shards.push(at.shard);
+            out.offsets.push(at.offset);
+        }
+    }
+    Ok(out)
 }
 
 pub(crate) async fn connect(
@@ -188,23 +205,24 @@ impl proto::worker_server::Worker for WorkerService {
         let active = self.active.clone();
         active.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         tokio::task::spawn_blocking(move || {
-            let perm = spec.permutation(key.epoch);
+            let order = spec.order(key.epoch);
             for batch in a.from_batch..batches.end {
                 if tx.is_closed() {
                     break;
                 }
                 let unit = (|| {
-                    let (indices, seeds) =
-                        unit_indices(&spec, &perm, key.epoch, batch, key.rank, req.world)
-                            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+                    let u = unit_indices(&spec, &order, key.epoch, batch, key.rank, req.world)
+                        .map_err(|e| Status::invalid_argument(e.to_string()))?;
                     let payload = {
                         let _one = compute.lock().unwrap_or_else(|p| p.into_inner());
                         pipeline.produce(&UnitRequest {
                             spec: &spec,
                             epoch: key.epoch,
                             batch,
-                            indices: &indices,
-                            seeds: &seeds,
+                            indices: &u.indices,
+                            seeds: &u.seeds,
+                            shards: &u.shards,
+                            offsets: &u.offsets,
                         })
                     }
                     // Aborted is reserved for the user's code failing: the
@@ -216,7 +234,7 @@ impl proto::worker_server::Worker for WorkerService {
                         attempt: a.attempt,
                         digest: digest(&payload),
                         payload,
-                        indices,
+                        indices: u.indices,
                     })
                 })();
                 let failed = unit.is_err();

@@ -65,6 +65,7 @@ fn spec(len: u64) -> JobSpec {
         split_batches: 3,
         drop_last: false,
         shuffle: true,
+        shards: vec![],
     }
 }
 

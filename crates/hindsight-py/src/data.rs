@@ -35,6 +35,8 @@ pub(crate) struct PyJobSpec {
     split_batches: u64,
     drop_last: bool,
     shuffle: bool,
+    /// Record counts of a sharded dataset's shards (empty: map-style).
+    shards: Vec<u64>,
 }
 
 impl PyJobSpec {
@@ -49,6 +51,7 @@ impl PyJobSpec {
             split_batches: self.split_batches,
             drop_last: self.drop_last,
             shuffle: self.shuffle,
+            shards: self.shards.clone(),
         }
     }
 }
@@ -56,7 +59,7 @@ impl PyJobSpec {
 #[pymethods]
 impl PyJobSpec {
     #[new]
-    #[pyo3(signature = (*, dataset, dataset_args, code_version, seed, length, global_batch, split_batches, drop_last, shuffle))]
+    #[pyo3(signature = (*, dataset, dataset_args, code_version, seed, length, global_batch, split_batches, drop_last, shuffle, shards=Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         dataset: String,
@@ -68,6 +71,7 @@ impl PyJobSpec {
         split_batches: u64,
         drop_last: bool,
         shuffle: bool,
+        shards: Vec<u64>,
     ) -> PyResult<Self> {
         let s = PyJobSpec {
             dataset,
@@ -79,6 +83,7 @@ impl PyJobSpec {
             split_batches,
             drop_last,
             shuffle,
+            shards,
         };
         s.core()
             .validate()
@@ -103,9 +108,8 @@ impl PyJobSpec {
     /// `batch` of `epoch` (what a worker computes; for audits and tests).
     fn batch_indices(&self, epoch: u64, batch: u64, rank: u32, world: u32) -> PyResult<Vec<u64>> {
         let spec = self.core();
-        let perm = spec.permutation(epoch);
-        worker::unit_indices(&spec, &perm, epoch, batch, rank, world)
-            .map(|(indices, _)| indices)
+        worker::unit_indices(&spec, &spec.order(epoch), epoch, batch, rank, world)
+            .map(|u| u.indices)
             .map_err(ToPyErr::to_pyerr)
     }
 
@@ -311,18 +315,17 @@ impl Pipeline for PyPipeline {
     }
     fn produce(&self, req: &UnitRequest<'_>) -> Result<Vec<u8>, PipelineFailure> {
         Python::attach(|py| {
-            let out = self
-                .produce
-                .call1(
-                    py,
-                    (
-                        req.epoch,
-                        req.batch,
-                        req.indices.to_vec(),
-                        req.seeds.to_vec(),
-                    ),
-                )
-                .and_then(|v| v.extract::<Vec<u8>>(py));
+            // Map-style: (epoch, batch, indices, seeds); sharded: plus the
+            // shard and offset of each record.
+            let (indices, seeds) = (req.indices.to_vec(), req.seeds.to_vec());
+            let called = if req.shards.is_empty() {
+                self.produce.call1(py, (req.epoch, req.batch, indices, seeds))
+            } else {
+                let (shards, offsets) = (req.shards.to_vec(), req.offsets.to_vec());
+                let args = (req.epoch, req.batch, indices, seeds, shards, offsets);
+                self.produce.call1(py, args)
+            };
+            let out = called.and_then(|v| v.extract::<Vec<u8>>(py));
             out.map_err(|e| PipelineFailure {
                 detail: traceback(py, &e),
             })

@@ -21,6 +21,7 @@ from typing import Any
 
 from hindsight import _native
 from hindsight.data._codec import decode
+from hindsight.data._worker import is_sharded
 from hindsight.errors import DataMismatchError, InvalidArgumentError, NoDataWorkersError
 
 
@@ -147,7 +148,10 @@ class Loader:
     exactly once per epoch, in the order (seed, epoch) fixes.
 
     ``dataset`` is a factory (called with ``dataset_args``) returning a
-    map-style dataset, so workers on other machines can build it.
+    map-style dataset (``len`` and ``[i]``) or a sharded one (``shards()``:
+    record counts, ``open(shard, offset)``: an iterator of records from
+    there, and optionally ``transform(record)`` for random augmentation),
+    so workers on other machines can build it.
     ``workers="local:N"`` runs N worker processes here (a drop-in for
     ``DataLoader(num_workers=N)``); ``"host:port"`` attaches to a
     dispatcher started with ``hindsight data dispatcher``.
@@ -189,8 +193,14 @@ class Loader:
             ) from e
         if rank is None or world is None:
             rank, world = _world()
+        shards: list[int] = []
         if length is None:
-            length = len(dataset(**args))
+            probe = dataset(**args)
+            if is_sharded(probe):
+                shards = [int(n) for n in probe.shards()]
+                length = sum(shards)
+            else:
+                length = len(probe)
         name = _importable(dataset, "dataset")
         collate_name = _importable(collate_fn, "collate_fn") if collate_fn is not None else None
         version = code_version(dataset, collate_fn)
@@ -204,6 +214,7 @@ class Loader:
             split_batches=split_batches,
             drop_last=drop_last,
             shuffle=shuffle,
+            shards=shards,
         )
         self.rank, self.world = rank, world
         self._local: _LocalWorkers | None = None
@@ -284,6 +295,7 @@ class Loader:
                 "split_batches": s.split_batches,
                 "drop_last": s.drop_last,
                 "shuffle": s.shuffle,
+                "shards": list(s.shards),
             },
         }
 

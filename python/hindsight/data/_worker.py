@@ -46,23 +46,82 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def is_sharded(ds: object) -> bool:
+    """A sharded dataset: ``shards()`` (record counts) and ``open(shard, offset)``."""
+    return callable(getattr(ds, "shards", None)) and callable(getattr(ds, "open", None))
+
+
+_MISSING = object()
+
+
+class ShardReader:
+    """Reads records of a sharded dataset sequentially. A unit's records are
+    scattered over its split's contiguous runs: reading one record reads
+    (and keeps) those before it in the same shard, which later units of the
+    split need. Only a worker that starts mid-split (after a failover) or a
+    record already passed reopens a shard."""
+
+    def __init__(self, ds: Any, keep: int = 1 << 16):
+        self.ds, self.keep = ds, keep
+        self.cursors: dict[int, list[Any]] = {}  # shard -> [iterator, next offset]
+        self.ahead: dict[tuple[int, int], Any] = {}
+        self.opens = 0
+
+    def get(self, shard: int, offset: int) -> Any:
+        rec = self.ahead.pop((shard, offset), _MISSING)
+        if rec is not _MISSING:
+            return rec
+        cur = self.cursors.get(shard)
+        if cur is None or cur[1] > offset:
+            cur = [iter(self.ds.open(shard, offset)), offset]
+            self.cursors[shard] = cur
+            self.opens += 1
+        while cur[1] < offset:
+            self.ahead[(shard, cur[1])] = next(cur[0])
+            cur[1] += 1
+        rec = next(cur[0])
+        cur[1] += 1
+        while len(self.ahead) > self.keep:  # abandoned splits: forget the oldest
+            del self.ahead[next(iter(self.ahead))]
+        return rec
+
+
 def make_produce(
     factory: Callable[..., Any], args: dict[str, Any], collate_fn: Callable[[list[Any]], Any] | None
-) -> Callable[[int, int, list[int], list[int]], bytes]:
+) -> Callable[..., bytes]:
     """The function the worker server calls for each unit. The dataset is
     built on first use, so a factory that raises reaches the trainer as a
-    pipeline error with its traceback."""
+    pipeline error with its traceback. Records of a sharded dataset are
+    read without randomness; each then goes through ``ds.transform`` (if
+    any) after the example's seeding, so augmentation is reproducible."""
     collate = collate_fn or torch.utils.data.default_collate
     built: list[Any] = []
 
-    def produce(epoch: int, batch: int, indices: list[int], seeds: list[int]) -> bytes:
+    def produce(
+        epoch: int,
+        batch: int,
+        indices: list[int],
+        seeds: list[int],
+        shards: list[int] | None = None,
+        offsets: list[int] | None = None,
+    ) -> bytes:
         if not built:
-            built.append(factory(**args))
-        ds = built[0]
+            ds = factory(**args)
+            built.extend([ds, ShardReader(ds) if is_sharded(ds) else None])
+        ds, reader = built
         items = []
-        for index, seed in zip(indices, seeds, strict=True):
-            _seed_all(seed)
-            items.append(ds[index])
+        if shards is not None and offsets is not None:
+            if reader is None:
+                raise TypeError(f"{type(ds).__name__} has no shards()/open(): the job says the dataset is sharded")
+            transform = getattr(ds, "transform", None)
+            for shard, offset, seed in zip(shards, offsets, seeds, strict=True):
+                record = reader.get(shard, offset)
+                _seed_all(seed)
+                items.append(transform(record) if transform is not None else record)
+        else:
+            for index, seed in zip(indices, seeds, strict=True):
+                _seed_all(seed)
+                items.append(ds[index])
         return encode(collate(items))
 
     return produce
