@@ -137,7 +137,7 @@ def test_a_sharded_dataset_is_read_sequentially_each_record_once_in_a_seeded_ord
             spec = loader.spec
             pids = []
 
-            def kill_once(n: int, pids: list[int] = pids) -> None:
+            def kill_once(n: int, pids: list[int] = pids, workers: str = workers) -> None:
                 if workers == "local:2" and n == 6 and not pids:
                     pids.append(loader.worker_pids()[0])
                     os.kill(pids[0], signal.SIGKILL)
@@ -381,3 +381,25 @@ def test_training_fed_by_the_service_resumes_bit_identical_after_preemption(tmp_
     assert stdout.count("step ") <= 40 - at + 1 + (40 if how == "kill-9" else 0)
     weights = torch.load(out)
     assert all(torch.equal(weights[k], trained[k]) for k in trained), f"weights differ ({how} at step {at})"
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b'{"T": 0, "n": 1000000, "dtype": "float32", "shape": [250000]}',  # past the end
+        b'{"T": -64, "n": 4, "dtype": "float32", "shape": [1]}',  # before the buffers
+        b'{"T": 0, "n": 4, "dtype": "load", "shape": [1]}',  # not a dtype
+        b'{"N": 0, "n": 8, "dtype": "O", "shape": [1]}',  # Python objects
+        b'{"T": 0, "n": 4, "dtype": "float32", "shape": [2]}',  # shape vs size
+        b'{"B": 0, "n": -3}',
+        b"[1, 2]",
+        b"not json",
+    ],
+)
+def test_a_malformed_unit_is_a_named_corrupt_error_never_a_wrong_value(header):
+    from hindsight.errors import CorruptError
+
+    payload = bytearray(b"HSU1" + len(header).to_bytes(4, "little") + header)
+    payload += bytes((-len(payload)) % 64) + bytes(16)
+    with pytest.raises(CorruptError, match="data unit"):
+        decode(payload)

@@ -88,6 +88,16 @@ pub struct ClientStats {
 
 type Item = Result<Option<Delivered>>;
 
+/// Broken streams of one split, without a unit in between, before the
+/// epoch fails (each on a different worker when there is one).
+const MAX_FAILURES: u32 = 3;
+
+/// Digests carried by one progress report.
+const DIGESTS_PER_REPORT: usize = 20_000;
+
+/// The detail of a report that repeats one the dispatcher could not answer.
+const RETRY: &str = "retry";
+
 /// A training process's connection to one input job.
 #[derive(Debug)]
 pub struct Client {
@@ -139,7 +149,9 @@ impl Client {
                 .map_err(|_| unreachable(format!("no answer in {:?}", opts.connect_timeout)))?
                 .map_err(|e| unreachable(source_chain(&e)))
         })?;
-        let mut d = proto::dispatcher_client::DispatcherClient::new(channel);
+        let mut d = proto::dispatcher_client::DispatcherClient::new(channel)
+            .max_decoding_message_size(crate::dispatcher::MAX_CONTROL_MESSAGE)
+            .max_encoding_message_size(crate::dispatcher::MAX_CONTROL_MESSAGE);
         let attach = proto::AttachRequest {
             protocol: proto::PROTOCOL,
             spec: Some(wire_spec.clone()),
@@ -226,7 +238,6 @@ impl Client {
             if let Err(e) = run.run(&tx).await {
                 let _ = tx.send(Err(e)).await;
             }
-            run.stop();
         }));
         self.rx = Some(rx);
         Ok(())
@@ -252,6 +263,18 @@ impl Client {
             }
             Ok(Some(Ok(Some(d)))) => Ok(Next::Unit(d)),
         }
+    }
+
+    /// Stop the epoch in flight (the reader left it early): its streams end
+    /// and workers stop computing for it.
+    pub fn stop_epoch(&mut self) {
+        if std::process::id() != self.pid {
+            return;
+        }
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+        self.rx = None;
     }
 
     /// Stop streaming and release the runtime's threads.
@@ -336,6 +359,19 @@ struct SplitRun {
     reporting: bool,
     retry_at: Option<Instant>,
     failing_since: Option<Instant>,
+    /// Broken streams since the split last delivered a unit: a failure
+    /// that follows the split from worker to worker (a unit too large, an
+    /// example that crashes every worker) ends the epoch instead of looping.
+    failures: u32,
+    last_failure: String,
+}
+
+/// Dropped when its task ends or is aborted (a new epoch, an abandoned
+/// iteration, `close`): the streams go with it.
+impl Drop for EpochRun {
+    fn drop(&mut self) {
+        self.stop();
+    }
 }
 
 struct EpochRun {
@@ -352,7 +388,10 @@ struct EpochRun {
     finished: Vec<u64>,
     events_tx: mpsc::Sender<Event>,
     events: mpsc::Receiver<Event>,
-    assigning: Option<Instant>,
+    /// An Assign call is in flight.
+    assigning: bool,
+    /// After a failed Assign: not before this instant.
+    assign_retry_at: Option<Instant>,
     assign_failing_since: Option<Instant>,
     progress_in_flight: bool,
     last_progress: Instant,
@@ -376,7 +415,8 @@ impl EpochRun {
             finished: Vec::new(),
             events_tx,
             events,
-            assigning: None,
+            assigning: false,
+            assign_retry_at: None,
             assign_failing_since: None,
             progress_in_flight: false,
             last_progress: Instant::now(),
@@ -404,8 +444,12 @@ impl EpochRun {
         }
     }
 
+    /// End every stream of this epoch: closing a split's semaphore wakes
+    /// a stream task waiting for room, and aborting it drops the gRPC call,
+    /// so the worker stops producing for it.
     fn stop(&mut self) {
         for run in self.splits.values_mut() {
+            run.room.close();
             if let Some(s) = run.stream.take() {
                 s.abort();
             }
@@ -467,6 +511,11 @@ impl EpochRun {
             if run.buf.is_empty() && run.next >= run.end {
                 done = true;
             }
+            if run.buf.is_empty() {
+                // The stall clock starts when the split has nothing to give,
+                // not when it last received (its buffer may have been full).
+                run.last_activity = Instant::now();
+            }
             unit
         };
         self.buffered_bytes = self.buffered_bytes.saturating_sub(unit.payload.len());
@@ -495,7 +544,7 @@ impl EpochRun {
 
     /// Ask for assignments of the splits the window now covers.
     fn fill_window(&mut self) {
-        if self.assigning.is_some() {
+        if self.assigning || self.assign_retry_at.is_some_and(|t| t > Instant::now()) {
             return;
         }
         if self.buffered_bytes > self.ctx.opts.max_buffer_bytes {
@@ -523,7 +572,8 @@ impl EpochRun {
         let mut d = self.ctx.dispatcher.clone();
         let events = self.events_tx.clone();
         let timeout = self.ctx.opts.connect_timeout;
-        self.assigning = Some(Instant::now());
+        self.assigning = true;
+        self.assign_retry_at = None;
         tokio::spawn(async move {
             let result = match tokio::time::timeout(timeout, d.assign(req)).await {
                 Ok(r) => r.map(|r| r.into_inner().assignments),
@@ -621,7 +671,7 @@ impl EpochRun {
     fn handle(&mut self, ev: Event) -> Result<()> {
         match ev {
             Event::Assigned(Ok(list)) => {
-                self.assigning = None;
+                self.assigning = false;
                 self.assign_failing_since = None;
                 for a in list {
                     let Some(split) = a.key.as_ref().map(|k| k.split) else {
@@ -647,6 +697,8 @@ impl EpochRun {
                             reporting: false,
                             retry_at: None,
                             failing_since: None,
+                            failures: 0,
+                            last_failure: String::new(),
                         },
                     );
                     self.open_stream(split)?;
@@ -655,8 +707,9 @@ impl EpochRun {
             Event::Assigned(Err(status)) => {
                 let since = *self.assign_failing_since.get_or_insert_with(Instant::now);
                 self.fatal_or_wait(&status, since)?;
-                // Retry from on_tick after a short pause.
-                self.assigning = Some(Instant::now() + Duration::from_millis(200));
+                // Retry after a short pause.
+                self.assigning = false;
+                self.assign_retry_at = Some(Instant::now() + Duration::from_millis(200));
             }
             Event::Unit {
                 split,
@@ -677,8 +730,19 @@ impl EpochRun {
                 run.stream = None;
                 match status {
                     None if run.next >= run.end => {}
-                    None => self.report(split, true, "the stream ended early".into()),
+                    None => self.report(split, true, "the stream ended early".into())?,
                     Some(s) => match s.code() {
+                        Code::OutOfRange | Code::ResourceExhausted | Code::Unimplemented => {
+                            return Err(Error::Rpc {
+                                op: "stream units",
+                                detail: format!(
+                                    "{:?}: {} (a unit larger than the 1 GiB message limit? \
+                                     lower batch_size)",
+                                    s.code(),
+                                    s.message()
+                                ),
+                            })
+                        }
                         Code::Aborted => {
                             return Err(Error::Pipeline {
                                 dataset: self.ctx.spec.dataset.clone(),
@@ -691,7 +755,10 @@ impl EpochRun {
                                 detail: s.message().to_string(),
                             })
                         }
-                        _ => self.report(split, true, format!("{:?}: {}", s.code(), s.message())),
+                        _ => {
+                            let detail = format!("{:?}: {}", s.code(), s.message());
+                            self.report(split, true, detail)?
+                        }
                     },
                 }
             }
@@ -765,20 +832,19 @@ impl EpochRun {
             return Ok(());
         };
         if run.a.attempt != attempt || unit.attempt != attempt || unit.epoch != self.epoch {
-            // A fenced attempt (a zombie worker's late output).
+            // A fenced attempt (a zombie worker's late output). Its permit
+            // belonged to the old stream's semaphore: none goes back.
             stats.stale_dropped.fetch_add(1, Ordering::Relaxed);
-            run.room.add_permits(1);
             return Ok(());
         }
         if digest(&unit.payload) != unit.digest {
             // Damaged in transit or by the worker: never deliver it.
             run.room.add_permits(1);
-            self.report(
+            return self.report(
                 split,
                 true,
                 format!("unit {} failed its digest", unit.batch),
             );
-            return Ok(());
         }
         if unit.batch < run.next {
             run.room.add_permits(1);
@@ -788,8 +854,7 @@ impl EpochRun {
         if unit.batch > run.next {
             run.room.add_permits(1);
             let detail = format!("unit {} skipped {}", unit.batch, run.next);
-            self.report(split, true, detail);
-            return Ok(());
+            return self.report(split, true, detail);
         }
         self.check_same(unit.batch, &unit.digest)?;
         let Some(run) = self.splits.get_mut(&split) else {
@@ -798,6 +863,7 @@ impl EpochRun {
         if attempt > 1 {
             stats.units_after_failover.fetch_add(1, Ordering::Relaxed);
         }
+        run.failures = 0;
         if let Some(t) = self.failure_noticed.remove(&split) {
             stats
                 .last_failover_us
@@ -839,12 +905,26 @@ impl EpochRun {
 
     /// Tell the dispatcher; it probes the worker and answers with the
     /// assignment to follow.
-    fn report(&mut self, split: u64, broken: bool, detail: String) {
+    fn report(&mut self, split: u64, broken: bool, detail: String) -> Result<()> {
         let Some(run) = self.splits.get_mut(&split) else {
-            return;
+            return Ok(());
         };
         if run.reporting {
-            return;
+            return Ok(());
+        }
+        if broken && detail != RETRY {
+            run.failures += 1;
+            run.last_failure.clone_from(&detail);
+            if run.failures > MAX_FAILURES {
+                return Err(Error::Rpc {
+                    op: "stream units",
+                    detail: format!(
+                        "split {split} of epoch {} failed {} times in a row without \
+                         delivering a unit, on every worker it was given to; last: {detail}",
+                        self.epoch, run.failures
+                    ),
+                });
+            }
         }
         run.reporting = true;
         run.retry_at = None;
@@ -896,6 +976,7 @@ impl EpochRun {
                 })
                 .await;
         });
+        Ok(())
     }
 
     /// Unavailable (no live worker yet, dispatcher restarting) is waited
@@ -932,12 +1013,6 @@ impl EpochRun {
 
     fn on_tick(&mut self) -> Result<()> {
         let now = Instant::now();
-        if self
-            .assigning
-            .is_some_and(|t| t <= now && self.assign_failing_since.is_some())
-        {
-            self.assigning = None;
-        }
         let stall = self.ctx.opts.stall_timeout;
         let mut stalled = Vec::new();
         let mut retry = Vec::new();
@@ -957,10 +1032,10 @@ impl EpochRun {
         }
         for split in retry {
             let broken = self.splits.get(&split).is_some_and(|r| r.stream.is_none());
-            self.report(split, broken, "retry".into());
+            self.report(split, broken, RETRY.into())?;
         }
         for split in stalled {
-            self.report(split, false, "no unit within the stall timeout".into());
+            self.report(split, false, "no unit within the stall timeout".into())?;
         }
         if !self.progress_in_flight && self.last_progress.elapsed() >= self.ctx.opts.progress_every
         {
@@ -978,7 +1053,12 @@ impl EpochRun {
             cursor_batch: self.cursor,
             finished_splits: std::mem::take(&mut self.finished),
             window: self.splits.keys().copied().collect(),
-            digests: std::mem::take(&mut self.unreported),
+            // Bounded: after a long dispatcher outage the backlog goes in
+            // several reports.
+            digests: {
+                let n = self.unreported.len().min(DIGESTS_PER_REPORT);
+                self.unreported.drain(..n).collect()
+            },
         }
     }
 

@@ -24,6 +24,12 @@ use crate::error::{Error, Result};
 use crate::journal::Journal;
 use crate::proto::{self, check_protocol, journal_record::Event, Key};
 
+/// Digests per journal record of a compacted journal (~30 bytes each).
+const DIGESTS_PER_RECORD: usize = 50_000;
+
+/// Large enough for any reply or report (units never pass here).
+pub(crate) const MAX_CONTROL_MESSAGE: usize = 256 << 20;
+
 /// How the dispatcher detects failures.
 #[derive(Debug, Clone)]
 pub struct DispatcherOptions {
@@ -120,16 +126,9 @@ impl State {
                     s.finished = true;
                 }
             }
+            Event::Digests(p) => self.add_digests(p),
             Event::Cursor(p) => {
-                if !p.digests.is_empty() {
-                    let known = self
-                        .digests
-                        .entry((p.job_id.clone(), p.epoch, p.rank))
-                        .or_default();
-                    for d in &p.digests {
-                        known.entry(d.batch).or_insert_with(|| d.digest.clone());
-                    }
-                }
+                self.add_digests(p);
                 let slot = (p.job_id.clone(), p.rank);
                 let previous = self.cursors.insert(slot, (p.epoch, p.cursor_batch));
                 // Splits two epochs back can no longer be asked for: forget
@@ -142,6 +141,19 @@ impl State {
                         .retain(|k, _| !(&k.0 == job && k.2 == rank && k.1 < keep));
                 }
             }
+        }
+    }
+
+    fn add_digests(&mut self, p: &proto::ProgressRequest) {
+        if p.digests.is_empty() {
+            return;
+        }
+        let known = self
+            .digests
+            .entry((p.job_id.clone(), p.epoch, p.rank))
+            .or_default();
+        for d in &p.digests {
+            known.entry(d.batch).or_insert_with(|| d.digest.clone());
         }
     }
 
@@ -174,20 +186,24 @@ impl State {
         let mut digests: Vec<_> = self.digests.iter().collect();
         digests.sort_by(|a, b| a.0.cmp(b.0));
         for ((job, epoch, rank), known) in digests {
-            out.push(Event::Cursor(proto::ProgressRequest {
-                protocol: proto::PROTOCOL,
-                job_id: job.clone(),
-                epoch: *epoch,
-                rank: *rank,
-                digests: known
-                    .iter()
-                    .map(|(b, d)| proto::UnitDigest {
-                        batch: *b,
-                        digest: d.clone(),
-                    })
-                    .collect(),
-                ..Default::default()
-            }));
+            // In chunks: one record stays far below the journal's limit.
+            let all: Vec<_> = known.iter().collect();
+            for chunk in all.chunks(DIGESTS_PER_RECORD) {
+                out.push(Event::Digests(proto::ProgressRequest {
+                    protocol: proto::PROTOCOL,
+                    job_id: job.clone(),
+                    epoch: *epoch,
+                    rank: *rank,
+                    digests: chunk
+                        .iter()
+                        .map(|(b, d)| proto::UnitDigest {
+                            batch: **b,
+                            digest: (*d).clone(),
+                        })
+                        .collect(),
+                    ..Default::default()
+                }));
+            }
         }
         for ((job, rank), (epoch, batch)) in &self.cursors {
             out.push(Event::Cursor(proto::ProgressRequest {
@@ -230,10 +246,14 @@ impl State {
 struct Shared {
     state: State,
     journal: Journal,
+    /// After a failed compaction: the record count to try again at.
+    compact_after: u64,
 }
 
 struct Inner {
     shared: Mutex<Shared>,
+    /// Heartbeats that arrived while `shared` was busy.
+    beats: Mutex<HashMap<String, Instant>>,
     opts: DispatcherOptions,
     seq: std::sync::atomic::AtomicU64,
 }
@@ -338,6 +358,15 @@ impl Inner {
     /// Declare workers dead whose heartbeats stopped.
     fn expire(&self) {
         let mut shared = self.lock();
+        let beats: Vec<(String, Instant)> = {
+            let mut side = self.beats.lock().unwrap_or_else(|p| p.into_inner());
+            side.drain().collect()
+        };
+        for (id, at) in beats {
+            if let Some(w) = shared.state.workers.get_mut(&id) {
+                w.last_seen = w.last_seen.max(at);
+            }
+        }
         let timeout = self.opts.heartbeat_timeout;
         let dead: Vec<Event> = shared
             .state
@@ -351,10 +380,18 @@ impl Inner {
         }
     }
 
+    fn grace(&self) {
+        let now = Instant::now();
+        for w in self.lock().state.workers.values_mut() {
+            w.last_seen = now;
+        }
+    }
+
     /// Keep the journal proportional to the state, not to history.
     fn maybe_compact(&self) {
         let mut shared = self.lock();
-        if shared.state.records < 4 * (shared.state.splits.len() as u64 + 64) + 100_000 {
+        let due = 4 * (shared.state.splits.len() as u64 + 64) + 100_000;
+        if shared.state.records < due.max(shared.compact_after) {
             return;
         }
         let snapshot = shared.state.snapshot();
@@ -370,7 +407,11 @@ impl Inner {
         let refs: Vec<&[u8]> = encoded.iter().map(Vec::as_slice).collect();
         match shared.journal.compact(&refs) {
             Ok(()) => shared.state.records = snapshot.len() as u64,
-            Err(e) => eprintln!("hindsight data dispatcher: compaction failed: {e}"),
+            Err(e) => {
+                // Not again before the journal grew by another tenth.
+                shared.compact_after = shared.state.records + shared.state.records / 10;
+                eprintln!("hindsight data dispatcher: compaction failed: {e}");
+            }
         }
     }
 }
@@ -430,7 +471,12 @@ impl DispatcherService {
         };
         let service = DispatcherService {
             inner: Arc::new(Inner {
-                shared: Mutex::new(Shared { state, journal }),
+                shared: Mutex::new(Shared {
+                    state,
+                    journal,
+                    compact_after: 0,
+                }),
+                beats: Mutex::new(HashMap::new()),
                 opts,
                 seq: std::sync::atomic::AtomicU64::new(0),
             }),
@@ -492,13 +538,22 @@ impl proto::dispatcher_server::Dispatcher for DispatcherService {
     ) -> std::result::Result<Response<proto::HeartbeatReply>, Status> {
         let req = request.into_inner();
         check_protocol(req.protocol, "worker")?;
-        let mut shared = self.inner.lock();
-        let known = match shared.state.workers.get_mut(&req.worker_id) {
-            Some(w) if w.alive => {
-                w.last_seen = Instant::now();
+        // Never wait behind a journal fsync: a busy state lock must not
+        // turn live workers into dead ones. The beat is noted on the side
+        // and merged before the next expiry check.
+        let known = match self.inner.shared.try_lock() {
+            Ok(mut shared) => match shared.state.workers.get_mut(&req.worker_id) {
+                Some(w) if w.alive => {
+                    w.last_seen = Instant::now();
+                    true
+                }
+                _ => false,
+            },
+            Err(_) => {
+                let mut side = self.inner.beats.lock().unwrap_or_else(|p| p.into_inner());
+                side.insert(req.worker_id, Instant::now());
                 true
             }
-            _ => false,
         };
         Ok(Response::new(proto::HeartbeatReply { known }))
     }
@@ -802,16 +857,30 @@ pub async fn spawn(bind: &str, opts: DispatcherOptions) -> Result<DispatcherHand
     let inner = service.inner.clone();
     let monitor = tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_millis(100));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last = Instant::now();
         loop {
             tick.tick().await;
-            inner.expire();
+            // A monitor that was itself starved (a long fsync, an
+            // overloaded host) cannot tell silent workers from unheard ones:
+            // give everyone a fresh timeout instead of declaring deaths.
+            if last.elapsed() > Duration::from_millis(500) {
+                inner.grace();
+            } else {
+                inner.expire();
+            }
             inner.maybe_compact();
+            last = Instant::now();
         }
     });
     let join = tokio::spawn(async move {
         let served = tonic::transport::Server::builder()
             .tcp_nodelay(true)
-            .add_service(proto::dispatcher_server::DispatcherServer::new(service))
+            .add_service(
+                proto::dispatcher_server::DispatcherServer::new(service)
+                    .max_decoding_message_size(MAX_CONTROL_MESSAGE)
+                    .max_encoding_message_size(MAX_CONTROL_MESSAGE),
+            )
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
                 let _ = rx.await;
             })

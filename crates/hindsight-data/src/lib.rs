@@ -15,10 +15,11 @@ pub mod worker;
 
 pub use error::{Error, ErrorKind, Result};
 
-/// A runtime for one service part; two threads are plenty for I/O.
+/// A runtime for one service part. Four threads: a journal fsync or the
+/// user's pipeline may hold one, heartbeats and probes must still run.
 pub(crate) fn runtime(what: &str) -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(4)
         .thread_name(format!("hindsight-data-{what}"))
         .enable_all()
         .build()

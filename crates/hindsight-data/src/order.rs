@@ -160,8 +160,14 @@ impl JobSpec {
                 0 => "map-style".to_string(),
                 n => format!("{n} shards of {} records", s.iter().sum::<u64>()),
             };
-            let first = self.shards.iter().zip(&other.shards).position(|(a, b)| a != b);
-            let at = first.map_or(String::new(), |i| format!(", first difference at shard {i}"));
+            let first = self
+                .shards
+                .iter()
+                .zip(&other.shards)
+                .position(|(a, b)| a != b);
+            let at = first.map_or(String::new(), |i| {
+                format!(", first difference at shard {i}")
+            });
             out.push(format!(
                 "shards: {} != {}{at}",
                 describe(&self.shards),
@@ -1036,13 +1042,26 @@ mod tests {
         other.length += 1;
         assert_ne!(spec.job_id(), other.job_id());
         let diff = spec.differences(&other);
-        assert!(diff.iter().any(|d| d.starts_with("shards:") && d.contains("shard 2")), "{diff:?}");
+        assert!(
+            diff.iter()
+                .any(|d| d.starts_with("shards:") && d.contains("shard 2")),
+            "{diff:?}"
+        );
         let mut bad = spec.clone();
         bad.length += 1;
         assert!(bad.validate().unwrap_err().to_string().contains("shards"));
         // A map-style job keeps the id it had before shards existed.
-        let map = JobSpec { shards: vec![], ..spec };
-        assert_eq!(map.job_id(), JobSpec { shards: vec![], ..map.clone() }.job_id());
+        let map = JobSpec {
+            shards: vec![],
+            ..spec
+        };
+        assert_eq!(
+            map.job_id(),
+            JobSpec {
+                shards: vec![],
+                ..map.clone()
+            }
+            .job_id()
+        );
     }
-
 }

@@ -301,15 +301,18 @@ async fn register(
         .await
         .map_err(|e| Status::unavailable(e.to_string()))?;
     let mut d = proto::dispatcher_client::DispatcherClient::new(channel);
-    let reply = d
-        .register_worker(proto::RegisterWorkerRequest {
-            protocol: proto::PROTOCOL,
-            worker_id: previous.to_string(),
-            address: address.to_string(),
-            dataset: pipeline.dataset().to_string(),
-            code_version: pipeline.code_version().to_string(),
-        })
-        .await?;
+    let call = d.register_worker(proto::RegisterWorkerRequest {
+        protocol: proto::PROTOCOL,
+        worker_id: previous.to_string(),
+        address: address.to_string(),
+        dataset: pipeline.dataset().to_string(),
+        code_version: pipeline.code_version().to_string(),
+    });
+    // A dispatcher that accepts but never answers (stopped, hung) must not
+    // hang the worker's start or its heartbeat loop.
+    let reply = tokio::time::timeout(Duration::from_secs(2), call)
+        .await
+        .map_err(|_| Status::unavailable("the dispatcher did not answer the registration"))??;
     Ok(reply.into_inner().worker_id)
 }
 

@@ -288,6 +288,41 @@ fn a_reread_epoch_whose_units_differ_from_the_first_delivery_is_a_named_error() 
 }
 
 #[test]
+fn an_epoch_left_early_stops_its_workers_computing() {
+    let rt = runtime();
+    let dir = tempfile::tempdir().unwrap();
+    let d = rt
+        .block_on(dispatcher::spawn("127.0.0.1:0", fast_options(dir.path())))
+        .unwrap();
+    let addr = d.addr.to_string();
+    let pipeline = Synthetic::new(5);
+    let _w = rt
+        .block_on(worker::spawn(pipeline.clone(), WorkerOptions::new(&addr)))
+        .unwrap();
+    let mut c = Client::connect(&addr, spec(2000), 0, 1, None, client_options()).unwrap();
+    c.start_epoch(0, 0).unwrap();
+    for _ in 0..3 {
+        assert!(matches!(
+            c.next(Duration::from_secs(10)).unwrap(),
+            Next::Unit(_)
+        ));
+    }
+    c.stop_epoch();
+    std::thread::sleep(Duration::from_millis(300));
+    let settled = pipeline.made.load(Ordering::Relaxed);
+    std::thread::sleep(Duration::from_millis(600));
+    // At most the unit in hand when the stream was dropped.
+    assert!(
+        pipeline.made.load(Ordering::Relaxed) <= settled + 1,
+        "the worker kept computing for an abandoned epoch"
+    );
+    assert!(
+        settled < 100,
+        "{settled} units made for 3 read: buffers are not bounded"
+    );
+}
+
+#[test]
 fn attaching_a_changed_job_names_the_difference() {
     let rt = runtime();
     let dir = tempfile::tempdir().unwrap();

@@ -203,6 +203,11 @@ impl DataClient {
             .map_err(ToPyErr::to_pyerr)
     }
 
+    /// Stop the epoch in flight; its workers stop computing for it.
+    fn stop_epoch(&self) {
+        lock(&self.client).stop_epoch();
+    }
+
     /// The next unit, or None at the end of the epoch. Ctrl-C interrupts.
     fn next(&self, py: Python<'_>) -> PyResult<Option<DataUnit>> {
         let got =
@@ -319,7 +324,8 @@ impl Pipeline for PyPipeline {
             // shard and offset of each record.
             let (indices, seeds) = (req.indices.to_vec(), req.seeds.to_vec());
             let called = if req.shards.is_empty() {
-                self.produce.call1(py, (req.epoch, req.batch, indices, seeds))
+                self.produce
+                    .call1(py, (req.epoch, req.batch, indices, seeds))
             } else {
                 let (shards, offsets) = (req.shards.to_vec(), req.offsets.to_vec());
                 let args = (req.epoch, req.batch, indices, seeds, shards, offsets);

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hindsight.errors import UnsupportedTypeError
+from hindsight.errors import CorruptError, UnsupportedTypeError
 
 MAGIC = b"HSU1"
 _ALIGN = 64
@@ -80,37 +80,98 @@ def encode(obj: Any) -> bytes:
     return bytes(out)
 
 
+_TORCH_DTYPES = {
+    name: getattr(torch, name)
+    for name in (
+        "float16", "bfloat16", "float32", "float64", "complex64", "complex128", "bool",
+        "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    )
+}  # fmt: skip
+
+
 def decode(payload: bytearray) -> Any:
+    """The batch a unit holds. A malformed unit (a bug or a hostile worker:
+    the digest only proves it arrived as sent) raises CorruptError naming
+    the node; nothing outside the payload is ever read."""
+    if len(payload) < _HEAD.size:
+        raise CorruptError("data unit: shorter than its header")
     magic, hlen = _HEAD.unpack_from(payload, 0)
-    if magic != MAGIC:
-        raise UnsupportedTypeError("not a hindsight data unit (bad magic)")
-    header = json.loads(bytes(payload[_HEAD.size : _HEAD.size + hlen]))
+    if magic != MAGIC or _HEAD.size + hlen > len(payload):
+        raise CorruptError("data unit: not a hindsight data unit (bad magic or header length)")
+    try:
+        header = json.loads(bytes(payload[_HEAD.size : _HEAD.size + hlen]))
+    except ValueError as e:
+        raise CorruptError(f"data unit: header is not JSON: {e}") from e
     start = (_HEAD.size + hlen + _ALIGN - 1) // _ALIGN * _ALIGN
 
-    def build(node: Any) -> Any:
-        if "T" in node:
-            off, n = start + node["T"], node["n"]
-            dtype = getattr(torch, node["dtype"])
-            if n == 0:
-                return torch.empty(node["shape"], dtype=dtype)
-            raw = torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=off)
-            return raw.view(dtype).reshape(node["shape"])
-        if "N" in node:
-            off = start + node["N"]
-            dt = np.dtype(node["dtype"])
-            count = node["n"] // dt.itemsize if dt.itemsize else 0
-            return np.frombuffer(payload, dtype=dt, count=count, offset=off).reshape(node["shape"])
-        if "B" in node:
-            off = start + node["B"]
-            return bytes(payload[off : off + node["n"]])
-        if "v" in node:
-            return node["v"]
-        if "d" in node:
-            return {k: build(v) for k, v in node["d"].items()}
-        if "kv" in node:
-            return {build(k): build(v) for k, v in node["kv"]}
-        if "t" in node:
-            return tuple(build(v) for v in node["t"])
-        return [build(v) for v in node["l"]]
+    def bad(where: str, why: str) -> CorruptError:
+        return CorruptError(f"data unit: batch{where}: {why}")
 
-    return build(header)
+    def span(node: dict[str, Any], key: str, where: str) -> tuple[int, int]:
+        off, n = node.get(key), node.get("n")
+        if type(off) is not int or type(n) is not int or off < 0 or n < 0 or start + off + n > len(payload):
+            raise bad(where, "buffer outside the unit")
+        return start + off, n
+
+    def shape_of(node: dict[str, Any], where: str, itemsize: int, n: int) -> list[int]:
+        shape = node.get("shape")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise bad(where, "bad shape")
+        count = 1
+        for d in shape:
+            count *= d
+        if count * itemsize != n:
+            raise bad(where, "shape does not match the buffer size")
+        return shape
+
+    def build(node: Any, where: str) -> Any:
+        if not isinstance(node, dict) or len(node) == 0:
+            raise bad(where, "malformed node")
+        if "T" in node:
+            off, n = span(node, "T", where)
+            dtype = _TORCH_DTYPES.get(node.get("dtype"))  # type: ignore[arg-type]
+            if dtype is None:
+                raise bad(where, f"unknown tensor dtype {node.get('dtype')!r}")
+            shape = shape_of(node, where, torch.empty((), dtype=dtype).element_size(), n)
+            if n == 0:
+                return torch.empty(shape, dtype=dtype)
+            raw = torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=off)
+            return raw.view(dtype).reshape(shape)
+        if "N" in node:
+            off, n = span(node, "N", where)
+            try:
+                dt = np.dtype(node.get("dtype"))
+            except TypeError as e:
+                raise bad(where, f"unknown array dtype {node.get('dtype')!r}") from e
+            if dt.hasobject or dt.itemsize == 0:
+                raise bad(where, f"array dtype {dt} cannot be received")
+            shape = shape_of(node, where, dt.itemsize, n)
+            return np.frombuffer(payload, dtype=dt, count=n // dt.itemsize, offset=off).reshape(shape)
+        if "B" in node:
+            off, n = span(node, "B", where)
+            return bytes(payload[off : off + n])
+        if "v" in node:
+            v = node["v"]
+            if v is not None and not isinstance(v, (bool, int, float, str)):
+                raise bad(where, "malformed value")
+            return v
+        if "d" in node and isinstance(node["d"], dict):
+            return {k: build(v, f"{where}[{k!r}]") for k, v in node["d"].items()}
+        if "kv" in node and isinstance(node["kv"], list):
+            out = {}
+            for pair in node["kv"]:
+                if not isinstance(pair, list) or len(pair) != 2:
+                    raise bad(where, "malformed mapping")
+                key = build(pair[0], where)
+                try:
+                    out[key] = build(pair[1], f"{where}[{key!r}]")
+                except TypeError as e:  # an unhashable key
+                    raise bad(where, f"bad key: {e}") from e
+            return out
+        if "t" in node and isinstance(node["t"], list):
+            return tuple(build(v, f"{where}[{i}]") for i, v in enumerate(node["t"]))
+        if "l" in node and isinstance(node["l"], list):
+            return [build(v, f"{where}[{i}]") for i, v in enumerate(node["l"])]
+        raise bad(where, "malformed node")
+
+    return build(header, "")

@@ -79,12 +79,17 @@ class _LocalWorkers:
         self._env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
         self.procs: list[subprocess.Popen[bytes]] = []
         self._started: list[float] = []
+        self._quick = [0] * n  # consecutive deaths right after start, per slot
         self.replaced = 0
         self.quick_deaths = 0
         self.last_exit: int | None = None
         self._closing = threading.Event()
-        for _ in range(n):
-            self._start(None)
+        try:
+            for _ in range(n):
+                self._start(None)
+        except BaseException:
+            self.close()
+            raise
         self._watch = threading.Thread(target=self._watcher, name="hindsight-data-workers", daemon=True)
         self._watch.start()
 
@@ -105,8 +110,11 @@ class _LocalWorkers:
                     continue
                 self.last_exit = code
                 if time.monotonic() - self._started[i] < 3.0:
+                    self._quick[i] += 1
                     self.quick_deaths += 1
-                if self.quick_deaths >= 5:
+                else:
+                    self._quick[i] = 0
+                if self._quick[i] >= 3:
                     continue  # it cannot start: the loader says so instead of looping
                 self._start(i)
                 self.replaced += 1
@@ -116,7 +124,8 @@ class _LocalWorkers:
 
     def close(self) -> None:
         self._closing.set()
-        self._watch.join(timeout=5)
+        if getattr(self, "_watch", None) is not None:
+            self._watch.join(timeout=5)
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
@@ -263,6 +272,14 @@ class Loader:
         start, self._resume = (self._resume or 0), None
         self._client.start_epoch(self.epoch, start)
         self._position = start
+        try:
+            yield from self._deliver()
+        finally:
+            # Left early (break, an exception, a new iter()): the workers
+            # stop computing for this epoch at once.
+            self._client.stop_epoch()
+
+    def _deliver(self) -> Iterator[Any]:
         while True:
             try:
                 unit = self._client.next()
