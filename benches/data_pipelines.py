@@ -22,7 +22,7 @@ _BLUR = torch.ones(3, 1, 5, 5) / 25
 
 
 class Augmented(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    """A CPU-bound augmentation pipeline, about 1.5 ms per example on one
+    """A CPU-bound augmentation pipeline, about 1 ms per example on one
     thread: a 3x``size``x``size`` image made from a per-index generator (the
     "decoded file"), then random crop, horizontal flip, colour jitter, small
     rotation, 5x5 blur, noise and normalization. The random draws come from

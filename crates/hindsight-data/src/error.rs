@@ -81,6 +81,8 @@ impl Error {
             Error::Order(_) => ErrorKind::InvalidArgument,
             Error::Journal(JournalError::Io { .. }) => ErrorKind::Io,
             Error::Journal(JournalError::TooLarge { .. }) => ErrorKind::InvalidArgument,
+            // Another dispatcher's, not damage: nothing is wrong with the file.
+            Error::Journal(JournalError::Locked { .. }) => ErrorKind::Io,
             Error::Journal(_) => ErrorKind::Corrupt,
             Error::Unreachable { .. } => ErrorKind::Unreachable,
             Error::Mismatch { .. } => ErrorKind::Mismatch,

@@ -69,7 +69,9 @@ impl<H> Running<H> {
         }
         drop(handle);
         if let Some(rt) = self.rt.take() {
-            rt.shutdown_background();
+            // Wait (briefly) for the tasks to be dropped: the dispatcher's
+            // journal lock goes with them, so a restart can follow at once.
+            rt.shutdown_timeout(std::time::Duration::from_secs(2));
         }
     }
 }

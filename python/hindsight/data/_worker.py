@@ -43,7 +43,11 @@ def _seed_all(seed: int) -> None:
     _current_seed = seed
     random.seed(seed)
     np.random.seed(seed & 0xFFFF_FFFF)
-    torch.manual_seed(seed)
+    # torch.manual_seed also seeds (and records stacks for) lazy CUDA init:
+    # ~0.2 ms per example. The CPU generator is what workers draw from.
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
 
 
 def is_sharded(ds: object) -> bool:
