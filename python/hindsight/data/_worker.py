@@ -46,7 +46,7 @@ def _seed_all(seed: int) -> None:
     # torch.manual_seed also seeds (and records stacks for) lazy CUDA init:
     # ~0.2 ms per example. The CPU generator is what workers draw from.
     torch.default_generator.manual_seed(seed)
-    if torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         torch.cuda.manual_seed_all(seed)
 
 
