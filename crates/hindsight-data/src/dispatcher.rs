@@ -243,6 +243,19 @@ impl State {
     }
 }
 
+/// Journal records of `events`, in order.
+fn encode(events: &[Event]) -> Vec<Vec<u8>> {
+    events
+        .iter()
+        .map(|e| {
+            proto::JournalRecord {
+                event: Some(e.clone()),
+            }
+            .encode_to_vec()
+        })
+        .collect()
+}
+
 struct Shared {
     state: State,
     journal: Journal,
@@ -268,15 +281,7 @@ impl Inner {
         if events.is_empty() {
             return Ok(());
         }
-        let encoded: Vec<Vec<u8>> = events
-            .iter()
-            .map(|e| {
-                proto::JournalRecord {
-                    event: Some(e.clone()),
-                }
-                .encode_to_vec()
-            })
-            .collect();
+        let encoded = encode(&events);
         let refs: Vec<&[u8]> = encoded.iter().map(Vec::as_slice).collect();
         shared
             .journal
@@ -395,15 +400,7 @@ impl Inner {
             return;
         }
         let snapshot = shared.state.snapshot();
-        let encoded: Vec<Vec<u8>> = snapshot
-            .iter()
-            .map(|e| {
-                proto::JournalRecord {
-                    event: Some(e.clone()),
-                }
-                .encode_to_vec()
-            })
-            .collect();
+        let encoded = encode(&snapshot);
         let refs: Vec<&[u8]> = encoded.iter().map(Vec::as_slice).collect();
         match shared.journal.compact(&refs) {
             Ok(()) => shared.state.records = snapshot.len() as u64,

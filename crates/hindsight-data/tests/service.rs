@@ -77,6 +77,23 @@ fn runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
+/// A runtime, a journal directory and a dispatcher on loopback (keep the
+/// directory and the handle alive for the test).
+fn cluster() -> (
+    tokio::runtime::Runtime,
+    tempfile::TempDir,
+    dispatcher::DispatcherHandle,
+    String,
+) {
+    let rt = runtime();
+    let dir = tempfile::tempdir().unwrap();
+    let d = rt
+        .block_on(dispatcher::spawn("127.0.0.1:0", fast_options(dir.path())))
+        .unwrap();
+    let addr = d.addr.to_string();
+    (rt, dir, d, addr)
+}
+
 fn fast_options(dir: &std::path::Path) -> DispatcherOptions {
     let mut o = DispatcherOptions::new(dir);
     o.heartbeat_timeout = Duration::from_millis(600);
@@ -132,12 +149,7 @@ fn expected(spec: &JobSpec, epoch: u64) -> Vec<Unit> {
 
 #[test]
 fn an_epoch_is_the_permutation_exactly_once_whatever_the_worker_count() {
-    let rt = runtime();
-    let dir = tempfile::tempdir().unwrap();
-    let d = rt
-        .block_on(dispatcher::spawn("127.0.0.1:0", fast_options(dir.path())))
-        .unwrap();
-    let addr = d.addr.to_string();
+    let (rt, _dir, _d, addr) = cluster();
     let mut workers = Vec::new();
     for n in [1usize, 3] {
         while workers.len() < n {
@@ -160,12 +172,7 @@ fn an_epoch_is_the_permutation_exactly_once_whatever_the_worker_count() {
 
 #[test]
 fn ranks_read_disjoint_slices_that_make_up_the_global_batches() {
-    let rt = runtime();
-    let dir = tempfile::tempdir().unwrap();
-    let d = rt
-        .block_on(dispatcher::spawn("127.0.0.1:0", fast_options(dir.path())))
-        .unwrap();
-    let addr = d.addr.to_string();
+    let (rt, _dir, _d, addr) = cluster();
     let _w = rt
         .block_on(worker::spawn(Synthetic::new(0), WorkerOptions::new(&addr)))
         .unwrap();
@@ -186,12 +193,7 @@ fn ranks_read_disjoint_slices_that_make_up_the_global_batches() {
 
 #[test]
 fn a_worker_stopped_mid_epoch_loses_and_repeats_nothing() {
-    let rt = runtime();
-    let dir = tempfile::tempdir().unwrap();
-    let d = rt
-        .block_on(dispatcher::spawn("127.0.0.1:0", fast_options(dir.path())))
-        .unwrap();
-    let addr = d.addr.to_string();
+    let (rt, _dir, _d, addr) = cluster();
     let mut workers: Vec<_> = (0..3)
         .map(|_| {
             rt.block_on(worker::spawn(Synthetic::new(3), WorkerOptions::new(&addr)))
@@ -256,12 +258,7 @@ fn a_restarted_dispatcher_resumes_from_its_journal_and_streams_never_stop() {
 
 #[test]
 fn a_reread_epoch_whose_units_differ_from_the_first_delivery_is_a_named_error() {
-    let rt = runtime();
-    let dir = tempfile::tempdir().unwrap();
-    let d = rt
-        .block_on(dispatcher::spawn("127.0.0.1:0", fast_options(dir.path())))
-        .unwrap();
-    let addr = d.addr.to_string();
+    let (rt, _dir, _d, addr) = cluster();
     // Deterministic for the first epoch's 8 units, then every unit differs.
     let drifting = Arc::new(Synthetic {
         delay: Duration::from_millis(1),
@@ -289,12 +286,7 @@ fn a_reread_epoch_whose_units_differ_from_the_first_delivery_is_a_named_error() 
 
 #[test]
 fn an_epoch_left_early_stops_its_workers_computing() {
-    let rt = runtime();
-    let dir = tempfile::tempdir().unwrap();
-    let d = rt
-        .block_on(dispatcher::spawn("127.0.0.1:0", fast_options(dir.path())))
-        .unwrap();
-    let addr = d.addr.to_string();
+    let (rt, _dir, _d, addr) = cluster();
     let pipeline = Synthetic::new(5);
     let _w = rt
         .block_on(worker::spawn(pipeline.clone(), WorkerOptions::new(&addr)))
@@ -324,12 +316,7 @@ fn an_epoch_left_early_stops_its_workers_computing() {
 
 #[test]
 fn attaching_a_changed_job_names_the_difference() {
-    let rt = runtime();
-    let dir = tempfile::tempdir().unwrap();
-    let d = rt
-        .block_on(dispatcher::spawn("127.0.0.1:0", fast_options(dir.path())))
-        .unwrap();
-    let addr = d.addr.to_string();
+    let (_rt, _dir, _d, addr) = cluster();
     let s = spec(64);
     let c = Client::connect(&addr, s.clone(), 0, 1, None, client_options()).unwrap();
     let old_id = c.job_id().to_string();
@@ -343,12 +330,7 @@ fn attaching_a_changed_job_names_the_difference() {
 
 #[test]
 fn workers_running_other_code_are_refused_at_once_naming_both_versions() {
-    let rt = runtime();
-    let dir = tempfile::tempdir().unwrap();
-    let d = rt
-        .block_on(dispatcher::spawn("127.0.0.1:0", fast_options(dir.path())))
-        .unwrap();
-    let addr = d.addr.to_string();
+    let (rt, _dir, _d, addr) = cluster();
     let _w = rt
         .block_on(worker::spawn(Synthetic::new(0), WorkerOptions::new(&addr)))
         .unwrap();
@@ -408,12 +390,7 @@ mod random_failures {
             workers in 1usize..4,
             kills in proptest::collection::vec(0u64..40, 0..3),
         ) {
-            let rt = runtime();
-            let dir = tempfile::tempdir().unwrap();
-            let d = rt
-                .block_on(dispatcher::spawn("127.0.0.1:0", fast_options(dir.path())))
-                .unwrap();
-            let addr = d.addr.to_string();
+            let (rt, _dir, _d, addr) = cluster();
             let mut live: Vec<_> = (0..workers + kills.len())
                 .map(|_| {
                     rt.block_on(worker::spawn(Synthetic::new(1), WorkerOptions::new(&addr)))
