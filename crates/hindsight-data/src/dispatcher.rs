@@ -224,10 +224,18 @@ impl State {
 
     /// The live worker for `job`'s dataset with the fewest unfinished
     /// splits; `avoid` only if nobody else is left.
-    fn pick_worker(&self, job: &proto::JobSpec, avoid: Option<&str>) -> Option<(String, String)> {
+    fn pick_worker(
+        &self,
+        job: &proto::JobSpec,
+        avoid: Option<&str>,
+        planned: &HashMap<String, usize>,
+    ) -> Option<(String, String)> {
         let mut load: HashMap<&str, usize> = HashMap::new();
         for s in self.splits.values().filter(|s| !s.finished) {
             *load.entry(s.latest.worker_id.as_str()).or_default() += 1;
+        }
+        for (id, n) in planned {
+            *load.entry(id.as_str()).or_default() += n;
         }
         let candidates = self.workers.iter().filter(|(_, w)| {
             w.alive && w.dataset == job.dataset && w.code_version == job.code_version
@@ -311,13 +319,27 @@ impl Inner {
         from_batch: u64,
         avoid: Option<&str>,
     ) -> std::result::Result<proto::Assignment, Status> {
+        let a = Self::plan(shared, key, from_batch, avoid, &HashMap::new())?;
+        Self::commit(shared, vec![Event::Assigned(a.clone())])?;
+        Ok(a)
+    }
+
+    /// The next attempt of `key`, not yet journaled; `planned` counts the
+    /// splits already given to each worker in the same batch.
+    fn plan(
+        shared: &Shared,
+        key: &proto::SplitKey,
+        from_batch: u64,
+        avoid: Option<&str>,
+        planned: &HashMap<String, usize>,
+    ) -> std::result::Result<proto::Assignment, Status> {
         let Some(job) = shared.state.jobs.get(&key.job_id) else {
             return Err(Status::not_found(format!(
                 "job {} is not attached at this dispatcher (attach first)",
                 key.job_id
             )));
         };
-        let Some((worker_id, worker_addr)) = shared.state.pick_worker(job, avoid) else {
+        let Some((worker_id, worker_addr)) = shared.state.pick_worker(job, avoid, planned) else {
             // Workers that serve the dataset from other code will never
             // do: refuse at once instead of waiting for a matching one.
             let others: Vec<&str> = shared
@@ -356,7 +378,6 @@ impl Inner {
             attempt,
             from_batch,
         };
-        Self::commit(shared, vec![Event::Assigned(a.clone())])?;
         Ok(a)
     }
 
@@ -620,6 +641,10 @@ impl proto::dispatcher_server::Dispatcher for DispatcherService {
         }
         let mut shared = self.inner.lock();
         let mut out = Vec::with_capacity(req.splits.len());
+        // New assignments of one request go to the journal in one write
+        // (one fsync for a whole window, not one per split).
+        let mut events = Vec::new();
+        let mut planned: HashMap<String, usize> = HashMap::new();
         for (key, from) in req.splits.iter().zip(&req.from_batch) {
             let current = shared.state.splits.get(&key.key()).and_then(|s| {
                 (!s.finished && shared.state.live(&s.latest.worker_id)).then(|| s.latest.clone())
@@ -629,10 +654,16 @@ impl proto::dispatcher_server::Dispatcher for DispatcherService {
                     a.from_batch = *from;
                     a
                 }
-                None => Inner::reassign(&mut shared, key, *from, None)?,
+                None => {
+                    let a = Inner::plan(&shared, key, *from, None, &planned)?;
+                    *planned.entry(a.worker_id.clone()).or_default() += 1;
+                    events.push(Event::Assigned(a.clone()));
+                    a
+                }
             };
             out.push(a);
         }
+        Inner::commit(&mut shared, events)?;
         Ok(Response::new(proto::AssignReply { assignments: out }))
     }
 
