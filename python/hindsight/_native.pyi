@@ -356,7 +356,7 @@ class DataUnit:
     batch: int
     indices: list[int]
     digest: bytes
-    payload: bytearray
+    payload: Buffer
 
 @final
 class DataClient:
@@ -373,6 +373,7 @@ class DataClient:
         no_worker_wait: float = 60.0,
         connect_timeout: float = 3.0,
         warn_nondeterministic: bool = False,
+        shared_dir: str | os.PathLike[str] | None = None,
     ) -> Self: ...
     @property
     def job_id(self) -> str: ...
@@ -402,6 +403,7 @@ def serve_data_worker(
     advertise: str | None = None,
     ready: Callable[[str, str], object] | None = None,
     parent_pid: int | None = None,
+    shared_dir: str | os.PathLike[str] | None = None,
 ) -> None: ...
 def run_data_dispatcher(
     journal_dir: str | os.PathLike[str], *, bind: str = "0.0.0.0:50051", heartbeat_timeout: float = 1.0

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use memmap2::MmapMut;
 use tokio::runtime::Runtime;
 use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinHandle;
@@ -23,6 +24,7 @@ use tonic::{Code, Status};
 use crate::error::{Error, Result};
 use crate::order::JobSpec;
 use crate::proto;
+use crate::shared::{self, Payload};
 use crate::worker::{digest, endpoint, MAX_MESSAGE};
 
 /// Tuning of one client; the defaults suit a trainer on one host.
@@ -44,6 +46,9 @@ pub struct ClientOptions {
     pub progress_every: Duration,
     /// Warn instead of failing when a recomputed unit differs.
     pub warn_nondeterministic: bool,
+    /// The shared-memory directory same-host workers hand payloads over
+    /// through (see [`crate::shared`]); None: payloads only travel inline.
+    pub shared_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for ClientOptions {
@@ -57,18 +62,21 @@ impl Default for ClientOptions {
             connect_timeout: Duration::from_secs(3),
             progress_every: Duration::from_millis(250),
             warn_nondeterministic: false,
+            shared_dir: None,
         }
     }
 }
 
 /// One delivered unit: this rank's slice of a global batch.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Delivered {
     pub epoch: u64,
     pub batch: u64,
     pub indices: Vec<u64>,
     pub digest: Vec<u8>,
-    pub payload: Vec<u8>,
+    /// Owned and writable: the receive buffer itself or a shared-memory
+    /// mapping (no copy after the transport's).
+    pub payload: Payload,
 }
 
 /// Counters a user (and the chaos tests) can read.
@@ -346,12 +354,25 @@ enum Event {
     },
 }
 
+/// A checked unit waiting for the cursor, with its payload mapped if it
+/// came through shared memory.
+struct Received {
+    unit: proto::Unit,
+    mapped: Option<MmapMut>,
+}
+
+impl Received {
+    fn payload(&self) -> &[u8] {
+        self.mapped.as_deref().unwrap_or(&self.unit.payload)
+    }
+}
+
 struct SplitRun {
     a: proto::Assignment,
     /// The next batch expected from the stream.
     next: u64,
     end: u64,
-    buf: VecDeque<proto::Unit>,
+    buf: VecDeque<Received>,
     /// Units the stream may hand over before the buffer drains.
     room: Arc<Semaphore>,
     stream: Option<JoinHandle<()>>,
@@ -480,7 +501,7 @@ impl EpochRun {
                 .splits
                 .get(&split)
                 .and_then(|r| r.buf.front())
-                .is_some_and(|u| u.batch == self.cursor);
+                .is_some_and(|r| r.unit.batch == self.cursor);
             tokio::select! {
                 biased;
                 permit = tx.reserve(), if ready => {
@@ -518,7 +539,14 @@ impl EpochRun {
             }
             unit
         };
-        self.buffered_bytes = self.buffered_bytes.saturating_sub(unit.payload.len());
+        self.buffered_bytes = self.buffered_bytes.saturating_sub(unit.payload().len());
+        let Received { unit, mapped } = unit;
+        let payload = match mapped {
+            Some(m) => Payload::Mapped(m),
+            // Converted this late, the transport has likely moved on from
+            // the buffer, so it is taken over without a copy.
+            None => Payload::from_bytes(unit.payload),
+        };
         if done {
             if let Some(mut run) = self.splits.remove(&split) {
                 if let Some(s) = run.stream.take() {
@@ -538,7 +566,7 @@ impl EpochRun {
             batch: unit.batch,
             indices: unit.indices,
             digest: unit.digest,
-            payload: unit.payload,
+            payload,
         }
     }
 
@@ -592,7 +620,13 @@ impl EpochRun {
             addr: addr.to_string(),
             detail: e.to_string(),
         })?;
-        let c = ep.connect_lazy();
+        // Batches are megabytes: large HTTP/2 frames and windows cut the
+        // per-frame work and window updates of the receive path.
+        let c = ep
+            .max_frame_size(1 << 20)
+            .initial_stream_window_size(8 << 20)
+            .initial_connection_window_size(32 << 20)
+            .connect_lazy();
         self.channels.insert(addr.to_string(), c.clone());
         Ok(c)
     }
@@ -827,6 +861,11 @@ impl EpochRun {
 
     fn on_unit(&mut self, split: u64, attempt: u64, unit: proto::Unit) -> Result<()> {
         let stats = self.ctx.stats.clone();
+        // Mapped (and unlinked) first, so a dropped unit leaves no file.
+        let mapped = (!unit.shared.is_empty()).then(|| match &self.ctx.opts.shared_dir {
+            Some(dir) => shared::take(dir, &unit.shared).map_err(|e| e.to_string()),
+            None => Err("this client has no shared-memory directory".to_string()),
+        });
         let Some(run) = self.splits.get_mut(&split) else {
             stats.stale_dropped.fetch_add(1, Ordering::Relaxed);
             return Ok(());
@@ -837,7 +876,18 @@ impl EpochRun {
             stats.stale_dropped.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
-        if digest(&unit.payload) != unit.digest {
+        let mapped = match mapped.transpose() {
+            Ok(m) => m,
+            Err(detail) => {
+                run.room.add_permits(1);
+                let detail = format!(
+                    "unit {}: shared-memory payload {}: {detail}",
+                    unit.batch, unit.shared
+                );
+                return self.report(split, true, detail);
+            }
+        };
+        if digest(mapped.as_deref().unwrap_or(&unit.payload)) != unit.digest {
             // Damaged in transit or by the worker: never deliver it.
             run.room.add_permits(1);
             return self.report(
@@ -871,8 +921,10 @@ impl EpochRun {
         }
         run.next += 1;
         run.last_activity = Instant::now();
-        self.buffered_bytes += unit.payload.len();
-        self.digests.insert(unit.batch, unit.digest.clone());
+        let unit = Received { unit, mapped };
+        self.buffered_bytes += unit.payload().len();
+        self.digests
+            .insert(unit.unit.batch, unit.unit.digest.clone());
         run.buf.push_back(unit);
         Ok(())
     }

@@ -4,6 +4,7 @@
 //! - [`order`]: job identity, the stateless epoch permutation, batches,
 //!   splits and rank slices, per-example random seeds.
 //! - [`journal`]: the dispatcher's append-only, checksummed journal.
+//! - [`shared`]: same-host payload handoff through shared memory.
 
 pub mod client;
 pub mod dispatcher;
@@ -11,6 +12,7 @@ pub mod error;
 pub mod journal;
 pub mod order;
 pub mod proto;
+pub mod shared;
 pub mod worker;
 
 pub use error::{Error, ErrorKind, Result};

@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
@@ -17,6 +18,7 @@ use tonic::{Request, Response, Status};
 use crate::error::{Error, Result};
 use crate::order::{example_seed, EpochOrder, JobSpec};
 use crate::proto::{self, check_protocol};
+use crate::shared::SharedDir;
 
 /// What the worker asks the user's pipeline for: one rank's slice of one
 /// global batch.
@@ -50,9 +52,11 @@ pub trait Pipeline: Send + Sync + 'static {
     fn produce(&self, req: &UnitRequest<'_>) -> std::result::Result<Vec<u8>, PipelineFailure>;
 }
 
-/// The 16-byte content digest carried by every unit.
+/// The 16-byte content digest carried by every unit: xxh3-128, which
+/// catches damage and nondeterminism (nothing here is adversarial) at
+/// memory speed; blake3 cost the trainer ~1.5 ms per 5 MiB batch.
 pub fn digest(payload: &[u8]) -> Vec<u8> {
-    blake3::hash(payload).as_bytes()[..16].to_vec()
+    xxhash_rust::xxh3::xxh3_128(payload).to_le_bytes().to_vec()
 }
 
 /// What one rank's slice of a global batch holds.
@@ -123,6 +127,9 @@ pub struct WorkerOptions {
     pub heartbeat: Duration,
     /// How long the first registration may keep failing before giving up.
     pub startup_timeout: Duration,
+    /// Hand large payloads over through this shared-memory directory
+    /// (workers started by a local loader, on the client's host).
+    pub shared_dir: Option<std::path::PathBuf>,
 }
 
 impl WorkerOptions {
@@ -133,6 +140,7 @@ impl WorkerOptions {
             advertise: None,
             heartbeat: Duration::from_millis(200),
             startup_timeout: Duration::from_secs(10),
+            shared_dir: None,
         }
     }
 }
@@ -145,6 +153,7 @@ struct WorkerService {
     /// One unit at a time: the pipeline is the user's single interpreter.
     compute: Arc<Mutex<()>>,
     active: Arc<std::sync::atomic::AtomicU32>,
+    shared: Option<Arc<SharedDir>>,
 }
 
 #[tonic::async_trait]
@@ -203,6 +212,7 @@ impl proto::worker_server::Worker for WorkerService {
         let pipeline = self.pipeline.clone();
         let compute = self.compute.clone();
         let active = self.active.clone();
+        let shared = self.shared.clone();
         active.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         tokio::task::spawn_blocking(move || {
             let order = spec.order(key.epoch);
@@ -228,17 +238,30 @@ impl proto::worker_server::Worker for WorkerService {
                     // Aborted is reserved for the user's code failing: the
                     // client does not retry it elsewhere.
                     .map_err(|f| Status::aborted(f.detail))?;
+                    let digest = digest(&payload);
+                    let (payload, shared) = match shared.as_ref().and_then(|d| d.put(&payload)) {
+                        Some(name) => (Bytes::new(), name),
+                        None => (payload.into(), String::new()),
+                    };
                     Ok(proto::Unit {
                         epoch: key.epoch,
                         batch,
                         attempt: a.attempt,
-                        digest: digest(&payload),
+                        digest,
                         payload,
                         indices: u.indices,
+                        shared,
                     })
                 })();
                 let failed = unit.is_err();
-                if tx.blocking_send(unit).is_err() || failed {
+                if let Err(unsent) = tx.blocking_send(unit) {
+                    // The stream is gone: nobody will take its file.
+                    if let (Ok(u), Some(d)) = (unsent.0, shared.as_ref()) {
+                        d.remove(&u.shared);
+                    }
+                    break;
+                }
+                if failed {
                     break;
                 }
             }
@@ -361,6 +384,7 @@ pub async fn spawn(pipeline: Arc<dyn Pipeline>, opts: WorkerOptions) -> Result<W
         id: id_rx.clone(),
         compute: Arc::new(Mutex::new(())),
         active: active.clone(),
+        shared: opts.shared_dir.clone().map(|d| Arc::new(SharedDir::new(d))),
     };
     let (tx, rx) = oneshot::channel::<()>();
     let server = tokio::spawn(async move {

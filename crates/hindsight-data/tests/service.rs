@@ -12,11 +12,14 @@ use std::time::Duration;
 use hindsight_data::client::{Client, ClientOptions, Next};
 use hindsight_data::dispatcher::{self, DispatcherOptions};
 use hindsight_data::order::{example_seed, JobSpec};
+use hindsight_data::shared::Payload;
 use hindsight_data::worker::{self, Pipeline, PipelineFailure, UnitRequest, WorkerOptions};
 use hindsight_data::Error;
 
 struct Synthetic {
     delay: Duration,
+    /// Payloads are padded to at least this many bytes (a fixed pattern).
+    pad: usize,
     /// Nonzero: every unit computed after the first `n` gets another byte.
     drift_after: u64,
     made: AtomicU64,
@@ -26,6 +29,7 @@ impl Synthetic {
     fn new(delay_ms: u64) -> Arc<Self> {
         Arc::new(Synthetic {
             delay: Duration::from_millis(delay_ms),
+            pad: 0,
             drift_after: 0,
             made: AtomicU64::new(0),
         })
@@ -50,7 +54,14 @@ impl Pipeline for Synthetic {
         if self.drift_after > 0 && n >= self.drift_after {
             out.push(1);
         }
+        pad(&mut out, self.pad);
         Ok(out)
+    }
+}
+
+fn pad(out: &mut Vec<u8>, to: usize) {
+    while out.len() < to {
+        out.push((out.len() % 251) as u8);
     }
 }
 
@@ -123,7 +134,7 @@ fn read_epoch(
         match client.next(Duration::from_secs(30))? {
             Next::Unit(d) => {
                 during(d.batch);
-                out.push((d.batch, d.indices, d.payload));
+                out.push((d.batch, d.indices, d.payload.to_vec()));
             }
             Next::End => return Ok(out),
             Next::Pending => panic!("no unit within 30 s"),
@@ -168,6 +179,86 @@ fn an_epoch_is_the_permutation_exactly_once_whatever_the_worker_count() {
             assert_eq!(seen, (0..203).collect::<Vec<_>>());
         }
     }
+}
+
+#[test]
+fn workers_added_mid_epoch_take_work_and_change_nothing_delivered() {
+    let (rt, _dir, _d, addr) = cluster();
+    let first = Synthetic::new(4);
+    let mut workers = vec![rt
+        .block_on(worker::spawn(first.clone(), WorkerOptions::new(&addr)))
+        .unwrap()];
+    let added: Vec<_> = (0..2).map(|_| Synthetic::new(4)).collect();
+    let s = spec(400);
+    let mut c = Client::connect(&addr, s.clone(), 0, 1, None, client_options()).unwrap();
+    let got = read_epoch(&mut c, 0, |batch| {
+        if batch == 5 {
+            for p in &added {
+                let w = rt.block_on(worker::spawn(p.clone(), WorkerOptions::new(&addr)));
+                workers.push(w.unwrap());
+            }
+        }
+    })
+    .unwrap();
+    assert_eq!(got, expected(&s, 0));
+    for p in &added {
+        assert!(
+            p.made.load(Ordering::Relaxed) > 0,
+            "an added worker got no split"
+        );
+    }
+}
+
+#[test]
+fn same_host_workers_hand_units_over_through_shared_memory_and_leave_no_file() {
+    let (rt, _dir, _d, addr) = cluster();
+    let shm = tempfile::tempdir().unwrap();
+    let size = hindsight_data::shared::MIN_SHARED + 5;
+    let _workers: Vec<_> = (0..2)
+        .map(|_| {
+            let mut o = WorkerOptions::new(&addr);
+            o.shared_dir = Some(shm.path().to_path_buf());
+            let p = Arc::new(Synthetic {
+                pad: size,
+                ..Arc::into_inner(Synthetic::new(0)).unwrap()
+            });
+            rt.block_on(worker::spawn(p, o)).unwrap()
+        })
+        .collect();
+    let s = spec(60);
+    let opts = ClientOptions {
+        shared_dir: Some(shm.path().to_path_buf()),
+        ..client_options()
+    };
+    let mut c = Client::connect(&addr, s.clone(), 0, 1, None, opts).unwrap();
+    c.start_epoch(0, 0).unwrap();
+    let want = expected(&s, 0);
+    for w in &want {
+        let Next::Unit(d) = c.next(Duration::from_secs(30)).unwrap() else {
+            panic!("epoch ended early or stalled")
+        };
+        assert!(
+            matches!(d.payload, Payload::Mapped(_)),
+            "unit {} came inline",
+            d.batch
+        );
+        let mut body = w.2.clone();
+        pad(&mut body, size);
+        assert_eq!(
+            (d.batch, &d.indices, &d.payload[..]),
+            (w.0, &w.1, &body[..])
+        );
+    }
+    assert!(matches!(
+        c.next(Duration::from_secs(30)).unwrap(),
+        Next::End
+    ));
+    drop(c);
+    let left: Vec<_> = std::fs::read_dir(shm.path()).unwrap().collect();
+    assert!(
+        left.is_empty(),
+        "files left in the shared-memory directory: {left:?}"
+    );
 }
 
 #[test]
@@ -263,7 +354,7 @@ fn a_reread_epoch_whose_units_differ_from_the_first_delivery_is_a_named_error() 
     let drifting = Arc::new(Synthetic {
         delay: Duration::from_millis(1),
         drift_after: 8,
-        made: AtomicU64::new(0),
+        ..Arc::into_inner(Synthetic::new(0)).unwrap()
     });
     let _w = rt
         .block_on(worker::spawn(drifting, WorkerOptions::new(&addr)))

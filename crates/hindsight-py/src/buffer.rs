@@ -3,14 +3,16 @@
 
 use std::ffi::{c_int, c_void};
 
+use hindsight_data::shared::Payload;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
 #[pyclass(module = "hindsight._native", frozen)]
 #[derive(Debug)]
 pub struct Buffer {
+    /// Owned and unique, so handing out a writable pointer is sound.
+    data: Payload,
     ptr: *mut u8,
-    len: usize,
 }
 
 // SAFETY: the buffer owns its allocation; Python serializes access through
@@ -20,23 +22,12 @@ unsafe impl Sync for Buffer {}
 
 impl Buffer {
     pub fn new(data: Vec<u8>) -> Self {
-        let b = data.into_boxed_slice();
-        let len = b.len();
-        Buffer {
-            ptr: Box::into_raw(b) as *mut u8,
-            len,
-        }
+        Self::from_payload(Payload::from(data))
     }
-}
 
-impl Drop for Buffer {
-    fn drop(&mut self) {
-        // SAFETY: ptr/len came from Box::into_raw of a boxed slice of this length.
-        unsafe {
-            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
-                self.ptr, self.len,
-            )))
-        };
+    pub fn from_payload(mut data: Payload) -> Self {
+        let ptr = data.as_mut_ptr();
+        Buffer { data, ptr }
     }
 }
 
@@ -58,7 +49,7 @@ impl Buffer {
                 view,
                 slf.as_ptr(),
                 slf.ptr as *mut c_void,
-                slf.len as ffi::Py_ssize_t,
+                slf.data.len() as ffi::Py_ssize_t,
                 0,
                 flags,
             )
@@ -74,6 +65,6 @@ impl Buffer {
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
 
     fn __len__(&self) -> usize {
-        self.len
+        self.data.len()
     }
 }

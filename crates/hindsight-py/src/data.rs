@@ -1,16 +1,18 @@
 //! The input service (`hindsight.data`) for Python: argument conversion and
 //! GIL handling only; every rule lives in `hindsight-data`.
 
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::buffer::Buffer;
 use hindsight_data::client::{Client, ClientOptions, Next};
 use hindsight_data::dispatcher::{self, DispatcherHandle, DispatcherOptions};
 use hindsight_data::order::{self, JobSpec};
 use hindsight_data::worker::{self, Pipeline, PipelineFailure, UnitRequest, WorkerOptions};
 use hindsight_data::{Error as DataError, Running};
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyDict};
 
 use crate::errors::ToPyErr;
 use crate::interrupt;
@@ -141,7 +143,7 @@ pub(crate) struct DataUnit {
     indices: Vec<u64>,
     digest: Py<PyBytes>,
     /// Writable, so tensors can be views of it without a copy.
-    payload: Py<PyByteArray>,
+    payload: Py<Buffer>,
 }
 
 /// A training process's connection to an input job.
@@ -153,7 +155,7 @@ pub(crate) struct DataClient {
 #[pymethods]
 impl DataClient {
     #[new]
-    #[pyo3(signature = (dispatcher, spec, *, rank=0, world=1, expect_job_id=None, window_splits=4, stall_timeout=0.5, no_worker_wait=60.0, connect_timeout=3.0, warn_nondeterministic=false))]
+    #[pyo3(signature = (dispatcher, spec, *, rank=0, world=1, expect_job_id=None, window_splits=4, stall_timeout=0.5, no_worker_wait=60.0, connect_timeout=3.0, warn_nondeterministic=false, shared_dir=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -167,6 +169,7 @@ impl DataClient {
         no_worker_wait: f64,
         connect_timeout: f64,
         warn_nondeterministic: bool,
+        shared_dir: Option<PathBuf>,
     ) -> PyResult<Self> {
         let opts = ClientOptions {
             window_splits,
@@ -174,6 +177,7 @@ impl DataClient {
             no_worker_wait: seconds(no_worker_wait, "no_worker_wait")?,
             connect_timeout: seconds(connect_timeout, "connect_timeout")?,
             warn_nondeterministic,
+            shared_dir,
             ..ClientOptions::default()
         };
         let spec = spec.core();
@@ -224,7 +228,7 @@ impl DataClient {
             batch: d.batch,
             indices: d.indices,
             digest: PyBytes::new(py, &d.digest).unbind(),
-            payload: PyByteArray::new(py, &d.payload).unbind(),
+            payload: Py::new(py, Buffer::from_payload(d.payload))?,
         }))
     }
 
@@ -357,7 +361,7 @@ fn traceback(py: Python<'_>, e: &PyErr) -> String {
 /// (local workers), it also stops when that process is gone, so a trainer
 /// killed with SIGKILL leaves no workers behind.
 #[pyfunction]
-#[pyo3(signature = (dispatcher, dataset, code_version, produce, *, bind="127.0.0.1:0", advertise=None, ready=None, parent_pid=None))]
+#[pyo3(signature = (dispatcher, dataset, code_version, produce, *, bind="127.0.0.1:0", advertise=None, ready=None, parent_pid=None, shared_dir=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn serve_data_worker(
     py: Python<'_>,
@@ -369,6 +373,7 @@ pub(crate) fn serve_data_worker(
     advertise: Option<String>,
     ready: Option<Py<PyAny>>,
     parent_pid: Option<u32>,
+    shared_dir: Option<PathBuf>,
 ) -> PyResult<()> {
     let pipeline = Arc::new(PyPipeline {
         dataset,
@@ -378,6 +383,7 @@ pub(crate) fn serve_data_worker(
     let mut opts = WorkerOptions::new(dispatcher);
     opts.bind = bind.to_string();
     opts.advertise = advertise;
+    opts.shared_dir = shared_dir;
     let mut running = interrupt::run(py, |_| worker::start(pipeline, opts))?;
     if let (Some(ready), Some(h)) = (ready, running.handle()) {
         ready.call1(py, (h.addr.to_string(), h.worker_id()))?;

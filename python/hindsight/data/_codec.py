@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hindsight import _native
 from hindsight.errors import CorruptError, UnsupportedTypeError
 
 MAGIC = b"HSU1"
@@ -89,10 +90,14 @@ _TORCH_DTYPES = {
 }  # fmt: skip
 
 
-def decode(payload: bytearray) -> Any:
-    """The batch a unit holds. A malformed unit (a bug or a hostile worker:
+def decode(received: bytearray | memoryview | _native.Buffer) -> Any:
+    """The batch a unit holds; its tensors and arrays are views of the
+    (writable) received buffer. A malformed unit (a bug or a hostile worker:
     the digest only proves it arrived as sent) raises CorruptError naming
     the node; nothing outside the payload is ever read."""
+    # _native.Buffer has the buffer protocol's C slots; typeshed only sees
+    # a buffer through __buffer__, which Python 3.11 does not define.
+    payload = memoryview(received)  # type: ignore[arg-type]
     if len(payload) < _HEAD.size:
         raise CorruptError("data unit: shorter than its header")
     magic, hlen = _HEAD.unpack_from(payload, 0)

@@ -66,6 +66,11 @@ class _LocalWorkers:
 
     def __init__(self, n: int, dataset: str, args_json: str, collate: str | None):
         self._dir = tempfile.mkdtemp(prefix="hindsight-data-")
+        # Batches are handed over through shared memory, as DataLoader's
+        # are, when the host has it; otherwise they travel over loopback.
+        self.shared_dir: str | None = None
+        if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+            self.shared_dir = tempfile.mkdtemp(prefix="hindsight-data-", dir="/dev/shm")
         self.dispatcher = _native.DataDispatcher(self._dir)
         self.address = self.dispatcher.address
         self._cmd = [
@@ -73,6 +78,8 @@ class _LocalWorkers:
             "--dispatcher", self.address, "--dataset", dataset, "--args", args_json, "--bind", "127.0.0.1:0",
             "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
+        if self.shared_dir:
+            self._cmd += ["--shared-dir", self.shared_dir]
         if collate:
             self._cmd += ["--collate", collate]
         # Workers import the dataset by name: give them this process's path.
@@ -137,6 +144,8 @@ class _LocalWorkers:
                 p.wait(timeout=5)
         self.dispatcher.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
+        if self.shared_dir:
+            shutil.rmtree(self.shared_dir, ignore_errors=True)
 
 
 def _importable(obj: Callable[..., Any], what: str) -> str:
@@ -246,6 +255,7 @@ class Loader:
             "window_splits": window,
             "no_worker_wait": wait,
             "warn_nondeterministic": nondeterministic == "warn",
+            "shared_dir": self._local.shared_dir if self._local is not None else None,
         }
         try:
             self._client = _native.DataClient(address, self.spec, **self._client_args)  # type: ignore[arg-type]

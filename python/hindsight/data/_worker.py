@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import random
+import shutil
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -167,6 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="host[:port] clients use to reach this worker (port 0 or none: the bound port)",
     )
     p.add_argument("--parent-pid", type=int, default=None, help="stop when this process is gone (local workers)")
+    p.add_argument(
+        "--shared-dir",
+        default=None,
+        help="hand large units over through files in this shared-memory directory (workers on the client's host)",
+    )
     a = p.parse_args(argv)
     try:
         args = json.loads(a.args)
@@ -193,7 +200,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             advertise=a.advertise,
             ready=ready,
             parent_pid=a.parent_pid,
+            shared_dir=a.shared_dir,
         )
     except (KeyboardInterrupt, SystemExit):
         pass
+    if a.shared_dir and a.parent_pid is not None and os.getppid() != a.parent_pid:
+        # The trainer died without closing its loader: units in flight
+        # would otherwise stay in shared memory.
+        shutil.rmtree(a.shared_dir, ignore_errors=True)
     return 0
