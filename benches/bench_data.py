@@ -30,6 +30,14 @@ generators), batches of 64, every example carrying its index.
    ``batch_size=1``, the ``tiny`` dataset) run once through a dispatcher
    started here with 2 remote-style workers; then starting a dispatcher on
    that journal (which replays it) is timed.
+4. Worker checkpoints (the seed's stall-versus-recomputation trade-off): a
+   sharded dataset whose shards cannot seek (``tests/data_synth.py:stream``:
+   reaching record k reads the k before it) with a cheap and a costly read
+   per record, ``local:1``, ``checkpoint_overhead`` 0 (never) against 0.05
+   (the policy decides). Per case: an epoch without failures (the price of
+   checkpointing), then an epoch with the worker killed mid-split; records
+   read only to seek (scanning to an offset) and reader resumes from a
+   worker checkpoint are counted from the dataset's open log.
 
 Scratch files go under ``bench-out/data/`` (removed at the end); the plot
 stays in ``bench-out/``.
@@ -624,6 +632,56 @@ def part_journal(sizes: list[int], raw: dict[str, Any]) -> list[str]:
 # --------------------------------------------------------------------------
 
 
+CKPT_COUNTS = [60] * 8  # records per shard (part 4)
+CKPT_BATCH, CKPT_SPLIT = 8, 24
+CKPT_KILL_AT = 30  # batch (of 60) after which the worker is killed: mid-split
+
+
+def part_checkpoints(raw: dict[str, Any]) -> list[str]:
+    sys.path.insert(0, str(REPO / "tests"))
+    import data_synth
+
+    rows = []
+    results: dict[str, Any] = {}
+    for read_ms, kind in ((0.02, "cheap read (0.02 ms/record)"), (2.0, "costly read (2 ms/record)")):
+        for overhead in (0.0, 0.05):
+            log = SCRATCH / f"ckpt-{read_ms}-{overhead}.log"
+            args = {"counts": CKPT_COUNTS, "open_log": str(log), "read_ms": read_ms, "transform_ms": 1.0}
+            with Loader(
+                data_synth.stream, batch_size=CKPT_BATCH, seed=SEED, workers="local:1", split_batches=CKPT_SPLIT,
+                dataset_args=args, checkpoint_overhead=overhead,
+            ) as loader:  # fmt: skip
+                times = []
+                for epoch in range(3):
+                    if epoch == 2:
+                        log.write_text("")  # count the kill epoch only
+                    loader.set_epoch(epoch)
+                    t0, n = now(), 0
+                    for _ in loader:
+                        n += 1
+                        if epoch == 2 and n == CKPT_KILL_AT:
+                            os.kill(loader.worker_pids()[0], signal.SIGKILL)
+                    times.append(now() - t0)
+            lines = log.read_text().split("\n")
+            scanned = sum(int(x.split()[2]) for x in lines if x.startswith("open "))
+            resumes = sum(1 for x in lines if x.startswith("resume "))
+            r = {"no_kill_s": times[1], "kill_s": times[2], "scanned": scanned, "resumes": resumes}
+            results[f"{read_ms}/{overhead}"] = r
+            rows.append([
+                kind, "never" if overhead == 0 else "policy (5%)", f"{times[1]:.2f} s", f"{times[2]:.2f} s",
+                str(scanned), str(resumes),
+            ])  # fmt: skip
+    raw["worker_checkpoints"] = results
+    head = (
+        f"4. worker checkpoints: {sum(CKPT_COUNTS)} records in {len(CKPT_COUNTS)} shards that cannot seek, batch "
+        f"{CKPT_BATCH}, {CKPT_SPLIT} batches per split, local:1; the worker SIGKILLed after batch {CKPT_KILL_AT}, "
+        "mid-split (the loader replaces it)"
+    )
+    headers = ["pipeline", "checkpoints", "epoch, no failure", "epoch, a worker killed", "records read to seek",
+               "resumed from a checkpoint"]  # fmt: skip
+    return [head, *table(headers, rows).splitlines()]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--examples", type=int, default=6144, help="examples per epoch in parts 1-2 (default 6144)")
@@ -676,6 +734,12 @@ def main() -> int:
         lines = part_journal(sizes, raw)
         print("\n".join(lines), flush=True)
         print(f"  (part 3 took {now() - t0:.0f} s)", file=sys.stderr, flush=True)
+        print()
+
+        t0 = now()
+        lines = part_checkpoints(raw)
+        print("\n".join(lines), flush=True)
+        print(f"  (part 4 took {now() - t0:.0f} s)", file=sys.stderr, flush=True)
         print()
 
         print("checks:")

@@ -145,3 +145,59 @@ def expected_records(spec: object, epoch: int) -> list[torch.Tensor]:
             rows.append(ds.transform((shard, i - bases[shard])))
         out.append(torch.stack(rows))
     return out
+
+
+class _ScanReader:
+    """A shard reader that cannot seek (a compressed stream, a packing
+    iterator): its state is its position, and reading a record costs time."""
+
+    def __init__(self, ds: Stream, shard: int, pos: int):
+        self.ds, self.shard, self.pos = ds, shard, pos
+
+    def __iter__(self) -> _ScanReader:
+        return self
+
+    def __next__(self) -> tuple[int, int]:
+        if self.pos >= self.ds.counts[self.shard]:
+            raise StopIteration
+        time.sleep(self.ds.read_s)
+        rec = (self.shard, self.pos)
+        self.pos += 1
+        return rec
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+
+class Stream(Records):
+    """``Records`` whose shards are read from their start only, at a cost
+    per record, with reader state (``state_dict`` / ``resume``) that worker
+    checkpoints keep. ``open`` and ``resume`` calls go to ``open_log``."""
+
+    def __init__(self, counts: list[int], open_log: str | None, read_ms: float, transform_ms: float):
+        super().__init__(counts, open_log)
+        self.read_s, self.transform_s = read_ms / 1000, transform_ms / 1000
+
+    def _log(self, line: str) -> None:
+        if self.open_log:
+            with open(self.open_log, "a") as f:
+                f.write(line + "\n")
+
+    def open(self, shard: int, offset: int) -> _ScanReader:  # type: ignore[override]
+        self._log(f"open {shard} {offset}")
+        r = _ScanReader(self, shard, 0)
+        for _ in range(offset):
+            next(r)
+        return r
+
+    def resume(self, shard: int, state: dict[str, int]) -> _ScanReader:
+        self._log(f"resume {shard} {state['pos']}")
+        return _ScanReader(self, shard, int(state["pos"]))
+
+    def transform(self, record: tuple[int, int]) -> torch.Tensor:
+        time.sleep(self.transform_s)
+        return super().transform(record)
+
+
+def stream(counts: list[int], open_log: str | None = None, read_ms: float = 3, transform_ms: float = 10) -> Stream:
+    return Stream(counts, open_log, read_ms, transform_ms)

@@ -157,6 +157,31 @@ def test_a_sharded_dataset_is_read_sequentially_each_record_once_in_a_seeded_ord
         assert seen == [(s, o) for s, n in enumerate(counts) for o in range(n)]
 
 
+def test_workers_taking_over_a_split_restore_its_worker_checkpoint_instead_of_reading_it_again(tmp_path):
+    """A sharded dataset whose shards cannot seek and cost time to read:
+    workers checkpoint each split's read state (reader positions, records
+    read ahead); with every worker killed mid-epoch, the replacements resume
+    the readers from those checkpoints, and the epoch is still exact."""
+    log = tmp_path / "opens"
+    counts = [40, 25, 45, 10]
+    args = {"counts": counts, "open_log": str(log), "read_ms": 3, "transform_ms": 8}
+    with hs.data.Loader(
+        data_synth.stream, batch_size=4, seed=SEED, workers="local:2", split_batches=8, dataset_args=args
+    ) as loader:
+        spec = loader.spec
+
+        def kill_all(n: int) -> None:
+            if n == 11:
+                for pid in loader.worker_pids():
+                    os.kill(pid, signal.SIGKILL)
+
+        got = read(loader, 0, kill_all)
+        assert loader.stats()["workers_replaced"] >= 2
+    assert same(got, data_synth.expected_records(spec, 0))
+    resumed = [line for line in log.read_text().splitlines() if line.startswith("resume")]
+    assert resumed, "no worker restored a worker checkpoint after the kill"
+
+
 def test_a_dataset_that_raises_reaches_the_trainer_with_its_traceback():
     with hs.data.Loader(
         data_synth.make, batch_size=4, workers="local:1", dataset_args={"n": 40, "fail_at": 13}, shuffle=False

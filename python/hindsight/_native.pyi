@@ -3,7 +3,7 @@
 import builtins
 import os
 from collections.abc import Callable
-from typing import Any, Self, TypeAlias, final
+from typing import Any, Literal, Self, TypeAlias, final
 
 FORMAT_VERSION: int
 DEFAULT_STAGING_BYTES: int
@@ -14,6 +14,7 @@ __all__ = [
     "AdaptivePolicy",
     "Buffer",
     "CheckpointId",
+    "CheckpointPolicy",
     "DataClient",
     "DataDispatcher",
     "DataUnit",
@@ -27,10 +28,13 @@ __all__ = [
     "ReplayPlan",
     "SaveHandle",
     "Store",
+    "UnitWork",
     "WorkerPlan",
     "checkpoint_exit_code",
     "checkpoint_names",
+    "data_checkpoint_name",
     "data_example_seed",
+    "data_latest_checkpoint",
     "project_paths",
     "run_cli",
     "run_data_dispatcher",
@@ -393,11 +397,45 @@ class DataDispatcher:
     def stop(self) -> None: ...
 
 def data_example_seed(seed: int, epoch: int, index: int) -> int: ...
+
+@final
+class UnitWork:
+    """What a worker's pipeline is asked for: one rank's slice of one global batch."""
+
+    job_id: str
+    epoch: int
+    batch: int
+    split: int
+    split_start: int
+    split_end: int
+    indices: list[int]
+    seeds: list[int]
+    shards: list[int]
+    offsets: list[int]
+
+@final
+class CheckpointPolicy:
+    """Worker checkpoints: when one pays, from what this worker measured."""
+
+    def __new__(cls, max_overhead: float = 0.05) -> Self: ...
+    def observe_read(self, n: int, secs: float) -> None: ...
+    def observe_unit(self, secs: float) -> None: ...
+    def observe_checkpoint(self, records: int, secs: float) -> None: ...
+    def decide(self, read: int, kept: int, since: int) -> Literal["checkpoint", "wait", "never"]: ...
+    @property
+    def read_s_per_record(self) -> float | None: ...
+    @property
+    def stall_s_per_record(self) -> float | None: ...
+    @property
+    def gave_up(self) -> bool: ...
+
+def data_checkpoint_name(job_id: str, epoch: int, split: int, batch: int) -> str: ...
+def data_latest_checkpoint(names: list[str], job_id: str, epoch: int, split: int, batch: int) -> str | None: ...
 def serve_data_worker(
     dispatcher: str,
     dataset: str,
     code_version: str,
-    produce: Callable[..., bytes],
+    produce: Callable[[UnitWork], memoryview],
     *,
     bind: str = "127.0.0.1:0",
     advertise: str | None = None,

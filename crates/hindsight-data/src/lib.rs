@@ -5,6 +5,7 @@
 //!   splits and rank slices, per-example random seeds.
 //! - [`journal`]: the dispatcher's append-only, checksummed journal.
 //! - [`shared`]: same-host payload handoff through shared memory.
+//! - [`recovery`]: worker checkpoints of split read state, and when they pay.
 
 pub mod client;
 pub mod dispatcher;
@@ -12,6 +13,7 @@ pub mod error;
 pub mod journal;
 pub mod order;
 pub mod proto;
+pub mod recovery;
 pub mod shared;
 pub mod worker;
 

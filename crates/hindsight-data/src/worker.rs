@@ -25,8 +25,13 @@ use crate::shared::SharedDir;
 #[derive(Debug)]
 pub struct UnitRequest<'a> {
     pub spec: &'a JobSpec,
+    pub job_id: &'a str,
     pub epoch: u64,
     pub batch: u64,
+    /// The split the unit belongs to and its batches (worker checkpoints
+    /// are taken at unit boundaries inside it).
+    pub split: u64,
+    pub split_batches: std::ops::Range<u64>,
     /// Dataset indices, in delivery order.
     pub indices: &'a [u64],
     /// The seed of every random draw for the example at the same position.
@@ -35,6 +40,10 @@ pub struct UnitRequest<'a> {
     pub shards: &'a [u64],
     pub offsets: &'a [u64],
 }
+
+/// A produced payload: dropped on the producing thread, after it is sent
+/// or written.
+pub type Produced = Box<dyn AsRef<[u8]> + Send>;
 
 /// The user's code raised: the text (a traceback) goes to the client.
 #[derive(Debug, Clone)]
@@ -48,8 +57,10 @@ pub trait Pipeline: Send + Sync + 'static {
     fn dataset(&self) -> &str;
     /// A digest of the dataset's code; jobs of another version are refused.
     fn code_version(&self) -> &str;
-    /// The payload of one unit. Must depend only on the request.
-    fn produce(&self, req: &UnitRequest<'_>) -> std::result::Result<Vec<u8>, PipelineFailure>;
+    /// The payload of one unit. Must depend only on the request. Any owner
+    /// of bytes will do (the Python binding lends the encoder's buffer, so a
+    /// shared-memory handoff copies the batch once).
+    fn produce(&self, req: &UnitRequest<'_>) -> std::result::Result<Produced, PipelineFailure>;
 }
 
 /// The 16-byte content digest carried by every unit: xxh3-128, which
@@ -227,8 +238,11 @@ impl proto::worker_server::Worker for WorkerService {
                         let _one = compute.lock().unwrap_or_else(|p| p.into_inner());
                         pipeline.produce(&UnitRequest {
                             spec: &spec,
+                            job_id: &key.job_id,
                             epoch: key.epoch,
                             batch,
+                            split: key.split,
+                            split_batches: batches.clone(),
                             indices: &u.indices,
                             seeds: &u.seeds,
                             shards: &u.shards,
@@ -238,11 +252,14 @@ impl proto::worker_server::Worker for WorkerService {
                     // Aborted is reserved for the user's code failing: the
                     // client does not retry it elsewhere.
                     .map_err(|f| Status::aborted(f.detail))?;
-                    let digest = digest(&payload);
-                    let (payload, shared) = match shared.as_ref().and_then(|d| d.put(&payload)) {
+                    let bytes = (*payload).as_ref();
+                    let digest = digest(bytes);
+                    let (inline, shared) = match shared.as_ref().and_then(|d| d.put(bytes)) {
                         Some(name) => (Bytes::new(), name),
-                        None => (payload.into(), String::new()),
+                        None => (Bytes::copy_from_slice(bytes), String::new()),
                     };
+                    drop(payload);
+                    let payload = inline;
                     Ok(proto::Unit {
                         epoch: key.epoch,
                         batch,

@@ -13,7 +13,9 @@ use hindsight_data::client::{Client, ClientOptions, Next};
 use hindsight_data::dispatcher::{self, DispatcherOptions};
 use hindsight_data::order::{example_seed, JobSpec};
 use hindsight_data::shared::Payload;
-use hindsight_data::worker::{self, Pipeline, PipelineFailure, UnitRequest, WorkerOptions};
+use hindsight_data::worker::{
+    self, Pipeline, PipelineFailure, Produced, UnitRequest, WorkerOptions,
+};
 use hindsight_data::Error;
 
 struct Synthetic {
@@ -43,7 +45,7 @@ impl Pipeline for Synthetic {
     fn code_version(&self) -> &str {
         "v1"
     }
-    fn produce(&self, req: &UnitRequest<'_>) -> Result<Vec<u8>, PipelineFailure> {
+    fn produce(&self, req: &UnitRequest<'_>) -> Result<Produced, PipelineFailure> {
         std::thread::sleep(self.delay);
         let n = self.made.fetch_add(1, Ordering::Relaxed);
         let mut out = Vec::with_capacity(req.indices.len() * 16);
@@ -55,7 +57,7 @@ impl Pipeline for Synthetic {
             out.push(1);
         }
         pad(&mut out, self.pad);
-        Ok(out)
+        Ok(Box::new(out))
     }
 }
 

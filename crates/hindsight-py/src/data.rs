@@ -9,8 +9,12 @@ use crate::buffer::Buffer;
 use hindsight_data::client::{Client, ClientOptions, Next};
 use hindsight_data::dispatcher::{self, DispatcherHandle, DispatcherOptions};
 use hindsight_data::order::{self, JobSpec};
-use hindsight_data::worker::{self, Pipeline, PipelineFailure, UnitRequest, WorkerOptions};
+use hindsight_data::recovery;
+use hindsight_data::worker::{
+    self, Pipeline, PipelineFailure, Produced, UnitRequest, WorkerOptions,
+};
 use hindsight_data::{Error as DataError, Running};
+use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -308,6 +312,106 @@ impl DataDispatcher {
     }
 }
 
+/// What a worker's pipeline is asked for: one rank's slice of one global
+/// batch, and where it sits in its split.
+#[pyclass(module = "hindsight._native", name = "UnitWork", frozen, get_all)]
+pub(crate) struct UnitWork {
+    job_id: String,
+    epoch: u64,
+    batch: u64,
+    split: u64,
+    /// The split's batches: [split_start, split_end).
+    split_start: u64,
+    split_end: u64,
+    /// Dataset indices (positions in the sharded order), in delivery order.
+    indices: Vec<u64>,
+    /// The seed of every random draw for the example at the same position.
+    seeds: Vec<u64>,
+    /// Sharded datasets: where each record is read (empty otherwise).
+    shards: Vec<u64>,
+    offsets: Vec<u64>,
+}
+
+/// Worker checkpoints: when one pays, from what this worker measured
+/// (the rule is `hindsight_data::recovery`).
+#[pyclass(module = "hindsight._native", name = "CheckpointPolicy")]
+pub(crate) struct PyCheckpointPolicy(recovery::CheckpointPolicy);
+
+#[pymethods]
+impl PyCheckpointPolicy {
+    #[new]
+    #[pyo3(signature = (max_overhead=0.05))]
+    fn new(max_overhead: f64) -> Self {
+        PyCheckpointPolicy(recovery::CheckpointPolicy::new(max_overhead))
+    }
+    fn observe_read(&mut self, n: u64, secs: f64) {
+        self.0.observe_read(n, secs);
+    }
+    fn observe_unit(&mut self, secs: f64) {
+        self.0.observe_unit(secs);
+    }
+    fn observe_checkpoint(&mut self, records: u64, secs: f64) {
+        self.0.observe_checkpoint(records, secs);
+    }
+    /// "checkpoint", "wait" or "never".
+    fn decide(&mut self, read: u64, kept: u64, since: u64) -> &'static str {
+        match self.0.decide(read, kept, since) {
+            recovery::Decision::Checkpoint => "checkpoint",
+            recovery::Decision::Wait => "wait",
+            recovery::Decision::Never => "never",
+        }
+    }
+    #[getter]
+    fn read_s_per_record(&self) -> Option<f64> {
+        self.0.read_s_per_record()
+    }
+    #[getter]
+    fn stall_s_per_record(&self) -> Option<f64> {
+        self.0.stall_s_per_record()
+    }
+    #[getter]
+    fn gave_up(&self) -> bool {
+        self.0.gave_up()
+    }
+}
+
+/// The store name of a worker checkpoint of `split`, taken before `batch`.
+#[pyfunction]
+pub(crate) fn data_checkpoint_name(job_id: &str, epoch: u64, split: u64, batch: u64) -> String {
+    recovery::checkpoint_name(job_id, epoch, split, batch)
+}
+
+/// The checkpoint a worker starting `split` at `batch` restores, if any.
+#[pyfunction]
+pub(crate) fn data_latest_checkpoint(
+    names: Vec<String>,
+    job_id: &str,
+    epoch: u64,
+    split: u64,
+    batch: u64,
+) -> Option<String> {
+    recovery::latest_checkpoint(
+        names.iter().map(String::as_str),
+        job_id,
+        epoch,
+        split,
+        batch,
+    )
+    .map(|(n, _)| n.to_string())
+}
+
+/// The encoder's buffer, lent to the worker without a copy. Only the
+/// worker reads it, and the encoder keeps no reference to it.
+struct Encoded(PyBuffer<u8>);
+
+impl AsRef<[u8]> for Encoded {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: a C-contiguous buffer of len_bytes bytes, kept exported
+        // (so neither freed nor resized) while the PyBuffer lives.
+        unsafe { std::slice::from_raw_parts(self.0.buf_ptr() as *const u8, self.0.len_bytes()) }
+    }
+}
+
 /// The user's preprocessing, called with the GIL for each unit.
 struct PyPipeline {
     dataset: String,
@@ -322,20 +426,28 @@ impl Pipeline for PyPipeline {
     fn code_version(&self) -> &str {
         &self.code_version
     }
-    fn produce(&self, req: &UnitRequest<'_>) -> Result<Vec<u8>, PipelineFailure> {
+    fn produce(&self, req: &UnitRequest<'_>) -> Result<Produced, PipelineFailure> {
         Python::attach(|py| {
-            // Map-style: (epoch, batch, indices, seeds); sharded: plus the
-            // shard and offset of each record.
-            let (indices, seeds) = (req.indices.to_vec(), req.seeds.to_vec());
-            let called = if req.shards.is_empty() {
-                self.produce
-                    .call1(py, (req.epoch, req.batch, indices, seeds))
-            } else {
-                let (shards, offsets) = (req.shards.to_vec(), req.offsets.to_vec());
-                let args = (req.epoch, req.batch, indices, seeds, shards, offsets);
-                self.produce.call1(py, args)
+            let work = UnitWork {
+                job_id: req.job_id.to_string(),
+                epoch: req.epoch,
+                batch: req.batch,
+                split: req.split,
+                split_start: req.split_batches.start,
+                split_end: req.split_batches.end,
+                indices: req.indices.to_vec(),
+                seeds: req.seeds.to_vec(),
+                shards: req.shards.to_vec(),
+                offsets: req.offsets.to_vec(),
             };
-            let out = called.and_then(|v| v.extract::<Vec<u8>>(py));
+            let out = self.produce.call1(py, (work,)).and_then(|v| {
+                let buf = PyBuffer::<u8>::get(v.bind(py))?;
+                if buf.is_c_contiguous() {
+                    Ok(Box::new(Encoded(buf)) as Produced)
+                } else {
+                    Ok(Box::new(buf.to_vec(py)?) as Produced)
+                }
+            });
             out.map_err(|e| PipelineFailure {
                 detail: traceback(py, &e),
             })

@@ -490,6 +490,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<data::DataUnit>()?;
     m.add_class::<data::DataClient>()?;
     m.add_class::<data::DataDispatcher>()?;
+    m.add_class::<data::UnitWork>()?;
+    m.add_class::<data::PyCheckpointPolicy>()?;
+    m.add_function(wrap_pyfunction!(data::data_checkpoint_name, m)?)?;
+    m.add_function(wrap_pyfunction!(data::data_latest_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(data::data_example_seed, m)?)?;
     m.add_function(wrap_pyfunction!(data::serve_data_worker, m)?)?;
     m.add_function(wrap_pyfunction!(data::run_data_dispatcher, m)?)?;

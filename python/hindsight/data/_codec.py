@@ -19,7 +19,10 @@ _ALIGN = 64
 _HEAD = struct.Struct("<4sI")
 
 
-def encode(obj: Any) -> bytes:
+def encode(obj: Any) -> memoryview:
+    """One unit's bytes: a JSON header, then every buffer 64-byte aligned.
+    Each buffer is copied once, into memory that is not zero-filled first;
+    only the alignment gaps are zeroed (so equal batches are equal bytes)."""
     buffers: list[tuple[int, memoryview]] = []
     pos = 0
 
@@ -73,12 +76,16 @@ def encode(obj: Any) -> bytes:
 
     header = json.dumps(walk(obj, ""), separators=(",", ":")).encode()
     start = (_HEAD.size + len(header) + _ALIGN - 1) // _ALIGN * _ALIGN
-    out = bytearray(start + pos)
+    out = np.empty(start + pos, dtype=np.uint8).data.cast("B")
     out[: _HEAD.size] = _HEAD.pack(MAGIC, len(header))
     out[_HEAD.size : _HEAD.size + len(header)] = header
+    end = _HEAD.size + len(header)
     for off, raw in buffers:
-        out[start + off : start + off + raw.nbytes] = raw
-    return bytes(out)
+        out[end : start + off] = bytes(start + off - end)
+        end = start + off + raw.nbytes
+        out[start + off : end] = raw
+    out[end:] = bytes(len(out) - end)
+    return out
 
 
 _TORCH_DTYPES = {

@@ -64,7 +64,7 @@ class _LocalWorkers:
     forked from the trainer. A worker that dies is replaced, so capacity
     recovers."""
 
-    def __init__(self, n: int, dataset: str, args_json: str, collate: str | None):
+    def __init__(self, n: int, dataset: str, args_json: str, collate: str | None, checkpoint_overhead: float):
         self._dir = tempfile.mkdtemp(prefix="hindsight-data-")
         # Batches are handed over through shared memory, as DataLoader's
         # are, when the host has it; otherwise they travel over loopback.
@@ -77,6 +77,8 @@ class _LocalWorkers:
             sys.executable, "-m", "hindsight", "data", "worker",
             "--dispatcher", self.address, "--dataset", dataset, "--args", args_json, "--bind", "127.0.0.1:0",
             "--parent-pid", str(os.getpid()),
+            "--checkpoints", os.path.join(self._dir, "worker-checkpoints"),
+            "--checkpoint-overhead", str(checkpoint_overhead),
         ]  # fmt: skip
         if self.shared_dir:
             self._cmd += ["--shared-dir", self.shared_dir]
@@ -175,6 +177,9 @@ class Loader:
     dispatcher started with ``hindsight data dispatcher``.
     ``batch_size`` is per rank; rank r of R gets slice r of each global
     batch, so the global order does not depend on R.
+    ``checkpoint_overhead``: local workers of a sharded dataset checkpoint a
+    split's read state when a failure would otherwise redo costly reading,
+    keeping the stalls under this share of their time (0: never).
     """
 
     def __init__(
@@ -195,6 +200,7 @@ class Loader:
         window: int | None = None,
         nondeterministic: str = "error",
         wait: float = 60.0,
+        checkpoint_overhead: float = 0.05,
     ) -> None:
         if not callable(dataset):
             raise InvalidArgumentError("Loader(dataset=...) must be a factory returning a dataset")
@@ -243,7 +249,7 @@ class Loader:
                 n = 0
             if n < 1:
                 raise InvalidArgumentError(f"workers={workers!r}: local:N needs N >= 1")
-            self._local = _LocalWorkers(n, name, args_json, collate_name)
+            self._local = _LocalWorkers(n, name, args_json, collate_name, checkpoint_overhead)
             address = self._local.address
             window = window or max(2, 2 * n)
         else:
