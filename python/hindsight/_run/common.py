@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hindsight import _native
+from hindsight._run.loopvars import LoopVars
 from hindsight._state import apply_state, capture, set_rng_state
 from hindsight.errors import InvalidArgumentError
 
@@ -209,6 +210,11 @@ class Run:
         self.outer_idx = -1
         self.iter_start = 0.0
         self.block_done = False
+        # The variables the outer loop and the steps change (loopvars.py);
+        # block_live: the steps of the current iteration are under way.
+        self.outer_vars: LoopVars | None = None
+        self.block_vars: LoopVars | None = None
+        self.block_live = False
         self.finished = False
         # Set by hs.checkpointing; only recording acts on them.
         self.exit_code: int | None = None
@@ -364,6 +370,8 @@ class Run:
 
     def _outer(self, name: str, iterable: Iterable[T]) -> Iterator[T]:
         """The outermost loop: one iteration is the unit of checkpoints and replay."""
+        # sys._getframe(1): the frame whose `for` drives this generator.
+        self.outer_vars = LoopVars.of(sys._getframe(1), name, self._object_ids())
         entry: list[Any] = [name, -1]
         self.stack.append(entry)
         self.outer_name = name
@@ -392,8 +400,11 @@ class Run:
     def _block(self, name: str, iterable: Iterable[T]) -> Iterator[T]:
         """The first loop nested in the outer loop: the skippable training steps."""
         i = self.outer_idx
+        self.block_vars = LoopVars.of(sys._getframe(1), name, self._object_ids())
+        self.block_live = True
         if self._skip_block(i):
             self.block_done = True
+            self.block_live = False
             return
         entry: list[Any] = [name, -1]
         self.stack.append(entry)
@@ -422,6 +433,7 @@ class Run:
                 self._end_block(i)
                 if closed:
                     self._block_closed(i)
+            self.block_live = False
 
     # Hooks of the loops, defined by RecordRun and ReplayRun.
     def _outer_starts(self) -> None:
@@ -461,11 +473,31 @@ class Run:
 
     # -- state -------------------------------------------------------------------
     def capture(self) -> dict[str, Any]:
-        return capture(self.objects, [(e[0], e[1]) for e in self.stack])
+        state = capture(self.objects, [(e[0], e[1]) for e in self.stack])
+        block = self.block_vars if self.block_live else None
+        loop_vars: dict[str, Any] = {}
+        if self.outer_vars is not None:
+            loop_vars["outer"] = self.outer_vars.capture(self.outer_vars.without(block))
+        if block is not None:
+            loop_vars["block"] = block.capture(block.names)
+        state["vars"] = loop_vars
+        return state
+
+    def _object_ids(self) -> set[int]:
+        return {id(o) for o in self.objects.values()}
+
+    def _apply_vars(self, state: dict[str, Any]) -> None:
+        """Put the loops' variables back into the frames running them."""
+        saved = state.get("vars") or {}
+        if self.outer_vars is not None and "outer" in saved:
+            self.outer_vars.restore(saved["outer"])
+        if self.block_live and self.block_vars is not None and "block" in saved:
+            self.block_vars.restore(saved["block"])
 
     def _apply_objects(self, state: dict[str, Any], name: str) -> None:
         apply_state(self.objects, state["objects"], name)
 
     def _apply(self, state: dict[str, Any], name: str) -> None:
         self._apply_objects(state, name)
+        self._apply_vars(state)
         set_rng_state(state["rng"])

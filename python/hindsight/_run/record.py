@@ -337,6 +337,7 @@ class RecordRun(Run):
         """Continue an interrupted block exactly: same data order, no sample repeated or skipped."""
         state = resume["state"]
         self._apply_objects(state, resume["name"])
+        self._apply_vars(state)
         done = int(state["position"][1]) + 1
         if "loader_state" in state and hasattr(iterable, "load_state_dict"):
             iterable.load_state_dict(state["loader_state"])  # a stateful loader knows its own position

@@ -1,0 +1,243 @@
+"""The state of a loop that lives in Python variables.
+
+A checkpoint of ``hs.checkpointing``'s objects misses what a training loop
+keeps in plain variables: an iteration counter driving the warm-up, the
+batch prefetched for the next step, the last ``loss`` that code after the
+loop reads, a running best. Seed 000's side-effect analysis finds them
+statically: the names a loop body assigns (or changes through a method
+call) that the enclosing scope reads. Their values are saved with every
+checkpoint taken inside the loop and written back into the running frame
+(module or function) when a checkpoint is restored, by resume or replay.
+
+Values are kept when the store can hold them (numbers, strings, bytes,
+tensors, arrays and plain containers of them); a changed variable that it
+cannot hold is named once on stderr, with what to do about it.
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import os
+import sys
+from types import FrameType
+from typing import Any
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+_parsed: dict[tuple[str, float], ast.Module | None] = {}
+
+
+def _tree(filename: str) -> ast.Module | None:
+    try:
+        key = (filename, os.stat(filename).st_mtime)
+    except OSError:
+        return None
+    if key not in _parsed:
+        try:
+            with open(filename, "rb") as f:
+                _parsed[key] = ast.parse(f.read(), filename=filename)
+        except (OSError, SyntaxError, ValueError):
+            _parsed[key] = None
+    return _parsed[key]
+
+
+def _scope_of(tree: ast.Module, code: Any) -> ast.AST | None:
+    """The module, or the function definition whose code object runs."""
+    if code.co_name == "<module>":
+        return tree
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == code.co_name:
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            if first <= code.co_firstlineno <= node.body[0].lineno:
+                return node
+    return None
+
+
+def _own_nodes(node: ast.AST) -> list[ast.AST]:
+    """Nodes in `node`'s own scope: not inside nested functions, classes or comprehensions."""
+    out = []
+    todo = list(ast.iter_child_nodes(node))
+    while todo:
+        n = todo.pop()
+        out.append(n)
+        if not isinstance(n, (*_SCOPES, *_COMPREHENSIONS)):
+            todo.extend(ast.iter_child_nodes(n))
+    return out
+
+
+def _loop_at(scope: ast.AST, line: int) -> ast.For | ast.AsyncFor | None:
+    """The innermost `for` of the scope whose header holds `line`."""
+    best = None
+    for n in _own_nodes(scope):
+        if isinstance(n, (ast.For, ast.AsyncFor)) and n.lineno <= line <= (n.iter.end_lineno or n.lineno):
+            if best is None or n.lineno >= best.lineno:
+                best = n
+    return best
+
+
+def _changed(loop: ast.For | ast.AsyncFor) -> dict[str, int]:
+    """Names the loop assigns or calls a method on, with a line where it does."""
+    stored: dict[str, int] = {}
+    called: dict[str, int] = {}
+    for n in _own_nodes(loop):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            stored[n.id] = min(stored.get(n.id, n.lineno), n.lineno)
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name):
+            called[n.func.value.id] = -n.lineno  # negative: changed through a method, maybe
+    return {**called, **stored}
+
+
+def _live(scope: ast.AST, loop: ast.For | ast.AsyncFor) -> set[str]:
+    """Names the recorded program reads after a change by the loop: outside
+    the loop (nested functions included), or in the loop before its first
+    assignment there (carried to the next iteration)."""
+    inside = {id(n) for n in ast.walk(loop)}
+    live = {
+        n.id for n in ast.walk(scope) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in inside
+    }
+    first: dict[str, tuple[int, int]] = {}
+    loads: list[ast.Name] = []
+    for n in ast.walk(loop):
+        if isinstance(n, ast.Name):
+            if isinstance(n.ctx, ast.Store):
+                first[n.id] = min(first.get(n.id, (1 << 30, 0)), (n.lineno, n.col_offset))
+            else:
+                loads.append(n)
+    for n in loads:
+        if n.id in first and (n.lineno, n.col_offset) < first[n.id]:
+            live.add(n.id)
+    # x += 1 reads x before it stores it.
+    live.update(n.target.id for n in ast.walk(loop) if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name))
+    return live
+
+
+#: A variable holding more tensor bytes than this is not checkpointed (an
+#: activation such as nanoGPT's ``logits`` would dwarf the model's state).
+MAX_VAR_BYTES = 64 << 20
+
+
+def _tensor_bytes(v: Any) -> int:
+    torch = sys.modules.get("torch")
+    np = sys.modules.get("numpy")
+    if torch is not None and isinstance(v, torch.Tensor):
+        return int(v.numel() * v.element_size())
+    if np is not None and isinstance(v, np.ndarray):
+        return int(v.nbytes)
+    if type(v) in (list, tuple):
+        return sum(_tensor_bytes(x) for x in v)
+    if type(v) is dict:
+        return sum(_tensor_bytes(x) for x in v.values())
+    return 0
+
+
+def storable(v: Any, depth: int = 0) -> bool:
+    """What a hindsight store holds as it is (and gives back equal)."""
+    if v is None or type(v) in (bool, int, float, str, bytes):
+        return True
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(v, torch.Tensor):
+        return not isinstance(v, torch.nn.Parameter)
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(v, np.ndarray):
+        return not v.dtype.hasobject
+    if depth >= 6:
+        return False
+    if type(v) in (list, tuple):
+        return len(v) <= 100_000 and all(storable(x, depth + 1) for x in v)
+    if type(v) is dict:
+        return len(v) <= 100_000 and all(type(k) is str and storable(x, depth + 1) for k, x in v.items())
+    return False
+
+
+def _devices(v: Any) -> Any:
+    """Where each tensor of a value lives (restored there), shaped like the value."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(v, torch.Tensor):
+        return str(v.device)
+    if type(v) in (list, tuple):
+        return [_devices(x) for x in v]
+    if type(v) is dict:
+        return {k: _devices(x) for k, x in v.items()}
+    return None
+
+
+def _placed(v: Any, where: Any) -> Any:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(v, torch.Tensor):
+        return v if where in (None, "cpu") else v.to(where)
+    if type(v) in (list, tuple) and isinstance(where, list):
+        return type(v)(_placed(x, w) for x, w in zip(v, where, strict=False))
+    if type(v) is dict and isinstance(where, dict):
+        return {k: _placed(x, where.get(k)) for k, x in v.items()}
+    return v
+
+
+class LoopVars:
+    """The variables one `hs.loop` body changes, in the frame that runs it."""
+
+    def __init__(self, frame: FrameType, loop_name: str, names: dict[str, int], live: set[str], skip: set[int]):
+        self.frame, self.loop_name, self.names, self.live, self.skip = frame, loop_name, names, live, skip
+        self._told: set[str] = set()
+
+    @classmethod
+    def of(cls, frame: FrameType, loop_name: str, skip: set[int]) -> LoopVars | None:
+        """For the `for ... in hs.loop(...)` that `frame` is executing; None
+        when its source cannot be read (an interactive session, exec)."""
+        tree = _tree(frame.f_code.co_filename)
+        scope = _scope_of(tree, frame.f_code) if tree is not None else None
+        loop = _loop_at(scope, frame.f_lineno) if scope is not None else None
+        if scope is None or loop is None:
+            return None
+        # Every changed variable is kept, not only those the recorded code
+        # reads later: a probe added for replay may read any of them.
+        return cls(frame, loop_name, _changed(loop), _live(scope, loop), skip)
+
+    def without(self, other: LoopVars | None) -> dict[str, int]:
+        if other is None or other.frame is not self.frame:
+            return self.names
+        return {n: line for n, line in self.names.items() if n not in other.names}
+
+    def capture(self, names: dict[str, int]) -> dict[str, Any]:
+        """{"values": {name: value}, "devices": {name: ...}} of the storable ones."""
+        local = self.frame.f_locals
+        values: dict[str, Any] = {}
+        for name, line in names.items():
+            if name not in local:
+                continue
+            v = local[name]
+            if id(v) in self.skip:
+                continue  # given to hs.checkpointing: saved through its state_dict
+            if not storable(v):
+                why = f"a {type(v).__qualname__} cannot be checkpointed"
+                fix = f"If it has state, pass it to hs.checkpointing({name}=...)."
+            elif _tensor_bytes(v) > MAX_VAR_BYTES:
+                why = f"its {_tensor_bytes(v) / 2**20:.0f} MiB of tensors are not checkpointed"
+                fix = "Keep what later code needs in a smaller variable (a .item(), a slice)."
+            else:
+                values[name] = v
+                continue
+            if line > 0 and name in self.live and name not in self._told:
+                self._told.add(name)
+                print(
+                    f"hindsight: variable '{name}' (line {line}) is changed by loop '{self.loop_name}' and read "
+                    f"later, but {why}: after a resume or a replay it keeps the value the rest of the program "
+                    f"gives it. {fix}",
+                    file=sys.stderr,
+                )
+        return {"values": values, "devices": {k: _devices(v) for k, v in values.items()}}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        values, devices = saved.get("values", {}), saved.get("devices", {})
+        if not values:
+            return
+        frame = self.frame
+        placed = {k: _placed(v, devices.get(k)) for k, v in values.items()}
+        if frame.f_code.co_name == "<module>" or frame.f_locals is frame.f_globals:
+            frame.f_globals.update(placed)
+            return
+        local = frame.f_locals
+        local.update(placed)
+        if sys.version_info < (3, 13):
+            # Before PEP 667, f_locals is a snapshot: write it back.
+            ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))

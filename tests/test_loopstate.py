@@ -1,0 +1,183 @@
+"""Loop state kept in plain Python variables (nanoGPT-shaped training):
+an iteration counter driving the warm-up, gradient accumulation, the next
+batch prefetched inside the step, the last `loss` read after the step
+loop. Resume and replay must see them as the uninterrupted run did."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, hindsight_cmd
+
+SCRIPT = REPO / "examples" / "iteration_train.py"
+ARGS = ["--rounds", "5", "--eval_interval", "6"]
+PROBES = (
+    '        hs.log("val_loss", val_loss)\n',
+    '        hs.log("val_loss", val_loss)\n'
+    '        hs.log("last_loss", loss.item())\n'
+    '        hs.log("iter_at", iter_num)\n'
+    '        hs.log("x_sum", int(X.sum()))\n',
+)
+
+
+def values(home: Path, *names: str) -> dict[int, dict[str, object]]:
+    """{round: {name: value}} of the latest run, via hs.dataframe in a fresh process."""
+    code = (
+        "import sys, hindsight as hs\n"
+        "df = hs.dataframe(*sys.argv[1:])\n"
+        "print(df.drop(columns=['run']).to_json(orient='records'))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, *names], env=env(home), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out: dict[int, dict[str, object]] = {}
+    for row in json.loads(r.stdout):
+        if row.get("round") is not None and row.get("step") is None:
+            out.setdefault(row["round"], {}).update({n: row[n] for n in names if row.get(n) is not None})
+    return out
+
+
+def project(root: Path, *edits: tuple[str, str]) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    src = SCRIPT.read_text()
+    for old, new in edits:
+        assert old in src
+        src = src.replace(old, new, 1)
+    (root / "train.py").write_text(src)
+    return root / "train.py"
+
+
+def env(home: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "HINDSIGHT_HOME": str(home), "HINDSIGHT_CHECKPOINT_EVERY": "1", **extra}
+
+
+def run(script: Path, home: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(script), *ARGS, *extra],
+        env=env(home),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=script.parent,
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The uninterrupted run, with the probes from the start."""
+    root = tmp_path_factory.mktemp("ref")
+    script = project(root, PROBES)
+    r = run(script, root / ".hindsight", "--out", str(root / "final.pt"))
+    assert r.returncode == 0, r.stderr
+    return root / ".hindsight", torch.load(root / "final.pt")
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_probe_after_the_step_loop_reads_the_variables_the_skipped_steps_left(tmp_path, reference, workers):
+    ref_home, _ = reference
+    script = project(tmp_path / "proj")
+    home = tmp_path / "proj" / ".hindsight"
+    r = run(script, home)
+    assert r.returncode == 0, r.stderr
+    project(tmp_path / "proj", PROBES)
+    r = subprocess.run(
+        [*hindsight_cmd(), "replay", str(script), "-q", "-j", workers],
+        env=env(home),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=script.parent,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0 inner-loop steps executed" in r.stdout, r.stdout
+    names = ("last_loss", "iter_at", "x_sum")
+    got, want = values(home, *names), values(ref_home, *names)
+    assert [want[r]["iter_at"] for r in sorted(want)] == [6, 12, 18, 24, 30]
+    assert got == want
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
+def test_a_signal_mid_run_resumes_the_counter_the_prefetched_batch_and_the_weights(tmp_path, reference, sig):
+    _, want = reference
+    script = project(tmp_path / "proj", PROBES)
+    home, out = tmp_path / "proj" / ".hindsight", tmp_path / "final.pt"
+    at = random.Random(sig).randrange(3, 27)
+    p = subprocess.Popen(
+        [sys.executable, str(script), *ARGS, "--delay", "0.02", "--out", str(out)],
+        env=env(home),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=script.parent,
+    )
+    assert p.stdout is not None
+    seen = 0
+    while seen < at:
+        line = p.stdout.readline()
+        assert line, p.stderr.read() if p.stderr else ""
+        seen += line.startswith("iter ")
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 85, err
+    r = run(script, home, "--delay", "0.02", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    got = torch.load(out)
+    assert got["iter_num"] == want["iter_num"] == 30
+    assert got["best_val"] == want["best_val"]
+    for k, t in want["model"].items():
+        assert torch.equal(got["model"][k], t), k
+
+
+def _watch(box: list, iterable):  # type: ignore[no-untyped-def]
+    """A stand-in for hs.loop: finds the variables the caller's loop changes."""
+    from hindsight._run.loopvars import LoopVars
+
+    box.append(LoopVars.of(sys._getframe(1), "step", set()))
+    yield from iterable
+
+
+def _restore_into_caller(saved: dict):  # type: ignore[no-untyped-def]
+    from hindsight._run.loopvars import LoopVars
+
+    lv = LoopVars.of(sys._getframe(1), "step", set())
+    assert lv is not None
+    lv.restore(saved)
+    yield from ()
+
+
+def test_loop_variables_of_a_function_frame_are_captured_and_written_back(capsys):
+    def train(box: list) -> tuple[int, torch.Tensor | None]:
+        total, last, handle = 0, None, None
+        for i in _watch(box, range(4)):
+            total += i
+            last = torch.full((2,), float(i))
+            handle = open(os.devnull)  # changed, read later, not storable
+            handle.close()
+        assert handle is not None and handle.closed
+        return total, last
+
+    box: list = []
+    assert train(box)[0] == 6
+    lv = box[0]
+    saved = lv.capture(lv.names)
+    assert saved["values"]["total"] == 6 and torch.equal(saved["values"]["last"], torch.full((2,), 3.0))
+    assert "handle" not in saved["values"]
+    err = capsys.readouterr().err
+    assert "variable 'handle'" in err and "cannot be checkpointed" in err
+
+    def resumed() -> tuple[int, torch.Tensor | None]:
+        total, last = -1, None
+        for _ in _restore_into_caller(saved):
+            pass
+        return total, last
+
+    total, last = resumed()
+    assert total == 6 and last is not None and torch.equal(last, torch.full((2,), 3.0))
