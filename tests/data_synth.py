@@ -8,6 +8,8 @@ from __future__ import annotations
 import random
 import time
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -157,11 +159,14 @@ class _ScanReader:
     def __iter__(self) -> _ScanReader:
         return self
 
-    def __next__(self) -> tuple[int, int]:
+    def __next__(self) -> tuple[Any, ...]:
         if self.pos >= self.ds.counts[self.shard]:
             raise StopIteration
-        time.sleep(self.ds.read_s)
-        rec = (self.shard, self.pos)
+        if self.ds.read_s:
+            time.sleep(self.ds.read_s)
+        rec: tuple[Any, ...] = (self.shard, self.pos)
+        if self.ds.record_bytes:
+            rec += (bytes(self.ds.record_bytes),)  # a decoded record's payload
         self.pos += 1
         return rec
 
@@ -174,9 +179,9 @@ class Stream(Records):
     per record, with reader state (``state_dict`` / ``resume``) that worker
     checkpoints keep. ``open`` and ``resume`` calls go to ``open_log``."""
 
-    def __init__(self, counts: list[int], open_log: str | None, read_ms: float, transform_ms: float):
+    def __init__(self, counts: list[int], open_log: str | None, read_ms: float, transform_ms: float, record_bytes: int):
         super().__init__(counts, open_log)
-        self.read_s, self.transform_s = read_ms / 1000, transform_ms / 1000
+        self.read_s, self.transform_s, self.record_bytes = read_ms / 1000, transform_ms / 1000, record_bytes
 
     def _log(self, line: str) -> None:
         if self.open_log:
@@ -194,10 +199,16 @@ class Stream(Records):
         self._log(f"resume {shard} {state['pos']}")
         return _ScanReader(self, shard, int(state["pos"]))
 
-    def transform(self, record: tuple[int, int]) -> torch.Tensor:
+    def transform(self, record: tuple[Any, ...]) -> torch.Tensor:  # type: ignore[override]
         time.sleep(self.transform_s)
-        return super().transform(record)
+        return super().transform((record[0], record[1]))
 
 
-def stream(counts: list[int], open_log: str | None = None, read_ms: float = 3, transform_ms: float = 10) -> Stream:
-    return Stream(counts, open_log, read_ms, transform_ms)
+def stream(
+    counts: list[int],
+    open_log: str | None = None,
+    read_ms: float = 3,
+    transform_ms: float = 10,
+    record_bytes: int = 0,
+) -> Stream:
+    return Stream(counts, open_log, read_ms, transform_ms, record_bytes)
