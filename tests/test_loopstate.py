@@ -181,3 +181,21 @@ def test_loop_variables_of_a_function_frame_are_captured_and_written_back(capsys
 
     total, last = resumed()
     assert total == 6 and last is not None and torch.equal(last, torch.full((2,), 3.0))
+
+
+def test_a_variable_aliasing_a_checkpointed_object_is_not_restored_as_a_copy():
+    from hindsight._run.loopvars import _storages
+
+    net = torch.nn.Linear(2, 2)
+
+    def train(box: list) -> None:
+        w, step = None, 0
+        for _ in _watch(box, range(2)):
+            w = net.weight.data  # an alias of the model's parameter
+            step += 1
+        assert w is not None and step == 2
+
+    box: list = []
+    train(box)
+    saved = box[0].capture(box[0].names, _storages({"model": net.state_dict()}))
+    assert "w" not in saved["values"] and saved["values"]["step"] == 2

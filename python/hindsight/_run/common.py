@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hindsight import _native
-from hindsight._run.loopvars import LoopVars
+from hindsight._run.loopvars import LoopVars, _storages
 from hindsight._state import apply_state, capture, set_rng_state
 from hindsight.errors import InvalidArgumentError
 
@@ -475,11 +475,12 @@ class Run:
     def capture(self) -> dict[str, Any]:
         state = capture(self.objects, [(e[0], e[1]) for e in self.stack])
         block = self.block_vars if self.block_live else None
+        shared = _storages(state["objects"])
         loop_vars: dict[str, Any] = {}
         if self.outer_vars is not None:
-            loop_vars["outer"] = self.outer_vars.capture(self.outer_vars.without(block))
+            loop_vars["outer"] = self.outer_vars.capture(self.outer_vars.without(block), shared)
         if block is not None:
-            loop_vars["block"] = block.capture(block.names)
+            loop_vars["block"] = block.capture(block.names, shared)
         state["vars"] = loop_vars
         return state
 

@@ -131,6 +131,18 @@ def _tensor_bytes(v: Any) -> int:
     return 0
 
 
+def _storages(v: Any) -> set[int]:
+    """Storage addresses of the tensors in a value."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(v, torch.Tensor):
+        return {v.untyped_storage().data_ptr()} if v.numel() else set()
+    if isinstance(v, (list, tuple)):
+        return set().union(*(_storages(x) for x in v)) if v else set()
+    if isinstance(v, dict):  # state dicts are OrderedDicts
+        return set().union(*(_storages(x) for x in v.values())) if v else set()
+    return set()
+
+
 def storable(v: Any, depth: int = 0) -> bool:
     """What a hindsight store holds as it is (and gives back equal)."""
     if v is None or type(v) in (bool, int, float, str, bytes):
@@ -198,8 +210,11 @@ class LoopVars:
             return self.names
         return {n: line for n, line in self.names.items() if n not in other.names}
 
-    def capture(self, names: dict[str, int]) -> dict[str, Any]:
-        """{"values": {name: value}, "devices": {name: ...}} of the storable ones."""
+    def capture(self, names: dict[str, int], shared: set[int] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
+        """{"values": {name: value}, "devices": {name: ...}} of the storable
+        ones. Tensors sharing storage with a checkpointed object's state
+        (`w = model.weight.data`) are not kept: a restored copy would no
+        longer alias the object, and writes through it would be lost."""
         local = self.frame.f_locals
         values: dict[str, Any] = {}
         for name, line in names.items():
@@ -208,6 +223,8 @@ class LoopVars:
             v = local[name]
             if id(v) in self.skip:
                 continue  # given to hs.checkpointing: saved through its state_dict
+            if _storages(v) & shared:
+                continue  # restored through the object it aliases
             if not storable(v):
                 why = f"a {type(v).__qualname__} cannot be checkpointed"
                 fix = f"If it has state, pass it to hs.checkpointing({name}=...)."
