@@ -76,13 +76,21 @@ def apply_state(objects: Mapping[str, Any], saved: Mapping[str, Any], checkpoint
             raise InvalidArgumentError(f"hs.checkpointing({key}=...): {type(obj).__qualname__} has no load_state_dict")
 
 
-def tensor_bytes(tree: Any) -> int:
-    """Bytes of the tensors in a state tree (a first guess at a save's cost)."""
+def tensor_bytes(tree: Any, device_type: str | None = None) -> int:
+    """Bytes of the tensors in a state tree (dicts, lists, tuples), or of
+    those on one device type ("cuda")."""
     torch = sys.modules.get("torch")
-    if torch is not None and isinstance(tree, torch.Tensor):
-        return int(tree.numel() * tree.element_size())
-    if isinstance(tree, dict):
-        return sum(tensor_bytes(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(tensor_bytes(v) for v in tree)
-    return 0
+    if torch is None:
+        return 0
+    total = 0
+    stack = [tree]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            if device_type is None or o.device.type == device_type:
+                total += int(o.numel() * o.element_size())
+        elif isinstance(o, Mapping):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    return total

@@ -8,14 +8,13 @@ import builtins
 import os
 import pickle
 import sys
-import time
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hindsight import _native
 from hindsight._native import SaveHandle as SaveHandle
-from hindsight._staging import device_fingerprint
+from hindsight._staging import DeviceCopies, cuda_nbytes, device_fingerprint
 from hindsight.errors import HindsightError, UnsupportedTypeError, WrongProcessError, about
 
 MapLocation = Any  # None | str | torch.device | Mapping[str, str] | Callable
@@ -80,15 +79,13 @@ class Store:
             None if local_first is None else os.fspath(local_first),
         )
         self._pid = os.getpid()
-        # Pinned host buffers for CUDA tensors, reused across saves.
-        self._pinned_free: dict[tuple[Any, tuple[int, ...]], list[Any]] = {}
-        self._pinned_setup = 0.0
+        # Device tensors: side-stream copies into a pinned arena the engine
+        # writes from (one copy), bounded like staging.
+        self._copies = DeviceCopies(self._native.staging_bytes)
         #: Seconds of one-time set-up inside the latest `save` call (fresh
-        #: staging memory, pinned buffers): what its blocking time cost
-        #: beyond the steady state, which the adaptive policy prices.
+        #: staging memory, pinning): what its blocking time cost beyond the
+        #: steady state, which the adaptive policy prices.
         self.last_setup_seconds = 0.0
-        self._pinned_used: list[tuple[tuple[Any, tuple[int, ...]], Any]] = []
-        self._cuda_devices: set[Any] = set()
         _live.add(self)
 
     # -- properties -------------------------------------------------------
@@ -154,25 +151,30 @@ class Store:
             return self._describe(obj, key, allow_pickle)
 
         meta_s = {str(k): str(v) for k, v in (meta or {}).items()}
-        self._pinned_setup = 0.0
+        copies = self._copies
+        copies.begin(state)
+        h = None
         try:
             h = self._native.save(
                 name,
                 state,
                 describe,
-                self._materialize,
-                self._before_copy,
+                copies.copy,
+                copies.end,
                 device_fingerprint,
                 meta_s,
                 skip_unchanged,
             )
-            self.last_setup_seconds = h.setup_seconds + self._pinned_setup
+            self.last_setup_seconds = h.setup_seconds + copies.setup_seconds
             return h
         finally:
-            for key, buf in self._pinned_used:
-                self._pinned_free.setdefault(key, []).append(buf)
-            self._pinned_used.clear()
-            self._cuda_devices.clear()
+            copies.saved(h)
+
+    def prepare(self, state: Any) -> None:
+        """Start the one-time set-up for saving ``state`` (pinning host memory
+        for its CUDA tensors) on a background thread, so the first ``save``
+        does not pay it. Optional: the first save starts it otherwise."""
+        self._copies.prepare(cuda_nbytes(state))
 
     def _describe(self, obj: Any, key: str, allow_pickle: bool) -> tuple[Any, ...]:
         torch = sys.modules.get("torch")
@@ -221,33 +223,6 @@ class Store:
         nbytes = t.numel() * t.element_size()
         host = t.device.type == "cpu"
         return ("array", "torch", dtype, list(t.shape), t.data_ptr(), nbytes, t, str(t.device), host, t._version)
-
-    def _materialize(self, t: Any) -> tuple[int, Any]:
-        """Start copying a device tensor to host memory; `_before_copy` waits for it."""
-        import torch
-
-        if t.device.type == "cuda":
-            key = (t.dtype, tuple(t.shape))
-            free = self._pinned_free.get(key)
-            if free:
-                buf = free.pop()
-            else:
-                t0 = time.perf_counter()
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                self._pinned_setup += time.perf_counter() - t0  # one-time, not the steady cost
-            self._pinned_used.append((key, buf))
-            buf.copy_(t, non_blocking=True)
-            self._cuda_devices.add(t.device)
-            return buf.data_ptr(), buf
-        host = t.to("cpu")
-        return host.data_ptr(), host
-
-    def _before_copy(self) -> None:
-        if self._cuda_devices:
-            import torch
-
-            for dev in self._cuda_devices:
-                torch.cuda.synchronize(dev)
 
     # -- load ---------------------------------------------------------------
     def load(

@@ -82,6 +82,10 @@ class AbandonedError(CancelledError):
     """A save that never committed: an earlier step of it failed or was interrupted."""
 
 
+class DeviceCopyError(HindsightError):
+    """The device-to-host copy of a save failed (e.g. a CUDA error); the save did not commit."""
+
+
 class InternalError(HindsightError):
     """A broken invariant inside hindsight (a bug): reported, never papered over."""
 
@@ -146,6 +150,7 @@ __all__ = [
     "DataServiceError",
     "DataUnreachableError",
     "DatabaseError",
+    "DeviceCopyError",
     "HindsightError",
     "InternalError",
     "InvalidArgumentError",

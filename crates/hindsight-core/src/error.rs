@@ -104,6 +104,11 @@ pub enum Error {
     /// interrupted, and nothing of it became visible.
     #[error("save of checkpoint '{checkpoint}' was abandoned before it committed")]
     Abandoned { checkpoint: String },
+
+    /// Bytes lent to a save never became final: the device copy that was to
+    /// fill them failed (e.g. a CUDA error). Nothing of the save became visible.
+    #[error("device copy for checkpoint '{checkpoint}' failed: {detail}")]
+    Device { checkpoint: String, detail: String },
 }
 
 /// What kind of error, for front ends that map kinds to their own types
@@ -126,6 +131,7 @@ pub enum ErrorKind {
     Interrupted,
     Closed,
     Abandoned,
+    Device,
 }
 
 impl Error {
@@ -192,6 +198,7 @@ impl Error {
             Error::Interrupted { .. } => ErrorKind::Interrupted,
             Error::Closed { .. } => ErrorKind::Closed,
             Error::Abandoned { .. } => ErrorKind::Abandoned,
+            Error::Device { .. } => ErrorKind::Device,
         }
     }
 
@@ -217,7 +224,7 @@ impl Error {
             Error::Background { checkpoint, source } => {
                 source.checkpoint().or(Some(checkpoint.as_str()))
             }
-            Error::Abandoned { checkpoint } => Some(checkpoint),
+            Error::Abandoned { checkpoint } | Error::Device { checkpoint, .. } => Some(checkpoint),
             _ => None,
         }
     }

@@ -25,7 +25,7 @@ pub use checkpoint::storage::{LocalStorage, Storage};
 pub use checkpoint::store::{GcReport, Store, StoreOptions, Usage};
 pub use checkpoint::upload::{copy_checkpoint, CopyStats, Uploader};
 pub use checkpoint::writer::{
-    ReuseLock, SaveBuilder, SaveHandle, SaveStats, StagedBlob, Writer, WriterOptions,
+    Lent, ReuseLock, SaveBuilder, SaveHandle, SaveStats, StagedBlob, Writer, WriterOptions,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use runs::adaptive::AdaptivePolicy;

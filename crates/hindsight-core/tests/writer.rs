@@ -1062,3 +1062,98 @@ fn dropping_the_writer_finishes_committed_saves() {
     assert_eq!(store.list().unwrap(), ["pending"]);
     assert_eq!(load(&store, "pending")["w"], data);
 }
+
+/// Lent bytes with a gate: `ready` blocks until the test opens it (or
+/// fails it), like a device copy still in flight.
+#[derive(Debug)]
+struct Gated {
+    data: Vec<u8>,
+    state: std::sync::Mutex<Option<Result<(), String>>>,
+    cv: std::sync::Condvar,
+    calls: AtomicUsize,
+}
+
+impl Gated {
+    fn new(data: Vec<u8>) -> Arc<Gated> {
+        Arc::new(Gated {
+            data,
+            state: std::sync::Mutex::new(None),
+            cv: std::sync::Condvar::new(),
+            calls: AtomicUsize::new(0),
+        })
+    }
+    fn settle(&self, r: Result<(), String>) {
+        *self.state.lock().unwrap() = Some(r);
+        self.cv.notify_all();
+    }
+}
+
+impl hindsight_core::Lent for Gated {
+    fn len(&self) -> usize {
+        self.data.len()
+    }
+    fn ready(&self) -> Result<(), String> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let mut st = self.state.lock().unwrap();
+        while st.is_none() {
+            st = self.cv.wait(st).unwrap();
+        }
+        st.clone().unwrap()
+    }
+    fn bytes(&self) -> &[u8] {
+        &self.data
+    }
+}
+
+fn lend_save(w: &Writer, name: &str, host: &[u8], lent: &Arc<Gated>) -> SaveHandle {
+    let mut b = w.begin(name).unwrap();
+    let h = b.stage(host).unwrap();
+    let buf: Arc<dyn hindsight_core::Lent> = lent.clone();
+    let mut blobs = b.lend(vec![buf]);
+    let l = blobs.remove(0);
+    b.commit(
+        dict(vec![("host", Node::Bytes(h)), ("lent", Node::Bytes(l))]),
+        BTreeMap::new(),
+    )
+}
+
+#[test]
+fn lent_bytes_are_written_once_ready_and_not_before() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = new_store(dir.path());
+    let w = Writer::new(store.clone(), writer_options()).unwrap();
+    let host = rand_bytes(3 * CS + 5, 1);
+    let lent = Gated::new(rand_bytes(5 * CS + 17, 2));
+    let h = lend_save(&w, "a", &host, &lent);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!h.is_done(), "a save must wait for its lent bytes");
+    assert!(store.list().unwrap().is_empty(), "nothing visible before the bytes are final");
+    assert!(lent.calls.load(Ordering::SeqCst) >= 1);
+    lent.settle(Ok(()));
+    let stats = h.wait().unwrap();
+    assert_eq!(stats.bytes_staged, (host.len() + lent.data.len()) as u64);
+    let got = load(&store, "a");
+    assert_eq!(got["host"], host);
+    assert_eq!(got["lent"], lent.data);
+    assert_verifies(&store);
+    // The writer drops its references once the chunks are written.
+    w.flush().unwrap();
+    assert_eq!(Arc::strong_count(&lent), 1);
+}
+
+#[test]
+fn a_failed_device_copy_fails_the_save_and_is_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = new_store(dir.path());
+    let w = Writer::new(store.clone(), writer_options()).unwrap();
+    let lent = Gated::new(rand_bytes(2 * CS, 3));
+    let h = lend_save(&w, "bad", b"host bytes", &lent);
+    lent.settle(Err("CUDA error: an illegal memory access".into()));
+    let e = h.wait().unwrap_err();
+    assert!(matches!(e.root(), Error::Device { checkpoint, detail }
+        if checkpoint == "bad" && detail.contains("illegal memory access")), "{e}");
+    assert!(store.list().unwrap().is_empty());
+    // A later save works, and the failure was reported once, by its handle.
+    save_wait(&w, "good", &[("x", b"1")]);
+    assert_eq!(store.list().unwrap(), vec!["good".to_string()]);
+}

@@ -31,6 +31,7 @@ fn class_name(kind: ErrorKind) -> &'static str {
         ErrorKind::Interrupted => "CancelledError",
         ErrorKind::Closed => "StoreClosedError",
         ErrorKind::Abandoned => "AbandonedError",
+        ErrorKind::Device => "DeviceCopyError",
     }
 }
 

@@ -44,6 +44,16 @@ impl Store {
     }
 }
 
+impl Drop for Store {
+    fn drop(&mut self) {
+        // A writer thread may need the GIL (a device copy's gate), so its
+        // threads are never joined while this thread holds it.
+        if let Some(w) = lock(&self.writer).take() {
+            Python::attach(|py| py.detach(move || drop(w)));
+        }
+    }
+}
+
 #[pyclass(module = "hindsight._native", frozen)]
 struct SaveHandle {
     inner: core::SaveHandle,
@@ -260,6 +270,7 @@ impl Store {
             sources,
             tracked,
             keepalive,
+            lent,
             any_materialized,
             ..
         } = walk;
@@ -275,6 +286,7 @@ impl Store {
                 .map(|i| sources[i].as_slice())
                 .collect();
             let staged = b.stage_many(&srcs, copy_threads, &|| intr.check())?;
+            let lent = b.lend(lent);
             let setup = b.setup_seconds();
             let reused: u64 = slots
                 .iter()
@@ -285,7 +297,7 @@ impl Store {
                 .sum();
             b.note_reused(reused);
             let mut root = root;
-            let filled = tree::fill_blobs(&mut root, slots, staged, proven)?;
+            let filled = tree::fill_blobs(&mut root, slots, staged, lent, proven)?;
             Ok::<_, Error>((b.commit(root, meta.unwrap_or_default()), filled, setup))
         });
         drop(keepalive);

@@ -2,8 +2,11 @@
 //! through the `describe` / `make_array` callables of the Python layer.
 
 use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
 
-use hindsight_core::{self as core, Array, ArrayLib, Blob, Error, Fingerprint, Node, StagedBlob};
+use hindsight_core::{
+    self as core, Array, ArrayLib, Blob, Error, Fingerprint, Lent, Node, StagedBlob,
+};
 use pyo3::prelude::*;
 use pyo3::types::{
     PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple,
@@ -75,10 +78,65 @@ impl Source {
     }
 }
 
+/// The Python callable that blocks until a device copy is final (it waits
+/// on the copy's CUDA event), called at most once, by the first writer
+/// thread that needs the bytes.
+#[derive(Debug)]
+struct Gate {
+    wait: Py<PyAny>,
+    result: OnceLock<Result<(), String>>,
+}
+
+impl Gate {
+    fn wait(&self) -> Result<(), String> {
+        self.result
+            .get_or_init(|| {
+                Python::try_attach(|py| {
+                    self.wait
+                        .call0(py)
+                        .map(|_| ())
+                        .map_err(|e| e.to_string())
+                })
+                .unwrap_or_else(|| Err("the Python interpreter is shutting down".into()))
+            })
+            .clone()
+    }
+}
+
+/// Host memory the Python layer lends to a save: a pinned buffer a device
+/// copy fills (one copy, device to host, never a second into staging).
+#[derive(Debug)]
+pub(crate) struct PyLent {
+    ptr: usize,
+    len: usize,
+    /// Keeps the buffer's owner alive until the writer is done with it.
+    _keep: Py<PyAny>,
+    gate: Option<Arc<Gate>>,
+}
+
+impl Lent for PyLent {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn ready(&self) -> Result<(), String> {
+        self.gate.as_ref().map_or(Ok(()), |g| g.wait())
+    }
+    fn bytes(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: ptr/len describe memory owned by `_keep`, which the Python
+        // layer does not reuse until this save's handle is done.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+    }
+}
+
 /// Where one blob of the tree comes from, in walk order.
 pub(crate) enum Slot {
     /// Copy `sources[i]`.
     Stage(usize),
+    /// The next lent buffer, written as it is (no copy).
+    Lend,
     /// The previous save's blob, proven unchanged.
     Reuse(Blob),
     /// The version counter says unchanged: reuse `blob` if `sources[source]`
@@ -100,6 +158,9 @@ pub(crate) struct SaveWalk<'a, 'py> {
     pub sources: Vec<Source>,
     pub tracked: Vec<Tracked>,
     pub keepalive: Vec<Py<PyAny>>,
+    pub lent: Vec<Arc<dyn Lent>>,
+    /// One gate per Python waiter (by identity): all tensors of a device share one.
+    gates: HashMap<usize, Arc<Gate>>,
     pub any_materialized: bool,
 }
 
@@ -129,6 +190,8 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
             sources: Vec::new(),
             tracked: Vec::new(),
             keepalive: Vec::new(),
+            lent: Vec::new(),
+            gates: HashMap::new(),
             any_materialized: false,
         }
     }
@@ -373,12 +436,38 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
         if host {
             return Ok(self.stage(ptr, nbytes, keep.clone().unbind()));
         }
-        // Device memory: the Python layer starts an async copy into a pinned
-        // host buffer; `before_copy` waits for all of them.
+        // Device memory: the Python layer enqueues a copy into host memory
+        // it owns and lends it, with the waiter (or None) that says when the
+        // copy is final. `before_copy` then orders the device's streams.
         let r = self.materialize.call1((keep,))?;
         let hptr: usize = r.get_item(0)?.extract()?;
+        let owner = r.get_item(1)?.unbind();
+        let waiter = r.get_item(2)?;
         self.any_materialized = true;
-        Ok(self.stage(hptr, nbytes, r.get_item(1)?.unbind()))
+        let gate = if waiter.is_none() {
+            None
+        } else {
+            let id = waiter.as_ptr() as usize;
+            Some(
+                self.gates
+                    .entry(id)
+                    .or_insert_with(|| {
+                        Arc::new(Gate {
+                            wait: waiter.unbind(),
+                            result: OnceLock::new(),
+                        })
+                    })
+                    .clone(),
+            )
+        };
+        self.lent.push(Arc::new(PyLent {
+            ptr: hptr,
+            len: nbytes,
+            _keep: owner,
+            gate,
+        }));
+        self.slots.push(Slot::Lend);
+        Ok(self.slots.len() - 1)
     }
 }
 
@@ -445,10 +534,12 @@ pub(crate) fn fill_blobs(
     root: &mut Node,
     slots: Vec<Slot>,
     staged: Vec<StagedBlob>,
+    lent: Vec<Blob>,
     mut fingerprints: Vec<Option<Fingerprint>>,
 ) -> core::Result<Filled> {
     let n_slots = slots.len();
     let mut staged = staged.into_iter();
+    let mut lent = lent.into_iter();
     let mut blobs = Vec::with_capacity(n_slots);
     for (i, slot) in slots.into_iter().enumerate() {
         match slot {
@@ -459,6 +550,10 @@ pub(crate) fn fill_blobs(
                 fingerprints[i] = Some(s.fingerprint);
                 blobs.push(s.blob);
             }
+            Slot::Lend => blobs.push(
+                lent.next()
+                    .ok_or_else(|| internal("fewer lent blobs than slots"))?,
+            ),
             Slot::Reuse(blob) => blobs.push(blob),
             Slot::Verify { .. } => return Err(internal("an unverified slot at fill time")),
         }
@@ -471,7 +566,7 @@ pub(crate) fn fill_blobs(
             *b = blob.clone();
         }
     });
-    if count != n_slots || staged.next().is_some() {
+    if count != n_slots || staged.next().is_some() || lent.next().is_some() {
         return Err(internal(
             "the tree's blobs and the save's slots differ in number",
         ));

@@ -33,7 +33,7 @@ from hindsight._run.common import (
     _snapshot_source,
     _to_json,
 )
-from hindsight._state import rng_state, set_rng_state, tensor_bytes
+from hindsight._state import capture, rng_state, set_rng_state, tensor_bytes
 from hindsight.errors import CorruptError, NotFoundError
 
 
@@ -43,6 +43,7 @@ class RecordRun(Run):
     def __init__(self) -> None:
         super().__init__()
         self.resume_pending = False
+        self._prepared = False
         self.known = cmdline.Known()
         # A checkpoint written when the steps were closed early, until the
         # iteration is seen to go on (see Run._block).
@@ -362,6 +363,12 @@ class RecordRun(Run):
             if self.stop_signal is not None:
                 self._exit_for_signal()
             return
+        if not self._prepared:
+            # After the first step the optimizer's state exists: pin host
+            # memory for the whole state now, in the background, so the
+            # first checkpoint does not wait for it.
+            self._prepared = True
+            self.store.prepare(capture(self.objects, []))
         mid = {"block_rng": self.block_rng, "position": [i, j]}
         loader = self.block_iterable
         if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict") and not hasattr(loader, "parameters"):

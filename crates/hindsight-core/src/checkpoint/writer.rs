@@ -2,10 +2,15 @@
 //! blocks (bounded by a byte budget) and returns; worker threads hash,
 //! encode and write the chunks, then the save's manifest is committed.
 //!
+//! A caller may instead *lend* bytes it owns (pinned host memory that a
+//! device copy is still filling): they are not copied again, and the worker
+//! threads wait until the lender says they are final ([`Lent`]).
+//!
 //! Saves commit in the order they were made. Errors are kept until someone
 //! looks: the save's handle, the next save, `flush`, or the owner at exit.
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
@@ -211,10 +216,36 @@ impl SaveHandle {
     }
 }
 
+/// Bytes a caller lends to a save instead of having them copied into
+/// staging. The writer reads them only after `ready` returned `Ok`, and
+/// drops its reference once they are written; the lender must keep them
+/// unchanged until then (e.g. by reusing them only after the save's handle
+/// is done).
+pub trait Lent: Send + Sync + std::fmt::Debug {
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Block until the bytes are final; an error fails the save. Called by
+    /// every writer thread that reads these bytes, so it must be cheap after
+    /// the first call.
+    fn ready(&self) -> std::result::Result<(), String>;
+    /// The bytes; valid once `ready` returned `Ok`.
+    fn bytes(&self) -> &[u8];
+}
+
+#[derive(Debug)]
+enum Data {
+    /// Staging memory of the budget.
+    Owned(Vec<u8>),
+    /// A range of lent bytes.
+    Lent(Arc<dyn Lent>, Range<usize>),
+}
+
 #[derive(Debug)]
 struct Staged {
     index: usize,
-    data: Vec<u8>,
+    data: Data,
 }
 
 #[derive(Debug, Default)]
@@ -660,7 +691,10 @@ impl SaveBuilder<'_> {
                     hasher.update(to);
                 }
                 let _ = segment_hashes[i].set(hasher.finish());
-                lock(&job.state).staged.push_back(Staged { index, data });
+                lock(&job.state).staged.push_back(Staged {
+                    index,
+                    data: Data::Owned(data),
+                });
                 job.cv.notify_one();
             }
         };
@@ -714,6 +748,43 @@ impl SaveBuilder<'_> {
                 StagedBlob { blob, fingerprint }
             })
             .collect())
+    }
+
+    /// Add lent buffers to the save, one pending blob each, without copying
+    /// them ([`Lent`]). Their chunks are written once the save is committed
+    /// and each buffer is ready.
+    pub fn lend(&mut self, buffers: Vec<Arc<dyn Lent>>) -> Vec<Blob> {
+        let block = self.writer.shared.store.options().chunk_size;
+        let mut blobs = Vec::with_capacity(buffers.len());
+        let mut total = 0u64;
+        let mut st = lock(&self.job.state);
+        for buf in buffers {
+            let len = buf.len();
+            let first = self.next_index;
+            let mut off = 0;
+            while off < len {
+                let n = block.min(len - off);
+                st.staged.push_back(Staged {
+                    index: self.next_index,
+                    data: Data::Lent(buf.clone(), off..off + n),
+                });
+                self.next_index += 1;
+                off += n;
+            }
+            total += len as u64;
+            blobs.push(Blob {
+                nbytes: len as u64,
+                chunks: Vec::new(),
+                pending: Some(Pending {
+                    chunks: self.job.chunks.clone(),
+                    range: first..self.next_index,
+                }),
+            });
+        }
+        drop(st);
+        lock(&self.job.stats).bytes_staged += total;
+        self.job.cv.notify_all();
+        blobs
     }
 
     pub fn stage(&mut self, source: &[u8]) -> Result<Blob> {
@@ -778,13 +849,27 @@ fn worker_loop(shared: &Shared, rx: &Mutex<mpsc::Receiver<Task>>, nice: i32) {
                 checkpoint: job.name.clone(),
             })
         } else {
-            let id = ChunkId::of(&staged.data);
-            shared
-                .store
-                .put_chunk(&staged.data, &id)
-                .map(|written| (id, staged.data.len() as u64, written))
+            let bytes = match &staged.data {
+                Data::Owned(v) => Ok(v.as_slice()),
+                Data::Lent(buf, range) => buf
+                    .ready()
+                    .map(|()| &buf.bytes()[range.clone()])
+                    .map_err(|detail| Error::Device {
+                        checkpoint: job.name.clone(),
+                        detail,
+                    }),
+            };
+            bytes.and_then(|b| {
+                let id = ChunkId::of(b);
+                shared
+                    .store
+                    .put_chunk(b, &id)
+                    .map(|written| (id, b.len() as u64, written))
+            })
         };
-        shared.budget.release(staged.data);
+        if let Data::Owned(v) = staged.data {
+            shared.budget.release(v);
+        }
         let _ = done.send((staged.index, r));
     }
 }
