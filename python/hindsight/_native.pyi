@@ -115,7 +115,7 @@ class Store:
         name: str,
         state: Any,
         describe: Callable[[Any, str], tuple[Any, ...]],
-        materialize: Callable[[Any], tuple[int, Any]],
+        materialize: Callable[[Any], tuple[int, Any, Callable[[], object] | None]],
         before_copy: Callable[[], None],
         device_fingerprint: Callable[[Any, Any | None], tuple[bool, Any]],
         meta: dict[str, str] | None = None,

@@ -13,11 +13,13 @@ comparison too: only one boolean crosses to the host.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
 import weakref
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from hindsight._state import tensor_bytes
@@ -115,6 +117,15 @@ class _CopyDone:
         self.event.synchronize()
 
 
+@dataclass
+class _Span:
+    """A region of the arena and the save using it (None while it is built)."""
+
+    start: int
+    end: int
+    handle: Any = None
+
+
 class _Arena:
     """Pinned host memory a store owns and reuses for the device copies of
     its saves: a ring of regions, each free again once the save that used it
@@ -132,12 +143,11 @@ class _Arena:
             # 1 = cudaHostRegisterPortable: usable from every device.
             torch.cuda.check_error(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 1))
             self.registered = True
-        except Exception:
+        except (RuntimeError, AttributeError):  # refused, or a torch without it
             buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self.buf = buf
-        # Live regions in ring order: [start, end, save handle (None while
-        # the save that uses them is being built)].
-        self.spans: deque[list[Any]] = deque()
+        # Live regions in ring order.
+        self.spans: deque[_Span] = deque()
         if self.registered:
             # Not at exit: copies may still be in flight then, and the
             # process is ending anyway.
@@ -148,12 +158,12 @@ class _Arena:
             return None
         if not self.spans:
             return 0
-        first, last = self.spans[0][0], self.spans[-1]
-        if last[0] >= first:  # not wrapped: free at the end, then at the start
-            if self.cap - last[1] >= n:
-                return last[1]
+        first, last = self.spans[0].start, self.spans[-1]
+        if last.start >= first:  # not wrapped: free at the end, then at the start
+            if self.cap - last.end >= n:
+                return last.end
             return 0 if first >= n else None
-        return last[1] if first - last[1] >= n else None
+        return last.end if first - last.end >= n else None
 
     def alloc(self, n: int) -> int | None:
         """Offset of a free region of ``n`` bytes, waiting for earlier saves
@@ -161,32 +171,31 @@ class _Arena:
         being built (which the caller then copies the slow way)."""
         n = -(-n // _ALIGN) * _ALIGN
         while True:
-            while self.spans and self.spans[0][2] is not None and self.spans[0][2].done():
+            while self.spans and self.spans[0].handle is not None and self.spans[0].handle.done():
                 self.spans.popleft()
             off = self._fit(n)
             if off is not None:
-                self.spans.append([off, off + n, None])
+                self.spans.append(_Span(off, off + n))
                 return off
-            if not self.spans or self.spans[0][2] is None:
+            oldest = self.spans[0].handle if self.spans else None
+            if oldest is None:
                 return None
             # Back-pressure: saves come faster than storage takes them. A
             # failure of that save is raised here, at the next call.
-            self.spans[0][2].wait()
+            oldest.wait()
 
     def assign(self, handle: Any) -> None:
         for s in self.spans:
-            if s[2] is None:
-                s[2] = handle
+            if s.handle is None:
+                s.handle = handle
 
     def release_unassigned(self) -> None:
-        self.spans = deque(s for s in self.spans if s[2] is not None)
+        self.spans = deque(s for s in self.spans if s.handle is not None)
 
 
 def _unregister(torch: Any, ptr: int) -> None:
-    try:
+    with contextlib.suppress(RuntimeError, AttributeError):
         torch.cuda.cudart().cudaHostUnregister(ptr)
-    except Exception:  # interpreter shutdown: the process is ending anyway
-        pass
 
 
 def cuda_nbytes(tree: Any) -> int:
@@ -230,7 +239,7 @@ class DeviceCopies:
 
             try:
                 self._arena = _Arena(torch, size)
-            except BaseException as e:  # surfaced by the next save
+            except BaseException as e:  # noqa: BLE001 - surfaced by the next save
                 self._error = e
 
         self._pending = threading.Thread(target=build, name="hindsight-pin", daemon=True)
@@ -271,7 +280,7 @@ class DeviceCopies:
         dev = t.device
         side = self._streams.get(dev)
         if side is None:
-            side = self._streams[dev] = torch.cuda.Stream(device=dev)
+            side = self._streams[dev] = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
         done = self._devices.get(dev)
         if done is None:
             done = self._devices[dev] = _CopyDone()
@@ -292,7 +301,7 @@ class DeviceCopies:
         for dev, done in self._devices.items():
             # A blocking event: the writer thread that waits on it sleeps
             # instead of spinning a core.
-            ev = torch.cuda.Event(blocking=True)
+            ev = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
             ev.record(self._streams[dev])
             torch.cuda.current_stream(dev).wait_event(ev)
             done.event = ev

@@ -1127,7 +1127,10 @@ fn lent_bytes_are_written_once_ready_and_not_before() {
     let h = lend_save(&w, "a", &host, &lent);
     std::thread::sleep(Duration::from_millis(200));
     assert!(!h.is_done(), "a save must wait for its lent bytes");
-    assert!(store.list().unwrap().is_empty(), "nothing visible before the bytes are final");
+    assert!(
+        store.list().unwrap().is_empty(),
+        "nothing visible before the bytes are final"
+    );
     assert!(lent.calls.load(Ordering::SeqCst) >= 1);
     lent.settle(Ok(()));
     let stats = h.wait().unwrap();
@@ -1150,8 +1153,11 @@ fn a_failed_device_copy_fails_the_save_and_is_reported() {
     let h = lend_save(&w, "bad", b"host bytes", &lent);
     lent.settle(Err("CUDA error: an illegal memory access".into()));
     let e = h.wait().unwrap_err();
-    assert!(matches!(e.root(), Error::Device { checkpoint, detail }
-        if checkpoint == "bad" && detail.contains("illegal memory access")), "{e}");
+    assert!(
+        matches!(e.root(), Error::Device { checkpoint, detail }
+        if checkpoint == "bad" && detail.contains("illegal memory access")),
+        "{e}"
+    );
     assert!(store.list().unwrap().is_empty());
     // A later save works, and the failure was reported once, by its handle.
     save_wait(&w, "good", &[("x", b"1")]);

@@ -91,13 +91,8 @@ impl Gate {
     fn wait(&self) -> Result<(), String> {
         self.result
             .get_or_init(|| {
-                Python::try_attach(|py| {
-                    self.wait
-                        .call0(py)
-                        .map(|_| ())
-                        .map_err(|e| e.to_string())
-                })
-                .unwrap_or_else(|| Err("the Python interpreter is shutting down".into()))
+                Python::try_attach(|py| self.wait.call0(py).map(|_| ()).map_err(|e| e.to_string()))
+                    .unwrap_or_else(|| Err("the Python interpreter is shutting down".into()))
             })
             .clone()
     }
