@@ -77,6 +77,21 @@ bench-data: develop-release ## Input service: hs.data.Loader vs DataLoader examp
 	$(PY) -m pip install --quiet -r requirements-bench.txt
 	$(PY) benches/bench_data.py
 
+# On a GPU machine with no network and no Rust (the lent device machines):
+# `make wheel` here, install dist/*.whl there, then run there
+# `make bench-gpu test-cuda PY=python3 NOBUILD=1`.
+.PHONY: bench-gpu
+bench-gpu: $(if $(NOBUILD),,develop-release) ## GPU checkpoint path (2 and 8 GiB) vs torch.save, DCP async_save, torch.load; GPU record overhead and replay (needs CUDA)
+	$(PY) benches/bench_gpu.py
+
+.PHONY: test-cuda
+test-cuda: $(if $(NOBUILD),,develop) ## Only the tests marked cuda (skipped, not failed, without a GPU)
+	cd tests && $(PY) -m pytest -q -m cuda $(PYTEST_ARGS)
+
+.PHONY: wheel
+wheel: $(STAMP) ## Release wheel in dist/ (abi3), e.g. to carry to a GPU machine
+	VIRTUAL_ENV=$(VENV) PATH=$(VENV)/bin:$$PATH $(VENV)/bin/maturin build --quiet --release -o dist
+
 .PHONY: chaos
 chaos: develop-release ## Fault injection (kill -9, gc vs writers, corruption, manifest fuzzer): table of trials and failures
 	$(PY) benches/chaos.py

@@ -36,15 +36,14 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from hindsight import _native
 
-from benchutil import REPO, Table, cpu_snapshot, dir_bytes, machine_info, now
+import benchutil
+from benchutil import REPO, Table, cpu_snapshot, dir_bytes, last_json, machine_info, now, run
 
 OUT = REPO / "bench-out" / "replay"
 PKG = OUT / "pkg"  # the hindsight package as it is when the benchmark starts
@@ -165,53 +164,11 @@ print(json.dumps({{k: min(v) / N * 1e9 for k, v in res.items()}}))
 
 
 def snapshot_package() -> dict[str, Any]:
-    """Copy the package (with the extension as built now) for every child process, so that a rebuild of
-    the editable install while the benchmark runs (other work on the machine) cannot change what is measured."""
-    src = Path(_native.__file__).resolve().parent
-    shutil.copytree(src, PKG / "hindsight", ignore=shutil.ignore_patterns("__pycache__"))
-    so = Path(_native.__file__).resolve()
-    st = so.stat()
-    return {
-        "extension": str(so.relative_to(REPO)) if so.is_relative_to(REPO) else str(so),
-        "extension_bytes": st.st_size,
-        "extension_mtime": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st.st_mtime)),
-    }
+    return benchutil.snapshot_package(PKG)
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HINDSIGHT_") and k != "BENCH_TIMES"}
-    env["PYTHONPATH"] = str(PKG) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.update(extra)
-    return env
-
-
-def run(cmd: list[str], cwd: Path, env: dict[str, str], what: str, ok: tuple[int, ...] = (0,)) -> dict[str, Any]:
-    """Run a command, timing the whole of it (fork, interpreter start-up, exit)."""
-    busy0, _, own0 = cpu_snapshot()
-    t0 = now()
-    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    wall = now() - t0
-    busy1, _, own1 = cpu_snapshot()
-    # cores kept busy by everything else on the machine while the command ran
-    others = max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
-    res = {
-        "what": what,
-        "wall_s": wall,
-        "rc": p.returncode,
-        "stdout": p.stdout,
-        "stderr": p.stderr,
-        "others_cores": others,
-    }
-    if p.returncode not in ok:
-        raise RuntimeError(
-            f"{what}: exit code {p.returncode}\n--- stdout\n{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-3000:]}"
-        )
-    return res
-
-
-def last_json(stdout: str) -> dict[str, Any]:
-    lines = [ln for ln in stdout.strip().splitlines() if ln.strip()]
-    return json.loads(lines[-1])
+    return benchutil.child_env(PKG, **extra)
 
 
 def read_times(path: Path) -> list[float]:

@@ -4,8 +4,10 @@ measured in one run, hindsight against the named competitor)."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -174,3 +176,61 @@ class Table:
         for b in body:
             out.append(("-- " + b + " ").ljust(total, "-") if isinstance(b, str) else line(b))
         return "\n".join(out)
+
+
+# --------------------------------------------------------------------------
+# child processes
+
+
+def snapshot_package(pkg: Path) -> dict[str, Any]:
+    """Copy the package (with the extension as built now) into ``pkg`` for every child process, so that a
+    rebuild of the editable install while the benchmark runs cannot change what is measured."""
+    from hindsight import _native
+
+    src = Path(_native.__file__).resolve().parent
+    shutil.copytree(src, pkg / "hindsight", ignore=shutil.ignore_patterns("__pycache__"))
+    so = Path(_native.__file__).resolve()
+    st = so.stat()
+    return {
+        "extension": str(so.relative_to(REPO)) if so.is_relative_to(REPO) else str(so),
+        "extension_bytes": st.st_size,
+        "extension_mtime": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st.st_mtime)),
+    }
+
+
+def child_env(pkg: Path, **extra: str) -> dict[str, str]:
+    """The environment of a child: no HINDSIGHT_* settings of the caller, the package snapshot first."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HINDSIGHT_") and k != "BENCH_TIMES"}
+    env["PYTHONPATH"] = str(pkg) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], cwd: Path, env: dict[str, str], what: str, ok: tuple[int, ...] = (0,)) -> dict[str, Any]:
+    """Run a command, timing the whole of it (fork, interpreter start-up, exit)."""
+    busy0, _, own0 = cpu_snapshot()
+    t0 = now()
+    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    wall = now() - t0
+    busy1, _, own1 = cpu_snapshot()
+    # cores kept busy by everything else on the machine while the command ran
+    others = max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
+    res = {
+        "what": what,
+        "wall_s": wall,
+        "rc": p.returncode,
+        "stdout": p.stdout,
+        "stderr": p.stderr,
+        "others_cores": others,
+    }
+    if p.returncode not in ok:
+        raise RuntimeError(
+            f"{what}: exit code {p.returncode}\n--- stdout\n{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-3000:]}"
+        )
+    return res
+
+
+def last_json(stdout: str) -> dict[str, Any]:
+    """The JSON object a child printed last."""
+    lines = [ln for ln in stdout.strip().splitlines() if ln.strip()]
+    return json.loads(lines[-1])

@@ -232,7 +232,7 @@ class Store:
         path: str | Sequence[str] | None = None,
         map_location: MapLocation = None,
         allow_pickle: bool = False,
-        threads: int = 4,
+        threads: int | None = None,
     ) -> Any:
         """Load checkpoint ``name`` (or only the sub-tree at ``path``).
 

@@ -315,7 +315,7 @@ impl Store {
     }
 
     /// Load a checkpoint (or the sub-tree at `path`) into Python objects.
-    #[pyo3(signature = (name, make_array, unpickle, path=None, threads=4))]
+    #[pyo3(signature = (name, make_array, unpickle, path=None, threads=None))]
     fn load<'py>(
         &self,
         py: Python<'py>,
@@ -323,9 +323,10 @@ impl Store {
         make_array: &Bound<'py, PyAny>,
         unpickle: &Bound<'py, PyAny>,
         path: Option<Vec<String>>,
-        threads: usize,
+        threads: Option<usize>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let path = path.unwrap_or_default();
+        let threads = threads.unwrap_or_else(core::checkpoint::replica::default_read_threads);
         let read = interrupt::run(py, |intr| {
             self.replica.read(&name, &path, threads, &|| intr.check())
         })?;

@@ -53,6 +53,12 @@ pub struct ReadTree {
     pub buffers: Vec<Vec<u8>>,
 }
 
+/// Threads a load reads and verifies on: hashing is the bottleneck of a
+/// warm read, so one per core, up to 16.
+pub fn default_read_threads() -> usize {
+    std::thread::available_parallelism().map_or(4, |n| n.get().clamp(2, 16))
+}
+
 impl Replica {
     /// Open `location` (a directory or `s3://bucket/prefix`, see
     /// [`Store::open_url`]); with `local_first`, a local store in front of it
@@ -153,7 +159,7 @@ impl Replica {
     }
 
     /// Read checkpoint `name`, or the sub-tree at key path `path`, verifying
-    /// every chunk, on up to `threads` threads.
+    /// every chunk, on up to `threads` threads ([`default_read_threads`]).
     pub fn read(
         &self,
         name: &str,
