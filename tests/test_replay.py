@@ -18,6 +18,11 @@ OUTER_PROBE = (
     "        sched.step()\n",
     '        sched.step()\n        hs.log("weight_norm", sum(p.norm().item() ** 2 for p in net.parameters()) ** 0.5)\n',
 )
+PRE_PROBE = (  # before the inner loop: reads the state the previous epoch left
+    '        for x, y in hs.loop("step", loader):\n',
+    '        hs.log("start_norm", sum(p.norm().item() ** 2 for p in net.parameters()) ** 0.5)\n'
+    '        for x, y in hs.loop("step", loader):\n',
+)
 INNER_PROBE = (
     "            opt.step()\n",
     '            hs.log("grad_norm", sum(p.grad.norm().item() ** 2 for p in net.parameters()) ** 0.5)\n            opt.step()\n',
@@ -92,7 +97,7 @@ def values(home: Path, *names: str) -> dict[tuple, dict[str, object]]:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run that logged the probes from the start."""
     root = tmp_path_factory.mktemp("reference")
-    script = make_project(root, OUTER_PROBE, INNER_PROBE)
+    script = make_project(root, OUTER_PROBE, INNER_PROBE, PRE_PROBE)
     record(script, root / ".hindsight")
     return root / ".hindsight"
 
@@ -170,6 +175,25 @@ def test_missing_checkpoints_are_recomputed_from_the_nearest_earlier_one(tmp_pat
     for ctx, v in want.items():
         if "weight_norm" in v:
             assert got[ctx]["weight_norm"] == v["weight_norm"], ctx
+
+
+def test_a_probe_before_the_inner_loop_gets_the_state_the_previous_epoch_left(recorded, reference):
+    script, home = recorded
+    edit(script, PRE_PROBE)
+    want = {ctx: v["start_norm"] for ctx, v in values(reference, "start_norm").items() if "start_norm" in v}
+    assert len(want) == 5
+    # One epoch alone: epoch 1 is restored and its code after the steps runs
+    # first; epoch 1's own value is not kept, since epoch 0 was not replayed.
+    r = replay(script, home, "--strict", "--where", "epoch == 2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = {ctx: v["start_norm"] for ctx, v in values(home, "start_norm").items() if "start_norm" in v}
+    assert got == {(("epoch", 2),): want[(("epoch", 2),)]}
+    # Every epoch, with an inner probe too: two workers, each starting from a checkpoint.
+    edit(script, INNER_PROBE)
+    r = replay(script, home, "--strict", "-j", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = {ctx: v["start_norm"] for ctx, v in values(home, "start_norm").items() if "start_norm" in v}
+    assert got == want
 
 
 def test_where_limits_the_replayed_iterations(recorded):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ast
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,9 @@ class Probe:
     loops: tuple[str, ...]
     line: int
     in_function: bool = False
+    #: In the outer loop's body, before its inner (`hs.loop`) loop starts:
+    #: it reads the state the previous iteration left.
+    before_inner: bool = False
 
 
 @dataclass
@@ -35,6 +38,13 @@ class Analysis:
     def needs_inner_execution(self) -> bool:
         """True when some new probe sits inside an inner loop (or a function we cannot place)."""
         return any(len(p.loops) >= 2 or p.in_function for p in self.new_probes)
+
+    @property
+    def needs_start_state(self) -> bool:
+        """True when some new probe may run before the inner loop of an outer
+        iteration (or in a function, whose call site we cannot place): it
+        needs the state the previous iteration left, not a checkpoint's."""
+        return any(p.before_inner or p.in_function for p in self.new_probes)
 
 
 class _Aliases:
@@ -122,6 +132,22 @@ def probes(src: str, filename: str = "<script>") -> tuple[list[Probe], list[str]
         visit(wrapper, loops, in_fn)
 
     visit(tree, (), False)
+    # A probe directly in an outer loop's body, above the line where that
+    # body's first inner `hs.loop` starts, runs before the inner loop.
+    first_inner: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.For, ast.AsyncFor)) and aliases.is_call(node.iter, "loop"):
+            name = _const_str(node.iter)  # type: ignore[arg-type]
+            if name in outer:
+                lines = [
+                    n.lineno
+                    for stmt in node.body
+                    for n in ast.walk(stmt)
+                    if isinstance(n, (ast.For, ast.AsyncFor)) and aliases.is_call(n.iter, "loop")
+                ]
+                if lines:
+                    first_inner[name] = min(lines)
+    found = [replace(p, before_inner=len(p.loops) == 1 and p.line < first_inner.get(p.loops[0], -1)) for p in found]
     return found, outer
 
 

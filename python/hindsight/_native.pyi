@@ -223,6 +223,7 @@ class LogDb:
         in_store: set[str],
         selected: list[bool],
         needs_inner: bool,
+        needs_start: bool = False,
         workers: int = 1,
     ) -> ReplayPlan: ...
 

@@ -159,7 +159,15 @@ def plan_run(
     selected = [pred(i) for i in range(n)]
     if not any(selected):
         raise ReplayError(f"--where {where!r} selects none of the {n} recorded iterations")
-    return db.plan_replay(run["id"], outer, store_names, selected, analysis.needs_inner_execution, max(1, jobs))
+    return db.plan_replay(
+        run["id"],
+        outer,
+        store_names,
+        selected,
+        analysis.needs_inner_execution,
+        analysis.needs_start_state,
+        max(1, jobs),
+    )
 
 
 def replay(args: argparse.Namespace) -> int:

@@ -338,8 +338,9 @@ impl LogDb {
     }
 
     /// The replay plan of a run (`hindsight_core::runs::replay`): which iterations
-    /// each worker restores or executes. `selected[i]`: iteration i is wanted.
-    #[pyo3(signature = (run_id, loop_name, in_store, selected, needs_inner, workers=1))]
+    /// each worker restores or executes. `selected[i]`: iteration i is wanted;
+    /// `needs_start`: new probes run before the inner loop.
+    #[pyo3(signature = (run_id, loop_name, in_store, selected, needs_inner, needs_start=false, workers=1))]
     fn plan_replay(
         &self,
         py: Python<'_>,
@@ -348,6 +349,7 @@ impl LogDb {
         in_store: HashSet<String>,
         selected: Vec<bool>,
         needs_inner: bool,
+        needs_start: bool,
         workers: usize,
     ) -> PyResult<ReplayPlan> {
         let plan = self.with(py, |db| {
@@ -359,6 +361,7 @@ impl LogDb {
                 in_store: &in_store,
                 selected: &selected,
                 needs_inner,
+                needs_start,
                 workers,
             })
         })?;

@@ -210,6 +210,11 @@ class Run:
         self.outer_idx = -1
         self.iter_start = 0.0
         self.block_done = False
+        # The current outer iteration did not start from the state its
+        # predecessor left (a replay worker skipped that one): values logged
+        # before its inner loop would describe the wrong state, so they are
+        # dropped until the inner loop restores or rebuilds it.
+        self.stale_start = False
         # The variables the outer loop and the steps change (loopvars.py);
         # block_live: the steps of the current iteration are under way.
         self.outer_vars: LoopVars | None = None
@@ -316,6 +321,8 @@ class Run:
         self._raise_log_error()
 
     def log(self, name: str, value: Any) -> None:
+        if self.stale_start:
+            return
         ctx = [(e[0], e[1]) for e in self.stack]
         t = type(value)
         if t is float and value == value and value not in (_INF, -_INF):
@@ -388,7 +395,9 @@ class Run:
                 self.heartbeat()
                 self.iter_start = time.perf_counter()
                 self.block_done = False
+                self.stale_start = self._start_is_stale(i)
                 yield x
+                self.stale_start = False
                 self._iteration_continues()
                 if not self.block_done:
                     self._end_block(i, at="iteration")
@@ -400,6 +409,7 @@ class Run:
     def _block(self, name: str, iterable: Iterable[T]) -> Iterator[T]:
         """The first loop nested in the outer loop: the skippable training steps."""
         i = self.outer_idx
+        self.stale_start = False  # restored or rebuilt below
         self.block_vars = LoopVars.of(sys._getframe(1), name, self._object_ids())
         self.block_live = True
         if self._skip_block(i):
@@ -448,6 +458,11 @@ class Run:
     def _visit(self, i: int) -> bool | None:
         """Run outer iteration i (True), skip it (False) or stop the loop (None)."""
         return True
+
+    def _start_is_stale(self, i: int) -> bool:
+        """Whether iteration i starts from a state other than the one its
+        predecessor left (see `stale_start`)."""
+        return False
 
     def _skip_block(self, i: int) -> bool:
         """True when iteration i's steps are not run: their state comes from a checkpoint."""

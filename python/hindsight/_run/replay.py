@@ -37,6 +37,7 @@ class ReplayRun(Run):
         self.last_needed = max(self.modes, default=-1)
         self.inner_steps_executed = 0
         self.blocks_restored = 0
+        self.last_visited = -1
         atexit.register(self.finish)
 
     def arg(self, name: str, default: Any) -> Any:
@@ -69,6 +70,14 @@ class ReplayRun(Run):
         if i > self.last_needed:
             return None
         return self.modes.get(i, "skip") != "skip"
+
+    def _start_is_stale(self, i: int) -> bool:
+        stale = i > 0 and self.last_visited != i - 1
+        self.last_visited = i
+        if stale and self.modes.get(i) == "execute":
+            # The plan visits the predecessor of every executed iteration.
+            raise ReplayError(f"replay plan executes {self.outer_name} {i} without the state before it (a bug)")
+        return stale
 
     def _skip_block(self, i: int) -> bool:
         if self.modes.get(i) != "restore":

@@ -107,6 +107,12 @@ pub struct Request<'a> {
     pub selected: &'a [bool],
     /// New probes inside the inner loop: its steps must run.
     pub needs_inner: bool,
+    /// New probes before the inner loop (or where that is unknown): a
+    /// selected iteration must start from the state the previous one left,
+    /// so the previous iteration is visited too (restored, then its code
+    /// after the inner loop runs). Values a worker logs before the inner
+    /// loop of an iteration whose predecessor it did not visit are dropped.
+    pub needs_start: bool,
     pub workers: usize,
 }
 
@@ -132,15 +138,16 @@ pub fn plan(req: &Request<'_>) -> Result<ReplayPlan> {
             checkpoints.insert(r.idx, c.clone());
         }
     }
-    let selected: Vec<bool> = (0..n)
-        .map(|i| req.selected.get(i).copied().unwrap_or(false))
-        .collect();
-    if !selected.iter().any(|&s| s) {
+    let wanted = |i: usize| req.selected.get(i).copied().unwrap_or(false);
+    if !(0..n).any(wanted) {
         return Err(Error::invalid(
             "replay selection",
             format!("selects none of the {n} recorded iterations"),
         ));
     }
+    let selected: Vec<bool> = (0..n)
+        .map(|i| wanted(i) || (req.needs_start && wanted(i + 1)))
+        .collect();
     let has_ck: Vec<bool> = (0..n as u64)
         .map(|i| checkpoints.contains_key(&i))
         .collect();
@@ -235,6 +242,7 @@ mod tests {
             in_store: &store,
             selected: &[true; 5],
             needs_inner: false,
+            needs_start: false,
             workers: 1,
         })
         .unwrap();
@@ -259,6 +267,7 @@ mod tests {
                 in_store: store,
                 selected: sel,
                 needs_inner: false,
+                needs_start: false,
                 workers: 1,
             })
         };
@@ -285,6 +294,7 @@ mod tests {
             in_store: &store,
             selected: &[true; 8],
             needs_inner: true,
+            needs_start: false,
             workers: 2,
         })
         .unwrap();
@@ -301,5 +311,34 @@ mod tests {
                 assert_eq!(*m == Mode::Restore, w.checkpoints.contains_key(i));
             }
         }
+    }
+
+    #[test]
+    fn probes_before_the_inner_loop_visit_the_previous_iteration_too() {
+        let it = rows(6, 1);
+        let store = store_of(&it);
+        let visited = |only: usize, needs_start| {
+            let mut sel = [false; 6];
+            sel[only] = true;
+            let p = plan(&Request {
+                run_id: "r",
+                loop_name: "epoch",
+                iterations: &it,
+                in_store: &store,
+                selected: &sel,
+                needs_inner: false,
+                needs_start,
+                workers: 1,
+            })
+            .unwrap();
+            assert!(p.workers[0].modes.values().all(|m| *m == Mode::Restore));
+            p.workers[0].modes.keys().copied().collect::<Vec<_>>()
+        };
+        assert_eq!(visited(3, false), vec![3]);
+        // Before the inner loop: iteration 3 starts where 2 ended, so 2 is
+        // restored and its code after the inner loop runs first.
+        assert_eq!(visited(3, true), vec![2, 3]);
+        // Iteration 0 has no predecessor.
+        assert_eq!(visited(0, true), vec![0]);
     }
 }
