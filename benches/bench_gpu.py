@@ -142,8 +142,9 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 def fingerprint_per_gib(state: dict[str, Any], device: str) -> float:
     from hindsight._staging import device_fingerprint
 
-    tensors = [t for t in _tensors(state) if t.numel() > 0]
+    tensors = [t for t in _tensors(state) if t.numel() > 0 and t.device.type == torch.device(device).type]
     total = sum(t.numel() * t.element_size() for t in tensors)
+    device_fingerprint(tensors[0], None)  # builds the multiplier table: once per process
     sync(device)
     t0 = now()
     for t in tensors:
@@ -164,9 +165,8 @@ def hindsight_saves(
     d = root / ("hs-prepared" if prepared else "hs-cold")
     store = hs.Store(d)
     if prepared:
-        store.prepare(state_of(params, opt))
         t0 = now()
-        store._copies._ready_arena()  # what hs.checkpointing overlaps with the first epoch
+        store.prepare(state_of(params, opt), wait=True)  # hs.checkpointing overlaps it with the first epoch
         tab_rows["prepare_s"] = now() - t0
     blocked, durable, setup = [], [], []
     for i in range(1 + (STEADY_SAVES if prepared else 0)):
@@ -226,9 +226,8 @@ def dcp_saves(rows: dict[str, Any], params: list[Any], opt: Any, device: str, ro
         rows["error"] = f"no torch.distributed.checkpoint: {e}"
         return
     if not dist.is_initialized():
-        dist.init_process_group(
-            "gloo", init_method=f"file://{root / 'pg'}", rank=0, world_size=1
-        )  # async_save's staging needs a process group
+        # One process, as for the other sides; DCP then takes the gloo group.
+        dist.init_process_group("gloo", init_method=f"file://{OUT / 'pg'}", rank=0, world_size=1)
     blocked, durable = [], []
     for i in range(1 + STEADY_SAVES):
         step(params, opt)

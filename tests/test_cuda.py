@@ -56,10 +56,11 @@ def test_snapshot_is_not_reached_by_in_place_updates_issued_right_after_save(sto
 
 
 def test_many_saves_in_flight_each_hold_their_own_values(store_dir):
-    # A small staging budget: the pinned arena is reused across saves, and a
-    # save waits for an earlier one only when the arena is full.
+    # An arena for three saves: the ring wraps, and a save waits for an
+    # earlier one only when it is full.
     w = torch.zeros(8 << 20, device="cuda")  # 32 MiB
     store = hs.Store(store_dir, staging_bytes=96 << 20)
+    store.prepare({"three saves": [w, w, w]})
     handles = []
     for i in range(8):
         w.fill_(float(i))
@@ -70,6 +71,32 @@ def test_many_saves_in_flight_each_hold_their_own_values(store_dir):
     for i in range(8):
         got = store.load(f"s{i}")["w"]
         assert torch.equal(got, torch.full_like(got, float(i))), i
+
+
+def test_tensors_made_contiguous_for_the_save_are_copied_after_that(store_dir):
+    torch.manual_seed(3)
+    conv = torch.randn(64, 32, 3, 3, device="cuda").to(memory_format=torch.channels_last)
+    t = torch.randn(2048, 1024, device="cuda").t()  # transposed: not contiguous
+    big = torch.randn(1 << 22, device="cuda")
+    store = hs.Store(store_dir)
+    state = {"big": big, "conv": conv, "t": t}
+    store.save("nc", state).wait()
+    got = store.load("nc")
+    for k, v in state.items():
+        assert torch.equal(got[k], v.cpu()), k
+
+
+def test_views_at_odd_byte_offsets_are_saved_and_proven_unchanged(store_dir):
+    base = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+    view = base[3:]  # contiguous, not 8-byte aligned
+    store = hs.Store(store_dir)
+    store.save("a", {"v": view}).wait()
+    store.save("b", {"v": view}).wait()  # unchanged: fingerprinted on the device, not copied
+    before = view.cpu()
+    view[5] += 1
+    store.save("c", {"v": view}).wait()
+    assert torch.equal(store.load("b")["v"], before)
+    assert torch.equal(store.load("c")["v"], view.cpu())
 
 
 def test_a_state_larger_than_the_staging_budget_is_still_saved_exactly(store_dir):

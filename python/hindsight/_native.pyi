@@ -121,6 +121,7 @@ class Store:
         meta: dict[str, str] | None = None,
         skip_unchanged: bool = True,
         copy_threads: int | None = None,
+        handle_out: list[SaveHandle] | None = None,
     ) -> SaveHandle: ...
     def load(
         self,

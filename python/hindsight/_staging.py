@@ -60,6 +60,8 @@ def fingerprint(t: Any) -> Any:
     import torch
 
     flat = t.reshape(-1).view(torch.uint8)
+    if flat.data_ptr() % 8:
+        flat = flat.clone()  # a view at an odd offset cannot be read as 64-bit words
     n = flat.numel()
     head = n - n % 8
     words = flat[:head].view(torch.int64)
@@ -98,7 +100,7 @@ def device_fingerprint(t: Any, old: Any | None) -> tuple[bool, Any]:
 
 # -- device-to-host copies of a save ---------------------------------------
 
-_ALIGN = 4096  # regions start on page boundaries: full-speed DMA
+_ALIGN = 4096  # regions start on page boundaries
 
 
 class _CopyDone:
@@ -128,16 +130,19 @@ class _Span:
 
 class _Arena:
     """Pinned host memory a store owns and reuses for the device copies of
-    its saves: a ring of regions, each free again once the save that used it
-    is durable. Pinned by registering ordinary memory (``cudaHostRegister``
-    of 8 GiB took 0.47 s on an H100 host, ``cudaHostAlloc`` 5.5 s), falling
-    back to torch's pinned allocator where registration is refused."""
+    its saves: a ring of page-aligned regions, each free again once the save
+    that used it is durable. Pinned by registering ordinary memory
+    (``cudaHostRegister`` of 8 GiB took 0.47 s on an H100 host,
+    ``cudaHostAlloc`` 5.5 s), falling back to torch's pinned allocator where
+    registration is refused."""
 
     def __init__(self, torch: Any, nbytes: int) -> None:
-        nbytes = -(-nbytes // _ALIGN) * _ALIGN
+        nbytes = _aligned(nbytes)
         self.cap = nbytes
         self.registered = False
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        raw = torch.empty(nbytes + _ALIGN, dtype=torch.uint8)
+        skew = -raw.data_ptr() % _ALIGN  # torch aligns to 64 bytes; regions want pages
+        buf = raw[skew : skew + nbytes]
         try:
             cudart = torch.cuda.cudart()
             # 1 = cudaHostRegisterPortable: usable from every device.
@@ -154,8 +159,6 @@ class _Arena:
             weakref.finalize(self, _unregister, torch, buf.data_ptr()).atexit = False
 
     def _fit(self, n: int) -> int | None:
-        if n > self.cap:
-            return None
         if not self.spans:
             return 0
         first, last = self.spans[0].start, self.spans[-1]
@@ -169,10 +172,11 @@ class _Arena:
         """Offset of a free region of ``n`` bytes, waiting for earlier saves
         to become durable if needed; None if it cannot fit beside the save
         being built (which the caller then copies the slow way)."""
-        n = -(-n // _ALIGN) * _ALIGN
+        n = _aligned(n)
+        if n > self.cap:
+            return None
         while True:
-            while self.spans and self.spans[0].handle is not None and self.spans[0].handle.done():
-                self.spans.popleft()
+            self.reclaim()
             off = self._fit(n)
             if off is not None:
                 self.spans.append(_Span(off, off + n))
@@ -184,6 +188,11 @@ class _Arena:
             # failure of that save is raised here, at the next call.
             oldest.wait()
 
+    def reclaim(self) -> None:
+        """Free the regions of saves that are durable (or failed)."""
+        while self.spans and self.spans[0].handle is not None and self.spans[0].handle.done():
+            self.spans.popleft()
+
     def assign(self, handle: Any) -> None:
         for s in self.spans:
             if s.handle is None:
@@ -193,17 +202,21 @@ class _Arena:
         self.spans = deque(s for s in self.spans if s.handle is not None)
 
 
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
 def _unregister(torch: Any, ptr: int) -> None:
     with contextlib.suppress(RuntimeError, AttributeError):
         torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 def cuda_nbytes(tree: Any) -> int:
-    """Bytes of CUDA tensors in a state tree."""
+    """Arena bytes the CUDA tensors of a state tree need (each region rounded to a page)."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         return 0  # no CUDA tensor can exist yet
-    return tensor_bytes(tree, "cuda")
+    return tensor_bytes(tree, "cuda", align=_ALIGN)
 
 
 class DeviceCopies:
@@ -214,15 +227,21 @@ class DeviceCopies:
     engine then writes from without a second copy. ``save`` returns once the
     copies are enqueued; the compute stream waits for them on the device,
     so an in-place update issued after ``save`` returns cannot reach the
-    snapshot, and the host never waits. One-time set-up (pinning the arena)
-    starts on a background thread at ``prepare`` and is reported apart from
-    the steady cost, which the adaptive policy prices."""
+    snapshot, and the host never waits. Work on streams other than the
+    current one is not ordered with the copies (as for ``torch.save``).
+
+    One-time set-up (pinning the arena) runs on a background thread, started
+    by ``prepare`` or by the first save, and is reported apart from the
+    steady cost, which the adaptive policy prices. A state that outgrows the
+    arena gets a larger one, pinned in the background and swapped in once
+    the old one is idle; meanwhile the excess is copied the plain way."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._arena: _Arena | None = None
+        self._next: _Arena | None = None
         self._pending: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._failed = False
         self._streams: dict[Any, Any] = {}
         # Per save being built: device -> waiter, and the set-up time paid.
         self._devices: dict[Any, _CopyDone] = {}
@@ -230,51 +249,70 @@ class DeviceCopies:
 
     def prepare(self, nbytes: int) -> None:
         """Start pinning an arena for ``nbytes`` of CUDA state in the background."""
-        if self._arena is not None or self._pending is not None or nbytes <= 0:
+        size = min(nbytes, _aligned(self.limit))
+        if self._failed or self._pending is not None or size <= 0:
             return
-        size = min(nbytes, self.limit)
+        if any(a is not None and size <= a.cap for a in (self._arena, self._next)):
+            return
 
         def build() -> None:
             import torch
 
             try:
-                self._arena = _Arena(torch, size)
-            except BaseException as e:  # noqa: BLE001 - surfaced by the next save
-                self._error = e
+                self._next = _Arena(torch, size)
+            except (RuntimeError, MemoryError) as e:
+                # Saves still work, copying the plain way (they block).
+                self._failed = True
+                sys.stderr.write(
+                    f"hindsight: could not pin {size} bytes of host memory ({e}); CUDA tensors "
+                    "are copied without it, and saves wait for the copy\n"
+                )
 
         self._pending = threading.Thread(target=build, name="hindsight-pin", daemon=True)
         self._pending.start()
 
-    def _ready_arena(self) -> _Arena | None:
+    def _swap(self, wait: bool) -> None:
+        """Take a newly pinned arena once it is built (waiting for it if
+        ``wait``: set-up time) and the old one has no save in flight."""
         if self._pending is not None:
+            if not wait and self._pending.is_alive():
+                return
             t0 = time.perf_counter()
             self._pending.join()
             self.setup_seconds += time.perf_counter() - t0
             self._pending = None
-        if self._error is not None:
-            e, self._error = self._error, None
-            raise e
-        return self._arena
+        if self._next is None:
+            return
+        if self._arena is not None:
+            self._arena.reclaim()
+            if self._arena.spans:
+                return  # copies may still be landing in it
+        self._arena, self._next = self._next, None
+
+    def wait_prepared(self) -> None:
+        """Block until the arena being pinned is ready (and swapped in when the old one is idle)."""
+        self._swap(wait=True)
 
     def begin(self, state: Any) -> None:
         self._devices = {}
         self.setup_seconds = 0.0
-        if self._arena is None and self._pending is None:
-            self.prepare(cuda_nbytes(state))
+        need = cuda_nbytes(state)
+        if need and not self._failed:
+            self.prepare(need)
+            # The first arena is waited for (set-up); a larger one is taken
+            # when it is ready.
+            self._swap(wait=self._arena is None)
 
     def copy(self, t: Any) -> tuple[int, Any, Any]:
         """Enqueue the copy of device tensor ``t``; (host pointer, owner, waiter)."""
         import torch
 
-        if t.device.type != "cuda":
-            host = t.to("cpu")
-            return host.data_ptr(), host, None
-        arena = self._ready_arena()
+        arena = self._arena if t.device.type == "cuda" else None
         n = t.numel() * t.element_size()
         off = arena.alloc(n) if arena is not None else None
         if arena is None or off is None:
-            # Larger than the arena left beside this save: a plain copy,
-            # which blocks. Raise staging_bytes to avoid it.
+            # Not CUDA, or no room beside this save: a plain copy, which
+            # blocks. Raise staging_bytes to avoid it.
             host = t.to("cpu")
             return host.data_ptr(), host, None
         dev = t.device
@@ -284,7 +322,8 @@ class DeviceCopies:
         done = self._devices.get(dev)
         if done is None:
             done = self._devices[dev] = _CopyDone()
-            side.wait_stream(torch.cuda.current_stream(dev))
+        # Every time: `t` may have just been made contiguous on the compute stream.
+        side.wait_stream(torch.cuda.current_stream(dev))
         region = arena.buf[off : off + n]
         with torch.cuda.stream(side):
             region.copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)

@@ -76,9 +76,9 @@ def apply_state(objects: Mapping[str, Any], saved: Mapping[str, Any], checkpoint
             raise InvalidArgumentError(f"hs.checkpointing({key}=...): {type(obj).__qualname__} has no load_state_dict")
 
 
-def tensor_bytes(tree: Any, device_type: str | None = None) -> int:
+def tensor_bytes(tree: Any, device_type: str | None = None, align: int = 1) -> int:
     """Bytes of the tensors in a state tree (dicts, lists, tuples), or of
-    those on one device type ("cuda")."""
+    those on one device type ("cuda"); each rounded up to ``align``."""
     torch = sys.modules.get("torch")
     if torch is None:
         return 0
@@ -88,7 +88,7 @@ def tensor_bytes(tree: Any, device_type: str | None = None) -> int:
         o = stack.pop()
         if isinstance(o, torch.Tensor):
             if device_type is None or o.device.type == device_type:
-                total += int(o.numel() * o.element_size())
+                total += -(-int(o.numel() * o.element_size()) // align) * align
         elif isinstance(o, Mapping):
             stack.extend(o.values())
         elif isinstance(o, (list, tuple)):

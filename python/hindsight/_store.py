@@ -153,7 +153,7 @@ class Store:
         meta_s = {str(k): str(v) for k, v in (meta or {}).items()}
         copies = self._copies
         copies.begin(state)
-        h = None
+        out: list[SaveHandle] = []
         try:
             h = self._native.save(
                 name,
@@ -164,17 +164,23 @@ class Store:
                 device_fingerprint,
                 meta_s,
                 skip_unchanged,
+                None,
+                out,
             )
             self.last_setup_seconds = h.setup_seconds + copies.setup_seconds
             return h
         finally:
-            copies.saved(h)
+            copies.saved(out[0] if out else None)
 
-    def prepare(self, state: Any) -> None:
+    def prepare(self, state: Any, *, wait: bool = False) -> None:
         """Start the one-time set-up for saving ``state`` (pinning host memory
         for its CUDA tensors) on a background thread, so the first ``save``
-        does not pay it. Optional: the first save starts it otherwise."""
+        does not pay it; ``wait=True`` blocks until it is done. Optional: the
+        first save starts it otherwise (``hs.checkpointing`` calls it after
+        the first training step)."""
         self._copies.prepare(cuda_nbytes(state))
+        if wait:
+            self._copies.wait_prepared()
 
     def _describe(self, obj: Any, key: str, allow_pickle: bool) -> tuple[Any, ...]:
         torch = sys.modules.get("torch")

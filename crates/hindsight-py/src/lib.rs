@@ -47,9 +47,15 @@ impl Store {
 impl Drop for Store {
     fn drop(&mut self) {
         // A writer thread may need the GIL (a device copy's gate), so its
-        // threads are never joined while this thread holds it.
+        // threads are never joined while this thread holds it; nor from a
+        // writer thread (Python's garbage collector can run there, inside a
+        // gate), which could be waiting for itself.
         if let Some(w) = lock(&self.writer).take() {
-            Python::attach(|py| py.detach(move || drop(w)));
+            if core::checkpoint::writer::on_writer_thread() {
+                std::thread::spawn(move || drop(w));
+            } else {
+                Python::attach(|py| py.detach(move || drop(w)));
+            }
         }
     }
 }
@@ -209,7 +215,7 @@ impl Store {
     }
 
     /// Snapshot `state` and return at once; the write continues in the background.
-    #[pyo3(signature = (name, state, describe, materialize, before_copy, device_fingerprint, meta=None, skip_unchanged=true, copy_threads=None))]
+    #[pyo3(signature = (name, state, describe, materialize, before_copy, device_fingerprint, meta=None, skip_unchanged=true, copy_threads=None, handle_out=None))]
     #[allow(clippy::too_many_arguments)]
     fn save(
         &self,
@@ -223,7 +229,8 @@ impl Store {
         meta: Option<BTreeMap<String, String>>,
         skip_unchanged: bool,
         copy_threads: Option<usize>,
-    ) -> PyResult<SaveHandle> {
+        handle_out: Option<Bound<'_, PyList>>,
+    ) -> PyResult<Py<SaveHandle>> {
         // Copies and fingerprints are memory-bound: a few threads saturate it.
         let copy_threads = copy_threads.unwrap_or_else(|| {
             std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8))
@@ -308,10 +315,19 @@ impl Store {
                 .filter_map(|t| t.into_entry(&filled))
                 .collect();
         }
-        Ok(SaveHandle {
-            inner: handle,
-            setup_seconds,
-        })
+        let handle = Py::new(
+            py,
+            SaveHandle {
+                inner: handle,
+                setup_seconds,
+            },
+        )?;
+        // Handed over before returning: a KeyboardInterrupt raised as the
+        // call returns must not make the caller think the save failed.
+        if let Some(out) = handle_out {
+            out.append(&handle)?;
+        }
+        Ok(handle)
     }
 
     /// Load a checkpoint (or the sub-tree at `path`) into Python objects.

@@ -828,7 +828,19 @@ impl Drop for SaveBuilder<'_> {
     }
 }
 
+thread_local! {
+    static ON_WRITER_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the calling thread is a writer thread of some store: one must
+/// not join writer threads from there (e.g. dropping a store while a lent
+/// buffer's `ready` runs foreign code on it).
+pub fn on_writer_thread() -> bool {
+    ON_WRITER_THREAD.with(|c| c.get())
+}
+
 fn worker_loop(shared: &Shared, rx: &Mutex<mpsc::Receiver<Task>>, nice: i32) {
+    ON_WRITER_THREAD.with(|c| c.set(true));
     if nice != 0 {
         // Background work yields to the training threads. On Linux a thread id
         // given to setpriority changes that thread only. Best effort.
