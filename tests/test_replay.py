@@ -353,3 +353,53 @@ def test_rm_run_deletes_the_run_its_logs_and_its_checkpoints(tmp_path: Path) -> 
     assert gone not in ls and kept in ls
     r = subprocess.run([*hindsight_cmd(), "--home", str(home), "rm", "--run", gone], capture_output=True, text=True)
     assert r.returncode == 1 and gone in r.stderr  # no such run any more
+
+
+REPEATED = """\
+import torch
+import hindsight as hs
+
+torch.manual_seed(0)
+w = torch.nn.Parameter(torch.ones(4))
+opt = torch.optim.SGD([w], lr=0.1)
+with hs.checkpointing(w=w, opt=opt):
+    for epoch in hs.loop("epoch", range(3)):
+        for step in hs.loop("step", range(4)):
+            opt.zero_grad()
+            (w * (step + 1)).sum().backward()
+            opt.step()
+        for k in range(3):  # a validation loop without hs.loop: one context
+            hs.log("val", float(w.sum()) + k)
+"""
+
+
+def test_a_name_logged_repeatedly_in_one_context_keeps_every_value(tmp_path: Path) -> None:
+    script = tmp_path / "rep.py"
+    script.write_text(REPEATED)
+    home = tmp_path / ".hindsight"
+    r = subprocess.run([sys.executable, str(script)], env=env_for(home), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    code = (
+        "import hindsight as hs\n"
+        "df = hs.dataframe('val', 'probe')\n"
+        "print(df[['epoch', 'rep', 'val', 'probe']].to_json(orient='values'))\n"
+    )
+
+    def table() -> list[list[object]]:
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env_for(home), capture_output=True, text=True, timeout=120, cwd=tmp_path
+        )
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    rows = table()
+    assert [(e, rep) for e, rep, _, _ in rows] == [(e, k) for e in range(3) for k in range(3)]
+    for e, k, val, _ in rows:
+        assert val == rows[3 * e][2] + k  # every value, in the order logged
+    # A probe added in the same validation loop is replayed occurrence by occurrence.
+    script.write_text(
+        REPEATED.replace('            hs.log("val"', '            hs.log("probe", k * 10)\n            hs.log("val"')
+    )
+    r = replay(script, home, "--strict")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [(e, k, p) for e, k, _, p in table()] == [(e, k, k * 10) for e in range(3) for k in range(3)]

@@ -24,6 +24,10 @@ def dataframe(*names: str, run: str | list[str] | None = None, args: bool = Fals
     ``args=True`` adds a column per recorded argument (``hs.arg``/``hs.args``),
     so runs that differ in, say, ``lr`` can be grouped and compared.
 
+    A name logged several times in one context keeps every value: the
+    context then has one row per occurrence, numbered by a ``rep`` column
+    (0 for the first value), in the order they were logged.
+
     Values written by a replay appear beside the recorded ones in the same
     run; where both exist for a context, the recorded value is shown (the
     engine's rule, the same as ``hindsight logs``; a replay that disagrees
@@ -42,8 +46,9 @@ def dataframe(*names: str, run: str | list[str] | None = None, args: bool = Fals
             runs = [latest[0]["id"]]
     else:
         runs = [run] if isinstance(run, str) else list(run)
-    rows: dict[tuple[str, tuple[tuple[str, int], ...]], dict[str, Any]] = {}
+    rows: dict[tuple[str, tuple[tuple[str, int], ...], int], dict[str, Any]] = {}
     loops: list[str] = []
+    repeated = False
     for r in runs:
         if _run._RUN is not None and r == _run._RUN.run_id:
             _run._RUN.flush_logs()
@@ -51,7 +56,8 @@ def dataframe(*names: str, run: str | list[str] | None = None, args: bool = Fals
             for loop, _ in v.ctx:
                 if loop not in loops:
                     loops.append(loop)
-            row = rows.setdefault((r, tuple(v.ctx)), {"run": r, **dict(v.ctx)})
+            repeated = repeated or v.rep > 0
+            row = rows.setdefault((r, tuple(v.ctx), v.rep), {"run": r, **dict(v.ctx), "rep": v.rep})
             row[v.name] = json.loads(v.value_json)
     arg_names: list[str] = []
     if args:
@@ -64,8 +70,8 @@ def dataframe(*names: str, run: str | list[str] | None = None, args: bool = Fals
                 if key[0] == r:
                     for k in arg_names:
                         row.setdefault(k, recorded.get(k))
-    order = sorted(rows, key=lambda k: (runs.index(k[0]), [v for _, v in k[1]], len(k[1])))
-    columns = ["run", *arg_names, *loops, *names]
+    order = sorted(rows, key=lambda k: (runs.index(k[0]), [v for _, v in k[1]], len(k[1]), k[2]))
+    columns = ["run", *arg_names, *loops, *(["rep"] if repeated else []), *names]
     df = pd.DataFrame([rows[k] for k in order], columns=columns)
     for loop in loops:
         df[loop] = df[loop].astype("Int64")

@@ -201,6 +201,8 @@ fn latest_run(db: &LogDb) -> Result<RunRow, Failure> {
 struct CtxRow {
     ctx: Vec<(String, i64)>,
     ctx_json: String,
+    /// The occurrence within the context (a name logged there repeatedly).
+    rep: u32,
     /// Name -> what each phase logged there.
     cells: HashMap<String, LogValue>,
 }
@@ -248,8 +250,9 @@ pub(crate) fn cmd_logs(
     }
 
     // Rows by context: the integer tuple in nesting order (a context sorts
-    // before the contexts nested in it), then the loop names.
-    let mut rows: BTreeMap<(Vec<i64>, String), CtxRow> = BTreeMap::new();
+    // before the contexts nested in it), then the loop names, then the
+    // occurrence of values logged repeatedly in one context.
+    let mut rows: BTreeMap<(Vec<i64>, String, u32), CtxRow> = BTreeMap::new();
     for value in db.values(&run.id, &names)? {
         let Some(value) = phase.apply(value) else {
             continue;
@@ -257,10 +260,12 @@ pub(crate) fn cmd_logs(
         let key = (
             value.ctx.iter().map(|(_, i)| *i).collect::<Vec<_>>(),
             value.ctx_json.clone(),
+            value.rep,
         );
         let row = rows.entry(key).or_insert_with(|| CtxRow {
             ctx: value.ctx.clone(),
             ctx_json: value.ctx_json.clone(),
+            rep: value.rep,
             cells: HashMap::new(),
         });
         row.cells.insert(value.name.clone(), value);
@@ -281,7 +286,11 @@ pub(crate) fn cmd_logs(
             }
         }
     }
+    let repeated = rows.values().any(|r| r.rep > 0);
     let mut columns: Vec<(&str, Align)> = loops.iter().map(|l| (*l, Align::Right)).collect();
+    if repeated {
+        columns.push(("rep", Align::Right));
+    }
     columns.extend(names.iter().map(|n| (n.as_str(), Align::Right)));
     let cells: Vec<Vec<String>> = rows
         .values()
@@ -296,6 +305,9 @@ pub(crate) fn cmd_logs(
                         .unwrap_or_default()
                 })
                 .collect();
+            if repeated {
+                line.push(row.rep.to_string());
+            }
             line.extend(names.iter().map(|n| match row.cells.get(n) {
                 Some(v) if v.diverged() => format!(
                     "{} (replay: {})",
@@ -312,9 +324,10 @@ pub(crate) fn cmd_logs(
     Ok(EXIT_OK)
 }
 
-/// `{"ctx": {...}, "values": {...}, "replayed": {...}, "diverged": {...}}`:
-/// the value of each name (the recorded one if there is one), whether a
-/// replay wrote one too, and the replayed values that differ.
+/// `{"ctx": {...}, "rep": k, "values": {...}, "replayed": {...}, "diverged": {...}}`:
+/// the occurrence in the context, the value of each name (the recorded one
+/// if there is one), whether a replay wrote one too, and the replayed values
+/// that differ.
 fn ctx_row_json(row: &CtxRow, names: &[String]) -> String {
     let (mut values, mut replayed, mut diverged) = (Object::new(), Object::new(), Object::new());
     for name in names {
@@ -329,6 +342,7 @@ fn ctx_row_json(row: &CtxRow, names: &[String]) -> String {
     }
     Object::new()
         .raw("ctx", &row.ctx_json)
+        .value("rep", &json!(row.rep))
         .raw("values", &values.finish())
         .raw("replayed", &replayed.finish())
         .raw("diverged", &diverged.finish())

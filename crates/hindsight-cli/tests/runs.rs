@@ -128,6 +128,7 @@ fn row(name: &str, ctx: &[(&str, i64)], value: &str) -> LogRow {
     LogRow {
         name: name.into(),
         ctx: ctx.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+        rep: 0,
         value_json: value.into(),
     }
 }
@@ -430,15 +431,15 @@ fn logs_json_lists_context_values_and_replays() {
     assert_eq!(
         v,
         serde_json::json!([
-            {"ctx": {}, "values": {"final": {"best": 0.7, "note": "ok"}},
+            {"ctx": {}, "rep": 0, "values": {"final": {"best": 0.7, "note": "ok"}},
              "replayed": {"final": false}, "diverged": {}},
-            {"ctx": {"epoch": 0, "step": 0}, "values": {"loss": 1.0, "grad_norm": 2.5},
+            {"ctx": {"epoch": 0, "step": 0}, "rep": 0, "values": {"loss": 1.0, "grad_norm": 2.5},
              "replayed": {"loss": true, "grad_norm": true}, "diverged": {}},
-            {"ctx": {"epoch": 0, "step": 1}, "values": {"loss": 0.5},
+            {"ctx": {"epoch": 0, "step": 1}, "rep": 0, "values": {"loss": 0.5},
              "replayed": {"loss": false}, "diverged": {}},
-            {"ctx": {"epoch": 1, "step": 0}, "values": {"loss": 0.3333333333333333, "grad_norm": "NaN"},
+            {"ctx": {"epoch": 1, "step": 0}, "rep": 0, "values": {"loss": 0.3333333333333333, "grad_norm": "NaN"},
              "replayed": {"loss": true, "grad_norm": true}, "diverged": {"loss": 0.34}},
-            {"ctx": {"epoch": 1, "step": 1}, "values": {"loss": 0.25},
+            {"ctx": {"epoch": 1, "step": 1}, "rep": 0, "values": {"loss": 0.25},
              "replayed": {"loss": false}, "diverged": {}},
         ])
     );

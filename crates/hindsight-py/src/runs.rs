@@ -22,7 +22,9 @@ use crate::interrupt;
 /// A log row as `hs.log` buffers it: (name, context, JSON text). A tuple,
 /// not a class, on purpose: it is the per-call hot path of `hs.log`, and
 /// batches of 1024 cross here at once.
-type LogTuple = (String, Vec<(String, i64)>, String);
+/// (name, [(loop, index), ...], occurrence in that context, value as JSON
+/// text): the hot path of `hs.log`, batched, so a plain tuple.
+type LogTuple = (String, Vec<(String, i64)>, u32, String);
 
 fn run_dict<'py>(py: Python<'py>, r: &RunRow) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
@@ -185,7 +187,7 @@ impl LogDb {
         self.with(py, |db| db.get_source(&hash))
     }
 
-    /// rows: (name, [(loop, index), ...], value as JSON text)
+    /// rows: (name, [(loop, index), ...], occurrence, value as JSON text)
     fn append_logs(
         &self,
         py: Python<'_>,
@@ -196,9 +198,10 @@ impl LogDb {
         let ph = phase(phase_name)?;
         let rows: Vec<LogRow> = rows
             .into_iter()
-            .map(|(name, ctx, value_json)| LogRow {
+            .map(|(name, ctx, rep, value_json)| LogRow {
                 name,
                 ctx,
+                rep,
                 value_json,
             })
             .collect();
@@ -214,6 +217,7 @@ impl LogDb {
             .map(|r| LogRecord {
                 name: r.name,
                 ctx: r.ctx,
+                rep: r.rep,
                 value_json: r.value_json,
                 phase: r.phase.as_str(),
                 seq: r.seq,
@@ -238,6 +242,7 @@ impl LogDb {
                 diverged: v.diverged(),
                 name: v.name,
                 ctx: v.ctx,
+                rep: v.rep,
                 recorded: v.recorded,
                 replayed: v.replayed,
             })
@@ -380,6 +385,8 @@ pub(crate) struct LogRecord {
     name: String,
     /// The loop context, outermost first: `[("epoch", 3), ("step", 17)]`.
     ctx: Vec<(String, i64)>,
+    /// Earlier values of this name in this context (0 for the first).
+    rep: u32,
     value_json: String,
     /// "record" or "replay".
     phase: &'static str,
@@ -393,6 +400,8 @@ pub(crate) struct LogRecord {
 pub(crate) struct LogValue {
     name: String,
     ctx: Vec<(String, i64)>,
+    /// Earlier values of this name in this context (0 for the first).
+    rep: u32,
     /// The value to show: recorded if the run logged it, else replayed.
     value_json: String,
     recorded: Option<String>,

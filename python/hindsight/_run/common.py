@@ -197,7 +197,13 @@ class Run:
         self.local_first: str | None = None
         self.recorded_store: str | None = None
         self.args: dict[str, Any] = {}
-        self.buffer: list[tuple[str, list[tuple[str, int]], str]] = []
+        self.buffer: list[tuple[str, list[tuple[str, int]], int, str]] = []
+        # Values of one name logged so far in one context: a repeated
+        # hs.log there is kept as the next occurrence, not overwritten.
+        # Contexts inside the steps never recur after their step, so their
+        # counts are dropped at each step; the others at each outer iteration.
+        self.reps_outer: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
+        self.reps_inner: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
         self.log_queue: queue.Queue[Any] = queue.Queue()
         self.log_error: BaseException | None = None
         self.log_thread: threading.Thread | None = threading.Thread(
@@ -305,7 +311,7 @@ class Run:
             e, self.log_error = self.log_error, None
             raise e
 
-    def _submit(self, rows: list[tuple[str, list[tuple[str, int]], str]]) -> None:
+    def _submit(self, rows: list[tuple[str, list[tuple[str, int]], int, str]]) -> None:
         if self.log_thread is not None and self.log_thread.is_alive():
             self.log_queue.put(rows)
         else:  # after finish (or in a process without the thread): write directly
@@ -321,9 +327,13 @@ class Run:
         self._raise_log_error()
 
     def log(self, name: str, value: Any) -> None:
+        ctx = [(e[0], e[1]) for e in self.stack]
+        reps = self.reps_inner if len(ctx) > 1 else self.reps_outer
+        key = (name, tuple(ctx))
+        rep = reps.get(key, 0)
+        reps[key] = rep + 1
         if self.stale_start:
             return
-        ctx = [(e[0], e[1]) for e in self.stack]
         t = type(value)
         if t is float and value == value and value not in (_INF, -_INF):
             text = repr(value)  # the JSON of a finite float, without the encoder's overhead
@@ -331,7 +341,7 @@ class Run:
             text = "true" if value is True else "false" if value is False else str(value)
         else:
             text = json.dumps(_to_json(value, name))
-        self.buffer.append((name, ctx, text))
+        self.buffer.append((name, ctx, rep, text))
         if len(self.buffer) >= LOG_BATCH:
             self._raise_log_error()
             rows, self.buffer = self.buffer, []
@@ -395,6 +405,7 @@ class Run:
                 self.heartbeat()
                 self.iter_start = time.perf_counter()
                 self.block_done = False
+                self.reps_outer = {k: v for k, v in self.reps_outer.items() if not k[1]}  # top level stays
                 self.stale_start = self._start_is_stale(i)
                 yield x
                 self.stale_start = False
@@ -423,6 +434,7 @@ class Run:
             it, start = self._block_iter(i, iterable)
             for j, x in enumerate(it, start):
                 entry[1] = j
+                self.reps_inner.clear()
                 self._step_starts()
                 self.heartbeat()
                 yield x

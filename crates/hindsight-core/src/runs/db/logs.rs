@@ -48,11 +48,13 @@ impl FromStr for Phase {
 }
 
 /// One value to log: `name` at loop context `ctx` (outermost loop first,
-/// e.g. `[("epoch", 3), ("step", 17)]`; empty at top level).
+/// e.g. `[("epoch", 3), ("step", 17)]`; empty at top level); `rep` counts
+/// earlier values of this name in this context (0 for the first).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogRow {
     pub name: String,
     pub ctx: Vec<(String, i64)>,
+    pub rep: u32,
     pub value_json: String,
 }
 
@@ -63,6 +65,8 @@ pub struct LogRecord {
     pub ctx: Vec<(String, i64)>,
     /// The context as stored: canonical JSON, e.g. `{"epoch":3,"step":17}`.
     pub ctx_json: String,
+    /// The occurrence of `name` within `ctx` (see [`LogRow::rep`]).
+    pub rep: u32,
     pub value_json: String,
     pub phase: Phase,
     /// Position in the run's write order (both phases share one sequence).
@@ -70,12 +74,13 @@ pub struct LogRecord {
     pub created_ms: u64,
 }
 
-/// One name at one loop context, with what each phase wrote there.
+/// One name at one loop context (and occurrence), with what each phase wrote there.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogValue {
     pub name: String,
     pub ctx: Vec<(String, i64)>,
     pub ctx_json: String,
+    pub rep: u32,
     /// JSON text written by the recorded run, if it logged this.
     pub recorded: Option<String>,
     /// JSON text written by a replay, if one logged this.
@@ -108,6 +113,7 @@ pub struct Divergence {
     pub name: String,
     pub ctx: Vec<(String, i64)>,
     pub ctx_json: String,
+    pub rep: u32,
     pub record_value: String,
     pub replay_value: String,
     /// `seq` of the record-phase row (divergences come in this order).
@@ -147,8 +153,8 @@ impl LogDb {
     // ---------------------------------------------------------------- logs
 
     /// Append log values of a run in one transaction. A value logged again
-    /// with the same name and context in the same phase replaces the old
-    /// one (and moves to the end of the sequence), so re-executed
+    /// with the same name, context and occurrence in the same phase replaces
+    /// the old one (and moves to the end of the sequence), so re-executed
     /// iterations do not duplicate rows.
     pub fn append_logs(&self, run_id: &str, phase: Phase, rows: &[LogRow]) -> Result<()> {
         if rows.is_empty() {
@@ -184,7 +190,7 @@ impl LogDb {
                     format!("value is not valid JSON: {value:.80}"),
                 ));
             }
-            prepared.push((row.name.as_str(), ctx_json(&row.ctx), value));
+            prepared.push((row.name.as_str(), ctx_json(&row.ctx), row.rep, value));
         }
         let created = to_i64(now_ms());
         self.write(|tx| {
@@ -195,18 +201,19 @@ impl LogDb {
                 .db(&self.path)?;
             let mut st = tx
                 .prepare_cached(
-                    "INSERT INTO logs (run_id, name, ctx, value, phase, seq, created_ms) \
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) \
-                     ON CONFLICT (run_id, name, ctx, phase) DO UPDATE SET \
+                    "INSERT INTO logs (run_id, name, ctx, rep, value, phase, seq, created_ms) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) \
+                     ON CONFLICT (run_id, name, ctx, rep, phase) DO UPDATE SET \
                      value = excluded.value, seq = excluded.seq, created_ms = excluded.created_ms",
                 )
                 .db(&self.path)?;
-            for (name, ctx, value) in &prepared {
+            for (name, ctx, rep, value) in &prepared {
                 seq += 1;
                 st.execute(params![
                     run_id,
                     name,
                     ctx,
+                    rep,
                     value,
                     phase.as_str(),
                     seq,
@@ -232,7 +239,7 @@ impl LogDb {
         let mut st = self
             .conn
             .prepare_cached(
-                "SELECT name, ctx, value, phase, seq, created_ms FROM logs \
+                "SELECT name, ctx, value, phase, seq, created_ms, rep FROM logs \
                  WHERE run_id = ?1 AND (?2 IS NULL OR name IN (SELECT value FROM json_each(?2))) \
                  ORDER BY seq",
             )
@@ -246,12 +253,13 @@ impl LogDb {
                     r.get::<_, String>(3)?,
                     r.get::<_, i64>(4)?,
                     r.get::<_, i64>(5)?,
+                    r.get::<_, u32>(6)?,
                 ))
             })
             .db(&self.path)?;
         let mut out = Vec::new();
         for row in rows {
-            let (name, ctx_text, value_json, phase, seq, created) = row.db(&self.path)?;
+            let (name, ctx_text, value_json, phase, seq, created, rep) = row.db(&self.path)?;
             out.push(LogRecord {
                 ctx: self.decode_ctx(run_id, &name, &ctx_text)?,
                 phase: phase
@@ -259,6 +267,7 @@ impl LogDb {
                     .map_err(|_| self.bad_row(run_id, &name, "phase"))?,
                 name,
                 ctx_json: ctx_text,
+                rep,
                 value_json,
                 seq,
                 created_ms: to_u64(created),
@@ -267,20 +276,22 @@ impl LogDb {
         Ok(out)
     }
 
-    /// The values of `names` (all when empty) per loop context, both phases
-    /// merged: what `hindsight logs` and `hs.dataframe` show. In the order
-    /// each (name, context) was first written.
+    /// The values of `names` (all when empty) per loop context and
+    /// occurrence, both phases merged: what `hindsight logs` and
+    /// `hs.dataframe` show. In the order each (name, context, occurrence)
+    /// was first written.
     pub fn values(&self, run_id: &str, names: &[String]) -> Result<Vec<LogValue>> {
         let mut out: Vec<LogValue> = Vec::new();
-        let mut at: std::collections::HashMap<(String, String), usize> = Default::default();
+        let mut at: std::collections::HashMap<(String, String, u32), usize> = Default::default();
         for rec in self.logs(run_id, names)? {
             let i = *at
-                .entry((rec.name.clone(), rec.ctx_json.clone()))
+                .entry((rec.name.clone(), rec.ctx_json.clone(), rec.rep))
                 .or_insert_with(|| {
                     out.push(LogValue {
                         name: rec.name.clone(),
                         ctx: rec.ctx.clone(),
                         ctx_json: rec.ctx_json.clone(),
+                        rep: rec.rep,
                         recorded: None,
                         replayed: None,
                     });
@@ -291,7 +302,23 @@ impl LogDb {
                 Phase::Replay => out[i].replayed = Some(rec.value_json),
             }
         }
-        Ok(out)
+        // Occurrences of one name in one context in their own order, even
+        // where a re-executed iteration rewrote some of them later.
+        let mut first: std::collections::HashMap<(&str, &str), usize> = Default::default();
+        for (i, v) in out.iter().enumerate() {
+            first.entry((&v.name, &v.ctx_json)).or_insert(i);
+        }
+        let mut order: Vec<(usize, u32, usize)> = out
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (first[&(v.name.as_str(), v.ctx_json.as_str())], v.rep, i))
+            .collect();
+        order.sort_unstable();
+        let mut slots: Vec<Option<LogValue>> = out.into_iter().map(Some).collect();
+        Ok(order
+            .into_iter()
+            .filter_map(|(_, _, i)| slots[i].take())
+            .collect())
     }
 
     fn bad_row(&self, run_id: &str, name: &str, what: &str) -> Error {
@@ -347,9 +374,9 @@ impl LogDb {
         let mut st = self
             .conn
             .prepare_cached(
-                "SELECT r.name, r.ctx, r.value, p.value, r.seq FROM logs r \
+                "SELECT r.name, r.ctx, r.value, p.value, r.seq, r.rep FROM logs r \
                  JOIN logs p ON p.run_id = r.run_id AND p.name = r.name AND p.ctx = r.ctx \
-                      AND p.phase = 'replay' AND (?2 IS NULL OR p.seq > ?2) \
+                      AND p.rep = r.rep AND p.phase = 'replay' AND (?2 IS NULL OR p.seq > ?2) \
                  WHERE r.run_id = ?1 AND r.phase = 'record' ORDER BY r.seq",
             )
             .db(&self.path)?;
@@ -361,12 +388,14 @@ impl LogDb {
                     r.get::<_, String>(2)?,
                     r.get::<_, String>(3)?,
                     r.get::<_, i64>(4)?,
+                    r.get::<_, u32>(5)?,
                 ))
             })
             .db(&self.path)?;
         let mut out = Vec::new();
         for row in rows {
-            let (name, ctx_text, record_value, replay_value, record_seq) = row.db(&self.path)?;
+            let (name, ctx_text, record_value, replay_value, record_seq, rep) =
+                row.db(&self.path)?;
             if json::values_equal(&record_value, &replay_value) {
                 continue;
             }
@@ -374,6 +403,7 @@ impl LogDb {
                 ctx: self.decode_ctx(run_id, &name, &ctx_text)?,
                 name,
                 ctx_json: ctx_text,
+                rep,
                 record_value,
                 replay_value,
                 record_seq,

@@ -23,7 +23,7 @@ use rusqlite::{Connection, ErrorCode, Transaction, TransactionBehavior};
 use crate::error::{Error, Result};
 
 /// Schema version this build writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 3;
 
 /// How long a writer waits for another process's transaction.
 pub const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -83,6 +83,29 @@ CREATE TABLE IF NOT EXISTS iterations (
 /// Version 2: the checkpoint store a run writes to (a directory or
 /// `s3://bucket/prefix`), so replay and resume read the same one.
 const SCHEMA_V2: &str = "ALTER TABLE runs ADD COLUMN store TEXT;";
+
+/// Version 3: `rep`, the occurrence of a name within one loop context (the
+/// k-th `hs.log("x", ...)` in one step is rep k-1), so repeated values are
+/// all kept. SQLite cannot change a UNIQUE constraint in place: the table is
+/// rebuilt, existing rows becoming rep 0.
+const SCHEMA_V3: &str = r#"
+CREATE TABLE logs_v3 (
+    run_id     TEXT NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
+    name       TEXT NOT NULL,
+    ctx        TEXT NOT NULL,
+    rep        INTEGER NOT NULL DEFAULT 0,
+    value      TEXT NOT NULL,
+    phase      TEXT NOT NULL CHECK (phase IN ('record', 'replay')),
+    seq        INTEGER NOT NULL,
+    created_ms INTEGER NOT NULL,
+    UNIQUE (run_id, name, ctx, rep, phase)
+);
+INSERT INTO logs_v3 (run_id, name, ctx, value, phase, seq, created_ms)
+    SELECT run_id, name, ctx, value, phase, seq, created_ms FROM logs;
+DROP TABLE logs;
+ALTER TABLE logs_v3 RENAME TO logs;
+CREATE INDEX logs_by_seq ON logs (run_id, seq);
+"#;
 
 const RUN_COLUMNS: &str =
     "id, script, script_abs, project_root, source_hash, git_commit, git_dirty, \
@@ -244,6 +267,9 @@ impl LogDb {
         }
         if found < 2 {
             tx.execute_batch(SCHEMA_V2)?;
+        }
+        if found < 3 {
+            tx.execute_batch(SCHEMA_V3)?;
         }
         if found < SCHEMA_VERSION {
             tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;

@@ -24,6 +24,7 @@ fn row(name: &str, ctx: &[(&str, i64)], value: &str) -> LogRow {
     LogRow {
         name: name.into(),
         ctx: ctx.iter().map(|(n, i)| (n.to_string(), *i)).collect(),
+        rep: 0,
         value_json: value.into(),
     }
 }
@@ -600,21 +601,92 @@ fn reopen_persists_everything() {
 }
 
 #[test]
+fn a_name_logged_repeatedly_in_one_context_keeps_every_value_in_order() {
+    let (_d, db) = temp_db();
+    let id = db.create_run(&new_run("train.py")).unwrap();
+    let ctx = [("epoch", 0), ("step", 3)];
+    let rep = |k: u32, v: &str| LogRow {
+        rep: k,
+        ..row("val_loss", &ctx, v)
+    };
+    db.append_logs(
+        &id,
+        Phase::Record,
+        &[rep(0, "1.5"), rep(1, "1.25"), rep(2, "1.0")],
+    )
+    .unwrap();
+    // A re-executed iteration rewrites the same occurrences, never adds more.
+    db.append_logs(&id, Phase::Record, &[rep(1, "1.25")])
+        .unwrap();
+    let vals = db.values(&id, &[]).unwrap();
+    let got: Vec<(u32, &str)> = vals.iter().map(|v| (v.rep, v.value())).collect();
+    assert_eq!(got, vec![(0, "1.5"), (1, "1.25"), (2, "1.0")]);
+    // Replayed values are compared occurrence by occurrence.
+    db.append_logs(&id, Phase::Replay, &[rep(0, "1.5"), rep(2, "9.0")])
+        .unwrap();
+    let d = db.divergences(&id).unwrap();
+    assert_eq!(d.len(), 1);
+    assert_eq!((d[0].rep, d[0].replay_value.as_str()), (2, "9.0"));
+}
+
+/// A database as release `version` wrote it, holding one completed run 'r1'.
+fn old_database(path: &std::path::Path, version: i64) -> Connection {
+    let conn = Connection::open(path).unwrap();
+    conn.execute_batch(SCHEMA_V1).unwrap();
+    if version >= 2 {
+        conn.execute_batch(SCHEMA_V2).unwrap();
+    }
+    conn.pragma_update(None, "user_version", version).unwrap();
+    conn.execute(
+        "INSERT INTO runs (id, script, script_abs, project_root, source_hash, args, \
+             status, started_ms, host, versions, pid) VALUES ('r1', 't.py', '/p/t.py', '/p', \
+             'h', '{}', 'completed', 5, 'host', '{}', 7)",
+        [],
+    )
+    .unwrap();
+    conn
+}
+
+#[test]
+fn version_2_logs_survive_the_upgrade_as_first_occurrences() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v2.db");
+    {
+        let conn = old_database(&path, 2);
+        conn.execute(
+            "INSERT INTO logs (run_id, name, ctx, value, phase, seq, created_ms) \
+             VALUES ('r1', 'loss', '{\"epoch\":1}', '0.5', 'record', 1, 9)",
+            [],
+        )
+        .unwrap();
+    }
+    let db = LogDb::open(&path).unwrap();
+    let v = db.values("r1", &[]).unwrap();
+    assert_eq!(v.len(), 1);
+    assert_eq!(
+        (v[0].rep, v[0].value(), v[0].ctx_json.as_str()),
+        (0, "0.5", "{\"epoch\":1}")
+    );
+    // The new occurrence column is usable at once.
+    db.append_logs(
+        "r1",
+        Phase::Record,
+        &[LogRow {
+            rep: 1,
+            ..row("loss", &[("epoch", 1)], "0.25")
+        }],
+    )
+    .unwrap();
+    assert_eq!(db.values("r1", &[]).unwrap().len(), 2);
+}
+
+#[test]
 fn version_1_database_is_upgraded_in_place_and_keeps_its_runs() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("old.db");
     {
         // A database as the first release wrote it.
-        let conn = Connection::open(&path).unwrap();
-        conn.execute_batch(SCHEMA_V1).unwrap();
-        conn.pragma_update(None, "user_version", 1).unwrap();
-        conn.execute(
-            "INSERT INTO runs (id, script, script_abs, project_root, source_hash, args, \
-             status, started_ms, host, versions, pid) VALUES ('r1', 't.py', '/p/t.py', '/p', \
-             'h', '{}', 'completed', 5, 'host', '{}', 7)",
-            [],
-        )
-        .unwrap();
+        old_database(&path, 1);
     }
     let db = LogDb::open(&path).unwrap();
     let r = db.run("r1").unwrap();
