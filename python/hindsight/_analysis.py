@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ast
 import difflib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -100,54 +100,147 @@ def _strip(src: str, filename: str) -> tuple[ast.Module, _Aliases]:
     return _StripLogs(aliases).visit(tree), aliases
 
 
-def probes(src: str, filename: str = "<script>") -> tuple[list[Probe], list[str]]:
-    """Every `hs.log` site with its enclosing `hs.loop` names, and the outermost loop names."""
-    tree = ast.parse(src, filename=filename)
-    aliases = _Aliases(tree)
-    found: list[Probe] = []
-    outer: list[str] = []
+@dataclass
+class _Scope:
+    """What one function body (or the module) holds, with `hs.loop` names
+    relative to the body: log sites, loop headers, and calls by name."""
 
-    def visit(node: ast.AST, loops: tuple[str, ...], in_fn: bool) -> None:
+    logs: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)
+    loops: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)
+    calls: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)
+
+
+def _loop_name(node: ast.For | ast.AsyncFor, aliases: _Aliases) -> str | None:
+    """The `hs.loop` a `for` iterates, also through a wrapper such as
+    `enumerate(hs.loop(...))` or `zip(hs.loop(...), ...)`."""
+    for n in ast.walk(node.iter):
+        if aliases.is_call(n, "loop"):
+            assert isinstance(n, ast.Call)
+            return _const_str(n) or "?"
+    return None
+
+
+def _callee(call: ast.Call) -> str | None:
+    f = call.func
+    if isinstance(f, ast.Name):
+        return f.id
+    if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
+        return f.attr  # self.train_epoch(...); not model.train() or opt.step()
+    return None
+
+
+def _scopes(tree: ast.AST, aliases: _Aliases) -> dict[str, list[_Scope]]:
+    """Scopes by function name ("" = the module); a name defined twice has two."""
+    scopes: dict[str, list[_Scope]] = {}
+
+    def walk(node: ast.AST, scope: _Scope, loops: tuple[str, ...]) -> None:
         for child in ast.iter_child_nodes(node):
-            child_loops, child_fn = loops, in_fn
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                child_fn = True
-            if isinstance(child, (ast.For, ast.AsyncFor)) and aliases.is_call(child.iter, "loop"):
-                assert isinstance(child.iter, ast.Call)
-                name = _const_str(child.iter) or "?"
-                if not loops and name not in outer:
-                    outer.append(name)
-                # The loop's iterable expression is outside the loop body.
-                visit(child.iter, loops, in_fn)
-                for stmt in [*child.body, *child.orelse]:
-                    visit_stmt(stmt, (*loops, name), child_fn)
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                inner = _Scope()
+                scopes.setdefault(child.name, []).append(inner)
+                walk(child, inner, ())
                 continue
+            if isinstance(child, ast.Lambda):
+                continue
+            if isinstance(child, (ast.For, ast.AsyncFor)):
+                name = _loop_name(child, aliases)
+                if name is not None:
+                    scope.loops.append((name, loops, child.lineno))
+                    walk(child.iter, scope, loops)
+                    for stmt in [*child.body, *child.orelse]:
+                        walk(ast.Module(body=[stmt], type_ignores=[]), scope, (*loops, name))
+                    continue
             if isinstance(child, ast.Expr) and aliases.is_call(child.value, "log"):
                 assert isinstance(child.value, ast.Call)
-                found.append(Probe(_const_str(child.value) or "?", loops, child.lineno, in_fn))
-            visit(child, child_loops, child_fn)
+                scope.logs.append((_const_str(child.value) or "?", loops, child.lineno))
+            elif isinstance(child, ast.Call) and not aliases.is_call(child, "loop"):
+                callee = _callee(child)
+                if callee is not None:
+                    scope.calls.append((callee, loops, child.lineno))
+            walk(child, scope, loops)
 
-    def visit_stmt(stmt: ast.stmt, loops: tuple[str, ...], in_fn: bool) -> None:
-        wrapper = ast.Module(body=[stmt], type_ignores=[])
-        visit(wrapper, loops, in_fn)
+    module = _Scope()
+    scopes[""] = [module]
+    walk(tree, module, ())
+    return scopes
 
-    visit(tree, (), False)
-    # A probe directly in an outer loop's body, above the line where that
-    # body's first inner `hs.loop` starts, runs before the inner loop.
+
+# Nesting deeper than this through calls is not followed (recursion).
+_MAX_DEPTH = 6
+
+
+def probes(src: str, filename: str = "<script>") -> tuple[list[Probe], list[str]]:
+    """Every `hs.log` site with the `hs.loop` names around it where it runs,
+    outermost first, and the outermost loop names.
+
+    Loops are followed through calls of functions defined in the script
+    (`train()` holding the step loop, called from the epoch loop in
+    `main()`), so a site's loops are those around it at run time. A site in
+    a function whose call sites cannot all be found (a callback, a method
+    called by a framework) is marked `in_function`: its place is unknown.
+    """
+    tree = ast.parse(src, filename=filename)
+    aliases = _Aliases(tree)
+    scopes = _scopes(tree, aliases)
+    # Loop contexts each function runs in, from its call sites, to a fixpoint.
+    entry: dict[str, set[tuple[str, ...]]] = {"": {()}}
+    for _ in range(_MAX_DEPTH):
+        grown = False
+        for fname, bodies in scopes.items():
+            for ctx in list(entry.get(fname, ())):
+                for body in bodies:
+                    for callee, loops, _line in body.calls:
+                        if callee not in scopes or callee == "":
+                            continue
+                        new = (*ctx, *loops)
+                        if new not in entry.setdefault(callee, set()):
+                            entry[callee].add(new)
+                            grown = True
+        if not grown:
+            break
+    # Where the first inner loop of each outer iteration starts: a nested
+    # loop header, or the call of a function that holds one; and the lines
+    # at which functions are called directly in an outer loop's body.
+    holds_loop = {f for f, bodies in scopes.items() if f and any(b.loops for b in bodies)}
+    outer: list[str] = []
     first_inner: dict[str, int] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.For, ast.AsyncFor)) and aliases.is_call(node.iter, "loop"):
-            name = _const_str(node.iter)  # type: ignore[arg-type]
-            if name in outer:
-                lines = [
-                    n.lineno
-                    for stmt in node.body
-                    for n in ast.walk(stmt)
-                    if isinstance(n, (ast.For, ast.AsyncFor)) and aliases.is_call(n.iter, "loop")
-                ]
-                if lines:
-                    first_inner[name] = min(lines)
-    found = [replace(p, before_inner=len(p.loops) == 1 and p.line < first_inner.get(p.loops[0], -1)) for p in found]
+    called_at: dict[str, list[tuple[str, int]]] = {}
+    for fname, bodies in scopes.items():
+        top = () in entry.get(fname, set())
+        for body in bodies:
+            for name, loops, line in body.loops:
+                if top and not loops and name not in outer:
+                    outer.append(name)
+                if top and len(loops) == 1:
+                    first_inner[loops[0]] = min(first_inner.get(loops[0], line), line)
+            for callee, loops, line in body.calls:
+                if top and len(loops) == 1:
+                    called_at.setdefault(callee, []).append((loops[0], line))
+                    if callee in holds_loop:
+                        first_inner[loops[0]] = min(first_inner.get(loops[0], line), line)
+    found: list[Probe] = []
+    for fname, bodies in scopes.items():
+        ctxs = entry.get(fname)
+        for body in bodies:
+            own_loop = min((line for _, loops, line in body.loops if not loops), default=None)
+            for name, loops, line in body.logs:
+                if not ctxs:  # never called from the script: its place is unknown
+                    found.append(Probe(name, loops, line, in_function=True))
+                    continue
+                # The deepest context it can run in decides: an inner-loop
+                # site must run its steps.
+                full = max(((*c, *loops) for c in ctxs), key=len)
+                before = False
+                if len(full) == 1:
+                    block = first_inner.get(full[0])
+                    if loops == full:  # in the outer loop's own body
+                        before = block is not None and line < block
+                    else:  # in a function run by the outer loop: before, unless shown after
+                        sites = [ln for o, ln in called_at.get(fname, []) if o == full[0]]
+                        after_call = bool(sites) and block is not None and all(ln > block for ln in sites)
+                        after_own = own_loop is not None and line > own_loop
+                        before = block is not None and not (after_call or after_own)
+                found.append(Probe(name, full, line, in_function=False, before_inner=before))
     return found, outer
 
 

@@ -148,12 +148,14 @@ def plan_run(
 ) -> Any:
     """The engine's replay plan of `run` (`hindsight_core::replay`); only `--where`,
     a Python expression, is evaluated here."""
-    outer = analysis.outer_loops[0] if analysis.outer_loops else None
-    if outer is None:
-        raise ReplayError("the script has no hs.loop: nothing to replay")
+    # The loop that ran outermost, as recorded (the source may hold it in a function).
+    recorded = db.outer_loops(run["id"])
+    if not recorded:
+        if not analysis.outer_loops:
+            raise ReplayError("the script has no hs.loop: nothing to replay")
+        raise ReplayError(f"run {run['id']} recorded no iterations of loop '{analysis.outer_loops[0]}'")
+    outer = recorded[0]
     rows = db.iterations(run["id"], outer)
-    if not rows:
-        raise ReplayError(f"run {run['id']} recorded no iterations of loop '{outer}'")
     n = max(r.idx for r in rows) + 1
     pred = _where(where, outer)
     selected = [pred(i) for i in range(n)]

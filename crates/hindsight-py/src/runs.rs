@@ -322,6 +322,11 @@ impl LogDb {
         })
     }
 
+    /// The outer loops the run recorded iterations of (normally one).
+    fn outer_loops(&self, py: Python<'_>, run_id: String) -> PyResult<Vec<String>> {
+        self.with(py, |db| db.outer_loops(&run_id))
+    }
+
     /// The recorded iterations of `loop_name`, in order.
     fn iterations(
         &self,

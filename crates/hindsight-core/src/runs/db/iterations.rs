@@ -108,6 +108,23 @@ impl LogDb {
         Ok(())
     }
 
+    /// The outer loops a run recorded iterations of (normally one: the
+    /// first `hs.loop` entered, wherever in the script it is), in the order
+    /// they were first recorded.
+    pub fn outer_loops(&self, run_id: &str) -> Result<Vec<String>> {
+        self.require_run(&self.conn, run_id)?;
+        let mut st = self
+            .conn
+            .prepare_cached(
+                "SELECT loop_name FROM iterations WHERE run_id = ?1 \
+                 GROUP BY loop_name ORDER BY MIN(rowid)",
+            )
+            .db(&self.path)?;
+        let rows = st.query_map([run_id], |r| r.get(0)).db(&self.path)?;
+        rows.collect::<rusqlite::Result<Vec<String>>>()
+            .db(&self.path)
+    }
+
     /// A run's recorded iterations of one loop, by index.
     pub fn iterations(&self, run_id: &str, loop_name: &str) -> Result<Vec<IterationRow>> {
         self.require_run(&self.conn, run_id)?;
