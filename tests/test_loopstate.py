@@ -199,3 +199,56 @@ def test_a_variable_aliasing_a_checkpointed_object_is_not_restored_as_a_copy():
     train(box)
     saved = box[0].capture(box[0].names, _storages({"model": net.state_dict()}))
     assert "w" not in saved["values"] and saved["values"]["step"] == 2
+
+
+ACCUMULATE = """\
+import os, signal, sys
+import torch
+import hindsight as hs
+
+ACC = 4
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+with hs.checkpointing(model=net, optimizer=opt):
+    for epoch in hs.loop("epoch", range(3)):
+        for step in hs.loop("step", range(8)):
+            g = torch.Generator().manual_seed(epoch * 100 + step)
+            x = torch.randn(16, 8, generator=g)
+            loss = (net(x) - x[:, :1]).pow(2).mean() / ACC
+            loss.backward()
+            if (step + 1) % ACC == 0:
+                opt.step()
+                opt.zero_grad()
+            if os.environ.get("SIGNAL_AT") == f"{epoch}.{step}" and not os.path.exists(os.environ["MARK"]):
+                open(os.environ["MARK"], "w").close()
+                os.kill(os.getpid(), signal.SIGUSR1)
+torch.save({k: v.clone() for k, v in net.state_dict().items()}, sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("at", ["1.5", "0.2", "2.6"])
+def test_a_signal_between_two_optimizer_steps_resumes_the_accumulated_gradients(tmp_path, at):
+    script = tmp_path / "acc.py"
+    script.write_text(ACCUMULATE)
+    ref = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ref.pt")],
+        env=env(tmp_path / "ref-home"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ref.returncode == 0, ref.stderr
+    home, out = tmp_path / ".hindsight", tmp_path / "out.pt"
+    signalled = env(home, SIGNAL_AT=at, MARK=str(tmp_path / "signalled"))
+    first = subprocess.run(
+        [sys.executable, str(script), str(out)], env=signalled, capture_output=True, text=True, timeout=120
+    )
+    assert first.returncode == 85, first.stderr
+    again = subprocess.run(
+        [sys.executable, str(script), str(out)], env=signalled, capture_output=True, text=True, timeout=120
+    )
+    assert again.returncode == 0, again.stderr
+    want, got = torch.load(tmp_path / "ref.pt"), torch.load(out)
+    for k, t in want.items():
+        assert torch.equal(got[k], t), k

@@ -52,6 +52,36 @@ def capture(objects: Mapping[str, Any], loop: list[tuple[str, int]]) -> dict[str
     return {"objects": objs, "rng": rng_state(), "loop": loop}
 
 
+def capture_grads(objects: Mapping[str, Any]) -> dict[str, list[Any]] | None:
+    """The gradients held by the modules' parameters (None where a parameter
+    has none), or None when no parameter holds one. A checkpoint taken
+    between two optimizer steps (gradient accumulation interrupted by a
+    signal) is complete only with them."""
+    out: dict[str, list[Any]] = {}
+    held = False
+    for key, obj in objects.items():
+        params = getattr(obj, "parameters", None)
+        if not callable(params):
+            continue
+        grads = [None if p.grad is None else p.grad.detach() for p in params()]
+        held = held or any(g is not None for g in grads)
+        out[key] = grads
+    return out if held else None
+
+
+def apply_grads(objects: Mapping[str, Any], saved: Mapping[str, Any], checkpoint: str) -> None:
+    """Put gradients saved by `capture_grads` back into the parameters."""
+    for key, grads in saved.items():
+        params = list(objects[key].parameters()) if key in objects else None
+        if params is None or len(params) != len(grads):
+            raise ReplayError(
+                f"checkpoint '{checkpoint}' holds gradients for {key!r} that do not match its parameters; "
+                "hs.checkpointing(...) must name the same objects as when it was recorded"
+            )
+        for p, g in zip(params, grads, strict=True):
+            p.grad = None if g is None else g.to(device=p.device, dtype=p.dtype)
+
+
 def apply_state(objects: Mapping[str, Any], saved: Mapping[str, Any], checkpoint: str) -> None:
     """Put saved state back into the live objects given to hs.checkpointing."""
     missing = set(objects) - set(saved)

@@ -33,7 +33,7 @@ from hindsight._run.common import (
     _snapshot_source,
     _to_json,
 )
-from hindsight._state import capture, rng_state, set_rng_state, tensor_bytes
+from hindsight._state import apply_grads, capture, capture_grads, rng_state, set_rng_state, tensor_bytes
 from hindsight.errors import CorruptError, NotFoundError
 
 
@@ -338,6 +338,8 @@ class RecordRun(Run):
         """Continue an interrupted block exactly: same data order, no sample repeated or skipped."""
         state = resume["state"]
         self._apply_objects(state, resume["name"])
+        if "grads" in state:
+            apply_grads(self.objects, state["grads"], resume["name"])
         self._apply_vars(state)
         done = int(state["position"][1]) + 1
         if "loader_state" in state and hasattr(iterable, "load_state_dict"):
@@ -369,17 +371,22 @@ class RecordRun(Run):
             # first checkpoint does not wait for it.
             self._prepared = True
             self.store.prepare(capture(self.objects, []))
+        due = self.safety_seconds is not None and time.monotonic() - self.last_checkpoint_time > self.safety_seconds
+        if self.stop_signal is None and not due:
+            return
         mid = {"block_rng": self.block_rng, "position": [i, j]}
         loader = self.block_iterable
         if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict") and not hasattr(loader, "parameters"):
             mid["loader_state"] = loader.state_dict()
+        # Between two steps may be between two optimizer steps too (gradient
+        # accumulation): the gradients so far are part of the state then.
+        grads = capture_grads(self.objects)
+        if grads is not None:
+            mid["grads"] = grads
+        self.flush_logs()
+        self._save_now(self._checkpoint_id(i, "step", j), mid, wait=self.stop_signal is not None)
         if self.stop_signal is not None:
-            self.flush_logs()
-            self._save_now(self._checkpoint_id(i, "step", j), mid, wait=True)
             self._exit_for_signal()
-        if self.safety_seconds is not None and time.monotonic() - self.last_checkpoint_time > self.safety_seconds:
-            self.flush_logs()
-            self._save_now(self._checkpoint_id(i, "step", j), mid, wait=False)
 
     def _end_iteration(self, i: int) -> None:
         self.db.record_iteration(
