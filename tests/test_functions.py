@@ -108,7 +108,7 @@ def test_epoch_level_probes_in_main_and_in_a_helper_replay_without_training(reco
 def test_a_probe_before_the_steps_in_train_gets_the_state_the_previous_epoch_left(recorded, reference):
     script = recorded
     project(script.parent, BEFORE_STEPS)
-    replay(script, "--where", "epoch == 2")
+    replay(script, "--where", "epoch == 3")  # the iterated value: position 2
     got = logged(script.parent / ".hindsight", "start_norm")
     want = {k: v for k, v in reference["start_norm"].items() if k[0] == (("epoch", 2),)}
     assert got == want and len(got) == 1
@@ -120,3 +120,15 @@ def test_a_probe_inside_the_steps_of_train_replays_in_parallel(recorded, referen
     out = replay(script, "-j", "2")
     assert "parallel replay" in out, out
     assert logged(script.parent / ".hindsight", "step_norm") == reference["step_norm"]
+
+
+def test_the_epoch_is_the_value_iterated_over_in_where_and_the_dataframe(recorded, reference):
+    script = recorded
+    home = script.parent / ".hindsight"
+    project(script.parent, IN_MAIN)
+    replay(script, "--where", "epoch == 3")  # range(1, epochs + 1): the third epoch, position 2
+    assert logged(home, "main_norm") == {k: v for k, v in reference["main_norm"].items() if k[0] == (("epoch", 2),)}
+    code = "import hindsight as hs\nprint(hs.dataframe('accuracy')[['epoch', 'epoch_idx']].to_json(orient='values'))"
+    r = subprocess.run([sys.executable, "-c", code], env=env_for(home), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [[1, 0], [2, 1], [3, 2], [4, 3]]

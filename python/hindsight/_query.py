@@ -24,6 +24,9 @@ def dataframe(*names: str, run: str | list[str] | None = None, args: bool = Fals
     ``args=True`` adds a column per recorded argument (``hs.arg``/``hs.args``),
     so runs that differ in, say, ``lr`` can be grouped and compared.
 
+    An outer loop over integers other than its positions (``range(1, N)``)
+    shows the values it iterated over, and its positions in ``<loop>_idx``.
+
     A name logged several times in one context keeps every value: the
     context then has one row per occurrence, numbered by a ``rep`` column
     (0 for the first value), in the order they were logged.
@@ -70,6 +73,19 @@ def dataframe(*names: str, run: str | list[str] | None = None, args: bool = Fals
                 if key[0] == r:
                     for k in arg_names:
                         row.setdefault(k, recorded.get(k))
+    # Where an outer loop iterated over integers other than its positions
+    # (range(1, N)), its column shows those values and `<loop>_idx` the positions.
+    for r in runs:
+        for loop in db.outer_loops(r):
+            values = {it.idx: it.value for it in db.iterations(r, loop) if it.value is not None}
+            if all(v == i for i, v in values.items()):
+                continue
+            if f"{loop}_idx" not in loops:
+                loops.insert(loops.index(loop) if loop in loops else 0, f"{loop}_idx")
+            for key, row in rows.items():
+                if key[0] == r and loop in row:
+                    row[f"{loop}_idx"] = row[loop]
+                    row[loop] = values.get(row[loop], row[loop])
     order = sorted(rows, key=lambda k: (runs.index(k[0]), [v for _, v in k[1]], len(k[1]), k[2]))
     columns = ["run", *arg_names, *loops, *(["rep"] if repeated else []), *names]
     df = pd.DataFrame([rows[k] for k in order], columns=columns)

@@ -158,7 +158,9 @@ def plan_run(
     rows = db.iterations(run["id"], outer)
     n = max(r.idx for r in rows) + 1
     pred = _where(where, outer)
-    selected = [pred(i) for i in range(n)]
+    # The integer the loop iterated over where it was one (epoch 1 of range(1, N)), else the position.
+    value = {r.idx: r.value for r in rows if r.value is not None}
+    selected = [pred(value.get(i, i)) for i in range(n)]
     if not any(selected):
         raise ReplayError(f"--where {where!r} selects none of the {n} recorded iterations")
     return db.plan_replay(

@@ -135,6 +135,7 @@ fn row(name: &str, ctx: &[(&str, i64)], value: &str) -> LogRow {
 
 fn iteration(idx: u64, seconds: f64, checkpoint: Option<&str>) -> IterationRow {
     IterationRow {
+        value: None,
         loop_name: "epoch".into(),
         idx,
         seconds,

@@ -287,7 +287,8 @@ impl LogDb {
             .collect())
     }
 
-    #[pyo3(signature = (run_id, loop_name, idx, seconds, checkpoint=None, materialize_seconds=None))]
+    #[pyo3(signature = (run_id, loop_name, idx, seconds, checkpoint=None, materialize_seconds=None, value=None))]
+    #[allow(clippy::too_many_arguments)]
     fn record_iteration(
         &self,
         py: Python<'_>,
@@ -297,10 +298,12 @@ impl LogDb {
         seconds: f64,
         checkpoint: Option<String>,
         materialize_seconds: Option<f64>,
+        value: Option<i64>,
     ) -> PyResult<()> {
         let row = IterationRow {
             loop_name,
             idx,
+            value,
             seconds,
             checkpoint,
             materialize_seconds,
@@ -339,6 +342,7 @@ impl LogDb {
             .into_iter()
             .map(|r| Iteration {
                 idx: r.idx,
+                value: r.value,
                 seconds: r.seconds,
                 checkpoint: r.checkpoint,
                 materialize_seconds: r.materialize_seconds,
@@ -429,6 +433,8 @@ pub(crate) struct Divergence {
 #[derive(Debug)]
 pub(crate) struct Iteration {
     idx: u64,
+    /// The integer iterated over at this position, if it was one.
+    value: Option<i64>,
     seconds: f64,
     /// The checkpoint taken at its end, if one was.
     checkpoint: Option<String>,

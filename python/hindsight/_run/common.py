@@ -5,6 +5,7 @@ helpers that read the script, its source and its command line."""
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import queue
 import subprocess
@@ -214,6 +215,7 @@ class Run:
         self.objects: dict[str, Any] = {}
         self.outer_name: str | None = None
         self.outer_idx = -1
+        self.outer_value: Any = None
         self.iter_start = 0.0
         self.block_done = False
         # The current outer iteration did not start from the state its
@@ -402,6 +404,10 @@ class Run:
                     continue
                 entry[1] = i
                 self.outer_idx = i
+                # The value iterated over, beside the position, when it is an
+                # integer (epoch 1 of range(1, N)): what --where and the
+                # dataframe show.
+                self.outer_value = x if isinstance(x, numbers.Integral) and not isinstance(x, bool) else None
                 self.heartbeat()
                 self.iter_start = time.perf_counter()
                 self.block_done = False

@@ -396,6 +396,7 @@ class RecordRun(Run):
             time.perf_counter() - self.iter_start,
             self.iter_checkpoint,
             self.iter_materialize,
+            None if self.outer_value is None else int(self.outer_value),
         )
         if self.retention and self.iter_checkpoint is not None:
             self.flush_logs()

@@ -11,6 +11,9 @@ use crate::error::{Error, Result};
 pub struct IterationRow {
     pub loop_name: String,
     pub idx: u64,
+    /// The integer the loop iterated over at this position, if it was one
+    /// (1 for position 0 of `range(1, N)`).
+    pub value: Option<i64>,
     /// Compute seconds of the iteration.
     pub seconds: f64,
     /// Name of the checkpoint saved at its end, if any.
@@ -61,8 +64,8 @@ impl LogDb {
             let mut st = tx
                 .prepare_cached(
                     "INSERT OR REPLACE INTO iterations \
-                     (run_id, loop_name, idx, seconds, checkpoint, materialize_seconds, restore_seconds) \
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                     (run_id, loop_name, idx, seconds, checkpoint, materialize_seconds, restore_seconds, value) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
                 )
                 .db(&self.path)?;
             for row in rows {
@@ -74,6 +77,7 @@ impl LogDb {
                     row.checkpoint,
                     row.materialize_seconds,
                     row.restore_seconds,
+                    row.value,
                 ])
                 .db(&self.path)?;
             }
@@ -131,7 +135,7 @@ impl LogDb {
         let mut st = self
             .conn
             .prepare_cached(
-                "SELECT loop_name, idx, seconds, checkpoint, materialize_seconds, restore_seconds \
+                "SELECT loop_name, idx, seconds, checkpoint, materialize_seconds, restore_seconds, value \
                  FROM iterations WHERE run_id = ?1 AND loop_name = ?2 ORDER BY idx",
             )
             .db(&self.path)?;
@@ -144,6 +148,7 @@ impl LogDb {
                     checkpoint: r.get(3)?,
                     materialize_seconds: r.get(4)?,
                     restore_seconds: r.get(5)?,
+                    value: r.get(6)?,
                 })
             })
             .db(&self.path)?;

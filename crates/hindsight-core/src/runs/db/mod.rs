@@ -23,7 +23,7 @@ use rusqlite::{Connection, ErrorCode, Transaction, TransactionBehavior};
 use crate::error::{Error, Result};
 
 /// Schema version this build writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 3;
+pub const SCHEMA_VERSION: i64 = 4;
 
 /// How long a writer waits for another process's transaction.
 pub const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -106,6 +106,11 @@ DROP TABLE logs;
 ALTER TABLE logs_v3 RENAME TO logs;
 CREATE INDEX logs_by_seq ON logs (run_id, seq);
 "#;
+
+/// Version 4: the value an outer iteration iterated over, when it is an
+/// integer (`epoch` = 1 for the first iteration of `range(1, N)`), beside
+/// its position.
+const SCHEMA_V4: &str = "ALTER TABLE iterations ADD COLUMN value INTEGER;";
 
 const RUN_COLUMNS: &str =
     "id, script, script_abs, project_root, source_hash, git_commit, git_dirty, \
@@ -270,6 +275,9 @@ impl LogDb {
         }
         if found < 3 {
             tx.execute_batch(SCHEMA_V3)?;
+        }
+        if found < 4 {
+            tx.execute_batch(SCHEMA_V4)?;
         }
         if found < SCHEMA_VERSION {
             tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;

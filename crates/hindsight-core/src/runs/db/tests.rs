@@ -193,6 +193,7 @@ fn unknown_run_id_errors_name_it() {
     check(db.divergences(id).unwrap_err());
     check(db.iterations(id, "epoch").unwrap_err());
     let it = IterationRow {
+        value: None,
         loop_name: "epoch".into(),
         idx: 0,
         seconds: 1.0,
@@ -508,6 +509,7 @@ fn iterations_upsert() {
     let (_dir, db) = temp_db();
     let id = db.create_run(&new_run("train.py")).unwrap();
     let it = |idx: u64, secs: f64, ck: Option<&str>| IterationRow {
+        value: None,
         loop_name: "epoch".into(),
         idx,
         seconds: secs,
@@ -561,6 +563,7 @@ fn reopen_persists_everything() {
         db.record_iteration(
             &id,
             &IterationRow {
+                value: None,
                 loop_name: "epoch".into(),
                 idx: 0,
                 seconds: 1.0,

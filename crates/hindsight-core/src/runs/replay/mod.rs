@@ -217,6 +217,7 @@ mod tests {
     fn rows(n: u64, every: u64) -> Vec<IterationRow> {
         (0..n)
             .map(|i| IterationRow {
+                value: None,
                 loop_name: "epoch".into(),
                 idx: i,
                 seconds: 1.0,
