@@ -88,7 +88,7 @@ def values(home: Path, *names: str) -> dict[tuple, dict[str, object]]:
     assert r.returncode == 0, r.stderr
     out: dict[tuple, dict[str, object]] = {}
     for row in json.loads(r.stdout):
-        ctx = tuple((k, row[k]) for k in ("epoch", "step") if row.get(k) is not None)
+        ctx = tuple((k, v) for k, v in row.items() if k not in names and k != "rep" and v is not None)
         out[ctx] = {n: row[n] for n in names if row.get(n) is not None}
     return out
 
@@ -403,3 +403,54 @@ def test_a_name_logged_repeatedly_in_one_context_keeps_every_value(tmp_path: Pat
     r = replay(script, home, "--strict")
     assert r.returncode == 0, r.stdout + r.stderr
     assert [(e, k, p) for e, k, _, p in table()] == [(e, k, k * 10) for e in range(3) for k in range(3)]
+
+
+COUNTED = """\
+import itertools
+import torch
+import hindsight as hs
+
+torch.manual_seed(0)
+w = torch.nn.Parameter(torch.ones(4))
+opt = torch.optim.SGD([w], lr=0.01)
+max_iters = hs.arg("max_iters", 10)
+with hs.checkpointing(w=w, opt=opt):
+    for it in hs.loop("iter", itertools.count()):  # one step per iteration, no epochs
+        x = torch.randn(4, generator=torch.Generator().manual_seed(it))
+        loss = ((w * x).sum() - 1) ** 2
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        hs.log("loss", loss.item())
+        if it >= max_iters:
+            break
+"""
+COUNTED_PROBE = (
+    '        hs.log("loss", loss.item())\n',
+    '        hs.log("loss", loss.item())\n        hs.log("w_sum", float(w.detach().sum()))\n',
+)
+
+
+def test_an_iteration_loop_with_break_replays_every_iteration_including_the_last(tmp_path: Path) -> None:
+    ref = tmp_path / "ref" / "it.py"
+    ref.parent.mkdir()
+    ref.write_text(COUNTED.replace(*COUNTED_PROBE))
+    script = tmp_path / "proj" / "it.py"
+    script.parent.mkdir()
+    script.write_text(COUNTED)
+    for s in (ref, script):
+        r = subprocess.run(
+            [sys.executable, str(s)], env=env_for(s.parent / ".hindsight"), capture_output=True, text=True, timeout=120
+        )
+        assert r.returncode == 0, r.stderr
+    want = {c: v["w_sum"] for c, v in values(ref.parent / ".hindsight", "w_sum").items() if "w_sum" in v}
+    assert len(want) == 11  # iterations 0..10, the last one ended by `break`
+    edit(script, COUNTED_PROBE)
+    home = script.parent / ".hindsight"
+    r = replay(script, home, "--strict", "--where", "iter >= 8")
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = {c: v["w_sum"] for c, v in values(home, "w_sum").items() if "w_sum" in v}
+    assert got == {c: v for c, v in want.items() if c[0][1] >= 8}
+    r = replay(script, home, "--strict")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert {c: v["w_sum"] for c, v in values(home, "w_sum").items() if "w_sum" in v} == want

@@ -232,14 +232,18 @@ def probes(src: str, filename: str = "<script>") -> tuple[list[Probe], list[str]
                 full = max(((*c, *loops) for c in ctxs), key=len)
                 before = False
                 if len(full) == 1:
+                    # No inner loop at all (one step per outer iteration):
+                    # every site reads the state the previous iteration left.
                     block = first_inner.get(full[0])
-                    if loops == full:  # in the outer loop's own body
-                        before = block is not None and line < block
+                    if block is None:
+                        before = True
+                    elif loops == full:  # in the outer loop's own body
+                        before = line < block
                     else:  # in a function run by the outer loop: before, unless shown after
                         sites = [ln for o, ln in called_at.get(fname, []) if o == full[0]]
-                        after_call = bool(sites) and block is not None and all(ln > block for ln in sites)
+                        after_call = bool(sites) and all(ln > block for ln in sites)
                         after_own = own_loop is not None and line > own_loop
-                        before = block is not None and not (after_call or after_own)
+                        before = not (after_call or after_own)
                 found.append(Probe(name, full, line, in_function=False, before_inner=before))
     return found, outer
 

@@ -413,7 +413,15 @@ class Run:
                 self.block_done = False
                 self.reps_outer = {k: v for k, v in self.reps_outer.items() if not k[1]}  # top level stays
                 self.stale_start = self._start_is_stale(i)
-                yield x
+                try:
+                    yield x
+                except GeneratorExit:
+                    # A `break` ends the loop in this iteration (or an
+                    # exception unwinds it): the iteration ran, so it is
+                    # recorded and can be replayed.
+                    if not self.finished:
+                        self._end_iteration(i, closing=True)
+                    raise
                 self.stale_start = False
                 self._iteration_continues()
                 if not self.block_done:
@@ -501,7 +509,8 @@ class Run:
     def _end_block(self, i: int, at: str = "block") -> None:
         self.block_done = True
 
-    def _end_iteration(self, i: int) -> None:
+    def _end_iteration(self, i: int, closing: bool = False) -> None:
+        """After outer iteration i; ``closing``: the loop ends inside it (`break`)."""
         self.flush_logs()
 
     # -- state -------------------------------------------------------------------

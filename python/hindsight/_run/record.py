@@ -388,7 +388,7 @@ class RecordRun(Run):
         if self.stop_signal is not None:
             self._exit_for_signal()
 
-    def _end_iteration(self, i: int) -> None:
+    def _end_iteration(self, i: int, closing: bool = False) -> None:
         self.db.record_iteration(
             self.run_id,
             self.outer_name or "",
@@ -402,7 +402,7 @@ class RecordRun(Run):
             self.flush_logs()
             self.apply_retention()
         self.flush_logs()
-        if self.stop_signal is not None:
+        if self.stop_signal is not None and not closing:
             # After outer iteration i: the next iteration starts afresh on resume.
             if self.objects:
                 self._save_now(self._checkpoint_id(i, "end"), {}, wait=True)

@@ -88,7 +88,14 @@ class ReplayRun(Run):
     def _step_starts(self) -> None:
         self.inner_steps_executed += 1
 
-    def _end_iteration(self, i: int) -> None:
+    def _end_block(self, i: int, at: str = "block") -> None:
+        super()._end_block(i, at)
+        if at == "iteration" and self.modes.get(i) == "restore":
+            # No inner loop to skip (one step per iteration): the body ran;
+            # the state after it is the checkpoint's.
+            self._restore(i)
+
+    def _end_iteration(self, i: int, closing: bool = False) -> None:
         self.flush_logs()  # the driver may read the logs as soon as it sees the line
         self._progress(f"{i}\n")
 
