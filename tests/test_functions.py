@@ -132,3 +132,26 @@ def test_the_epoch_is_the_value_iterated_over_in_where_and_the_dataframe(recorde
     r = subprocess.run([sys.executable, "-c", code], env=env_for(home), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == [[1, 0], [2, 1], [3, 2], [4, 3]]
+
+
+HANDS_FREE = (
+    "    with hs.checkpointing(model=model, optimizer=optimizer, scheduler=scheduler):\n",
+    "    with hs.checkpointing():\n",
+)
+
+
+def test_hands_free_checkpointing_finds_the_objects_and_explains_them(tmp_path, reference):
+    script = project(tmp_path / "proj", HANDS_FREE)
+    r = subprocess.run(
+        [*hindsight_cmd(), "record", "--explain", str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    for line in ("model: __main__.Net (read by the loop", "optimizer: torch.optim.adadelta.Adadelta", "scheduler: "):
+        assert line in r.stdout, r.stdout
+    assert "accuracy (line" in r.stdout  # a loop variable
+    assert not (script.parent / ".hindsight").exists()  # --explain records nothing
+    record(script)
+    project(script.parent, HANDS_FREE, IN_MAIN)
+    out = replay(script)
+    assert "4 restored from checkpoints, 0 inner-loop steps executed" in out, out
+    assert logged(script.parent / ".hindsight", "main_norm") == reference["main_norm"]

@@ -50,6 +50,26 @@ def _data_dispatcher(argv: list[str]) -> int:
     return 0
 
 
+def _record(argv: list[str]) -> int:
+    """`hindsight record [--explain] SCRIPT [ARGS...]`: run a training script
+    (the same as `python SCRIPT ARGS`); with --explain, only say what its
+    checkpoints would hold and why, recording nothing."""
+    import os
+    import subprocess
+    import tempfile
+
+    explain = bool(argv) and argv[0] == "--explain"
+    rest = argv[1:] if explain else argv
+    if not rest or rest[0] in ("-h", "--help"):
+        sys.stdout.write("usage: hindsight record [--explain] SCRIPT [ARGS...]\n" + (_record.__doc__ or "") + "\n")
+        return 0 if rest else 2
+    if not explain:
+        return subprocess.call([sys.executable, *rest])
+    with tempfile.TemporaryDirectory(prefix="hindsight-explain-") as home:
+        env = {**os.environ, "HINDSIGHT_EXPLAIN": "1", "HINDSIGHT_HOME": home, "HINDSIGHT_RESUME": "0"}
+        return subprocess.call([sys.executable, *rest], env=env)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     options, rest = _split_global(argv)
@@ -62,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write("hindsight replay: --store is ignored (a run replays from the store it recorded)\n")
         home = ["--home", options["--home"]] if "--home" in options else []
         return replay_main([*rest[1:], *home])
+    if rest and rest[0] == "record":
+        return _record(rest[1:])
     if rest[:2] == ["data", "worker"]:
         from hindsight.data._worker import main as worker_main
 

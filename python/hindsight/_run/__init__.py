@@ -102,6 +102,11 @@ def checkpointing(
     state is checkpointed at the end of each outer-loop iteration's training
     steps, restored during replay, and resumed after preemption.
 
+    With no objects (``hs.checkpointing()``), they are found when the outer
+    loop starts: the modules, optimizers, LR schedulers and grad scalers its
+    body reads (also as arguments of the functions it calls), by variable
+    name. ``hindsight record --explain train.py`` prints what was found.
+
     Period: adaptive by default (seed 001's Joint Invariant, epsilon 1/15 or
     $HINDSIGHT_EPSILON, so checkpointing costs at most epsilon of training
     time); ``every=N`` (or $HINDSIGHT_CHECKPOINT_EVERY) fixes it.
@@ -142,6 +147,8 @@ def checkpointing(
     run = current()
     run.set_store(store, local_first)
     run.objects.update(objects)
+    # No objects: hands-free, they are found when the outer loop starts.
+    run.hands_free = not objects
     if every is not None:
         run.every = every
     if safety_minutes is not None:
@@ -162,8 +169,9 @@ def checkpointing(
     try:
         yield
     finally:
-        for key in objects:
+        for key in [*objects, *run.discovered]:
             run.objects.pop(key, None)
+        run.hands_free, run.discovered = False, {}
         if run._store is not None:
             run._store.flush()
 

@@ -12,12 +12,13 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 from hindsight import _native
-from hindsight._run.loopvars import LoopVars, _storages
+from hindsight._run.loopvars import LoopVars, _storages, stateful_objects
 from hindsight._state import apply_state, capture, set_rng_state
 from hindsight.errors import InvalidArgumentError
 
@@ -31,6 +32,7 @@ ENV_RUN_NAME = "HINDSIGHT_RUN_NAME"
 ENV_RESUME = "HINDSIGHT_RESUME"
 ENV_STORE = "HINDSIGHT_STORE"
 ENV_LOCAL_FIRST = "HINDSIGHT_LOCAL_FIRST"
+ENV_EXPLAIN = "HINDSIGHT_EXPLAIN"  # set by `hindsight record --explain`
 _INF = float("inf")
 
 
@@ -213,6 +215,10 @@ class Run:
         self.log_thread.start()
         self.stack: list[list[Any]] = []  # [loop name, index]
         self.objects: dict[str, Any] = {}
+        # hs.checkpointing() without objects: they are found when the outer
+        # loop starts (loopvars.stateful_objects), by name, with a line.
+        self.hands_free = False
+        self.discovered: dict[str, tuple[Any, int]] = {}
         self.outer_name: str | None = None
         self.outer_idx = -1
         self.outer_value: Any = None
@@ -376,6 +382,36 @@ class Run:
             return self._block(name, iterable)
         return self._plain(name, iterable)
 
+    def _explain(self, name: str, frame: Any) -> None:
+        """`hindsight record --explain`: say what each checkpoint will hold
+        and why, then stop before the first iteration."""
+        where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+        print(f"loop '{name}' ({where}) is the outer loop: a checkpoint is taken after its inner loop")
+        if not self.objects:
+            print("  no objects: hs.checkpointing(...) is not active here, so nothing is checkpointed")
+        for key, obj in self.objects.items():
+            found = self.discovered.get(key)
+            why = f"read by the loop at line {found[1]}" if found else "given to hs.checkpointing"
+            print(f"  {key}: {type(obj).__module__}.{type(obj).__qualname__} ({why}), through its state_dict()")
+        print("  random number generators: Python, NumPy, torch (and CUDA)")
+        names = self.outer_vars.names if self.outer_vars is not None else {}
+        scope = {**frame.f_globals, **frame.f_locals}
+        ids = self._object_ids()
+        # Imported modules and the objects above are not loop variables.
+        names = {
+            k: v
+            for k, v in names.items()
+            if not isinstance(scope.get(k), types.ModuleType) and id(scope.get(k)) not in ids
+        }
+        if names:
+            print("  variables the loop changes, saved when storable (numbers, strings, tensors, arrays, containers):")
+            for var, line in sorted(names.items(), key=lambda kv: abs(kv[1])):
+                how = "calls a method on it" if line < 0 else "assigns it"
+                print(f"    {var} (line {abs(line)}: {how})")
+        print("  the inner loop's variables are found when it starts")
+        sys.stdout.flush()
+        raise SystemExit(0)
+
     def _plain(self, name: str, iterable: Iterable[T]) -> Iterator[T]:
         entry: list[Any] = [name, -1]
         self.stack.append(entry)
@@ -390,7 +426,13 @@ class Run:
     def _outer(self, name: str, iterable: Iterable[T]) -> Iterator[T]:
         """The outermost loop: one iteration is the unit of checkpoints and replay."""
         # sys._getframe(1): the frame whose `for` drives this generator.
-        self.outer_vars = LoopVars.of(sys._getframe(1), name, self._object_ids())
+        frame = sys._getframe(1)
+        if self.hands_free and not self.objects:
+            self.discovered = stateful_objects(frame)
+            self.objects.update({k: v for k, (v, _) in self.discovered.items()})
+        self.outer_vars = LoopVars.of(frame, name, self._object_ids())
+        if os.environ.get(ENV_EXPLAIN) == "1":
+            self._explain(name, frame)
         entry: list[Any] = [name, -1]
         self.stack.append(entry)
         self.outer_name = name

@@ -185,6 +185,56 @@ def _placed(v: Any, where: Any) -> Any:
     return v
 
 
+_STATEFUL = (
+    "torch.nn.Module",
+    "torch.optim.Optimizer",
+    "torch.optim.lr_scheduler.LRScheduler",
+    "torch.optim.lr_scheduler.ReduceLROnPlateau",
+    "torch.amp.GradScaler",
+)
+
+
+def _stateful_types() -> tuple[type, ...]:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return ()
+    out = []
+    for path in _STATEFUL:
+        obj: Any = torch
+        for part in path.split(".")[1:]:
+            obj = getattr(obj, part, None)
+        if isinstance(obj, type):
+            out.append(obj)
+    return tuple(out)
+
+
+def stateful_objects(frame: FrameType, loop_line: int | None = None) -> dict[str, tuple[Any, int]]:
+    """Hands-free checkpointing: the modules, optimizers, LR schedulers and
+    grad scalers the `for` at the frame's line reads (directly or as
+    arguments of the functions it calls), by variable name, with a line
+    where it does. A module inside another one found is left to it."""
+    tree = _tree(frame.f_code.co_filename)
+    scope = _scope_of(tree, frame.f_code) if tree is not None else None
+    loop = _loop_at(scope, loop_line or frame.f_lineno) if scope is not None else None
+    kinds = _stateful_types()
+    if loop is None or not kinds:
+        return {}
+    read: dict[str, int] = {}
+    for n in ast.walk(loop):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+            read[n.id] = min(read.get(n.id, n.lineno), n.lineno)
+    found: dict[str, tuple[Any, int]] = {}
+    seen: set[int] = set()
+    for name, line in sorted(read.items(), key=lambda kv: kv[1]):
+        v = frame.f_locals.get(name, frame.f_globals.get(name))
+        if isinstance(v, kinds) and id(v) not in seen:
+            seen.add(id(v))
+            found[name] = (v, line)
+    torch = sys.modules["torch"]
+    inner = {id(m) for v, _ in found.values() if isinstance(v, torch.nn.Module) for m in v.modules() if m is not v}
+    return {k: (v, line) for k, (v, line) in found.items() if id(v) not in inner}
+
+
 class LoopVars:
     """The variables one `hs.loop` body changes, in the frame that runs it."""
 
