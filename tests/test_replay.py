@@ -454,3 +454,60 @@ def test_an_iteration_loop_with_break_replays_every_iteration_including_the_last
     r = replay(script, home, "--strict")
     assert r.returncode == 0, r.stdout + r.stderr
     assert {c: v["w_sum"] for c, v in values(home, "w_sum").items() if "w_sum" in v} == want
+
+
+VERSION_2 = (
+    "sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)",
+    "sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)",
+)
+VERSION_3 = ('lr = hs.arg("lr", 1e-2)', 'lr = hs.arg("lr", 5e-3)')
+
+
+def test_new_probes_replay_into_runs_of_three_code_versions(tmp_path: Path) -> None:
+    versions = [(), (VERSION_2,), (VERSION_2, VERSION_3)]
+    # What each version logs when the probe is there from the start.
+    want = []
+    for k, edits in enumerate(versions):
+        ref = make_project(tmp_path / f"ref{k}", *edits, OUTER_PROBE)
+        record(ref, ref.parent / ".hindsight")
+        want.append(
+            {
+                c: v["weight_norm"]
+                for c, v in values(ref.parent / ".hindsight", "weight_norm").items()
+                if "weight_norm" in v
+            }
+        )
+    assert want[0] != want[1] != want[2]
+    # One project, one script, edited between three recordings.
+    home = tmp_path / "proj" / ".hindsight"
+    for edits in versions:
+        script = make_project(tmp_path / "proj", *edits)
+        record(script, home)
+    make_project(tmp_path / "proj", *versions[-1], OUTER_PROBE)  # the latest version, plus a probe
+    r = replay(script, home, "--runs", "all", "--strict")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("placed into its recorded source") == 2, r.stdout  # the two older versions
+    code = (
+        "import json, hindsight as hs\n"
+        "db = hs._query._db()\n"
+        "print(json.dumps([[[v.ctx, json.loads(v.value_json)] for v in db.values(r['id'], ['weight_norm'])]"
+        " for r in sorted(db.runs(), key=lambda r: r['started_ms'])]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env_for(home), capture_output=True, text=True, timeout=60, cwd=script.parent
+    )
+    assert out.returncode == 0, out.stderr
+    got = [{tuple(map(tuple, ctx)): v for ctx, v in run} for run in json.loads(out.stdout)]
+    assert len(got) == 3
+    for g, w in zip(got, want, strict=True):
+        assert g == pytest.approx(w, rel=1e-9)  # `values` reads through a JSON round with 10 digits
+    assert not list(script.parent.glob(".hindsight-replay-*"))  # the placed copies are removed
+    # A statement whose place the older versions lack is refused for them, with the reason.
+    make_project(
+        tmp_path / "proj",
+        *versions[-1],
+        ("        sched.step()\n", "        sched.step()\n        extra = 1\n        hs.log('e', extra)\n"),
+    )
+    r = replay(script, home, "--runs", "all")
+    assert r.returncode == 1
+    assert "cannot all be placed" in r.stderr

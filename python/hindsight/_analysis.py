@@ -277,3 +277,112 @@ def analyze(recorded: str, current: str, filename: str = "<script>") -> Analysis
         else:
             added.append(p)
     return Analysis(old_dump == new_dump, differences, added, outer)
+
+
+# -- transplanting probes into an older version of the script ------------------
+
+
+def _header(s: ast.stmt) -> tuple[str, ...]:
+    """What identifies a statement across versions: a compound statement by
+    its header (its body may have changed), any other by its whole text."""
+    if isinstance(s, (ast.For, ast.AsyncFor)):
+        return ("for", ast.dump(s.target), ast.dump(s.iter))
+    if isinstance(s, ast.While):
+        return ("while", ast.dump(s.test))
+    if isinstance(s, ast.If):
+        return ("if", ast.dump(s.test))
+    if isinstance(s, (ast.With, ast.AsyncWith)):
+        return ("with", *(ast.dump(i) for i in s.items))
+    if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return ("def", s.name)
+    if isinstance(s, (ast.Try, ast.TryStar)):
+        return ("try",)
+    if isinstance(s, ast.Match):
+        return ("match", ast.dump(s.subject))
+    return ("stmt", ast.dump(s))
+
+
+_Chain = tuple[tuple[str, ...], ...]
+
+
+def _blocks(tree: ast.Module) -> list[tuple[_Chain, list[ast.stmt]]]:
+    """Every statement list with the headers (and field) of what encloses it."""
+    out: list[tuple[_Chain, list[ast.stmt]]] = []
+
+    def walk(body: list[ast.stmt], chain: _Chain) -> None:
+        out.append((chain, body))
+        for s in body:
+            head = _header(s)
+            for field_name in ("body", "orelse", "finalbody"):
+                sub = getattr(s, field_name, None)
+                if isinstance(sub, list) and sub and isinstance(sub[0], ast.stmt):
+                    walk(sub, (*chain, (*head, field_name)))
+            for h in getattr(s, "handlers", []) or []:
+                walk(h.body, (*chain, (*head, "except", ast.dump(h.type) if h.type else "")))
+            for c in getattr(s, "cases", []) or []:
+                walk(c.body, (*chain, (*head, "case", ast.dump(c.pattern))))
+
+    walk(tree.body, ())
+    return out
+
+
+def _log_sites(tree: ast.Module, aliases: _Aliases) -> list[tuple[_Chain, tuple[str, ...] | None, str, ast.stmt]]:
+    """(enclosing headers, the statement before it that is not a log, log name, statement) of every hs.log."""
+    sites: list[tuple[_Chain, tuple[str, ...] | None, str, ast.stmt]] = []
+    for chain, body in _blocks(tree):
+        prev: tuple[str, ...] | None = None
+        for s in body:
+            if isinstance(s, ast.Expr) and aliases.is_call(s.value, "log"):
+                assert isinstance(s.value, ast.Call)
+                sites.append((chain, prev, _const_str(s.value) or "?", s))
+            else:
+                prev = _header(s)
+    return sites
+
+
+def transplant(recorded: str, current: str, filename: str = "<script>") -> tuple[str | None, list[str]]:
+    """The recorded (older) script with the current script's new `hs.log`
+    statements placed where they belong: after the same statement, inside
+    the same enclosing loops and blocks, matched by their syntax. Returns
+    (source, []) or, when some statement has no unique place, (None, what
+    could not be placed)."""
+    cur_tree = ast.parse(current, filename=filename)
+    rec_tree = ast.parse(recorded, filename=filename)
+    cur_aliases, rec_aliases = _Aliases(cur_tree), _Aliases(rec_tree)
+    have = {(chain, prev, name) for chain, prev, name, _ in _log_sites(rec_tree, rec_aliases)}
+    anchors: dict[tuple[_Chain, tuple[str, ...]], list[tuple[list[ast.stmt], ast.stmt]]] = {}
+    starts: dict[_Chain, list[list[ast.stmt]]] = {}
+    for chain, body in _blocks(rec_tree):
+        starts.setdefault(chain, []).append(body)
+        for s in body:
+            anchors.setdefault((chain, _header(s)), []).append((body, s))
+    problems: list[str] = []
+    placed: dict[int, int] = {}  # id(anchor statement or block) -> statements inserted after it
+    for chain, prev, name, stmt in _log_sites(cur_tree, cur_aliases):
+        if (chain, prev, name) in have:
+            continue
+        where = f"hs.log({name!r}) at line {stmt.lineno}"
+        if prev is None:
+            blocks = starts.get(chain, [])
+            if len(blocks) != 1:
+                problems.append(
+                    f"{where}: {'no' if not blocks else 'more than one'} matching block in the recorded script"
+                )
+                continue
+            body = blocks[0]
+            at = placed.get(id(body), 0)
+            body.insert(at, stmt)
+            placed[id(body)] = at + 1
+            continue
+        found = anchors.get((chain, prev), [])
+        if len(found) != 1:
+            what = "its preceding statement is not" if not found else "its preceding statement is more than once"
+            problems.append(f"{where}: {what} in the recorded script at the same place")
+            continue
+        body, anchor = found[0]
+        at = body.index(anchor) + 1 + placed.get(id(anchor), 0)
+        body.insert(at, stmt)
+        placed[id(anchor)] = placed.get(id(anchor), 0) + 1
+    if problems:
+        return None, problems
+    return ast.unparse(rec_tree) + "\n", []

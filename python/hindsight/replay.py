@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hindsight import _native
-from hindsight._analysis import Analysis, analyze
+from hindsight._analysis import Analysis, analyze, transplant
 from hindsight._run import ENV_HOME, ENV_REPLAY
 from hindsight.errors import HindsightError, NotFoundError, ReplayError
 
@@ -183,7 +183,9 @@ def replay(args: argparse.Namespace) -> int:
     if not db_path.exists():
         raise NotFoundError(f"no hindsight project at {home} (no {db_path.name}): record a run of {args.script} first")
     db = _native.LogDb(str(db_path))
-    if args.run:
+    if args.runs or args.since:
+        runs = _runs_of(db, script, args.runs or ["all"], args.since)
+    elif args.run:
         runs = [db.run(r) for r in args.run]
     else:
         latest = db.latest_run(str(script))
@@ -199,8 +201,36 @@ def replay(args: argparse.Namespace) -> int:
         location = run.get("store") or str(paths.store)
         if location not in names_at:
             names_at[location] = set(_native.checkpoint_names(location))
-        status |= replay_one(args, db, names_at[location], run, script, current, home)
+        if len(runs) == 1:
+            return replay_one(args, db, names_at[location], run, script, current, home)
+        try:
+            status |= replay_one(args, db, names_at[location], run, script, current, home)
+        except HindsightError as e:  # one run refused: say so, go on with the others
+            print(f"run {run['id']}: error: {e}", file=sys.stderr, flush=True)
+            status |= 1
     return status
+
+
+def _runs_of(db: Any, script: Path, which: list[str], since: str | None) -> list[dict[str, Any]]:
+    """`--runs all|ID...` and `--since DATE`: recorded runs of `script`, oldest first."""
+    if which != ["all"]:
+        runs = [db.run(r) for r in which]
+    else:
+        # The script as recorded (relative to its project root), wherever the project is now.
+        runs = [
+            r
+            for r in db.runs()
+            if r["status"] != "running"
+            and (r["script_abs"] == str(script) or str(script).endswith(os.sep + r["script"]))
+        ]
+    if since is not None:
+        after = _native.parse_date(since)
+        runs = [r for r in runs if (r.get("started_ms") or 0) >= after]
+    if not runs:
+        raise NotFoundError(
+            f"no recorded run of {script} matches --runs {' '.join(which)}" + (f" --since {since}" if since else "")
+        )
+    return sorted(runs, key=lambda r: r.get("started_ms") or 0)
 
 
 def replay_one(
@@ -217,13 +247,44 @@ def replay_one(
     if recorded is None:
         raise NotFoundError(f"run {run['id']} has no recorded source for {run['script']}")
     analysis = analyze(recorded, current, run["script"])
+    to_run = script
     if not analysis.compatible and not args.force:
-        diff = "\n".join("  " + line for line in analysis.differences[:60])
-        raise ReplayError(
-            f"{run['script']} changed since run {run['id']} in ways other than added hs.log "
-            f"statements; replaying would not reproduce the run. Differences:\n{diff}\n"
-            "(pass --force to replay anyway)"
+        # Recorded from another version: put the new hs.log statements into
+        # that version's own source, where they belong.
+        src, problems = transplant(recorded, current, run["script"])
+        placed = analyze(recorded, src, run["script"]) if src is not None else None
+        if placed is None or not placed.compatible:
+            diff = "\n".join("  " + line for line in analysis.differences[:60])
+            why = "\n".join("  " + p for p in problems)
+            raise ReplayError(
+                f"{run['script']} changed since run {run['id']} in ways other than added hs.log "
+                "statements, and the new statements cannot all be placed into the recorded version:\n"
+                f"{why}\nDifferences:\n{diff}\n(pass --force to replay the current script anyway)"
+            )
+        analysis = placed
+        to_run = script.parent / f".hindsight-replay-{run['id']}.py"
+        to_run.write_text(src or "")
+        print(
+            f"run {run['id']}: recorded from another version of {run['script']}; "
+            "the new hs.log statements were placed into its recorded source",
+            flush=True,
         )
+    try:
+        return _replay_run(args, db, store_names, run, to_run, analysis, home)
+    finally:
+        if to_run != script:
+            to_run.unlink(missing_ok=True)
+
+
+def _replay_run(
+    args: argparse.Namespace,
+    db: Any,
+    store_names: set[str],
+    run: dict[str, Any],
+    script: Path,
+    analysis: Analysis,
+    home: Path,
+) -> int:
     if not analysis.new_probes:
         print(f"run {run['id']}: no new hs.log statements; nothing to compute")
         return 0
@@ -340,6 +401,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("script", help="the training script, with new hs.log statements")
     p.add_argument("--run", action="append", help="run id to replay (repeatable; default: the latest run of SCRIPT)")
+    p.add_argument(
+        "--runs",
+        nargs="+",
+        metavar="all|ID",
+        help="several runs: 'all' recorded runs of SCRIPT, or these ids; runs recorded from another version "
+        "of the script get the new statements placed into their own recorded source",
+    )
+    p.add_argument("--since", metavar="DATE", help="only runs started at or after DATE (UTC: YYYY-MM-DD[ HH:MM])")
     p.add_argument("-j", "--jobs", type=int, default=1, help="worker processes for inner-loop probes")
     p.add_argument("--where", help="only these outer iterations, e.g. 'epoch >= 10'")
     p.add_argument("--force", action="store_true", help="replay even if the script changed beyond logging")

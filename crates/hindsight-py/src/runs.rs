@@ -572,7 +572,15 @@ impl AdaptivePolicy {
     }
 }
 
+/// Milliseconds since the epoch of a date typed by the user (UTC), as
+/// `hindsight replay --since` takes it (`runs::dates::parse_utc`).
+#[pyfunction]
+fn parse_date(text: &str) -> PyResult<u64> {
+    hindsight_core::runs::dates::parse_utc(text).map_err(crate::errors::to_py)
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(parse_date, m)?)?;
     m.add_class::<LogDb>()?;
     m.add_class::<AdaptivePolicy>()?;
     m.add_class::<Iteration>()?;

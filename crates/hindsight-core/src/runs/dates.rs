@@ -35,9 +35,48 @@ pub fn format_iso8601(ms: u64) -> String {
     format(ms, "%Y-%m-%dT%H:%M:%SZ")
 }
 
+/// Milliseconds since the epoch of a date the user typed, in UTC:
+/// `YYYY-MM-DD`, `YYYY-MM-DD HH:MM[:SS]`, or RFC 3339 with `T`/offset.
+pub fn parse_utc(text: &str) -> crate::Result<u64> {
+    let t = text.trim();
+    let bad = || {
+        crate::Error::invalid(
+            "date",
+            format!("'{text}' is not a date (YYYY-MM-DD, YYYY-MM-DD HH:MM[:SS], or RFC 3339)"),
+        )
+    };
+    let ts = if let Ok(ts) = t.parse::<jiff::Timestamp>() {
+        ts
+    } else if let Ok(dt) = t.replace(' ', "T").parse::<jiff::civil::DateTime>() {
+        dt.to_zoned(jiff::tz::TimeZone::UTC)
+            .map_err(|_| bad())?
+            .timestamp()
+    } else if let Ok(d) = t.parse::<jiff::civil::Date>() {
+        d.to_zoned(jiff::tz::TimeZone::UTC)
+            .map_err(|_| bad())?
+            .timestamp()
+    } else {
+        return Err(bad());
+    };
+    u64::try_from(ts.as_millisecond()).map_err(|_| bad())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn typed_dates_parse_as_utc() {
+        assert_eq!(parse_utc("2023-11-14").unwrap(), 1_699_920_000_000);
+        assert_eq!(parse_utc("2023-11-14 22:13:20").unwrap(), 1_700_000_000_000);
+        assert_eq!(parse_utc("2023-11-14T22:13").unwrap(), 1_699_999_980_000);
+        assert_eq!(
+            parse_utc("2023-11-14T23:13:20+01:00").unwrap(),
+            1_700_000_000_000
+        );
+        assert!(parse_utc("yesterday").is_err());
+        assert!(parse_utc("2023-13-01").is_err());
+    }
 
     #[test]
     fn dates_match_known_instants() {
