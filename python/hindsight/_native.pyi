@@ -35,6 +35,7 @@ __all__ = [
     "data_checkpoint_name",
     "data_example_seed",
     "data_latest_checkpoint",
+    "parse_date",
     "project_paths",
     "run_cli",
     "run_data_dispatcher",
