@@ -28,9 +28,13 @@ pub struct SharedDir {
 
 impl SharedDir {
     pub fn new(dir: impl Into<PathBuf>) -> Self {
+        // Unique per instance, not only per process: several workers in one
+        // process (tests, embedders) must not race for the same names.
+        static INSTANCES: AtomicU64 = AtomicU64::new(0);
+        let instance = INSTANCES.fetch_add(1, Ordering::Relaxed);
         SharedDir {
             dir: dir.into(),
-            prefix: format!("u{}-", std::process::id()),
+            prefix: format!("u{}-{instance}-", std::process::id()),
             next: AtomicU64::new(0),
         }
     }
@@ -164,6 +168,20 @@ mod tests {
         unsafe { *got.as_mut_ptr() ^= 0xff };
         assert_eq!(got[0], data[0] ^ 0xff);
         assert!(w.put(&data[..10]).is_none(), "small payloads travel inline");
+    }
+
+    #[test]
+    fn two_workers_of_one_process_never_take_each_others_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (SharedDir::new(dir.path()), SharedDir::new(dir.path()));
+        let data = vec![7u8; MIN_SHARED];
+        // Files not yet taken by the client pile up under one worker's names...
+        let pending: Vec<String> = (0..8).map(|_| a.put(&data).unwrap()).collect();
+        // ...and the other worker still hands its units over, under its own.
+        let other = b
+            .put(&data)
+            .expect("not pushed inline by the other worker's files");
+        assert!(!pending.contains(&other));
     }
 
     #[test]
