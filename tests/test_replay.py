@@ -206,12 +206,20 @@ def test_where_limits_the_replayed_iterations(recorded):
     assert epochs == {3, 4}
 
 
-def test_script_changed_beyond_logging_is_refused(recorded):
+def test_a_script_changed_beyond_logging_replays_its_recorded_version_or_is_refused(recorded, reference):
     script, home = recorded
     edit(script, OUTER_PROBE, ('lr = hs.arg("lr", 1e-2)', 'lr = hs.arg("lr", 1e-2) * 2'))
+    # The probe has a place in the recorded source: that version runs, not the changed lr.
+    r = replay(script, home, "--strict")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "placed into its recorded source" in r.stdout
+    got, want = values(home, "weight_norm"), values(reference, "weight_norm")
+    assert {c: v for c, v in got.items() if "weight_norm" in v} == {c: v for c, v in want.items() if "weight_norm" in v}
+    # A probe after the changed line has no place there: refused, with the differences.
+    edit(script, ('lr = hs.arg("lr", 1e-2) * 2\n', 'lr = hs.arg("lr", 1e-2) * 2\nhs.log("lr", lr)\n'))
     r = replay(script, home)
     assert r.returncode == 1
-    assert "changed since run" in r.stderr and "* 2" in r.stderr and "--force" in r.stderr
+    assert "cannot all be placed" in r.stderr and "* 2" in r.stderr and "--force" in r.stderr
 
 
 def test_nondeterministic_script_is_caught_by_the_divergence_check(recorded):
