@@ -51,8 +51,23 @@ test-rust: venv ## Rust unit, property and integration tests; storage conformanc
 	cargo test --workspace --exclude hindsight-py
 	$(PY) tests/s3util.py -- cargo test -p hindsight-core --features s3 --test conformance
 
+# Debian's slurm-wlm daemons and munge, for the tests that run jobs on a
+# single-node cluster on loopback (tests/slurmutil.py starts it; nothing under
+# /etc is configured). Installed only where missing; needs root or sudo.
+SLURM_PACKAGES := slurmctld slurmd slurm-client munge
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+.PHONY: slurm
+slurm: ## Install Debian's Slurm (slurmctld, slurmd, client) and munge for the cluster tests
+	@if ! command -v sbatch >/dev/null || ! test -x /usr/sbin/slurmctld -a -x /usr/sbin/slurmd -a -x /usr/sbin/munged; then \
+		echo "installing $(SLURM_PACKAGES)"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		$(SUDO) apt-get install -y -qq --no-install-recommends $(SLURM_PACKAGES) >/dev/null \
+		|| { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends $(SLURM_PACKAGES) >/dev/null; }; \
+	fi
+
 .PHONY: test-python
-test-python: develop ## pytest suite against real torch
+test-python: develop slurm ## pytest suite against real torch (and a real single-node Slurm cluster)
 	cd tests && $(PY) -m pytest -q $(PYTEST_ARGS)
 
 .PHONY: test

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from s3util import prefix, s3_server  # noqa: F401  (fixtures: the loopback S3 server)
+from slurmutil import slurm  # noqa: F401  (fixture: the single-node Slurm cluster)
 
 REPO = Path(__file__).resolve().parent.parent
 

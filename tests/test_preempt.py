@@ -17,7 +17,7 @@ import torch
 
 import hindsight as hs
 
-from conftest import REPO, hindsight_cmd
+from conftest import REPO, hindsight_cmd, run_py
 from s3util import url_of
 
 SCRIPT = REPO / "examples" / "preemptible_train.py"
@@ -273,3 +273,36 @@ def test_local_first_exit_waits_for_upload_and_resumes_on_another_node(tmp_path,
     with hs.Store(url, create=False) as store:
         assert checkpoint_epochs(store) == expected_retained(got["logs"])
         assert store.verify() == []
+
+
+def test_sigusr1_after_the_loop_is_noted_not_fatal(tmp_path):
+    """A batch system's time warning (`--signal=B:USR1@90`) landing after
+    training, in the final save or while the run's checkpoints are flushed at
+    exit, must not kill the process (it did, on the Slurm cluster): it is
+    noted, and a training loop started later honours it."""
+    code = """
+import os, signal, sys
+import torch
+import hindsight as hs
+from hindsight import _preemption
+w = torch.zeros(2)
+with hs.checkpointing(w=w, every=1):
+    for epoch in hs.loop("epoch", range(2)):
+        for step in hs.loop("step", range(2)):
+            w += 1
+os.kill(os.getpid(), signal.SIGUSR1)  # after the loop, before the final save
+torch.save(w, sys.argv[1])
+# What the run's exit puts back (the window in which the cluster's signal came):
+signal.getsignal(signal.SIGUSR1).__self__.restore()
+os.kill(os.getpid(), signal.SIGUSR1)
+later = _preemption.StopSignals(False)
+later.install()
+print("later loop sees", later.received, flush=True)
+later.restore()
+"""
+    final = tmp_path / "final.pt"
+    r = run_py(code, str(final), env={"HINDSIGHT_HOME": str(tmp_path / "home")})
+    assert r.returncode == 0, r.stderr
+    assert torch.equal(torch.load(final), torch.full((2,), 4.0))
+    assert "SIGUSR1 after the training loop ended" in r.stderr
+    assert f"later loop sees {int(signal.SIGUSR1)}" in r.stdout, r.stdout

@@ -207,7 +207,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         if isinstance(found, dict):
             for sig, handler in list(found.items()):
                 if handler == self._signals.handler:
-                    found[sig] = self._signals.replaced.get(sig, signal.SIG_DFL)
+                    found[sig] = self._signals.put_back(sig)
 
     def _restore_signals(self, trainer: Any = None) -> None:
         self._fix_lightning_teardown(trainer)

@@ -24,6 +24,25 @@ def signals(catch_sigint: bool) -> list[int]:
     return sigs
 
 
+# SIGUSR1s that came while no training loop was active (see `_outside`).
+_noted_outside: list[int] = []
+
+
+def _outside(signum: int, frame: Any) -> None:
+    """SIGUSR1 after a training loop ended. Its default action would kill the
+    process, and with it the code after the loop (a final save, evaluation):
+    a batch system's time warning (`--signal=B:USR1@90`) often lands there.
+    Noted instead; a later training loop honours it at its first step."""
+    if not _noted_outside:
+        print(
+            f"hindsight: {signal.Signals(signum).name} after the training loop ended: noted, not fatal "
+            "(a later training loop would checkpoint and exit at its first step)",
+            file=sys.stderr,
+            flush=True,
+        )
+    _noted_outside.append(signum)
+
+
 class StopSignals:
     """Handlers for `signals`: they only note the first signal (`received`);
     the checkpoint is written on the training thread at the next step
@@ -60,6 +79,9 @@ class StopSignals:
         self.active = True
         if threading.current_thread() is not threading.main_thread():
             return
+        if _noted_outside and self.received is None:
+            self.received = _noted_outside[0]
+        _noted_outside.clear()
         for sig in signals(self.catch_sigint):
             current = signal.getsignal(sig)
             if current == self.handler:
@@ -72,9 +94,17 @@ class StopSignals:
         self.active = False
         if threading.current_thread() is not threading.main_thread():
             return
-        for sig, prev in self.replaced.items():
+        for sig in self.replaced:
             if signal.getsignal(sig) == self.handler:
-                signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+                signal.signal(sig, self.put_back(sig))
+
+    def put_back(self, sig: int) -> Any:
+        """The handler `restore` puts back for `sig`: the one replaced, except
+        that a default SIGUSR1 becomes `_outside` (noted, not fatal)."""
+        prev = self.replaced.get(sig)
+        if prev in (signal.SIG_DFL, None):
+            return _outside if sig == signal.SIGUSR1 else signal.SIG_DFL
+        return prev
 
 
 def exit_code(explicit: int | None = None) -> int:

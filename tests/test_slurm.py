@@ -1,0 +1,122 @@
+"""Preemption on a real Slurm cluster (Debian's slurm-wlm on loopback, see
+slurmutil.py): the signal comes from Slurm, the job requeues itself with
+`scontrol requeue`, Slurm starts it again under the same job id, and the
+training ends bit-identical to one that was never interrupted."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_preempt import run_to_end, series
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slurm
+SCRIPT = REPO / "examples" / "preemptible_train.py"
+
+
+def _sbatch(tmp: Path, *directives: str, delay: float) -> str:
+    """Submit the preemptible example as the README's batch script does; returns the job id."""
+    script = tmp / "train.sbatch"
+    lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives)]
+    lines += [
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --output={tmp}/job.out",
+        "export HINDSIGHT_SLURM_REQUEUE=1",
+        f"export HINDSIGHT_HOME={tmp}/home",
+        f"cd {tmp}",
+        # exec: python is the batch shell, so the signal reaches hindsight.
+        f"exec {sys.executable} {SCRIPT} --delay {delay} --out {tmp}/final.pt",
+    ]
+    script.write_text("\n".join(lines) + "\n")
+    out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=30, check=True)
+    return out.stdout.strip().split(";")[0]
+
+
+def _job(job: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30, check=True)
+    return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
+
+
+def _follow(job: str, tmp: Path, limit: float) -> dict[str, str]:
+    """Wait for the job to end. A requeued job waits for a begin time Slurm
+    sets about two minutes ahead; the test moves it to now (as an admin
+    could) so that the suite does not wait."""
+    deadline = time.monotonic() + limit
+    held_since: float | None = None
+    while time.monotonic() < deadline:
+        info = _job(job)
+        state = info.get("JobState")
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return info
+        if state == "PENDING" and info.get("Reason") == "BeginTime":
+            # Not at once: slurmd refuses a credential from the same second as
+            # the revoked one ("Job credential revoked"), which the delay avoids.
+            held_since = held_since or time.monotonic()
+            if time.monotonic() - held_since > 3:
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=30, check=False)
+        else:
+            held_since = None
+        time.sleep(0.5)
+    log = (tmp / "job.out").read_text() if (tmp / "job.out").exists() else ""
+    subprocess.run(["scancel", job], timeout=30, check=False)
+    raise AssertionError(f"job {job} did not end within {limit:.0f}s: {_job(job)}\n{log[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], dict]:
+    d = tmp_path_factory.mktemp("ref")
+    r = run_to_end(d / "home", d / "final.pt")
+    assert r.returncode == 0, r.stderr
+    return torch.load(d / "final.pt"), series(d / "home")
+
+
+def _check_exact(tmp: Path, info: dict[str, str], reference: tuple[dict[str, torch.Tensor], dict]) -> str:
+    log = (tmp / "job.out").read_text()
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert int(info["Restarts"]) >= 1, f"the job was never requeued:\n{log[-3000:]}"
+    assert "exiting with 85" in log
+    assert "resuming run" in log, log[-3000:]
+    final = torch.load(tmp / "final.pt")
+    ref_weights, ref_series = reference
+    for k, v in ref_weights.items():
+        assert torch.equal(final[k], v), k
+    got = series(tmp / "home")
+    assert got["status"] == "completed"
+    assert got["logs"] == ref_series["logs"]  # every step's loss and batch, in order, once
+    return log
+
+
+def test_scancel_usr1_requeues_and_resumes_exactly(slurm, tmp_path, reference):
+    """`scancel --batch --signal=USR1` mid-epoch: checkpoint, `scontrol
+    requeue`, exit 85; Slurm runs the job again, which resumes at the next step."""
+    job = _sbatch(tmp_path, delay=0.05)
+    deadline = time.monotonic() + 120
+    out = tmp_path / "job.out"
+    while not (out.exists() and len(re.findall(r"^step 1 ", out.read_text(), re.M)) >= 3):
+        assert time.monotonic() < deadline, _job(job)
+        assert _job(job)["JobState"] in ("PENDING", "RUNNING"), out.read_text() if out.exists() else _job(job)
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], timeout=30, check=True)
+    info = _follow(job, tmp_path, 240)
+    log = _check_exact(tmp_path, info, reference)
+    assert "SIGUSR1" in log
+
+
+@pytest.mark.slow
+def test_time_limit_signal_requeues_until_done(slurm, tmp_path, reference):
+    """`sbatch --time=1 --signal=B:USR1@50`: Slurm itself warns the job before
+    its time limit (within its 30 s check period); each attempt checkpoints,
+    requeues and resumes, until the training is done."""
+    # 80 steps of 0.6 s outlast the warning; a resumed attempt may be warned again.
+    job = _sbatch(tmp_path, "--time=1", "--signal=B:USR1@50", delay=0.6)
+    info = _follow(job, tmp_path, 420)
+    _check_exact(tmp_path, info, reference)
