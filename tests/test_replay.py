@@ -93,21 +93,28 @@ def values(home: Path, *names: str) -> dict[tuple, dict[str, object]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run that logged the probes from the start."""
-    root = tmp_path_factory.mktemp("reference")
+def record_reference(root: Path) -> Path:
+    """A run that logged the probes from the start; returns its home."""
     script = make_project(root, OUTER_PROBE, INNER_PROBE, PRE_PROBE)
     record(script, root / ".hindsight")
     return root / ".hindsight"
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return record_reference(tmp_path_factory.mktemp("reference"))
+
+
+def record_project(root: Path) -> tuple[Path, Path]:
+    """A recorded run of the unprobed script: (script, home)."""
+    script = make_project(root)
+    record(script, root / ".hindsight")
+    return script, root / ".hindsight"
+
+
 @pytest.fixture
 def recorded(tmp_path: Path) -> tuple[Path, Path]:
-    script = make_project(tmp_path / "proj")
-    home = tmp_path / "proj" / ".hindsight"
-    record(script, home)
-    return script, home
+    return record_project(tmp_path / "proj")
 
 
 def test_outer_loop_probe_replays_without_running_any_step(recorded, reference):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from test_preempt import run_to_end, series
+from test_replay import INNER_PROBE, PRE_PROBE, edit, record_project, record_reference, replay, values
 
 from conftest import REPO
 
@@ -120,3 +121,51 @@ def test_time_limit_signal_requeues_until_done(slurm, tmp_path, reference):
     job = _sbatch(tmp_path, "--time=1", "--signal=B:USR1@50", delay=0.6)
     info = _follow(job, tmp_path, 420)
     _check_exact(tmp_path, info, reference)
+
+
+# --------------------------------------------------------------- replay
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return record_reference(tmp_path_factory.mktemp("reference-replay"))
+
+
+@pytest.fixture
+def recorded_project(tmp_path: Path) -> tuple[Path, Path]:
+    return record_project(tmp_path / "proj")
+
+
+def test_replay_as_a_slurm_job_array_matches_the_reference(slurm, recorded_project, reference_run):
+    """`--launcher slurm -j 2`: two array tasks, each writing its own database
+    (merged into logs.db as tasks end); values equal a run that logged the
+    probes from the start."""
+    script, home = recorded_project
+    edit(script, INNER_PROBE, PRE_PROBE)
+    r = replay(script, home, "--launcher", "slurm", "-j", "2", "--strict")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Slurm job array" in r.stdout and "2 task(s)" in r.stdout
+    got = values(home, "grad_norm", "start_norm")
+    want = values(reference_run, "grad_norm", "start_norm")
+    probed = {ctx: v for ctx, v in want.items() if v}
+    assert len(probed) == 5 * 6 + 5
+    for ctx, v in probed.items():
+        assert got[ctx] == v, ctx
+    assert list((home / "replay").iterdir()) == []  # the tasks' files are gone once merged
+
+
+def test_a_failed_slurm_task_is_reported_and_the_other_tasks_values_kept(slurm, recorded_project):
+    script, home = recorded_project
+    edit(
+        script,
+        (
+            "        sched.step()\n",
+            '        sched.step()\n        hs.log("late", 1 / 0 if epoch == 4 else epoch)\n',
+        ),
+    )
+    r = replay(script, home, "--launcher", "slurm", "-j", "2")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "failed with exit code 1" in r.stderr and "ZeroDivisionError" in r.stderr
+    assert "tasks' files are kept in" in r.stderr
+    got = {ctx: v["late"] for ctx, v in values(home, "late").items() if v}
+    assert got == {(("epoch", e),): e for e in range(4)}

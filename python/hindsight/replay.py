@@ -2,6 +2,7 @@
 their values without re-training.
 
     hindsight replay train.py [--run ID ...] [-j G] [--where "epoch >= 10"] [--force] [--strict]
+                              [--launcher slurm [--sbatch=--partition=P ...]]
 
 New statements outside the inner loops: partial replay (the training steps
 are skipped; each probed iteration's state comes from its checkpoint).
@@ -16,6 +17,8 @@ import ast
 import json
 import os
 import selectors
+import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -300,67 +303,14 @@ def _replay_run(
     )
     start_seq = db.last_seq(run["id"])
     workers = [Worker(w.worker, w.modes, w) for w in plan.workers]
-    # workers x threads <= cores: oversubscribed workers are slower than one.
-    threads = max(1, (os.cpu_count() or 1) // len(workers))
-    recorded_threads = versions.get("torch_threads")
-    if recorded_threads and recorded_threads != threads:
-        print(
-            f"note: each worker uses {threads} thread(s); the recording used {recorded_threads}, "
-            "so values may differ in the last bits",
-            file=sys.stderr,
-        )
     total = sum(sum(1 for m in w.modes.values() if m != "skip") for w in workers)
     start = time.monotonic()
-    sel = selectors.DefaultSelector()
-    with tempfile.TemporaryDirectory(prefix="hindsight-replay-") as tmp:
-        for w in workers:
-            r, wfd = os.pipe()
-            plan_path = Path(tmp) / f"worker-{w.index}.json"
-            plan_path.write_text(w.plan.to_json(wfd))  # the worker protocol: hindsight_core::replay
-            env = {
-                **os.environ,
-                ENV_REPLAY: str(plan_path),
-                ENV_HOME: str(home),
-                "OMP_NUM_THREADS": str(threads),
-                "MKL_NUM_THREADS": str(threads),
-            }
-            # The script as it is now (the one analysed above), which may be a
-            # copy of the recorded one elsewhere, run in the recorded directory.
-            w.proc = subprocess.Popen(
-                [sys.executable, str(script), *argv[1:]],
-                cwd=cwd,
-                env=env,
-                pass_fds=(wfd,),
-                stdout=subprocess.DEVNULL if args.quiet else None,
-                stderr=subprocess.PIPE,
-            )
-            os.close(wfd)
-            w.read_fd = r
-            os.set_blocking(r, False)
-            sel.register(r, selectors.EVENT_READ, w)
-        open_fds = len(workers)
-        while open_fds:
-            for key, _ in sel.select(timeout=0.5):
-                w = key.data
-                chunk = os.read(w.read_fd, 4096)
-                if not chunk:
-                    sel.unregister(w.read_fd)
-                    os.close(w.read_fd)
-                    open_fds -= 1
-                    continue
-                for line in chunk.decode().splitlines():
-                    if line.startswith("steps "):
-                        parts = line.split()
-                        w.steps, w.restored = int(parts[1]), int(parts[3])
-                    elif line.strip():
-                        w.done += 1
-            _progress(workers, total, start)
-        for w in workers:
-            assert w.proc is not None
-            _, err = w.proc.communicate()
-            w.returncode = w.proc.returncode
-            w.stderr_tail = err.decode(errors="replace")[-2000:]
-        _progress(workers, total, start, final=True)
+    worker_argv = [sys.executable, str(script), *argv[1:]]
+    if args.launcher == "slurm":
+        spool = _run_slurm(args, db, run["id"], workers, worker_argv, cwd, home, total, start)
+    else:
+        spool = None
+        _run_local(args, workers, worker_argv, cwd, home, versions, total, start)
     failed = [w for w in workers if w.returncode != 0]
     for w in failed:
         iters = sorted(i for i, m in w.modes.items() if m != "skip")
@@ -388,11 +338,208 @@ def _replay_run(
         f"replayed {total} iteration(s) in {time.monotonic() - start:.1f}s: {restored} restored from "
         f"checkpoints, {steps} inner-loop steps executed; new values: {names}"
     )
+    if spool is not None:
+        if failed:
+            print(f"the Slurm tasks' files are kept in {spool}", file=sys.stderr)
+        else:
+            shutil.rmtree(spool, ignore_errors=True)
     if failed:
         return 1
     if divergences and args.strict:
         return 3
     return 0
+
+
+def _run_local(
+    args: argparse.Namespace,
+    workers: list[Worker],
+    worker_argv: list[str],
+    cwd: str,
+    home: Path,
+    versions: dict[str, Any],
+    total: int,
+    start: float,
+) -> None:
+    """Workers as processes of this machine, writing into the project's logs.db."""
+    # workers x threads <= cores: oversubscribed workers are slower than one.
+    threads = max(1, (os.cpu_count() or 1) // len(workers))
+    recorded_threads = versions.get("torch_threads")
+    if recorded_threads and recorded_threads != threads:
+        print(
+            f"note: each worker uses {threads} thread(s); the recording used {recorded_threads}, "
+            "so values may differ in the last bits",
+            file=sys.stderr,
+        )
+    sel = selectors.DefaultSelector()
+    with tempfile.TemporaryDirectory(prefix="hindsight-replay-") as tmp:
+        for w in workers:
+            r, wfd = os.pipe()
+            plan_path = Path(tmp) / f"worker-{w.index}.json"
+            plan_path.write_text(w.plan.to_json(wfd))  # the worker protocol: hindsight_core::replay
+            env = {
+                **os.environ,
+                ENV_REPLAY: str(plan_path),
+                ENV_HOME: str(home),
+                "OMP_NUM_THREADS": str(threads),
+                "MKL_NUM_THREADS": str(threads),
+            }
+            # The script as it is now (the one analysed), which may be a
+            # copy of the recorded one elsewhere, run in the recorded directory.
+            w.proc = subprocess.Popen(
+                worker_argv,
+                cwd=cwd,
+                env=env,
+                pass_fds=(wfd,),
+                stdout=subprocess.DEVNULL if args.quiet else None,
+                stderr=subprocess.PIPE,
+            )
+            os.close(wfd)
+            w.read_fd = r
+            os.set_blocking(r, False)
+            sel.register(r, selectors.EVENT_READ, w)
+        open_fds = len(workers)
+        while open_fds:
+            for key, _ in sel.select(timeout=0.5):
+                w = key.data
+                chunk = os.read(w.read_fd, 4096)
+                if not chunk:
+                    sel.unregister(w.read_fd)
+                    os.close(w.read_fd)
+                    open_fds -= 1
+                    continue
+                _progress_lines(w, chunk.decode())
+            _progress(workers, total, start)
+        for w in workers:
+            assert w.proc is not None
+            _, err = w.proc.communicate()
+            w.returncode = w.proc.returncode
+            w.stderr_tail = err.decode(errors="replace")[-2000:]
+        _progress(workers, total, start, final=True)
+
+
+def _progress_lines(w: Worker, text: str) -> None:
+    """Count a worker's progress lines (the protocol of hindsight_core::replay)."""
+    for line in text.splitlines():
+        if line.startswith("steps "):
+            parts = line.split()
+            w.steps, w.restored = int(parts[1]), int(parts[3])
+        elif line.strip():
+            w.done += 1
+
+
+# A task whose job left the queue without writing its exit status: how long
+# to wait for the file to appear (a shared file system may show it late).
+_SLURM_GRACE_S = 15.0
+
+
+def _run_slurm(
+    args: argparse.Namespace,
+    db: Any,
+    run_id: str,
+    workers: list[Worker],
+    worker_argv: list[str],
+    cwd: str,
+    home: Path,
+    total: int,
+    start: float,
+) -> Path:
+    """The workers as one Slurm job array, followed to its end. Each task
+    writes its values into a database of its own in the spool directory
+    (under the project home, which the nodes must see); they are merged into
+    logs.db as tasks finish, so no SQLite file is shared over the network."""
+    spool = home / "replay" / f"{run_id}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    spool.mkdir(parents=True)
+    for i, w in enumerate(workers):
+        db.export_run(run_id, spool / f"task-{i}.db")
+        # fd 3: the task's progress file, opened by the batch script.
+        (spool / f"task-{i}.json").write_text(w.plan.to_json(3, spool / f"task-{i}.db"))
+    q = shlex.quote
+    task = f'{q(str(spool))}/task-"$SLURM_ARRAY_TASK_ID"'
+    (spool / "replay.sbatch").write_text(
+        "\n".join(
+            [
+                "#!/bin/bash",
+                f"# hindsight replay of run {run_id}: one task per worker plan.",
+                'export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}" MKL_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"',
+                f"export {ENV_REPLAY}={task}.json {ENV_HOME}={q(str(home))}",
+                f"exec 3>>{task}.progress",
+                " ".join(q(a) for a in worker_argv),
+                # The status file appears whole (rename), or not at all.
+                f"echo $? > {task}.rc.tmp && mv {task}.rc.tmp {task}.rc",
+                "",
+            ]
+        )
+    )
+    cmd = [
+        "sbatch",
+        "--parsable",
+        f"--array=0-{len(workers) - 1}",
+        f"--job-name=hindsight-replay-{run_id}",
+        f"--output={spool}/task-%a.out",
+        f"--chdir={cwd}",
+        *(args.sbatch or []),
+        str(spool / "replay.sbatch"),
+    ]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ReplayError(f"--launcher slurm: could not run sbatch: {e}") from None
+    if out.returncode != 0:
+        raise ReplayError(f"--launcher slurm: sbatch failed ({out.returncode}): {out.stderr.strip()}")
+    job = out.stdout.strip().split(";")[0]
+    print(f"run {run_id}: Slurm job array {job}, {len(workers)} task(s); files in {spool}", flush=True)
+    pending = dict(enumerate(workers))
+    gone_since: float | None = None
+    try:
+        while pending:
+            for i, w in list(pending.items()):
+                progress = spool / f"task-{i}.progress"
+                if progress.exists():
+                    w.done = 0
+                    _progress_lines(w, progress.read_text())
+                rc = spool / f"task-{i}.rc"
+                if rc.exists():
+                    w.returncode = int(rc.read_text().strip() or 1)
+                    _finish_task(db, run_id, spool, i, w)
+                    del pending[i]
+            if pending and not _slurm_job_queued(job):
+                gone_since = gone_since or time.monotonic()
+                if time.monotonic() - gone_since > _SLURM_GRACE_S:
+                    for i, w in pending.items():  # cancelled, timed out, node lost
+                        w.returncode = -1
+                        _finish_task(db, run_id, spool, i, w)
+                    pending.clear()
+            _progress(workers, total, start)
+            if pending:
+                time.sleep(0.5)
+    except KeyboardInterrupt:
+        subprocess.run(["scancel", job], timeout=60, check=False)
+        raise
+    _progress(workers, total, start, final=True)
+    return spool
+
+
+def _finish_task(db: Any, run_id: str, spool: Path, i: int, w: Worker) -> None:
+    """Merge a finished task's values (also a failed one's: its finished
+    iterations are kept, as with local workers) and keep its output's tail."""
+    out = spool / f"task-{i}.out"
+    w.stderr_tail = out.read_text(errors="replace")[-2000:] if out.exists() else ""
+    if w.returncode != 0 and not w.stderr_tail:
+        w.stderr_tail = f"(no output; the task ended without an exit status: see `scontrol show job` or {out})"
+    try:
+        db.import_replay(run_id, spool / f"task-{i}.db")
+    except HindsightError as e:
+        w.returncode = w.returncode or 1
+        w.stderr_tail += f"\nits values could not be merged: {e}"
+
+
+def _slurm_job_queued(job: str) -> bool:
+    """Whether any task of the job is still pending or running."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%i"], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return True  # a busy controller is no evidence that the job ended
+    return bool(out.stdout.strip())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -415,6 +562,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strict", action="store_true", help="exit 3 if replayed values differ from recorded ones")
     p.add_argument("--home", help="project home (default: $HINDSIGHT_HOME or <git root>/.hindsight)")
     p.add_argument("-q", "--quiet", action="store_true", help="hide the workers' standard output")
+    p.add_argument(
+        "--launcher",
+        choices=("local", "slurm"),
+        default="local",
+        help="where the workers run: processes here, or a Slurm job array (one task per worker; "
+        "the project home and the store must be visible to the nodes)",
+    )
+    p.add_argument(
+        "--sbatch",
+        action="append",
+        metavar="ARG",
+        help="an option for sbatch with --launcher slurm, e.g. --sbatch=--partition=gpu (repeatable)",
+    )
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error("-j must be at least 1")

@@ -249,6 +249,17 @@ impl LogDb {
             .collect())
     }
 
+    /// A fresh database at `dest` holding the run, for a replay worker that
+    /// cannot share this one (a Slurm task).
+    fn export_run(&self, py: Python<'_>, run_id: String, dest: PathBuf) -> PyResult<()> {
+        self.with(py, |db| db.export_run(&run_id, &dest))
+    }
+
+    /// Merge the values a worker wrote into `src` (see `export_run`); returns their number.
+    fn import_replay(&self, py: Python<'_>, run_id: String, src: PathBuf) -> PyResult<usize> {
+        self.with(py, |db| db.import_replay(&run_id, &src))
+    }
+
     /// The position of the run's latest log row (0 when none).
     fn last_seq(&self, py: Python<'_>, run_id: String) -> PyResult<i64> {
         self.with(py, |db| db.last_seq(&run_id))
@@ -475,11 +486,13 @@ impl WorkerPlan {
         replay::WorkerPlan::from_json(text).map(WorkerPlan).py_err()
     }
 
-    /// The JSON handed to the worker, with the progress descriptor it inherits.
-    #[pyo3(signature = (progress_fd=None))]
-    fn to_json(&self, progress_fd: Option<i32>) -> PyResult<String> {
+    /// The JSON handed to the worker, with the progress descriptor it
+    /// inherits and the database it writes to (default: the project's).
+    #[pyo3(signature = (progress_fd=None, log_db=None))]
+    fn to_json(&self, progress_fd: Option<i32>, log_db: Option<PathBuf>) -> PyResult<String> {
         let mut p = self.0.clone();
         p.progress_fd = progress_fd;
+        p.log_db = log_db.map(|d| d.to_string_lossy().into_owned());
         p.to_json().py_err()
     }
 
@@ -523,6 +536,11 @@ impl WorkerPlan {
     #[getter]
     fn progress_fd(&self) -> Option<i32> {
         self.0.progress_fd
+    }
+
+    #[getter]
+    fn log_db(&self) -> Option<&str> {
+        self.0.log_db.as_deref()
     }
 }
 

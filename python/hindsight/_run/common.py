@@ -190,7 +190,7 @@ class Run:
         self.paths = _native.project_paths(str(self.script.parent))
         self.home = Path(self.paths.home)
         self.root = self.home.parent
-        self.db = _native.LogDb(str(self.paths.db))  # creates the home durably if needed
+        self.db = _native.LogDb(self._log_db_path())  # creates the home durably if needed
         self.run_id = ""
         self._store: Any = None
         # Where checkpoints go: hs.checkpointing(store=, local_first=), else
@@ -242,6 +242,9 @@ class Run:
         self.safety_seconds: float | None = None
         self.retention: dict[str, Any] = {}
         self._beat_fd, self._next_beat = _heartbeat_fd(), 0.0
+
+    def _log_db_path(self) -> str:
+        return str(self.paths.db)
 
     def heartbeat(self) -> None:
         """Tell `hindsight run` the loop is alive (a byte at most once per second)."""

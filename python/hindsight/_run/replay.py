@@ -24,9 +24,9 @@ class ReplayRun(Run):
     phase = "replay"
 
     def __init__(self, plan_path: str) -> None:
-        super().__init__()
         with open(plan_path) as f:
             self.plan = _native.WorkerPlan.from_json(f.read())
+        super().__init__()
         self.run_id = self.plan.run_id
         row = self.db.run(self.run_id)
         self.recorded_store = row.get("store")
@@ -39,6 +39,10 @@ class ReplayRun(Run):
         self.blocks_restored = 0
         self.last_visited = -1
         atexit.register(self.finish)
+
+    def _log_db_path(self) -> str:
+        # A Slurm task writes its own database, which the driver merges.
+        return self.plan.log_db or super()._log_db_path()
 
     def arg(self, name: str, default: Any) -> Any:
         return self.args.get(name, default)

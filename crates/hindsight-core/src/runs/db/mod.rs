@@ -119,6 +119,7 @@ const RUN_COLUMNS: &str =
 mod iterations;
 mod logs;
 mod runs;
+mod spool;
 #[cfg(test)]
 mod tests;
 

@@ -952,3 +952,86 @@ fn integrity_check_catches_a_damaged_page() {
         .unwrap_err();
     assert!(matches!(e, Error::Corrupt { .. }), "{e:?}");
 }
+
+#[test]
+fn a_worker_database_round_trips_replay_values_through_the_same_rules() {
+    let (dir, db) = temp_db();
+    let id = db.create_run(&new_run("train.py")).unwrap();
+    db.set_store(&id, "/shared/store").unwrap();
+    let it = |idx: u64| IterationRow {
+        loop_name: "epoch".into(),
+        idx,
+        value: Some(idx as i64 + 1),
+        seconds: 1.5,
+        checkpoint: Some(format!("ck{idx}")),
+        materialize_seconds: Some(0.1),
+        restore_seconds: None,
+    };
+    db.record_iterations(&id, &[it(0), it(1)]).unwrap();
+    db.append_logs(&id, Phase::Record, &[row("loss", &[("epoch", 0)], "1.0")])
+        .unwrap();
+
+    let spool_path = dir.path().join("task-0.db");
+    db.export_run(&id, &spool_path).unwrap();
+    // Exported twice into one file would mix two replays: refused.
+    let again = db.export_run(&id, &spool_path).unwrap_err();
+    assert!(again.to_string().contains("task-0.db"), "{again}");
+    {
+        let spool = LogDb::open(&spool_path).unwrap();
+        let copy = spool.run(&id).unwrap();
+        assert_eq!(copy, db.run(&id).unwrap());
+        assert_eq!(
+            spool.iterations(&id, "epoch").unwrap(),
+            db.iterations(&id, "epoch").unwrap()
+        );
+        assert!(
+            spool.logs(&id, &[]).unwrap().is_empty(),
+            "record values stay home"
+        );
+        // The worker: two values, one logged twice in one context, and a restore time.
+        spool
+            .append_logs(
+                &id,
+                Phase::Replay,
+                &[
+                    row("loss", &[("epoch", 0)], "1.5"),
+                    row("grad", &[("epoch", 1)], "2"),
+                    LogRow {
+                        rep: 1,
+                        ..row("grad", &[("epoch", 1)], "3")
+                    },
+                ],
+            )
+            .unwrap();
+        spool.set_restore_seconds(&id, "epoch", 1, 0.25).unwrap();
+    }
+    assert_eq!(db.import_replay(&id, &spool_path).unwrap(), 3);
+    let logs = db.logs(&id, &[]).unwrap();
+    let replayed: Vec<(String, u32, String)> = logs
+        .iter()
+        .filter(|r| r.phase == Phase::Replay)
+        .map(|r| (r.name.clone(), r.rep, r.value_json.clone()))
+        .collect();
+    assert_eq!(
+        replayed,
+        [
+            ("loss".to_string(), 0, "1.5".to_string()),
+            ("grad".to_string(), 0, "2".to_string()),
+            ("grad".to_string(), 1, "3".to_string())
+        ]
+    );
+    // Merged values are judged like a local worker's: 1.0 recorded, 1.5 replayed.
+    assert_eq!(db.divergences(&id).unwrap().len(), 1);
+    assert_eq!(
+        db.iterations(&id, "epoch").unwrap()[1].restore_seconds,
+        Some(0.25)
+    );
+    // Merging again replaces, never duplicates.
+    db.import_replay(&id, &spool_path).unwrap();
+    assert_eq!(db.logs(&id, &[]).unwrap().len(), logs.len());
+    let missing = db
+        .import_replay(&id, &dir.path().join("nope.db"))
+        .unwrap_err();
+    assert!(missing.to_string().contains("nope.db"), "{missing}");
+    assert!(!dir.path().join("nope.db").exists());
+}

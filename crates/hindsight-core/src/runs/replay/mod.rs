@@ -14,7 +14,9 @@
 //! loop, `execute` runs it. Iterations without a mode are skipped. If the
 //! plan has a `progress_fd`, the worker writes one line per finished
 //! iteration to it (`<index>\n`) and, before exiting, one summary line
-//! `steps <inner steps executed> restored <checkpoints restored>\n`.
+//! `steps <inner steps executed> restored <checkpoints restored>\n`. If it
+//! has a `log_db`, the worker reads its run from, and writes its values to,
+//! that database instead of the project's (see `LogDb::export_run`).
 
 pub mod schedule;
 
@@ -48,6 +50,11 @@ pub struct WorkerPlan {
     pub checkpoints: BTreeMap<u64, String>,
     /// A file descriptor inherited from the driver for progress lines.
     pub progress_fd: Option<i32>,
+    /// Where the worker writes its values when it cannot share the project's
+    /// `logs.db` (a Slurm task): a database made by `LogDb::export_run`,
+    /// merged back by `LogDb::import_replay`. `None`: the project's own.
+    #[serde(default)]
+    pub log_db: Option<String>,
 }
 
 impl WorkerPlan {
@@ -205,6 +212,7 @@ pub fn plan(req: &Request<'_>) -> Result<ReplayPlan> {
             modes,
             checkpoints: own,
             progress_fd: None,
+            log_db: None,
         });
     }
     Ok(ReplayPlan { kind, workers })
