@@ -89,7 +89,6 @@ bench: develop-release ## Benchmarks: checkpoints vs torch.save/load, record ove
 
 .PHONY: bench-data
 bench-data: develop-release ## Input service: hs.data.Loader vs DataLoader examples/s, a worker killed (bench-out/data_failover.png), journal replay
-	$(PY) -m pip install --quiet -r requirements-bench.txt
 	$(PY) benches/bench_data.py
 
 # On a GPU machine with no network and no Rust (the lent device machines):

@@ -526,3 +526,36 @@ def test_new_probes_replay_into_runs_of_three_code_versions(tmp_path: Path) -> N
     r = replay(script, home, "--runs", "all")
     assert r.returncode == 1
     assert "cannot all be placed" in r.stderr
+
+
+def test_a_guarded_probe_with_a_helper_variable_and_an_import_matches_the_reference(recorded, reference):
+    """Added code that only observes (an import, an `if` guard, a helper
+    variable) replays like a bare hs.log: the training code is unchanged."""
+    script, home = recorded
+    edit(
+        script,
+        ("import torch\n", "import torch\nimport math\n"),
+        (
+            "            opt.step()\n",
+            "            if epoch % 2 == 0:\n"
+            "                total = sum(p.grad.norm().item() ** 2 for p in net.parameters())\n"
+            '                hs.log("grad_norm", math.sqrt(total))\n'
+            "            opt.step()\n",
+        ),
+    )
+    r = replay(script, home, "-j", "2", "--strict")
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = {c: v for c, v in values(home, "grad_norm").items() if v}
+    want = {c: v for c, v in values(reference, "grad_norm").items() if v and dict(c)["epoch"] % 2 == 0}
+    assert len(want) == 3 * 6
+    assert got.keys() == want.keys()
+    for ctx, v in want.items():
+        assert got[ctx]["grad_norm"] == pytest.approx(v["grad_norm"], rel=1e-12), ctx
+
+
+def test_added_code_that_writes_training_state_is_refused_naming_the_statement(recorded):
+    script, home = recorded
+    edit(script, ("            opt.step()\n", "            opt.step()\n            extra = net[0].weight.mul_(1.0)\n"))
+    r = replay(script, home)
+    assert r.returncode == 1
+    assert "extra = net[0].weight.mul_(1.0): calls net[0].weight.mul_(), an in-place operation" in r.stderr

@@ -75,29 +75,151 @@ def _const_str(call: ast.Call) -> str | None:
     return None
 
 
-class _StripLogs(ast.NodeTransformer):
-    def __init__(self, aliases: _Aliases) -> None:
+# Calls that change what training reads, in an added statement: mutating
+# methods, and draws from a random stream training also draws from.
+_MUTATORS = frozenset(
+    "step zero_grad backward append extend insert pop remove clear update setdefault add discard "
+    "train eval load_state_dict manual_seed seed shuffle write send put".split()
+)
+_RANDOM = frozenset(
+    "rand randn randint randperm rand_like randn_like randint_like bernoulli multinomial normal poisson "
+    "dropout choice choices sample uniform random".split()
+)
+_MUTATING_BUILTINS = frozenset({"next", "setattr", "delattr", "exec", "eval"})
+
+
+def _writes(node: ast.AST, core: set[str]) -> str | None:
+    """Why an added expression may change training state, or None."""
+    for n in ast.walk(node):
+        if isinstance(n, ast.NamedExpr) and isinstance(n.target, ast.Name) and n.target.id in core:
+            return f"assigns '{n.target.id}', which the training code uses"
+        if not isinstance(n, ast.Call):
+            continue
+        f = n.func
+        if isinstance(f, ast.Name) and f.id in _MUTATING_BUILTINS:
+            return f"calls {f.id}(), which changes the object it is given"
+        if isinstance(f, ast.Attribute):
+            chain = ast.unparse(f)
+            if f.attr.endswith("_") and not f.attr.startswith("_"):
+                return f"calls {chain}(), an in-place operation"
+            if f.attr in _MUTATORS:
+                return f"calls {chain}(), which changes its object"
+            if f.attr in _RANDOM or ".random." in f".{chain}.":
+                return f"calls {chain}(), which draws from a random stream training also draws from"
+    return None
+
+
+def _imported(s: ast.Import | ast.ImportFrom) -> dict[str, str]:
+    """name -> what an import binds to it."""
+    if isinstance(s, ast.Import):
+        return {(a.asname or a.name.split(".")[0]): (a.name if a.asname else a.name.split(".")[0]) for a in s.names}
+    return {(a.asname or a.name): f"{'.' * s.level}{s.module}:{a.name}" for a in s.names}
+
+
+def _bound(s: ast.stmt) -> list[str] | None:
+    """The names an assignment binds, or None if it stores elsewhere (an
+    attribute, a subscript) or is another statement."""
+    targets = s.targets if isinstance(s, ast.Assign) else [s.target] if isinstance(s, ast.AnnAssign) else None
+    if targets is None:
+        return None
+    names: list[str] = []
+    for t in targets:
+        for n in ast.walk(t):
+            if isinstance(n, ast.Name):
+                names.append(n.id)
+            elif isinstance(n, (ast.Attribute, ast.Subscript)):
+                return None
+    return names
+
+
+def _names(tree: ast.AST) -> set[str]:
+    """Every name the code binds or reads."""
+    out: set[str] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name):
+            out.add(n.id)
+        elif isinstance(n, ast.alias):
+            out.add((n.asname or n.name).split(".")[0])
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, ast.arg):
+            out.add(n.arg)
+    return out
+
+
+class _StripProbes(ast.NodeTransformer):
+    """Removes the statements that only observe: `hs.log`, and, where `core`
+    (the names of the training code) is given, `print`, imports and
+    assignments of names the training code never uses, and `if` blocks that
+    hold nothing else. What an observing-looking statement writes keeps it
+    (the scripts then differ), with the reason in `refused`."""
+
+    def __init__(self, aliases: _Aliases, core: set[str] | None, imports: dict[str, str] | None = None) -> None:
         self.aliases = aliases
+        self.core = core
+        # What the recorded script's imports bind: importing the same again is no change.
+        self.imports = imports or {}
+        self.refused: list[tuple[ast.stmt, str]] = []
 
     def generic_visit(self, node: ast.AST) -> ast.AST:
         super().generic_visit(node)
         for name in ("body", "orelse", "finalbody"):
             body = getattr(node, name, None)
             if isinstance(body, list) and body and all(isinstance(s, ast.stmt) for s in body):
-                kept = [s for s in body if not self._is_log_stmt(s)]
+                kept = [s for s in body if not self._observes(s)]
                 if not kept and name == "body":
                     kept = [ast.Pass()]
                 setattr(node, name, kept)
         return node
 
-    def _is_log_stmt(self, s: ast.stmt) -> bool:
-        return isinstance(s, ast.Expr) and self.aliases.is_call(s.value, "log")
+    def _observes(self, s: ast.stmt) -> bool:
+        if isinstance(s, ast.Expr) and self.aliases.is_call(s.value, "log"):
+            return True
+        core = self.core
+        if core is None:
+            return False
+        why: str | None = None
+        if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) and ast.unparse(s.value.func) == "print":
+            why = _writes(s.value, core)
+        elif isinstance(s, ast.Expr):
+            # Not an observing statement; say why, if the reason is plain.
+            reason = _writes(s.value, core)
+            if reason is not None:
+                self.refused.append((s, reason))
+            return False
+        elif isinstance(s, (ast.Import, ast.ImportFrom)):
+            rebinds = [n for n, what in _imported(s).items() if n in core and self.imports.get(n) != what]
+            if rebinds:
+                why = f"imports into '{rebinds[0]}', which the training code uses as something else"
+        elif isinstance(s, ast.If):
+            # Its blocks were stripped already (children first): only
+            # observing statements were in them if nothing but `pass` is left.
+            if not all(isinstance(b, ast.Pass) for b in [*s.body, *s.orelse]):
+                return False
+            why = _writes(s.test, core)
+        else:
+            bound = _bound(s)
+            if bound is None:
+                return False
+            used = [n for n in bound if n in core]
+            if used:
+                why = f"assigns '{used[0]}', which the training code uses"
+            else:
+                value = s.value if isinstance(s, (ast.Assign, ast.AnnAssign)) else None
+                why = _writes(value, core) if value is not None else None
+        if why is not None:
+            self.refused.append((s, why))
+            return False
+        return True
 
 
-def _strip(src: str, filename: str) -> tuple[ast.Module, _Aliases]:
+def _strip(
+    src: str, filename: str, core: set[str] | None = None, imports: dict[str, str] | None = None
+) -> tuple[ast.Module, _Aliases, _StripProbes]:
     tree = ast.parse(src, filename=filename)
     aliases = _Aliases(tree)
-    return _StripLogs(aliases).visit(tree), aliases
+    stripper = _StripProbes(aliases, core, imports)
+    return stripper.visit(tree), aliases, stripper
 
 
 @dataclass
@@ -249,23 +371,39 @@ def probes(src: str, filename: str = "<script>") -> tuple[list[Probe], list[str]
 
 
 def analyze(recorded: str, current: str, filename: str = "<script>") -> Analysis:
-    old_tree, _ = _strip(recorded, filename)
-    new_tree, _ = _strip(current, filename)
+    # The training code's names: the recorded script without its hs.log
+    # statements. Added code that binds none of them and calls nothing that
+    # writes only observes (a helper variable, an `if step % 5 == 0:` guard,
+    # an import), and is set aside like hs.log.
+    training = _strip(recorded, filename)[0]
+    core = _names(training)
+    imports: dict[str, str] = {}
+    for n in ast.walk(training):
+        if isinstance(n, (ast.Import, ast.ImportFrom)):
+            imports.update(_imported(n))
+    old_tree, _, _ = _strip(recorded, filename, core, imports)
+    new_tree, _, stripper = _strip(current, filename, core, imports)
     old_dump = ast.dump(old_tree)
     new_dump = ast.dump(new_tree)
     differences: list[str] = []
     if old_dump != new_dump:
-        differences = [
-            line
-            for line in difflib.unified_diff(
+        diff = list(
+            difflib.unified_diff(
                 ast.unparse(old_tree).splitlines(),
                 ast.unparse(new_tree).splitlines(),
-                "recorded (without hs.log)",
-                "current (without hs.log)",
+                "recorded (without observing code)",
+                "current (without observing code)",
                 lineterm="",
                 n=1,
             )
-        ]
+        )
+        # The reasons for the statements the current script adds.
+        added_lines = {line[1:].strip() for line in diff if line.startswith("+") and not line.startswith("+++")}
+        differences = [
+            f"line {st.lineno}: {ast.unparse(st).splitlines()[0]}: {why}"
+            for st, why in stripper.refused
+            if ast.unparse(st).splitlines()[0].strip() in added_lines
+        ] + diff
     old_probes, _ = probes(recorded, filename)
     new_probes, outer = probes(current, filename)
     remaining = [(p.name, p.loops) for p in old_probes]

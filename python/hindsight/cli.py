@@ -82,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write("hindsight replay: --store is ignored (a run replays from the store it recorded)\n")
         home = ["--home", options["--home"]] if "--home" in options else []
         return replay_main([*rest[1:], *home])
+    if rest and rest[0] in ("plot", "export"):
+        # matplotlib and TensorBoard's writer are Python libraries.
+        from hindsight._export import main as export_main
+
+        return export_main(rest[0], rest[1:], options.get("--home"))
     if rest and rest[0] == "record":
         return _record(rest[1:])
     if rest[:2] == ["data", "worker"]:

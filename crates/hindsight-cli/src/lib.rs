@@ -181,6 +181,20 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Draw logged series of runs into an image: NAME... [--run ID] -o FILE.png (provided by the Python package)
+    #[command(disable_help_flag = true)]
+    Plot {
+        /// Arguments for `python -m hindsight plot`
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Write logged series as TensorBoard event files: NAME... --tensorboard DIR (provided by the Python package)
+    #[command(disable_help_flag = true)]
+    Export {
+        /// Arguments for `python -m hindsight export`
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 /// Why a command stopped.
@@ -310,11 +324,9 @@ fn execute(cli: Cli, out: &mut String, err: &mut dyn Write) -> Result<i32, Failu
             // Live messages: the command's own output is interleaved with them.
             Ok(supervise::supervise(&command, &policy, &mut io::stderr())?)
         }
-        Command::Replay { args: _ } => Err(Failure::Usage(
-            "hindsight replay is provided by the Python package: run \
-             `python -m hindsight replay ...` (or the `hindsight` command installed by pip)"
-                .into(),
-        )),
+        Command::Replay { args: _ } => Err(python_only("replay")),
+        Command::Plot { args: _ } => Err(python_only("plot")),
+        Command::Export { args: _ } => Err(python_only("export")),
     }
 }
 
@@ -787,6 +799,14 @@ pub fn human_size(bytes: u64) -> String {
 }
 
 pub use hindsight_core::runs::dates::{format_iso8601, format_utc};
+
+/// Subcommands that run Python (workers, matplotlib, TensorBoard's writer).
+fn python_only(name: &str) -> Failure {
+    Failure::Usage(format!(
+        "hindsight {name} is provided by the Python package: run \
+         `python -m hindsight {name} ...` (or the `hindsight` command installed by pip)"
+    ))
+}
 
 #[cfg(test)]
 mod tests {

@@ -715,6 +715,18 @@ fn replay_points_to_the_python_package() {
     ] {
         assert_eq!(p.hs(args), expect(2, "", msg), "{args:?}");
     }
+    // plot and export too (matplotlib, TensorBoard's writer)
+    for name in ["plot", "export"] {
+        let msg = format!(
+            "error: hindsight {name} is provided by the Python package: run \
+             `python -m hindsight {name} ...` (or the `hindsight` command installed by pip)\n"
+        );
+        assert_eq!(
+            p.hs(&[name, "loss", "-o", "x.png"]),
+            expect(2, "", &msg),
+            "{name}"
+        );
+    }
 }
 
 // ---------------------------------------------------------------------------

@@ -221,6 +221,7 @@ impl LogDb {
                 value_json: r.value_json,
                 phase: r.phase.as_str(),
                 seq: r.seq,
+                created_ms: r.created_ms,
             })
             .collect())
     }
@@ -397,7 +398,6 @@ impl LogDb {
     }
 }
 
-/// One recorded outer-loop iteration.
 /// One stored log row (`LogDb.logs`).
 #[pyclass(module = "hindsight._native", frozen, get_all)]
 #[derive(Debug)]
@@ -412,6 +412,8 @@ pub(crate) struct LogRecord {
     phase: &'static str,
     /// Position in the run's write order.
     seq: i64,
+    /// When it was written (ms since the Unix epoch, UTC).
+    created_ms: u64,
 }
 
 /// A name at one loop context with both phases merged (`LogDb.values`).

@@ -1,0 +1,105 @@
+"""Which added code replay accepts as observing only (seed 000's side-effect
+rules): hs.log, helper variables, `if` guards, imports and prints that write
+nothing the training reads. Anything else is refused, naming the statement."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from hindsight._analysis import analyze
+
+RECORDED = textwrap.dedent(
+    """\
+    import math
+    import random
+    import torch
+    import hindsight as hs
+
+    net = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for epoch in hs.loop("epoch", range(3)):
+        for step in hs.loop("step", range(4)):
+            x = torch.randn(8, 2)
+            loss = net(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            hs.log("loss", loss.item())
+        print("epoch", epoch)
+    """
+)
+
+
+def with_added(after: str, code: str) -> str:
+    """RECORDED with `code` (indented like `after`) inserted after the line `after`."""
+    lines = RECORDED.splitlines(keepends=True)
+    i = next(n for n, line in enumerate(lines) if line.strip() == after)
+    indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+    block = "".join(indent + line + "\n" for line in textwrap.dedent(code).splitlines())
+    return "".join([*lines[: i + 1], block, *lines[i + 1 :]])
+
+
+ACCEPTED = {
+    "if_guard": ("opt.step()", 'if step % 2 == 0:\n    hs.log("w", net.weight.norm().item())'),
+    "helper_variable": (
+        "opt.step()",
+        'gnorm = sum(p.grad.norm() ** 2 for p in net.parameters()) ** 0.5\nhs.log("gnorm", float(gnorm))',
+    ),
+    "import_and_helper": (
+        'print("epoch", epoch)',
+        'import statistics\nratio = math.sqrt(epoch + 1)\nhs.log("ratio", statistics.mean([ratio, 1.0]))',
+    ),
+    "reimport": ("import torch", "import math"),
+    "guard_with_else_and_print": (
+        "opt.step()",
+        'if step == 3:\n    hs.log("last", loss.item())\nelse:\n    print("step", step)',
+    ),
+    "nested_guard": (
+        'print("epoch", epoch)',
+        'if epoch > 0:\n    scale = 2.0\n    if epoch % 2:\n        hs.log("odd", scale * epoch)',
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ACCEPTED))
+def test_observing_code_is_accepted_and_its_probes_found(case: str) -> None:
+    after, code = ACCEPTED[case]
+    a = analyze(RECORDED, with_added(after, code), "train.py")
+    assert a.compatible, a.differences
+    names = {p.name for p in a.new_probes}
+    logged = {line.split('"')[1] for line in code.splitlines() if "hs.log(" in line}
+    assert names == logged
+
+
+REFUSED = {
+    "assigns_training_variable": ("opt.step()", "loss = loss.detach()", "assigns 'loss', which the training code uses"),
+    "in_place": ("opt.step()", "w = net.weight.mul_(1.0)", "net.weight.mul_(), an in-place operation"),
+    "attribute_store": ("opt.step()", "net.weight.requires_grad = False", "net.weight.requires_grad = False"),
+    "mutating_method": ("opt.step()", "if step == 0:\n    opt.step()", "opt.step(), which changes its object"),
+    "random_draw": ("opt.step()", "noise = torch.randn(1)", "draws from a random stream"),
+    "python_random": (
+        'print("epoch", epoch)',
+        "pick = random.random()",
+        "draws from a random stream",
+    ),
+    "consumes_iterator": ("opt.step()", "peek = next(iter([1]))", "next(), which changes the object"),
+    "walrus_in_guard": ("opt.step()", 'if (loss := 0.0) == 0.0:\n    hs.log("z", 0)', "assigns 'loss'"),
+    "rebinding_import": ("opt.step()", "import numpy as torch", "imports into 'torch'"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_code_that_writes_training_state_is_refused_with_the_reason(case: str) -> None:
+    after, code, says = REFUSED[case]
+    a = analyze(RECORDED, with_added(after, code), "train.py")
+    assert not a.compatible
+    text = "\n".join(a.differences)
+    assert says in text, text
+
+
+def test_a_guard_in_the_recorded_script_and_the_current_one_is_no_difference() -> None:
+    guarded = with_added("opt.step()", 'if step % 2 == 0:\n    hs.log("w", 1.0)')
+    a = analyze(guarded, with_added("opt.step()", 'if step % 2 == 0:\n    hs.log("w", 1.0)\nhs.log("v", 2.0)'))
+    assert a.compatible and [p.name for p in a.new_probes] == ["v"]
