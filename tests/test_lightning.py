@@ -156,8 +156,9 @@ def test_epochs_retention_and_exact_resume(pl: Any, tmp_path: Path) -> None:
     original = {s: signal.getsignal(s) for s in SIGNALS}
     model3, _t3 = _fit(pl, tmp_path, 3, [cb, Probe()])
     assert saved == ["lightning.epoch-000000", "lightning.epoch-000001", "lightning.epoch-000002"]
-    # retention keep_last=2 after fit end (removed durably, chunks gc'ed)
-    assert store.list() == ["lightning.epoch-000001", "lightning.epoch-000002"]
+    # retention keep_last=2 after fit end (removed durably, chunks gc'ed); the
+    # `.end` mark says the fit finished
+    assert store.list() == ["lightning.epoch-000001", "lightning.epoch-000002", "lightning.epoch-000003.end"]
     assert store.verify() == []
     assert {s: signal.getsignal(s) for s in SIGNALS} == put_back(original)  # handlers put back
     info = store.info("lightning.epoch-000002")
@@ -170,18 +171,21 @@ def test_epochs_retention_and_exact_resume(pl: Any, tmp_path: Path) -> None:
     assert torch.equal(ckpt["state_dict"]["net.0.weight"], model3.net[0].weight)
     assert list(ckpt["state_dict"]) == list(model3.state_dict())
 
-    path = HindsightCheckpoint.latest_path(store)
-    assert path == "hindsight://lightning.epoch-000002"
-    assert HindsightCheckpoint.latest_path(tmp_path / "store") == path  # a path works too
+    # A finished fit is not resumed by latest_path (a re-launch trains afresh) ...
+    assert HindsightCheckpoint.latest_path(store) is None
     assert HindsightCheckpoint.latest_path(tmp_path / "missing") is None
-
+    assert [e.name for e in HindsightCheckpoint.checkpoints(store)] == [
+        "lightning.epoch-000001",
+        "lightning.epoch-000002",
+    ]
+    # ... but named explicitly, its last epoch extends to 5 epochs.
+    path = "hindsight://lightning.epoch-000002"
     cb5 = HindsightCheckpoint(store, keep_last=2)
-    assert cb5.resume_path() == path
     model5, t5 = _fit(pl, tmp_path, 5, [cb5], ckpt_path=path)
     assert model5.epochs_trained == [3, 4] and model5.first_step == 24  # resumed at epoch 3
     assert t5.global_step == 40
     assert _same_weights(model5, reference)  # bit-identical to the uninterrupted 5-epoch fit
-    assert store.list() == ["lightning.epoch-000003", "lightning.epoch-000004"]
+    assert store.list() == ["lightning.epoch-000003", "lightning.epoch-000004", "lightning.epoch-000005.end"]
 
     # The installed CheckpointIO passes ordinary paths through and writes hindsight:// ones.
     t5.save_checkpoint(tmp_path / "plain.ckpt")
@@ -205,6 +209,7 @@ def test_keep_best_and_keep_every(pl: Any, tmp_path: Path) -> None:
         "lightning.epoch-000001",
         "lightning.epoch-000004",
         "lightning.epoch-000005",
+        "lightning.epoch-000006.end",  # the fit finished
     ]
     assert store.info("lightning.epoch-000001")["meta"]["metric"] == "1.0"
 
@@ -230,7 +235,8 @@ def test_signal_in_process_then_resume(pl: Any, tmp_path: Path) -> None:
     model, t = _fit(pl, tmp_path, 2, [cb2], ckpt_path=cb2.resume_path())
     assert model.epochs_trained == [1] and model.first_step == 12  # resumed at the next step
     assert t.global_step == 16
-    assert store.list() == ["lightning.epoch-000001"]  # the mid-epoch one is superseded
+    # the mid-epoch one is superseded; the fit finished
+    assert store.list() == ["lightning.epoch-000001", "lightning.epoch-000002.end"]
     # Not compared with `reference`: with a plain DataLoader Lightning draws the
     # rest of the epoch from a fresh iterator (documented limitation).
 
@@ -266,7 +272,8 @@ def test_unsupported_hyperparameters_fail_at_fit_start(pl: Any, tmp_path: Path) 
     assert hs.lightning.load(store, allow_pickle=True)["hyper_parameters"]["extra"] == Path("/data")
     # resume through the CheckpointIO the callback installs (with its allow_pickle)
     cb = HindsightCheckpoint(store, allow_pickle=True)
-    model, _t = _fit(pl, tmp_path, 2, [cb], ckpt_path=cb.resume_path(), extra=Path("/data"))
+    assert cb.resume_path() is None  # that fit finished; extend it by naming its last epoch
+    model, _t = _fit(pl, tmp_path, 2, [cb], ckpt_path="hindsight://lightning.epoch-000000", extra=Path("/data"))
     assert model.epochs_trained == [1]
 
 
@@ -292,7 +299,10 @@ def test_every_n_train_steps(pl: Any, tmp_path: Path) -> None:
     cb = HindsightCheckpoint(store, every_n_epochs=None, every_n_train_steps=3)
     _fit(pl, tmp_path, 2, [cb])
     # steps 3, 6, 9, 12, 15 (step 8 and 16 end an epoch: no step checkpoint there)
-    assert store.list() == [f"lightning.epoch-{s // 8:06d}.step-{s:09d}" for s in (3, 6, 9, 12, 15)]
+    assert store.list() == [
+        *(f"lightning.epoch-{s // 8:06d}.step-{s:09d}" for s in (3, 6, 9, 12, 15)),
+        "lightning.epoch-000002.end",
+    ]
     assert hs.lightning.load(store)["global_step"] == 15
 
 
@@ -364,7 +374,24 @@ def test_sigterm_subprocess_exits_85_and_resumes(pl: Any, tmp_path: Path) -> Non
     lines = again.stdout.splitlines()
     assert lines[0] == f"step 1 {step}"  # resumed at the next step
     assert lines[-1] == "done 2 32"
-    assert hs.Store(store_dir).list() == ["lightning.epoch-000000", "lightning.epoch-000001"]
+    assert hs.Store(store_dir).list() == [
+        "lightning.epoch-000000",
+        "lightning.epoch-000001",
+        "lightning.epoch-000002.end",
+    ]
+    # Run again, now finished: a new fit from scratch under a prefix of its own,
+    # the finished one untouched (it used to restore the last epoch and train nothing).
+    fresh = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    assert fresh.stdout.splitlines()[0] == "step 0 0" and fresh.stdout.splitlines()[-1] == "done 2 32"
+    assert hs.Store(store_dir).list() == [
+        "lightning.epoch-000000",
+        "lightning.epoch-000001",
+        "lightning.epoch-000002.end",
+        "lightning.fit2.epoch-000000",
+        "lightning.fit2.epoch-000001",
+        "lightning.fit2.epoch-000002.end",
+    ]
 
 
 def test_import_error_names_the_package() -> None:
@@ -421,14 +448,15 @@ def test_one_naming_and_retention_rule_with_hs_checkpointing(pl: Any, tmp_path: 
     _fit(pl, tmp_path, 4, [HindsightCheckpoint(store, prefix="shared", keep_last=2)])
 
     def ids(prefix: str) -> list[tuple[str, int, str]]:
-        return [(c.loop_name, c.index, c.kind) for c in store.checkpoints(prefix)]
+        # (the callback's `.end` mark of a finished fit is not a training checkpoint)
+        return [(c.loop_name, c.index, c.kind) for c in store.checkpoints(prefix) if c.kind != "end"]
 
     assert ids(run_prefix) == ids("shared") == [("epoch", 2, "block"), ("epoch", 3, "block")]
     for name in store.list():
         ck = _native.CheckpointId.parse(name)
         assert ck is not None and ck.name == name
     assert sorted(n.split(".", 1)[1] for n in store.list() if n.startswith("shared.")) == sorted(
-        n.split(".", 1)[1] for n in store.list() if n.startswith(run_prefix + ".")
+        [*(n.split(".", 1)[1] for n in store.list() if n.startswith(run_prefix + ".")), "epoch-000004.end"]
     )
     # Interim names share one format too (9-digit steps).
     assert _native.CheckpointId("shared", "epoch", 1, "step", 12).name == "shared.epoch-000001.step-000000012"

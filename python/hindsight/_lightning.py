@@ -166,6 +166,9 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         self._signals = _preemption.StopSignals(catch_sigint)
         self.last_saved: str | None = None
         self._last_step_saved = -1
+        # Where this fit writes: `prefix`, or `<prefix>.fitN` for a later
+        # fresh fit in the same store (decided when fit starts).
+        self.fit_prefix = self.prefix
 
     # -- plumbing ----------------------------------------------------------------
     @property
@@ -232,7 +235,9 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
     def _save(self, trainer: Any, end: bool, wait: bool) -> None:
         epoch = trainer.current_epoch
         step = trainer.global_step
-        name = _native.CheckpointId(self.prefix, "epoch", epoch, "block" if end else "step", None if end else step).name
+        name = _native.CheckpointId(
+            self.fit_prefix, "epoch", epoch, "block" if end else "step", None if end else step
+        ).name
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         if trainer.is_global_zero:
             meta: dict[str, object] = {
@@ -287,7 +292,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         if self.keep_last is None and self.keep_best is None and self.keep_every is None:
             return
         self.store.apply_retention(
-            self.prefix,
+            self.fit_prefix,
             keep_last=self.keep_last,
             keep_best=self.keep_best,
             best_mode=self.mode,
@@ -319,9 +324,22 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
                             "tensors) with save_hyperparameters, or pass HindsightCheckpoint(..., "
                             "allow_pickle=True) if the store is trusted (loading then unpickles it)"
                         )
+        self.fit_prefix = self._choose_prefix(trainer)
         self._last_step_saved = trainer.global_step
         self._signals.received = None
         self._signals.install()
+
+    def _choose_prefix(self, trainer: Any) -> str:
+        """A fit resumed from one of our checkpoints continues under its
+        prefix; any other fit starts a new one, so that it never mixes its
+        checkpoints with (or is later resumed as) an earlier fit's."""
+        resumed = _name_of(getattr(trainer, "ckpt_path", None))
+        ck = _native.CheckpointId.parse(resumed) if resumed else None
+        if ck is not None:
+            return ck.prefix
+        if not trainer.is_global_zero:
+            return self.prefix  # only rank zero writes
+        return _native.choose_fit(self.store.list(), self.prefix).fresh_prefix
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Lightning registered its own SIGTERM handler after on_fit_start
@@ -353,6 +371,14 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         if trainer.is_global_zero and self._store is not None:
+            # The mark of a finished fit: `latest_path` then starts the next
+            # fit afresh instead of restoring this one (and training nothing).
+            mark = _native.CheckpointId(self.fit_prefix, "epoch", trainer.current_epoch, "end").name
+            self.store.save(
+                mark,
+                {"finished": True, "epoch": trainer.current_epoch, "global_step": trainer.global_step},
+                meta={"lightning": pl.__version__, "kind": "fit_end"},
+            ).wait()
             self.store.flush()
             self._apply_retention(final=True)
             self.store.gc()

@@ -19,6 +19,7 @@ __all__ = [
     "DataDispatcher",
     "DataUnit",
     "Divergence",
+    "FitChoice",
     "Iteration",
     "JobSpec",
     "LogDb",
@@ -32,6 +33,7 @@ __all__ = [
     "WorkerPlan",
     "checkpoint_exit_code",
     "checkpoint_names",
+    "choose_fit",
     "data_checkpoint_name",
     "data_example_seed",
     "data_latest_checkpoint",
@@ -330,6 +332,19 @@ class WorkerPlan:
     def progress_fd(self) -> int | None: ...
     @property
     def log_db(self) -> str | None: ...
+
+@final
+class FitChoice:
+    """Which Lightning fit a ``Trainer.fit`` continues."""
+
+    @property
+    def resume(self) -> CheckpointId | None: ...
+    @property
+    def latest(self) -> CheckpointId | None: ...
+    @property
+    def fresh_prefix(self) -> str: ...
+
+def choose_fit(names: list[str], base: str) -> FitChoice: ...
 
 @final
 class ReplayPlan:

@@ -43,7 +43,12 @@ What the callback does:
   Lightning restores) with :class:`HindsightCheckpointIO`, which reads
   ``hindsight://`` paths from the store and passes every other path to the
   wrapped IO unchanged. ``HindsightCheckpoint.latest_path(store)`` names the
-  newest checkpoint (None when there is none). Lightning restores the model,
+  newest checkpoint of the newest fit, and None when there is none or that
+  fit finished: a finished fit leaves an ``<prefix>.epoch-<n>.end`` mark, and
+  running the script again trains a new fit (with whatever arguments it now
+  has) under ``<prefix>.fit2`` (then ``.fit3``, ...) instead of restoring the
+  old one and training nothing. To extend a finished fit, name its last
+  checkpoint: ``ckpt_path="hindsight://<prefix>.epoch-000009"``. Lightning restores the model,
   optimizers, schedulers, callbacks and the fit loop (epoch, global step,
   batch position); the callback restores the RNG states (``restore_rng``).
 * Retention (a union; the newest checkpoint is always kept):
@@ -202,10 +207,11 @@ def _open(store: Store | str | os.PathLike[str]) -> tuple[Store | None, bool]:
 
 
 def _entries(store: Store, prefix: str) -> list[Entry]:
+    # `.end`: the mark a finished fit leaves (see `_native.choose_fit`), no trainer state.
     return [
-        Entry(ck.name, ck.index, ck.kind != "step", -1 if ck.step is None else ck.step)
+        Entry(ck.name, ck.index, ck.kind == "block", -1 if ck.step is None else ck.step)
         for ck in store.checkpoints(prefix)
-        if ck.loop_name == "epoch"
+        if ck.loop_name == "epoch" and ck.kind != "end"
     ]
 
 
@@ -223,7 +229,10 @@ def checkpoints(store: Store | str | os.PathLike[str], prefix: str = DEFAULT_PRE
 
 
 def latest(store: Store | str | os.PathLike[str], prefix: str = DEFAULT_PREFIX, *, verify: bool = False) -> str | None:
-    """Name of the newest complete checkpoint (epoch-end or mid-epoch), or None.
+    """Name of the newest complete checkpoint (epoch-end or mid-epoch) of the
+    newest fit under ``prefix``, or None when there is none or that fit
+    finished (a finished fit is never resumed: the next ``fit`` starts afresh
+    under a prefix of its own, ``<prefix>.fit2``, ``<prefix>.fit3``, ...).
 
     With ``verify=True`` every byte of the candidate is read and checked first,
     and a damaged checkpoint is skipped (with a warning) for the one before it;
@@ -234,7 +243,11 @@ def latest(store: Store | str | os.PathLike[str], prefix: str = DEFAULT_PREFIX, 
     if s is None:
         return None
     try:
-        for e in reversed(_entries(s, prefix)):
+        # The newest fit under the prefix, unless it finished (the engine's rule).
+        choice = _native.choose_fit(s.list(), prefix)
+        if choice.resume is None:
+            return None
+        for e in reversed(_entries(s, choice.resume.prefix)):
             if verify:
                 problems = s.verify([e.name])
                 if problems:
@@ -304,15 +317,18 @@ def load(
     allow_pickle: bool = False,
 ) -> dict[str, Any]:
     """The Lightning checkpoint dict ``name`` (a name or ``hindsight://`` path;
-    default the newest), e.g. to ``model.load_state_dict(ckpt["state_dict"])``."""
+    default the newest of the newest fit, finished or not), e.g. to
+    ``model.load_state_dict(ckpt["state_dict"])``."""
     s, owned = _open(store)
     if s is None:
         raise NotFoundError(f"no hindsight store at {os.fspath(store)}")  # type: ignore[arg-type]
     try:
         if name is None:
-            name = latest(s, prefix)
-            if name is None:
+            # The newest model, also of a finished fit (unlike `latest`, which answers "resume where?").
+            newest = _native.choose_fit(s.list(), prefix).latest
+            if newest is None:
                 raise NotFoundError(f"store {s.path} has no checkpoint with prefix {prefix!r}")
+            name = newest.name
         name = _name_of(name) or name
         return _unpack(s.load(name, map_location=_map_location(map_location), allow_pickle=allow_pickle))
     finally:

@@ -514,6 +514,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SaveHandle>()?;
     m.add_class::<buffer::Buffer>()?;
     m.add_class::<naming::PyCheckpointId>()?;
+    m.add_class::<naming::PyFitChoice>()?;
+    m.add_function(wrap_pyfunction!(naming::choose_fit, m)?)?;
     m.add_function(wrap_pyfunction!(run_cli, m)?)?;
     m.add_class::<data::PyJobSpec>()?;
     m.add_class::<data::DataUnit>()?;

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use hindsight_core::checkpoint::naming;
 use hindsight_core::{CheckpointId as Id, CheckpointKind as Kind, Error};
 use pyo3::prelude::*;
 
@@ -100,4 +101,49 @@ impl PyCheckpointId {
     fn __repr__(&self) -> String {
         format!("CheckpointId({:?})", self.0.name())
     }
+}
+
+/// Which Lightning fit a `Trainer.fit` continues (`naming::choose_fit`).
+#[pyclass(
+    module = "hindsight._native",
+    name = "FitChoice",
+    frozen,
+    skip_from_py_object
+)]
+#[derive(Clone, Debug)]
+pub(crate) struct PyFitChoice(naming::FitChoice);
+
+#[pymethods]
+impl PyFitChoice {
+    /// The checkpoint to resume from, or None: start a fresh fit.
+    #[getter]
+    fn resume(&self) -> Option<PyCheckpointId> {
+        self.0.resume.clone().map(PyCheckpointId)
+    }
+
+    /// The newest checkpoint with trainer state of the newest fit, finished or not.
+    #[getter]
+    fn latest(&self) -> Option<PyCheckpointId> {
+        self.0.latest.clone().map(PyCheckpointId)
+    }
+
+    /// The prefix a fit started afresh writes its checkpoints under.
+    #[getter]
+    fn fresh_prefix(&self) -> &str {
+        &self.0.fresh_prefix
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "FitChoice(resume={:?}, fresh_prefix={:?})",
+            self.0.resume.as_ref().map(Id::name),
+            self.0.fresh_prefix
+        )
+    }
+}
+
+/// The fit to continue among checkpoint `names` of fits under prefix `base`.
+#[pyfunction]
+pub(crate) fn choose_fit(names: Vec<String>, base: &str) -> PyFitChoice {
+    PyFitChoice(naming::choose_fit(&names, base))
 }

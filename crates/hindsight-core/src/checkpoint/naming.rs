@@ -184,10 +184,133 @@ pub fn with_prefix<'a>(
     ids
 }
 
+/// Fits (Lightning's `Trainer.fit`) sharing one store and prefix: the first
+/// writes under `<base>`, each later fresh fit under `<base>.fit<N>` (N = 2,
+/// 3, ...), so that a new fit never resumes, nor mixes its checkpoints with,
+/// a finished one. A fit that returned writes an `End` checkpoint of its last
+/// epoch (`<prefix>.epoch-<n>.end`): its mark of being finished.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FitChoice {
+    /// The newest checkpoint of the newest fit when that fit did not finish:
+    /// where `fit` resumes. None: start a fresh fit.
+    pub resume: Option<CheckpointId>,
+    /// The newest checkpoint with trainer state of the newest fit, finished
+    /// or not: what loading "the latest model" means.
+    pub latest: Option<CheckpointId>,
+    /// The prefix a fit started afresh writes under: `<base>` in a store
+    /// without fits, else the generation after the newest.
+    pub fresh_prefix: String,
+}
+
+/// The generation of a fit prefix under `base`: 1 for `base`, N for `base.fitN`.
+pub fn fit_generation(base: &str, prefix: &str) -> Option<u32> {
+    if prefix == base {
+        return Some(1);
+    }
+    let n: u32 = prefix
+        .strip_prefix(base)?
+        .strip_prefix(".fit")?
+        .parse()
+        .ok()?;
+    (n >= 2 && prefix == fit_prefix(base, n)).then_some(n)
+}
+
+/// The prefix of fit generation `n` under `base`.
+pub fn fit_prefix(base: &str, n: u32) -> String {
+    if n <= 1 {
+        base.to_string()
+    } else {
+        format!("{base}.fit{n}")
+    }
+}
+
+/// Which fit a `Trainer.fit` started with no checkpoint path continues,
+/// given the names in the store.
+pub fn choose_fit<'a>(names: impl IntoIterator<Item = &'a String>, base: &str) -> FitChoice {
+    let mut newest: Option<(u32, CheckpointId)> = None;
+    let mut latest: Option<(u32, CheckpointId)> = None;
+    let mut last_generation = 0;
+    for id in names.into_iter().filter_map(|n| CheckpointId::parse(n)) {
+        let Some(generation) = fit_generation(base, &id.prefix) else {
+            continue;
+        };
+        last_generation = last_generation.max(generation);
+        let later = |best: &Option<(u32, CheckpointId)>| match best {
+            None => true,
+            Some((g, b)) => (generation, id.order()) > (*g, b.order()),
+        };
+        if id.kind != Kind::End && later(&latest) {
+            latest = Some((generation, id.clone()));
+        }
+        if later(&newest) {
+            newest = Some((generation, id));
+        }
+    }
+    FitChoice {
+        resume: newest.map(|(_, id)| id).filter(|id| id.kind != Kind::End),
+        latest: latest.map(|(_, id)| id),
+        fresh_prefix: fit_prefix(base, last_generation + 1),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_finished_fit_is_never_resumed_and_the_next_one_gets_its_own_prefix() {
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let empty = choose_fit(&names(&[]), "lightning");
+        assert_eq!(
+            (empty.resume, empty.fresh_prefix.as_str()),
+            (None, "lightning")
+        );
+        // Interrupted in epoch 1: resume its newest checkpoint; a fit started
+        // afresh anyway gets a prefix of its own.
+        let running = names(&[
+            "lightning.epoch-000000",
+            "lightning.epoch-000001.step-000000012",
+            "other.epoch-000005",
+        ]);
+        let c = choose_fit(&running, "lightning");
+        assert_eq!(
+            c.resume.unwrap().name(),
+            "lightning.epoch-000001.step-000000012"
+        );
+        assert_eq!(c.fresh_prefix, "lightning.fit2");
+        // Finished: nothing to resume.
+        let mut done = running.clone();
+        done.push("lightning.epoch-000002.end".into());
+        let c = choose_fit(&done, "lightning");
+        assert_eq!(
+            (c.resume, c.fresh_prefix.as_str()),
+            (None, "lightning.fit2")
+        );
+        assert_eq!(
+            c.latest.unwrap().name(),
+            "lightning.epoch-000001.step-000000012"
+        );
+        // That second fit interrupted at epoch 0: resumed, even though the
+        // first fit's epochs are numbered higher.
+        done.push("lightning.fit2.epoch-000000".into());
+        let c = choose_fit(&done, "lightning");
+        assert_eq!(c.resume.unwrap().name(), "lightning.fit2.epoch-000000");
+        assert_eq!(c.fresh_prefix, "lightning.fit3");
+        done.push("lightning.fit2.epoch-000000.end".into());
+        assert_eq!(choose_fit(&done, "lightning").resume, None);
+        // Look-alikes are not generations.
+        for p in [
+            "lightning.fit1",
+            "lightning.fit02",
+            "lightning.fitx",
+            "lightningfit2",
+            "lightning.fit2.x",
+        ] {
+            assert_eq!(fit_generation("lightning", p), None, "{p}");
+        }
+        assert_eq!(fit_generation("my.model", "my.model.fit12"), Some(12));
+    }
 
     #[test]
     fn names_of_both_front_ends() {
