@@ -11,7 +11,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from hindsight import _native, _preemption
+from hindsight import _native, _preemption, _run
+from hindsight._run.record import RecordRun
 from hindsight._state import rng_state, set_rng_state
 from hindsight._store import Store
 from hindsight.errors import InvalidArgumentError, UnsupportedTypeError
@@ -226,6 +227,8 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
 
     def _exit(self, trainer: Any) -> None:
         self._restore_signals(trainer)
+        if isinstance(_run._RUN, RecordRun):
+            _run._RUN.interrupted()  # the relaunch resumes this run's logs
         zero = bool(trainer.is_global_zero)  # one rank requeues and speaks for all
         _preemption.leave(
             self.stop_signal, str(self.last_saved), self.exit_code, requeue=self.requeue and zero, announce=zero
@@ -348,18 +351,42 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         self._signals.install()
         self._fix_lightning_teardown(trainer)
 
+    # hs.log in the module's hooks: the (epoch, global step) Lightning is at.
+    def _context(self, ctx: list[tuple[str, int]] | None) -> None:
+        run = _run._RUN
+        if run is not None:
+            run.framework_ctx = ctx
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._context([("epoch", trainer.current_epoch), ("step", trainer.global_step)])
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._context([("epoch", trainer.current_epoch)])
+
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._context([("epoch", trainer.current_epoch)])
         epoch_loop = trainer.fit_loop.epoch_loop
         should_accumulate = getattr(epoch_loop, "_should_accumulate", None)
         if callable(should_accumulate) and should_accumulate():
             return  # mid gradient accumulation: not a step boundary
         if self._should_stop(trainer):
             self._save(trainer, end=False, wait=True)
+            self._log_step_metrics(trainer)
             self._exit(trainer)
         n = self.every_n_train_steps
         step = trainer.global_step
         if n and step > self._last_step_saved and step % n == 0 and not epoch_loop.batch_progress.is_last_batch:
             self._save(trainer, end=False, wait=False)
+
+    @staticmethod
+    def _log_step_metrics(trainer: Any) -> None:
+        """Hand this step's `self.log` values to the loggers before leaving
+        mid-epoch: the loop does it only after the batch-end hooks, and the
+        resumed fit starts at the next step, so they would be lost."""
+        connector: Any = getattr(trainer, "_logger_connector", None)
+        if hasattr(connector, "on_batch_end") and hasattr(connector, "update_train_step_metrics"):
+            connector.on_batch_end()
+            connector.update_train_step_metrics()
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         stop = self._should_stop(trainer)
@@ -392,6 +419,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             exception.code = _preemption.exit_code(self.exit_code)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._context(None)
         self._restore_signals(trainer)
 
     def state_dict(self) -> dict[str, Any]:
@@ -401,3 +429,54 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         rng = state_dict.get("rng")
         if self.restore_rng and rng:
             set_rng_state(rng)
+
+
+_loggers = importlib.import_module(pl.__name__ + ".loggers")
+_rank_zero_only = importlib.import_module(pl.__name__ + ".utilities").rank_zero_only
+
+
+class HindsightLogger(_loggers.Logger):  # type: ignore[misc, name-defined]
+    """``self.log`` values into the script's hindsight run, at (epoch, global
+    step): ``Trainer(logger=HindsightLogger())`` (beside other loggers too).
+    The run is the one ``hs.*`` calls record into (created here if the script
+    made none), so ``hs.dataframe``, ``hindsight logs`` and ``hindsight plot``
+    read Lightning's metrics beside ``hs.log`` values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._record: Any = None
+
+    @property
+    def record(self) -> Any:
+        """The hindsight run the values go to (created on first use)."""
+        if self._record is None:
+            self._record = _run.current()
+        return self._record
+
+    @property
+    def name(self) -> str:
+        return "hindsight"
+
+    @property
+    def version(self) -> str:
+        return str(self.record.run_id)
+
+    @_rank_zero_only  # type: ignore[untyped-decorator]
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        params = dict(params) if params is not None and not isinstance(params, dict) else params or {}
+        if isinstance(self.record, RecordRun) and params:
+            self.record.add_args(params, "hyper-parameter")
+
+    @_rank_zero_only  # type: ignore[untyped-decorator]
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        epoch = metrics.get("epoch")
+        ctx = [("epoch", int(epoch))] if epoch is not None else []
+        if step is not None:
+            ctx.append(("step", int(step)))
+        for name, value in metrics.items():
+            if name != "epoch":
+                self.record.log_at(ctx, name, float(value))
+
+    @_rank_zero_only  # type: ignore[untyped-decorator]
+    def finalize(self, status: str) -> None:
+        self.record.flush_logs()

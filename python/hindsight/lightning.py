@@ -51,6 +51,15 @@ What the callback does:
   checkpoint: ``ckpt_path="hindsight://<prefix>.epoch-000009"``. Lightning restores the model,
   optimizers, schedulers, callbacks and the fit loop (epoch, global step,
   batch position); the callback restores the RNG states (``restore_rng``).
+* Hindsight logging: ``Trainer(logger=HindsightLogger())`` records the
+  script as a hindsight run (source, arguments, the module's
+  hyper-parameters) and every ``self.log`` value Lightning hands its loggers
+  at its (epoch, global step); with the callback, ``hs.log`` in
+  ``training_step`` gets the same context, and ``hs.log`` in the epoch hooks
+  (``on_train_epoch_end``, ``on_validation_epoch_end``) the epoch. Read them
+  with ``hs.dataframe``, ``hindsight logs``, ``hindsight plot``. A run stopped
+  by a signal is marked interrupted, and the relaunch that resumes the fit
+  continues its logs in the same run.
 * Retention (a union; the newest checkpoint is always kept):
   ``keep_last=N`` epoch-end checkpoints, ``keep_best=K`` by ``monitor``
   (a key of ``trainer.callback_metrics`` at epoch end, ``mode`` "min" or
@@ -125,6 +134,7 @@ __all__ = [
     "Entry",
     "HindsightCheckpoint",  # noqa: F822 - built on first access (module __getattr__)
     "HindsightCheckpointIO",  # noqa: F822 - built on first access (module __getattr__)
+    "HindsightLogger",  # noqa: F822 - built on first access (module __getattr__)
     "checkpoints",
     "latest",
     "latest_path",
@@ -165,7 +175,7 @@ def _import_lightning() -> Any:
 def __getattr__(name: str) -> Any:
     # The classes subclass Lightning's: defined on first use, so that
     # importing this module does not import Lightning.
-    if name in ("HindsightCheckpoint", "HindsightCheckpointIO"):
+    if name in ("HindsightCheckpoint", "HindsightCheckpointIO", "HindsightLogger"):
         from hindsight import _lightning
 
         return getattr(_lightning, name)

@@ -214,6 +214,11 @@ class Run:
         )
         self.log_thread.start()
         self.stack: list[list[Any]] = []  # [loop name, index]
+        # Loops a framework runs (Lightning): the context of hs.log outside
+        # any hs.loop, set by the framework's hooks; occurrences per context.
+        self.framework_ctx: list[tuple[str, int]] | None = None
+        self.framework_last: list[tuple[str, int]] = []
+        self.reps_framework: dict[str, int] = {}
         self.objects: dict[str, Any] = {}
         # hs.checkpointing() without objects: they are found when the outer
         # loop starts (loopvars.stateful_objects), by name, with a line.
@@ -338,6 +343,9 @@ class Run:
         self._raise_log_error()
 
     def log(self, name: str, value: Any) -> None:
+        if not self.stack and self.framework_ctx is not None:
+            self.log_at(self.framework_ctx, name, value)
+            return
         ctx = [(e[0], e[1]) for e in self.stack]
         reps = self.reps_inner if len(ctx) > 1 else self.reps_outer
         key = (name, tuple(ctx))
@@ -345,6 +353,18 @@ class Run:
         reps[key] = rep + 1
         if self.stale_start:
             return
+        self._append(name, ctx, rep, value)
+
+    def log_at(self, ctx: list[tuple[str, int]], name: str, value: Any) -> None:
+        """`value` at a context of loops a framework runs, not hs.loop
+        (Lightning's epoch and global step: `hindsight.lightning`)."""
+        if ctx != self.framework_last:
+            self.framework_last, self.reps_framework = list(ctx), {}
+        rep = self.reps_framework.get(name, 0)
+        self.reps_framework[name] = rep + 1
+        self._append(name, list(ctx), rep, value)
+
+    def _append(self, name: str, ctx: list[tuple[str, int]], rep: int, value: Any) -> None:
         t = type(value)
         if t is float and value == value and value not in (_INF, -_INF):
             text = repr(value)  # the JSON of a finite float, without the encoder's overhead

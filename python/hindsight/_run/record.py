@@ -34,7 +34,7 @@ from hindsight._run.common import (
     _to_json,
 )
 from hindsight._state import apply_grads, capture, capture_grads, rng_state, set_rng_state, tensor_bytes
-from hindsight.errors import CorruptError, NotFoundError
+from hindsight.errors import CorruptError, HindsightError, NotFoundError
 
 
 class RecordRun(Run):
@@ -410,10 +410,25 @@ class RecordRun(Run):
 
     def _exit_for_signal(self) -> None:
         sig = self.stop_signal
+        self.interrupted()
+        _preemption.leave(sig, f"run {self.run_id}", self.exit_code, requeue=self.requeue)
+
+    def interrupted(self) -> None:
+        """Logs and checkpoints durable, the run marked `interrupted` (so the
+        same command resumes it), before the process leaves for a signal."""
         self.flush_logs()
         if self._store is not None:
             self._store.flush()
         self.db.set_status(self.run_id, "interrupted")
         self.finished = True
         self.signals.restore()
-        _preemption.leave(sig, f"run {self.run_id}", self.exit_code, requeue=self.requeue)
+
+    def add_args(self, params: dict[str, Any], source: str) -> None:
+        """Arguments a framework parsed (Lightning's hyper-parameters), recorded
+        beside hs.arg's; values that are not JSON are left out, saying which."""
+        for k, v in params.items():
+            try:
+                self.args[k] = _to_json(v, k, source)
+            except HindsightError as e:
+                print(f"hindsight: {source} {k!r} not recorded: {e}", file=sys.stderr)
+        self.db.set_args(self.run_id, json.dumps(self.args))
