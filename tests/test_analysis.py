@@ -103,3 +103,18 @@ def test_a_guard_in_the_recorded_script_and_the_current_one_is_no_difference() -
     guarded = with_added("opt.step()", 'if step % 2 == 0:\n    hs.log("w", 1.0)')
     a = analyze(guarded, with_added("opt.step()", 'if step % 2 == 0:\n    hs.log("w", 1.0)\nhs.log("v", 2.0)'))
     assert a.compatible and [p.name for p in a.new_probes] == ["v"]
+
+
+def test_a_transplanted_statement_that_reads_an_added_helper_is_refused() -> None:
+    from hindsight._analysis import transplant
+
+    current = with_added('print("epoch", epoch)', 'ratio = epoch / 3\nprint("r")\nhs.log("ratio", ratio)')
+    older = RECORDED.replace('        print("epoch", epoch)\n', '        print("epoch", epoch)\n        print("r")\n')
+    src, problems = transplant(older, current, "train.py")
+    assert src is None
+    assert problems == ["hs.log('ratio') at line 19: reads ratio, which the recorded script does not define"]
+    # A statement reading only what the older version defines is placed.
+    src, problems = transplant(
+        older, with_added('print("epoch", epoch)', 'hs.log("e", sum(math.sqrt(q) for q in [epoch]))'), "t.py"
+    )
+    assert problems == [] and src is not None and "math.sqrt(q) for q in [epoch]" in src

@@ -559,3 +559,59 @@ def test_added_code_that_writes_training_state_is_refused_naming_the_statement(r
     r = replay(script, home)
     assert r.returncode == 1
     assert "extra = net[0].weight.mul_(1.0): calls net[0].weight.mul_(), an in-place operation" in r.stderr
+
+
+def test_runs_share_one_worker_budget(tmp_path: Path) -> None:
+    """`--runs all -j 2` over two runs of an inner-loop probe: four workers,
+    never more than two at once, each run's values its own reference's."""
+    probe = (
+        "            opt.step()\n",
+        '            hs.log("pid", os.getpid())\n'
+        '            hs.log("grad_norm", sum(p.grad.norm().item() ** 2 for p in net.parameters()) ** 0.5)\n'
+        "            opt.step()\n",
+    )
+    imports = ("import torch\n", "import os\nimport torch\n")
+    want = []
+    for seed in ("0", "1"):
+        ref = make_project(tmp_path / f"ref{seed}", imports, probe)
+        subprocess.run(
+            [sys.executable, str(ref), *ARGS, "--seed", seed],
+            env=env_for(ref.parent / ".hindsight"),
+            capture_output=True,
+            timeout=300,
+            cwd=ref.parent,
+            check=True,
+        )
+        want.append({c: v["grad_norm"] for c, v in values(ref.parent / ".hindsight", "grad_norm").items() if v})
+    assert want[0] != want[1]
+    script = make_project(tmp_path / "proj")
+    home = tmp_path / "proj" / ".hindsight"
+    for seed in ("0", "1"):
+        r = subprocess.run(
+            [sys.executable, str(script), *ARGS, "--seed", seed],
+            env=env_for(home),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=script.parent,
+        )
+        assert r.returncode == 0, r.stderr
+    edit(script, imports, probe)
+    r = replay(script, home, "--runs", "all", "-j", "2", "--strict")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("parallel replay of grad_norm, pid on 2 worker(s)") == 2, r.stdout
+    from hindsight import _native
+
+    db = _native.LogDb(str(home / "logs.db"))
+    runs = sorted(db.runs(), key=lambda r: r["started_ms"])
+    spans: dict[int, list[int]] = {}
+    for run, w in zip(runs, want, strict=True):
+        got = {tuple(v.ctx): json.loads(v.value_json) for v in db.values(run["id"], ["grad_norm"])}
+        assert got == pytest.approx({tuple(map(tuple, c)): x for c, x in w.items()}, rel=1e-9)
+        for rec in db.logs(run["id"], ["pid"]):
+            span = spans.setdefault(int(rec.value_json), [rec.created_ms, rec.created_ms])
+            span[0], span[1] = min(span[0], rec.created_ms), max(span[1], rec.created_ms)
+    assert len(spans) == 4  # two workers per run
+    # At no instant were more than two workers logging.
+    for t in {t for s in spans.values() for t in s}:
+        assert sum(1 for a, b in spans.values() if a <= t <= b) <= 2, spans

@@ -10,6 +10,7 @@ are equal after removing every `hs.log(...)` statement.
 from __future__ import annotations
 
 import ast
+import builtins
 import difflib
 from dataclasses import dataclass, field
 
@@ -496,10 +497,19 @@ def transplant(recorded: str, current: str, filename: str = "<script>") -> tuple
             anchors.setdefault((chain, _header(s)), []).append((body, s))
     problems: list[str] = []
     placed: dict[int, int] = {}  # id(anchor statement or block) -> statements inserted after it
+    known = _names(rec_tree) | set(dir(builtins))
     for chain, prev, name, stmt in _log_sites(cur_tree, cur_aliases):
         if (chain, prev, name) in have:
             continue
         where = f"hs.log({name!r}) at line {stmt.lineno}"
+        # Only hs.log statements move: one that reads a helper added beside it cannot.
+        inside = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        inside |= {n.arg for n in ast.walk(stmt) if isinstance(n, ast.arg)}
+        read = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        missing = sorted(read - inside - known)
+        if missing:
+            problems.append(f"{where}: reads {', '.join(missing)}, which the recorded script does not define")
+            continue
         if prev is None:
             blocks = starts.get(chain, [])
             if len(blocks) != 1:

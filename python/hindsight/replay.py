@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -121,9 +121,14 @@ def _read_script(path: Path) -> str:
 
 @dataclass
 class Worker:
+    """One worker process of one run's replay."""
+
     index: int
     modes: dict[int, str]
     plan: Any
+    run_id: str = ""
+    argv: list[str] = field(default_factory=list)
+    cwd: str = ""
     proc: subprocess.Popen[bytes] | None = None
     read_fd: int = -1
     done: int = 0
@@ -133,11 +138,24 @@ class Worker:
     stderr_tail: str = ""
 
 
+@dataclass
+class RunJob:
+    """A run's planned replay: its workers, and what the report needs."""
+
+    run_id: str
+    names: str
+    workers: list[Worker]
+    total: int
+    start_seq: int
+    versions: dict[str, Any]
+    temp_script: Path | None = None
+
+
 def _progress(workers: list[Worker], total: int, start: float, final: bool = False) -> None:
     done = sum(w.done for w in workers)
     width = 30
     filled = int(width * done / max(total, 1))
-    per = " ".join(f"w{w.index}:{w.done}/{sum(1 for m in w.modes.values() if m != 'skip')}" for w in workers)
+    per = " ".join(f"w{i}:{w.done}/{sum(1 for m in w.modes.values() if m != 'skip')}" for i, w in enumerate(workers))
     line = f"\rreplay [{'#' * filled}{'-' * (width - filled)}] {done}/{total} iterations  {per}  {time.monotonic() - start:.1f}s"
     if sys.stderr.isatty():
         sys.stderr.write(line + ("\n" if final else ""))
@@ -199,19 +217,45 @@ def replay(args: argparse.Namespace) -> int:
     current = _read_script(script)
     status = 0
     names_at: dict[str, set[str]] = {}
-    for run in runs:
-        # Each run's checkpoints are where it wrote them (recorded in logs.db).
-        location = run.get("store") or str(paths.store)
-        if location not in names_at:
-            names_at[location] = set(_native.checkpoint_names(location))
-        if len(runs) == 1:
-            return replay_one(args, db, names_at[location], run, script, current, home)
-        try:
-            status |= replay_one(args, db, names_at[location], run, script, current, home)
-        except HindsightError as e:  # one run refused: say so, go on with the others
-            print(f"run {run['id']}: error: {e}", file=sys.stderr, flush=True)
-            status |= 1
-    return status
+    jobs: list[RunJob] = []
+    try:
+        # Plan every run first: their workers then share one budget (-j).
+        for run in runs:
+            # Each run's checkpoints are where it wrote them (recorded in logs.db).
+            location = run.get("store") or str(paths.store)
+            if location not in names_at:
+                names_at[location] = set(_native.checkpoint_names(location))
+            try:
+                job = _prepare(args, db, names_at[location], run, script, current)
+            except HindsightError as e:
+                if len(runs) == 1:
+                    raise
+                print(f"run {run['id']}: error: {e}", file=sys.stderr, flush=True)  # the others go on
+                status |= 1
+                continue
+            if job is not None:
+                jobs.append(job)
+        if not jobs:
+            return status
+        workers = [w for j in jobs for w in j.workers]
+        start = time.monotonic()
+        spool = None
+        if args.launcher == "slurm":
+            spool = _run_slurm(args, db, workers, home, start)
+        else:
+            _run_local(args, workers, home, jobs[0].versions if len(jobs) == 1 else {}, start)
+        for job in jobs:
+            status |= _report(args, db, job, start)
+        if spool is not None:
+            if any(w.returncode != 0 for w in workers):
+                print(f"the Slurm tasks' files are kept in {spool}", file=sys.stderr)
+            else:
+                shutil.rmtree(spool, ignore_errors=True)
+        return status
+    finally:
+        for job in jobs:
+            if job.temp_script is not None:
+                job.temp_script.unlink(missing_ok=True)
 
 
 def _runs_of(db: Any, script: Path, which: list[str], since: str | None) -> list[dict[str, Any]]:
@@ -236,21 +280,22 @@ def _runs_of(db: Any, script: Path, which: list[str], since: str | None) -> list
     return sorted(runs, key=lambda r: r.get("started_ms") or 0)
 
 
-def replay_one(
+def _prepare(
     args: argparse.Namespace,
     db: Any,
     store_names: set[str],
     run: dict[str, Any],
     script: Path,
     current: str,
-    home: Path,
-) -> int:
+) -> RunJob | None:
+    """The replay plan of one run and its workers' command lines; None when
+    there is nothing new to compute."""
     files = db.get_source(run["source_hash"])
     recorded = files.get(run["script"])
     if recorded is None:
         raise NotFoundError(f"run {run['id']} has no recorded source for {run['script']}")
     analysis = analyze(recorded, current, run["script"])
-    to_run = script
+    to_run, temp = script, None
     if not analysis.compatible and not args.force:
         # Recorded from another version: put the new hs.log statements into
         # that version's own source, where they belong.
@@ -260,38 +305,29 @@ def replay_one(
             diff = "\n".join("  " + line for line in analysis.differences[:60])
             why = "\n".join("  " + p for p in problems)
             raise ReplayError(
-                f"{run['script']} changed since run {run['id']} in ways other than added hs.log "
-                "statements, and the new statements cannot all be placed into the recorded version:\n"
+                f"{run['script']} changed since run {run['id']} in ways other than added observing "
+                "code, and the new statements cannot all be placed into the recorded version:\n"
                 f"{why}\nDifferences:\n{diff}\n(pass --force to replay the current script anyway)"
             )
         analysis = placed
-        to_run = script.parent / f".hindsight-replay-{run['id']}.py"
-        to_run.write_text(src or "")
+        to_run = temp = script.parent / f".hindsight-replay-{run['id']}.py"
+        temp.write_text(src or "")
         print(
             f"run {run['id']}: recorded from another version of {run['script']}; "
             "the new hs.log statements were placed into its recorded source",
             flush=True,
         )
-    try:
-        return _replay_run(args, db, store_names, run, to_run, analysis, home)
-    finally:
-        if to_run != script:
-            to_run.unlink(missing_ok=True)
-
-
-def _replay_run(
-    args: argparse.Namespace,
-    db: Any,
-    store_names: set[str],
-    run: dict[str, Any],
-    script: Path,
-    analysis: Analysis,
-    home: Path,
-) -> int:
     if not analysis.new_probes:
         print(f"run {run['id']}: no new hs.log statements; nothing to compute")
-        return 0
-    plan = plan_run(db, store_names, run, analysis, args.jobs, args.where)
+        if temp is not None:
+            temp.unlink(missing_ok=True)
+        return None
+    try:
+        plan = plan_run(db, store_names, run, analysis, args.jobs, args.where)
+    except BaseException:
+        if temp is not None:
+            temp.unlink(missing_ok=True)
+        raise
     names = ", ".join(sorted({p.name for p in analysis.new_probes}))
     print(f"run {run['id']}: {plan.kind} replay of {names} on {len(plan.workers)} worker(s)", flush=True)
     versions = json.loads(run["versions_json"] or "{}")
@@ -301,48 +337,43 @@ def _replay_run(
         if versions.get("cwd") and Path(versions["cwd"]).is_dir()
         else str(Path(run["script_abs"]).parent)
     )
-    start_seq = db.last_seq(run["id"])
-    workers = [Worker(w.worker, w.modes, w) for w in plan.workers]
+    # The script as it is now (the one analysed), which may be a copy of the
+    # recorded one elsewhere, run in the recorded directory.
+    worker_argv = [sys.executable, str(to_run), *argv[1:]]
+    workers = [Worker(w.worker, w.modes, w, run["id"], worker_argv, cwd) for w in plan.workers]
     total = sum(sum(1 for m in w.modes.values() if m != "skip") for w in workers)
-    start = time.monotonic()
-    worker_argv = [sys.executable, str(script), *argv[1:]]
-    if args.launcher == "slurm":
-        spool = _run_slurm(args, db, run["id"], workers, worker_argv, cwd, home, total, start)
-    else:
-        spool = None
-        _run_local(args, workers, worker_argv, cwd, home, versions, total, start)
-    failed = [w for w in workers if w.returncode != 0]
+    return RunJob(run["id"], names, workers, total, db.last_seq(run["id"]), versions, temp)
+
+
+def _report(args: argparse.Namespace, db: Any, job: RunJob, start: float) -> int:
+    """Failures, divergences and the summary of one run's replay; its exit status."""
+    failed = [w for w in job.workers if w.returncode != 0]
     for w in failed:
         iters = sorted(i for i, m in w.modes.items() if m != "skip")
         print(
-            f"worker {w.index} (iterations {iters[0]}..{iters[-1]}) failed with exit code {w.returncode}; "
-            f"the values of finished iterations are kept:\n{w.stderr_tail}",
+            f"run {job.run_id}: worker {w.index} (iterations {iters[0]}..{iters[-1]}) failed with exit code "
+            f"{w.returncode}; the values of finished iterations are kept:\n{w.stderr_tail}",
             file=sys.stderr,
         )
-    for w in workers:
+    for w in job.workers:
         if w.returncode == 0 and w.stderr_tail.strip():
             sys.stderr.write(w.stderr_tail)
     # Judge only what this replay wrote, not rows an earlier one left.
-    divergences = db.divergences(run["id"], start_seq)
+    divergences = db.divergences(job.run_id, job.start_seq)
     if divergences:
         first = divergences[0]
         where = ", ".join(f"{k}={v}" for k, v in first.ctx) or "top level"
         print(
-            f"DIVERGENCE in run {run['id']}: {len(divergences)} value(s) differ between record and replay; "
+            f"DIVERGENCE in run {job.run_id}: {len(divergences)} value(s) differ between record and replay; "
             f"first: {first.name} at {where}: recorded {first.record_value}, replayed {first.replay_value}",
             file=sys.stderr,
         )
-    steps = sum(w.steps for w in workers)
-    restored = sum(w.restored for w in workers)
+    steps = sum(w.steps for w in job.workers)
+    restored = sum(w.restored for w in job.workers)
     print(
-        f"replayed {total} iteration(s) in {time.monotonic() - start:.1f}s: {restored} restored from "
-        f"checkpoints, {steps} inner-loop steps executed; new values: {names}"
+        f"replayed {job.total} iteration(s) in {time.monotonic() - start:.1f}s: {restored} restored from "
+        f"checkpoints, {steps} inner-loop steps executed; new values: {job.names}"
     )
-    if spool is not None:
-        if failed:
-            print(f"the Slurm tasks' files are kept in {spool}", file=sys.stderr)
-        else:
-            shutil.rmtree(spool, ignore_errors=True)
     if failed:
         return 1
     if divergences and args.strict:
@@ -353,16 +384,15 @@ def _replay_run(
 def _run_local(
     args: argparse.Namespace,
     workers: list[Worker],
-    worker_argv: list[str],
-    cwd: str,
     home: Path,
     versions: dict[str, Any],
-    total: int,
     start: float,
 ) -> None:
-    """Workers as processes of this machine, writing into the project's logs.db."""
+    """Workers as processes of this machine, writing into the project's
+    logs.db: at most -j at a time, over all runs' workers."""
+    budget = max(1, min(args.jobs, len(workers)))
     # workers x threads <= cores: oversubscribed workers are slower than one.
-    threads = max(1, (os.cpu_count() or 1) // len(workers))
+    threads = max(1, (os.cpu_count() or 1) // budget)
     recorded_threads = versions.get("torch_threads")
     if recorded_threads and recorded_threads != threads:
         print(
@@ -370,11 +400,15 @@ def _run_local(
             "so values may differ in the last bits",
             file=sys.stderr,
         )
+    total = sum(sum(1 for m in w.modes.values() if m != "skip") for w in workers)
     sel = selectors.DefaultSelector()
+    waiting = list(workers)
+    running = 0
     with tempfile.TemporaryDirectory(prefix="hindsight-replay-") as tmp:
-        for w in workers:
+
+        def launch(n: int, w: Worker) -> None:
             r, wfd = os.pipe()
-            plan_path = Path(tmp) / f"worker-{w.index}.json"
+            plan_path = Path(tmp) / f"worker-{n}.json"
             plan_path.write_text(w.plan.to_json(wfd))  # the worker protocol: hindsight_core::replay
             env = {
                 **os.environ,
@@ -383,11 +417,9 @@ def _run_local(
                 "OMP_NUM_THREADS": str(threads),
                 "MKL_NUM_THREADS": str(threads),
             }
-            # The script as it is now (the one analysed), which may be a
-            # copy of the recorded one elsewhere, run in the recorded directory.
             w.proc = subprocess.Popen(
-                worker_argv,
-                cwd=cwd,
+                w.argv,
+                cwd=w.cwd,
                 env=env,
                 pass_fds=(wfd,),
                 stdout=subprocess.DEVNULL if args.quiet else None,
@@ -397,23 +429,27 @@ def _run_local(
             w.read_fd = r
             os.set_blocking(r, False)
             sel.register(r, selectors.EVENT_READ, w)
-        open_fds = len(workers)
-        while open_fds:
+
+        launched = 0
+        while waiting or running:
+            while waiting and running < budget:
+                launch(launched, waiting.pop(0))
+                launched += 1
+                running += 1
             for key, _ in sel.select(timeout=0.5):
                 w = key.data
                 chunk = os.read(w.read_fd, 4096)
-                if not chunk:
-                    sel.unregister(w.read_fd)
-                    os.close(w.read_fd)
-                    open_fds -= 1
+                if chunk:
+                    _progress_lines(w, chunk.decode())
                     continue
-                _progress_lines(w, chunk.decode())
+                sel.unregister(w.read_fd)
+                os.close(w.read_fd)
+                assert w.proc is not None
+                _, err = w.proc.communicate()
+                w.returncode = w.proc.returncode
+                w.stderr_tail = err.decode(errors="replace")[-2000:]
+                running -= 1
             _progress(workers, total, start)
-        for w in workers:
-            assert w.proc is not None
-            _, err = w.proc.communicate()
-            w.returncode = w.proc.returncode
-            w.stderr_tail = err.decode(errors="replace")[-2000:]
         _progress(workers, total, start, final=True)
 
 
@@ -432,51 +468,45 @@ def _progress_lines(w: Worker, text: str) -> None:
 _SLURM_GRACE_S = 15.0
 
 
-def _run_slurm(
-    args: argparse.Namespace,
-    db: Any,
-    run_id: str,
-    workers: list[Worker],
-    worker_argv: list[str],
-    cwd: str,
-    home: Path,
-    total: int,
-    start: float,
-) -> Path:
-    """The workers as one Slurm job array, followed to its end. Each task
-    writes its values into a database of its own in the spool directory
-    (under the project home, which the nodes must see); they are merged into
-    logs.db as tasks finish, so no SQLite file is shared over the network."""
-    spool = home / "replay" / f"{run_id}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+def _run_slurm(args: argparse.Namespace, db: Any, workers: list[Worker], home: Path, start: float) -> Path:
+    """The workers (of every run) as one Slurm job array, followed to its end.
+    Each task writes its values into a database of its own in the spool
+    directory (under the project home, which the nodes must see); they are
+    merged into logs.db as tasks finish, so no SQLite file is shared over
+    the network."""
+    spool = home / "replay" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     spool.mkdir(parents=True)
-    for i, w in enumerate(workers):
-        db.export_run(run_id, spool / f"task-{i}.db")
-        # fd 3: the task's progress file, opened by the batch script.
-        (spool / f"task-{i}.json").write_text(w.plan.to_json(3, spool / f"task-{i}.db"))
     q = shlex.quote
-    task = f'{q(str(spool))}/task-"$SLURM_ARRAY_TASK_ID"'
-    (spool / "replay.sbatch").write_text(
-        "\n".join(
-            [
-                "#!/bin/bash",
-                f"# hindsight replay of run {run_id}: one task per worker plan.",
-                'export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}" MKL_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"',
-                f"export {ENV_REPLAY}={task}.json {ENV_HOME}={q(str(home))}",
-                f"exec 3>>{task}.progress",
-                " ".join(q(a) for a in worker_argv),
-                # The status file appears whole (rename), or not at all.
-                f"echo $? > {task}.rc.tmp && mv {task}.rc.tmp {task}.rc",
-                "",
-            ]
+    for i, w in enumerate(workers):
+        task = spool / f"task-{i}"
+        db.export_run(w.run_id, f"{task}.db")
+        # fd 3: the task's progress file, opened by its script.
+        Path(f"{task}.json").write_text(w.plan.to_json(3, f"{task}.db"))
+        Path(f"{task}.sh").write_text(
+            "\n".join(
+                [
+                    f"# hindsight replay of run {w.run_id}, worker {w.index}",
+                    f"cd {q(w.cwd)} || exit 1",
+                    'export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}" MKL_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"',
+                    f"export {ENV_REPLAY}={q(str(task))}.json {ENV_HOME}={q(str(home))}",
+                    f"exec 3>>{q(str(task))}.progress",
+                    " ".join(q(a) for a in w.argv),
+                    # The status file appears whole (rename), or not at all.
+                    f"echo $? > {q(str(task))}.rc.tmp && mv {q(str(task))}.rc.tmp {q(str(task))}.rc",
+                    "",
+                ]
+            )
         )
+    (spool / "replay.sbatch").write_text(
+        f'#!/bin/bash\n# hindsight replay: one task per worker plan\nexec bash {q(str(spool))}/task-"$SLURM_ARRAY_TASK_ID".sh\n'
     )
+    runs = sorted({w.run_id for w in workers})
     cmd = [
         "sbatch",
         "--parsable",
         f"--array=0-{len(workers) - 1}",
-        f"--job-name=hindsight-replay-{run_id}",
+        f"--job-name=hindsight-replay-{runs[0]}" + (f"+{len(runs) - 1}" if len(runs) > 1 else ""),
         f"--output={spool}/task-%a.out",
-        f"--chdir={cwd}",
         *(args.sbatch or []),
         str(spool / "replay.sbatch"),
     ]
@@ -487,7 +517,8 @@ def _run_slurm(
     if out.returncode != 0:
         raise ReplayError(f"--launcher slurm: sbatch failed ({out.returncode}): {out.stderr.strip()}")
     job = out.stdout.strip().split(";")[0]
-    print(f"run {run_id}: Slurm job array {job}, {len(workers)} task(s); files in {spool}", flush=True)
+    print(f"Slurm job array {job}, {len(workers)} task(s) for {len(runs)} run(s); files in {spool}", flush=True)
+    total = sum(sum(1 for m in w.modes.values() if m != "skip") for w in workers)
     pending = dict(enumerate(workers))
     gone_since: float | None = None
     try:
@@ -500,14 +531,14 @@ def _run_slurm(
                 rc = spool / f"task-{i}.rc"
                 if rc.exists():
                     w.returncode = int(rc.read_text().strip() or 1)
-                    _finish_task(db, run_id, spool, i, w)
+                    _finish_task(db, spool, i, w)
                     del pending[i]
             if pending and not _slurm_job_queued(job):
                 gone_since = gone_since or time.monotonic()
                 if time.monotonic() - gone_since > _SLURM_GRACE_S:
                     for i, w in pending.items():  # cancelled, timed out, node lost
                         w.returncode = -1
-                        _finish_task(db, run_id, spool, i, w)
+                        _finish_task(db, spool, i, w)
                     pending.clear()
             _progress(workers, total, start)
             if pending:
@@ -519,7 +550,7 @@ def _run_slurm(
     return spool
 
 
-def _finish_task(db: Any, run_id: str, spool: Path, i: int, w: Worker) -> None:
+def _finish_task(db: Any, spool: Path, i: int, w: Worker) -> None:
     """Merge a finished task's values (also a failed one's: its finished
     iterations are kept, as with local workers) and keep its output's tail."""
     out = spool / f"task-{i}.out"
@@ -527,7 +558,7 @@ def _finish_task(db: Any, run_id: str, spool: Path, i: int, w: Worker) -> None:
     if w.returncode != 0 and not w.stderr_tail:
         w.stderr_tail = f"(no output; the task ended without an exit status: see `scontrol show job` or {out})"
     try:
-        db.import_replay(run_id, spool / f"task-{i}.db")
+        db.import_replay(w.run_id, spool / f"task-{i}.db")
     except HindsightError as e:
         w.returncode = w.returncode or 1
         w.stderr_tail += f"\nits values could not be merged: {e}"
