@@ -108,9 +108,8 @@ def test_ctrl_c_interrupts_a_blocked_wait(store_dir):
                 """
 import signal, sys, time, torch, hindsight as hs
 # What a terminal gives a program: Python's SIGINT handler, SIGINT unblocked.
-# A child inherits ignored or blocked signals from the test process, where an
-# earlier in-process test may have left them so (the CI failures: the wait
-# polled, but the signal never reached Python).
+# A child inherits an ignored SIGINT (a shell without job control starts
+# background commands so: `make test &`), and Python then installs no handler.
 inherited = (signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]))
 signal.signal(signal.SIGINT, signal.default_int_handler)
 store = hs.Store(sys.argv[1])
@@ -139,9 +138,8 @@ import os; os._exit(0)
         try:
             out, err = p.communicate(timeout=15)
         except subprocess.TimeoutExpired:
-            # Seen in 2 of 5 clean CI runs, never in 40+ runs here: the first
-            # SIGINT went unanswered. Leave the child's stacks in the CI log
-            # (the diagnosis), then press Ctrl-C again, as a user would.
+            # Leave the child's stacks in the log (how an unanswered SIGINT
+            # was diagnosed), then press Ctrl-C again, as a user would.
             gdb = shutil.which("gdb")
             stacks = (
                 subprocess.run(
