@@ -563,3 +563,34 @@ def test_lightning_values_are_recorded_per_epoch_and_step_and_resume_in_the_same
         # (Lightning's documented limit), so its values may differ.
         done = {k: v for k, v in want[name].items() if k[0][1] < 2}
         assert {k: got[name][k] for k in done} == done, name
+
+
+def test_a_context_that_recurs_within_an_epoch_keeps_every_value(tmp_path: Path) -> None:
+    """A name logged again at a context seen earlier in the epoch, with other
+    contexts between (validation between steps), is a new occurrence, not an
+    overwrite of the first value."""
+    code = """
+from hindsight import _run
+run = _run.current()
+run.log_at([("epoch", 0), ("step", 0)], "x", 1.0)
+run.log_at([("epoch", 0)], "y", 5.0)
+run.log_at([("epoch", 0), ("step", 0)], "x", 2.0)
+run.log_at([("epoch", 1), ("step", 0)], "x", 3.0)
+run.flush_logs()
+"""
+    script = tmp_path / "s.py"
+    script.write_text(code)
+    r = subprocess.run(
+        [sys.executable, str(script)],
+        env={**os.environ, "HINDSIGHT_HOME": str(tmp_path / "home")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    _, got = _lightning_logs(tmp_path / "home")
+    assert got["x"] == {
+        (("epoch", 0), ("step", 0), 0): 1.0,
+        (("epoch", 0), ("step", 0), 1): 2.0,
+        (("epoch", 1), ("step", 0), 0): 3.0,
+    }

@@ -218,7 +218,7 @@ class Run:
         # any hs.loop, set by the framework's hooks; occurrences per context.
         self.framework_ctx: list[tuple[str, int]] | None = None
         self.framework_last: list[tuple[str, int]] = []
-        self.reps_framework: dict[str, int] = {}
+        self.reps_framework: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
         self.objects: dict[str, Any] = {}
         # hs.checkpointing() without objects: they are found when the outer
         # loop starts (loopvars.stateful_objects), by name, with a line.
@@ -358,10 +358,14 @@ class Run:
     def log_at(self, ctx: list[tuple[str, int]], name: str, value: Any) -> None:
         """`value` at a context of loops a framework runs, not hs.loop
         (Lightning's epoch and global step: `hindsight.lightning`)."""
-        if ctx != self.framework_last:
-            self.framework_last, self.reps_framework = list(ctx), {}
-        rep = self.reps_framework.get(name, 0)
-        self.reps_framework[name] = rep + 1
+        # Contexts recur within an epoch (validation between training steps),
+        # never across epochs: counts are kept per context, dropped per epoch.
+        epoch = ctx[:1]
+        if epoch != self.framework_last:
+            self.framework_last, self.reps_framework = list(epoch), {}
+        key = (name, tuple(ctx))
+        rep = self.reps_framework.get(key, 0)
+        self.reps_framework[key] = rep + 1
         self._append(name, list(ctx), rep, value)
 
     def _append(self, name: str, ctx: list[tuple[str, int]], rep: int, value: Any) -> None:
