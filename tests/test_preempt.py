@@ -69,12 +69,16 @@ def series(home: Path) -> dict[str, dict[str, object]]:
     return json.loads(r.stdout)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], dict]:
-    d = tmp_path_factory.mktemp("ref")
+def uninterrupted(d: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The final weights and logged series of a run never interrupted."""
     r = run_to_end(d / "home", d / "final.pt")
     assert r.returncode == 0, r.stderr
     return torch.load(d / "final.pt"), series(d / "home")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], dict]:
+    return uninterrupted(tmp_path_factory.mktemp("ref"))
 
 
 def interrupt_and_resume(

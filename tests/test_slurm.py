@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_preempt import run_to_end, series
+from test_preempt import series, uninterrupted
 from test_replay import INNER_PROBE, PRE_PROBE, edit, record_project, record_reference, replay, values
 
 from conftest import REPO
@@ -74,10 +74,7 @@ def _follow(job: str, tmp: Path, limit: float) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], dict]:
-    d = tmp_path_factory.mktemp("ref")
-    r = run_to_end(d / "home", d / "final.pt")
-    assert r.returncode == 0, r.stderr
-    return torch.load(d / "final.pt"), series(d / "home")
+    return uninterrupted(tmp_path_factory.mktemp("ref"))
 
 
 def _check_exact(tmp: Path, info: dict[str, str], reference: tuple[dict[str, torch.Tensor], dict]) -> str:
