@@ -132,6 +132,19 @@ def test_outer_loop_probe_replays_without_running_any_step(recorded, reference):
         assert got[ctx]["weight_norm"] == v["weight_norm"], ctx
 
 
+def test_a_worker_writing_more_than_a_pipe_holds_to_stderr_does_not_stall(recorded):
+    """A chatty worker (warnings, a probe that prints) writes more to standard
+    error than a pipe buffers; the replay reads it as it comes, finishes, and
+    shows its tail."""
+    script, home = recorded
+    old, new = OUTER_PROBE
+    edit(script, (old, new + "        import sys\n        print('w' * 100_000 + ' end', file=sys.stderr)\n"))
+    r = replay(script, home, "--strict")
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    assert "5 restored from checkpoints" in r.stdout
+    assert r.stderr.count("w" * 1000 + " end") >= 1
+
+
 def test_home_given_before_the_subcommand(tmp_path, reference):
     """`hindsight --home H replay ...` as with every other subcommand; nothing
     in the environment or the working directory points at H."""

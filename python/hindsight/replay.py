@@ -136,6 +136,11 @@ class Worker:
     restored: int = 0
     returncode: int | None = None
     stderr_tail: str = ""
+    # Local workers: the tail of standard error read so far, and the pipes
+    # (progress, standard error) still open.
+    err: bytes = b""
+    partial: bytes = b""
+    open_pipes: int = 0
 
 
 @dataclass
@@ -427,8 +432,14 @@ def _run_local(
             )
             os.close(wfd)
             w.read_fd = r
-            os.set_blocking(r, False)
-            sel.register(r, selectors.EVENT_READ, w)
+            # Standard error is read as it comes, beside the progress pipe:
+            # a worker that writes more than a pipe holds (64 KiB) would
+            # otherwise block on it, and the replay with it.
+            assert w.proc.stderr is not None
+            for fd in (r, w.proc.stderr.fileno()):
+                os.set_blocking(fd, False)
+                sel.register(fd, selectors.EVENT_READ, w)
+            w.open_pipes = 2
 
         launched = 0
         while waiting or running:
@@ -438,19 +449,33 @@ def _run_local(
                 running += 1
             for key, _ in sel.select(timeout=0.5):
                 w = key.data
-                chunk = os.read(w.read_fd, 4096)
-                if chunk:
-                    _progress_lines(w, chunk.decode())
+                assert w.proc is not None and w.proc.stderr is not None
+                chunk = os.read(key.fd, 65536)
+                if chunk and key.fd == w.read_fd:
+                    # Whole lines only: a read may end inside one.
+                    w.partial += chunk
+                    done, _, w.partial = w.partial.rpartition(b"\n")
+                    _progress_lines(w, done.decode())
                     continue
-                sel.unregister(w.read_fd)
-                os.close(w.read_fd)
-                assert w.proc is not None
-                _, err = w.proc.communicate()
-                w.returncode = w.proc.returncode
-                w.stderr_tail = err.decode(errors="replace")[-2000:]
-                running -= 1
+                if chunk:
+                    w.err = (w.err + chunk)[-_STDERR_KEPT:]
+                    continue
+                sel.unregister(key.fd)
+                if key.fd == w.read_fd:
+                    os.close(key.fd)
+                else:
+                    w.proc.stderr.close()
+                w.open_pipes -= 1
+                if w.open_pipes == 0:
+                    w.returncode = w.proc.wait()
+                    w.stderr_tail = w.err.decode(errors="replace")[-2000:]
+                    running -= 1
             _progress(workers, total, start)
         _progress(workers, total, start, final=True)
+
+
+# Bytes of a local worker's standard error kept for the report.
+_STDERR_KEPT = 16384
 
 
 def _progress_lines(w: Worker, text: str) -> None:
