@@ -594,3 +594,172 @@ run.flush_logs()
         (("epoch", 0), ("step", 0), 1): 2.0,
         (("epoch", 1), ("step", 0), 0): 3.0,
     }
+
+
+REPLAY_SCRIPT = """
+import torch
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, TensorDataset
+import hindsight as hs
+from hindsight.lightning import HindsightCheckpoint, HindsightLogger
+
+epochs = hs.arg("epochs", 4)
+
+
+class M(pl.LightningModule):
+    def __init__(self, lr=0.1):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+
+    def norm(self):
+        return sum(p.norm().item() ** 2 for p in self.parameters()) ** 0.5
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+    def on_train_epoch_start(self):
+        pass
+
+    def on_validation_epoch_end(self):
+        pass
+
+    def on_train_epoch_end(self):
+        pass
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9)]
+
+
+pl.seed_everything(0, verbose=False)
+g = torch.Generator().manual_seed(0)
+data = TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+trainer = pl.Trainer(max_epochs=epochs, enable_progress_bar=False, log_every_n_steps=1,
+                     enable_model_summary=False, default_root_dir="root",
+                     logger=HindsightLogger(), callbacks=[HindsightCheckpoint("store")])
+trainer.fit(M(lr=0.05), DataLoader(data, batch_size=8, shuffle=True), DataLoader(data, batch_size=16),
+            ckpt_path=HindsightCheckpoint.latest_path("store"))
+"""
+# Probes in the module's hooks, each replacing a `pass` (or following a line).
+END_PROBES = [
+    (
+        "    def on_train_epoch_end(self):\n        pass",
+        '    def on_train_epoch_end(self):\n        hs.log("w_norm", self.norm())\n'
+        '        hs.log("lr_now", self.trainer.optimizers[0].param_groups[0]["lr"])',
+    ),
+    (
+        "    def on_validation_epoch_end(self):\n        pass",
+        '    def on_validation_epoch_end(self):\n        hs.log("val_probe", self.trainer.callback_metrics["val_loss"].item())',
+    ),
+]
+START_PROBE = (
+    "    def on_train_epoch_start(self):\n        pass",
+    '    def on_train_epoch_start(self):\n        hs.log("start_norm", self.norm())',
+)
+STEP_PROBE = (
+    '        self.log("train_loss", loss)\n',
+    '        self.log("train_loss", loss)\n        hs.log("w0", self.net[0].weight[0, 0].item())\n',
+)
+
+
+def _probed(*edits: tuple[str, str]) -> str:
+    src = REPLAY_SCRIPT
+    for old, new in edits:
+        assert old in src
+        src = src.replace(old, new, 1)
+    return src
+
+
+def _phases(home: Path) -> dict[str, dict[tuple, tuple[Any, Any]]]:
+    """{name: {(ctx..., rep): (recorded, replayed)}} of the project's only run."""
+    from hindsight import _native
+
+    db = _native.LogDb(str(home / "logs.db"))
+    (run,) = db.runs()
+    out: dict[str, dict[tuple, tuple[Any, Any]]] = {}
+    for v in db.values(run["id"]):
+        out.setdefault(v.name, {})[(*v.ctx, v.rep)] = (
+            None if v.recorded is None else json.loads(v.recorded),
+            None if v.replayed is None else json.loads(v.replayed),
+        )
+    return out
+
+
+def test_replay_of_a_lightning_script_restores_epochs_for_hook_probes(pl: Any, tmp_path: Path) -> None:
+    """`hindsight replay` of a LightningModule: probes in the epoch hooks get
+    the recorded epochs' state with no training step run (validation runs on
+    the restored model, and its self.log values equal the recorded ones); a
+    probe in on_train_epoch_start gets the previous epoch's state, also with
+    --where; a probe in training_step re-executes the epochs over -j 2
+    workers. Every value equals a run that had the probes from the start
+    (shuffling, dropout and an LR schedule included)."""
+    from conftest import hindsight_cmd
+
+    every = [*END_PROBES, START_PROBE, STEP_PROBE]
+    ref, proj = tmp_path / "ref", tmp_path / "proj"
+    for root, src in ((ref, _probed(*every)), (proj, REPLAY_SCRIPT)):
+        root.mkdir()
+        (root / "train.py").write_text(src)
+        r = subprocess.run(
+            [sys.executable, "train.py"],
+            cwd=root,
+            env={**os.environ, "HINDSIGHT_HOME": str(root / "home")},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+    want = {k: {c: v[0] for c, v in vals.items()} for k, vals in _phases(ref / "home").items()}
+    assert sorted(want["w_norm"]) == [(("epoch", e), 0) for e in range(4)]
+    # Lightning's sanity-check validation before epoch 0 is no epoch's: not recorded.
+    assert sorted(want["val_probe"]) == [(("epoch", e), 0) for e in range(4)]
+    # on_train_epoch_start is in its own epoch (the context is set before the module's hooks).
+    assert sorted(want["start_norm"]) == [(("epoch", e), 0) for e in range(4)]
+    assert len(want["w0"]) == 4 * 8
+
+    def replay(*extra: str) -> subprocess.CompletedProcess[str]:
+        r = subprocess.run(
+            [*hindsight_cmd(), "replay", "train.py", "-q", "--strict", *extra],
+            cwd=proj,
+            env={**os.environ, "HINDSIGHT_HOME": str(proj / "home")},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+        return r
+
+    def check(*names: str, epochs: range = range(4)) -> None:
+        got = _phases(proj / "home")
+        for name in names:
+            expected = {c: v for c, v in want[name].items() if c[0][1] in epochs}
+            replayed = {c: v[1] for c, v in got[name].items() if v[1] is not None}
+            assert replayed == expected, name
+
+    (proj / "train.py").write_text(_probed(*END_PROBES))
+    r = replay()
+    assert "partial replay of lr_now, val_probe, w_norm" in r.stdout
+    assert "4 restored from checkpoints, 0 inner-loop steps executed" in r.stdout
+    check("w_norm", "lr_now", "val_probe")
+    # Validation ran on each restored epoch and logged what the recording did, at its step.
+    val = _phases(proj / "home")["val_loss"]
+    assert len(val) == 4 and all(rec is not None and rec == rep for rec, rep in val.values())
+
+    (proj / "train.py").write_text(_probed(START_PROBE))
+    r = replay("--where", "epoch >= 2")
+    assert "partial replay of start_norm" in r.stdout
+    assert "0 inner-loop steps executed" in r.stdout
+    check("start_norm", epochs=range(2, 4))
+
+    (proj / "train.py").write_text(_probed(STEP_PROBE))
+    r = replay("-j", "2")
+    assert "parallel replay of w0 on 2 worker(s)" in r.stdout
+    check("w0")

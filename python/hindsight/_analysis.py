@@ -26,6 +26,29 @@ class Probe:
     #: In the outer loop's body, before its inner (`hs.loop`) loop starts:
     #: it reads the state the previous iteration left.
     before_inner: bool = False
+    #: The function the script never calls itself that holds it (a
+    #: framework hook such as Lightning's `on_train_epoch_end`), if any.
+    hook: str | None = None
+
+
+# Lightning's hooks by the state they see (`hindsight.lightning` replays
+# them): at the end of an epoch's training, where the epoch's checkpoint
+# stands (validation runs on the model trained so far); and at its start,
+# where the previous epoch's checkpoint stands. A probe in any other hook
+# (training_step, on_before_optimizer_step, ...) needs the steps to run.
+EPOCH_END_HOOKS = frozenset(
+    {
+        "on_train_epoch_end",
+        "on_validation_epoch_start",
+        "on_validation_epoch_end",
+        "on_validation_start",
+        "on_validation_end",
+        "on_validation_batch_start",
+        "on_validation_batch_end",
+        "validation_step",
+    }
+)
+EPOCH_START_HOOKS = frozenset({"on_train_epoch_start"})
 
 
 @dataclass
@@ -35,17 +58,27 @@ class Analysis:
     new_probes: list[Probe]
     outer_loops: list[str] = field(default_factory=list)
 
+    #: The recorded loops are a framework's (Lightning's epochs): probes in
+    #: its hooks are placed by the hook's name.
+    framework: bool = False
+
+    def _hook(self, p: Probe) -> str | None:
+        return p.hook if self.framework and p.in_function else None
+
     @property
     def needs_inner_execution(self) -> bool:
         """True when some new probe sits inside an inner loop (or a function we cannot place)."""
-        return any(len(p.loops) >= 2 or p.in_function for p in self.new_probes)
+        return any(
+            len(p.loops) >= 2 or (p.in_function and self._hook(p) not in EPOCH_END_HOOKS | EPOCH_START_HOOKS)
+            for p in self.new_probes
+        )
 
     @property
     def needs_start_state(self) -> bool:
         """True when some new probe may run before the inner loop of an outer
         iteration (or in a function, whose call site we cannot place): it
         needs the state the previous iteration left, not a checkpoint's."""
-        return any(p.before_inner or p.in_function for p in self.new_probes)
+        return any(p.before_inner or (p.in_function and self._hook(p) not in EPOCH_END_HOOKS) for p in self.new_probes)
 
 
 class _Aliases:
@@ -348,7 +381,7 @@ def probes(src: str, filename: str = "<script>") -> tuple[list[Probe], list[str]
             own_loop = min((line for _, loops, line in body.loops if not loops), default=None)
             for name, loops, line in body.logs:
                 if not ctxs:  # never called from the script: its place is unknown
-                    found.append(Probe(name, loops, line, in_function=True))
+                    found.append(Probe(name, loops, line, in_function=True, hook=fname))
                     continue
                 # The deepest context it can run in decides: an inner-loop
                 # site must run its steps.

@@ -7,15 +7,18 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+import sys
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from hindsight import _native, _preemption, _run
 from hindsight._run.record import RecordRun
+from hindsight._run.replay import ReplayRun
 from hindsight._state import rng_state, set_rng_state
 from hindsight._store import Store
-from hindsight.errors import InvalidArgumentError, UnsupportedTypeError
+from hindsight.errors import InvalidArgumentError, ReplayError, UnsupportedTypeError
 from hindsight.lightning import (
     DEFAULT_PREFIX,
     _check_prefix,
@@ -170,6 +173,14 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         # Where this fit writes: `prefix`, or `<prefix>.fitN` for a later
         # fresh fit in the same store (decided when fit starts).
         self.fit_prefix = self.prefix
+        self._epoch_start = 0.0
+        # In a `hindsight replay` worker: its run, the mode of the epoch under
+        # way, the visited epoch whose progress line is due, the module hook
+        # replaced for the fit.
+        self._replay: ReplayRun | None = None
+        self._mode: str | None = None
+        self._pending: int | None = None
+        self._hooked: Any = None
 
     # -- plumbing ----------------------------------------------------------------
     @property
@@ -185,6 +196,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_store"] = None
+        state["_replay"] = state["_hooked"] = None
         return state
 
     latest = staticmethod(latest)
@@ -305,6 +317,9 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
 
     # -- Lightning hooks -------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._replay = _replay_run() if stage == "fit" else None
+        if self._replay is not None:
+            self._replay_setup(trainer)
         # Teach the strategy's CheckpointIO hindsight:// paths before
         # Lightning restores from ckpt_path.
         strategy = trainer.strategy
@@ -315,6 +330,9 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             io.allow_pickle = True
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._replay is not None:
+            self._hook_module(pl_module)
+            return
         if not self.allow_pickle:
             for owner, obj in (("LightningModule", pl_module), ("LightningDataModule", trainer.datamodule)):
                 hparams = getattr(obj, "hparams", None) if obj is not None else None
@@ -345,6 +363,10 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         return _native.choose_fit(self.store.list(), self.prefix).fresh_prefix
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._replay is not None:
+            # The fit ends after the last epoch the plan visits.
+            trainer.fit_loop.max_epochs = (self._replay.last_needed or 0) + 1
+            return
         # Lightning registered its own SIGTERM handler after on_fit_start
         # (composed with ours); it would stop with exit status 0 and no
         # checkpoint. Take SIGTERM back for the duration of fit.
@@ -359,12 +381,31 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._context([("epoch", trainer.current_epoch), ("step", trainer.global_step)])
+        if self._replay is not None and self._mode != "execute":
+            _drop(True)  # a skipped step: until the checkpoint is restored, no value is the epoch's
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         self._context([("epoch", trainer.current_epoch)])
 
+    # The sanity check's validation is no epoch's: its values are dropped
+    # (as Lightning drops its self.log values).
+    def on_sanity_check_start(self, trainer: Any, pl_module: Any) -> None:
+        _drop(True)
+
+    def on_sanity_check_end(self, trainer: Any, pl_module: Any) -> None:
+        _drop(False)
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self._context([("epoch", trainer.current_epoch)])
+        self._epoch_start = time.perf_counter()
+        if self._replay is not None:
+            self._replay_epoch_starts(trainer)
+
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._context([("epoch", trainer.current_epoch)])
+        if self._replay is not None:
+            self._replay.inner_steps_executed += 1
+            return
         epoch_loop = trainer.fit_loop.epoch_loop
         should_accumulate = getattr(epoch_loop, "_should_accumulate", None)
         if callable(should_accumulate) and should_accumulate():
@@ -389,14 +430,42 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             connector.update_train_step_metrics()
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._context([("epoch", trainer.current_epoch)])
+        if self._replay is not None:
+            self._replay_epoch_ends(trainer)
+            return
         stop = self._should_stop(trainer)
         n = self.every_n_epochs
+        saved = None
         if stop or (n and (trainer.current_epoch + 1) % n == 0):
             self._save(trainer, end=True, wait=stop)
+            saved = self.last_saved
+        self._record_epoch(trainer, saved)
         if stop:
             self._exit(trainer)
 
+    def _record_epoch(self, trainer: Any, checkpoint: str | None) -> None:
+        """The epoch as an iteration of the script's hindsight run (when it
+        has one: `HindsightLogger`, `hs.*`), with its checkpoint: what
+        `hindsight replay` plans from."""
+        run = _run._RUN
+        if not isinstance(run, RecordRun) or run.finished or not trainer.is_global_zero:
+            return
+        if run.recorded_store != self.store.path:
+            run.db.set_store(run.run_id, self.store.path)
+            run.recorded_store = self.store.path
+        epoch = trainer.current_epoch
+        run.db.record_iteration(
+            run.run_id, "epoch", epoch, time.perf_counter() - self._epoch_start, checkpoint, None, epoch
+        )
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._replay is not None:
+            self._replay_progress()
+
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._replay is not None:
+            return  # a replay writes no checkpoint and no mark
         if trainer.is_global_zero and self._store is not None:
             # The mark of a finished fit: `latest_path` then starts the next
             # fit afresh instead of restoring this one (and training nothing).
@@ -420,7 +489,75 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._context(None)
+        _drop(False)
+        if self._hooked is not None:
+            vars(pl_module).pop("on_train_batch_start", None)
+            self._hooked = None
         self._restore_signals(trainer)
+
+    # -- replay: a worker of `hindsight replay` --------------------------------------------
+    # The fit runs epoch 0 up to the last epoch the plan visits. An epoch the
+    # plan restores skips its training (the module's on_train_batch_start
+    # answers -1, Lightning's own way to end an epoch early), loads the
+    # epoch's checkpoint when the epoch ends, runs validation on it and goes
+    # on to the epoch-end hooks, so probes there see the recorded state. An
+    # epoch it executes trains as recorded. Other epochs are skipped with
+    # their values dropped.
+    def _replay_setup(self, trainer: Any) -> None:
+        # Replay computes values only: no callback may write checkpoints
+        # over the recorded ones or stop the fit early.
+        kinds = (pl.callbacks.Checkpoint, pl.callbacks.EarlyStopping)
+        dropped = [cb for cb in trainer.callbacks if cb is not self and isinstance(cb, kinds)]
+        if dropped:
+            trainer.callbacks = [cb for cb in trainer.callbacks if cb not in dropped]
+            names = ", ".join(sorted({type(cb).__name__ for cb in dropped}))
+            print(f"hindsight replay: {names} left out (replay writes no checkpoint)", file=sys.stderr, flush=True)
+
+    def _hook_module(self, pl_module: Any) -> None:
+        original = pl_module.on_train_batch_start
+
+        def on_train_batch_start(batch: Any, batch_idx: int) -> Any:
+            answer = original(batch, batch_idx)
+            return answer if self._mode == "execute" else -1
+
+        pl_module.on_train_batch_start = on_train_batch_start
+        self._hooked = original
+
+    def _replay_progress(self) -> None:
+        if self._pending is not None and self._replay is not None:
+            self._replay._end_iteration(self._pending)
+            self._pending = None
+
+    def _replay_epoch_starts(self, trainer: Any) -> None:
+        assert self._replay is not None
+        self._replay_progress()
+        epoch = trainer.current_epoch
+        self._mode = self._replay.modes.get(epoch)
+        # The epoch starts from the state the previous one left only where the
+        # plan visited that one (or at the fit's start).
+        _drop(self._mode is None or (epoch > 0 and epoch - 1 not in self._replay.modes))
+
+    def _replay_epoch_ends(self, trainer: Any) -> None:
+        assert self._replay is not None
+        epoch = trainer.current_epoch
+        if self._mode == "restore":
+            name = self._replay.checkpoints.get(epoch)
+            if name is None:
+                raise ReplayError(f"replay plan has no checkpoint for epoch {epoch}")
+            t0 = time.perf_counter()
+            ckpt = _unpack(self.store.load(name, allow_pickle=self.allow_pickle))
+            _restore_epoch_end(trainer, ckpt, name)
+            self._replay.blocks_restored += 1
+            self._replay.db.set_restore_seconds(self._replay.run_id, "epoch", epoch, time.perf_counter() - t0)
+            _drop(False)
+            _validate(trainer)
+            # Validation drew from the random generators after the recorded
+            # epoch's did: put back the checkpoint's for what follows.
+            rng = (ckpt.get("callbacks") or {}).get(self.state_key, {}).get("rng")
+            if self.restore_rng and rng:
+                set_rng_state(rng)
+        if self._mode is not None:
+            self._pending = epoch
 
     def state_dict(self) -> dict[str, Any]:
         return {"prefix": self.prefix, "rng": rng_state() if self.restore_rng else None}
@@ -429,6 +566,79 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         rng = state_dict.get("rng")
         if self.restore_rng and rng:
             set_rng_state(rng)
+
+
+def _replay_run() -> ReplayRun | None:
+    """The run of a `hindsight replay` worker whose plan is over Lightning's epochs, else None."""
+    if not os.environ.get(_run.ENV_REPLAY):
+        return None
+    run = _run.current()
+    return run if isinstance(run, ReplayRun) and run.plan.loop_name == "epoch" else None
+
+
+def _drop(on: bool) -> None:
+    run = _run._RUN
+    if run is not None:
+        run.framework_drop = on
+
+
+def _restore_epoch_end(trainer: Any, ckpt: dict[str, Any], name: str) -> None:
+    """The state `ckpt` (taken at an epoch's end) in the running fit, through
+    Lightning's own restore of the model, precision plugin, callbacks,
+    optimizers and schedulers; the loop's counters (global step, steps for
+    logging) are set from it, the fit loop's position is not (the epoch is
+    the same)."""
+    # Only the states of callbacks this fit has (replay leaves some out).
+    present = {cb.state_key for cb in trainer.callbacks}
+    ckpt = {**ckpt, "callbacks": {k: v for k, v in (ckpt.get("callbacks") or {}).items() if k in present}}
+    connector = trainer._checkpoint_connector
+    connector._loaded_checkpoint = ckpt
+    try:
+        connector.restore_model()
+        connector.restore_precision_plugin_state()
+        connector.restore_callbacks()
+        connector.restore_optimizers_and_schedulers()
+    finally:
+        connector._loaded_checkpoint = {}
+    loops = ckpt.get("loops", {}).get("fit_loop", {})
+    epoch_loop = trainer.fit_loop.epoch_loop
+    for key, progress in (
+        ("epoch_loop.batch_progress", epoch_loop.batch_progress),
+        ("epoch_loop.scheduler_progress", epoch_loop.scheduler_progress),
+        ("epoch_loop.automatic_optimization.optim_progress", epoch_loop.automatic_optimization.optim_progress),
+        ("epoch_loop.manual_optimization.optim_step_progress", epoch_loop.manual_optimization.optim_step_progress),
+    ):
+        if key in loops:
+            progress.load_state_dict(loops[key])
+    stepped = loops.get("epoch_loop.state_dict", {}).get("_batches_that_stepped")
+    if stepped is not None:
+        epoch_loop._batches_that_stepped = stepped
+    if trainer.global_step != ckpt.get("global_step"):
+        raise ReplayError(
+            f"restoring {name}: the global step is {trainer.global_step}, the checkpoint's "
+            f"{ckpt.get('global_step')} (this Lightning version, {pl.__version__}, keeps its counters elsewhere)"
+        )
+
+
+def _validate(trainer: Any) -> None:
+    """The validation Lightning runs at the end of a training epoch, for an
+    epoch whose training a replay skipped."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    due = getattr(epoch_loop, "_should_check_val_epoch", None)
+    if not trainer.enable_validation or (callable(due) and not due()):
+        return
+    first = trainer._logger_connector._first_loop_iter
+    # Lightning validates after the epoch's last step and before it counts
+    # that step for logging: its values are logged at the step before.
+    stepped = epoch_loop._batches_that_stepped
+    epoch_loop._batches_that_stepped = max(0, stepped - 1)
+    trainer.validating = True
+    try:
+        epoch_loop.val_loop.run()
+    finally:
+        epoch_loop._batches_that_stepped = stepped
+    trainer.training = True
+    trainer._logger_connector._first_loop_iter = first
 
 
 _loggers = importlib.import_module(pl.__name__ + ".loggers")

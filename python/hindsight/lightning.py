@@ -119,6 +119,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from hindsight import _native
+from hindsight._run.common import ENV_REPLAY
 from hindsight._store import Store
 from hindsight.errors import InvalidArgumentError, NotFoundError
 
@@ -249,6 +250,8 @@ def latest(store: Store | str | os.PathLike[str], prefix: str = DEFAULT_PREFIX, 
     without it a damaged checkpoint is reported by the load, never returned wrong.
     """
     _check_prefix(prefix)
+    if os.environ.get(ENV_REPLAY):
+        return None  # a `hindsight replay` worker runs the fit from its start, by its plan
     s, owned = _open(store)
     if s is None:
         return None

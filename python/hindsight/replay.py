@@ -181,6 +181,9 @@ def plan_run(
             raise ReplayError("the script has no hs.loop: nothing to replay")
         raise ReplayError(f"run {run['id']} recorded no iterations of loop '{analysis.outer_loops[0]}'")
     outer = recorded[0]
+    # Loops recorded but not in the script are a framework's (Lightning's
+    # epochs): probes in its hooks are placed by the hook.
+    analysis.framework = not analysis.outer_loops
     rows = db.iterations(run["id"], outer)
     n = max(r.idx for r in rows) + 1
     pred = _where(where, outer)

@@ -218,6 +218,9 @@ class Run:
         # any hs.loop, set by the framework's hooks; occurrences per context.
         self.framework_ctx: list[tuple[str, int]] | None = None
         self.framework_last: list[tuple[str, int]] = []
+        # The framework is where no value belongs: Lightning's sanity check,
+        # or an epoch a replay skips or has not restored yet.
+        self.framework_drop = False
         self.reps_framework: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
         self.objects: dict[str, Any] = {}
         # hs.checkpointing() without objects: they are found when the outer
@@ -343,8 +346,9 @@ class Run:
         self._raise_log_error()
 
     def log(self, name: str, value: Any) -> None:
-        if not self.stack and self.framework_ctx is not None:
-            self.log_at(self.framework_ctx, name, value)
+        if not self.stack and (self.framework_ctx is not None or self.framework_drop):
+            if not self.framework_drop:
+                self.log_at(self.framework_ctx or [], name, value)
             return
         ctx = [(e[0], e[1]) for e in self.stack]
         reps = self.reps_inner if len(ctx) > 1 else self.reps_outer
@@ -358,6 +362,8 @@ class Run:
     def log_at(self, ctx: list[tuple[str, int]], name: str, value: Any) -> None:
         """`value` at a context of loops a framework runs, not hs.loop
         (Lightning's epoch and global step: `hindsight.lightning`)."""
+        if self.framework_drop:
+            return
         # Contexts recur within an epoch (validation between training steps),
         # never across epochs: counts are kept per context, dropped per epoch.
         epoch = ctx[:1]
