@@ -118,3 +118,52 @@ def test_a_transplanted_statement_that_reads_an_added_helper_is_refused() -> Non
         older, with_added('print("epoch", epoch)', 'hs.log("e", sum(math.sqrt(q) for q in [epoch]))'), "t.py"
     )
     assert problems == [] and src is not None and "math.sqrt(q) for q in [epoch]" in src
+
+
+LIGHTNING = textwrap.dedent(
+    """\
+    import torch
+    import lightning.pytorch as pl
+    import hindsight as hs
+
+    class M(pl.LightningModule):
+        def report(self):
+            pass
+
+        def on_validation_epoch_end(self):
+            self.report()
+
+        def on_train_epoch_start(self):
+            pass
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch).sum()
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("after", "probe", "inner", "start"),
+    [
+        ("def on_validation_epoch_end(self):", 'hs.log("a", 1.0)', False, False),
+        ("def report(self):", 'hs.log("a", 1.0)', False, False),  # a helper only an epoch-end hook calls
+        ("def on_train_epoch_start(self):", 'hs.log("a", 1.0)', False, True),
+        ("def training_step(self, batch, batch_idx):", 'hs.log("a", 1.0)', True, True),
+    ],
+)
+def test_probes_in_framework_hooks_are_placed_by_the_hook(after: str, probe: str, inner: bool, start: bool) -> None:
+    """In a script whose loops a framework runs (Lightning), a probe's hook
+    says what state it needs: an epoch-end hook (or a helper only such hooks
+    call) the epoch's checkpoint, on_train_epoch_start the previous epoch's,
+    a per-step hook the steps themselves."""
+    lines = LIGHTNING.splitlines(keepends=True)
+    i = next(n for n, line in enumerate(lines) if line.strip() == after)
+    indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())] + "    "
+    current = "".join([*lines[: i + 1], indent + probe + "\n", *lines[i + 1 :]])
+    a = analyze(LIGHTNING, current)
+    assert a.compatible and [p.name for p in a.new_probes] == ["a"]
+    a.framework = True
+    assert (a.needs_inner_execution, a.needs_start_state) == (inner, start)
+    # Without a framework's recorded loops, a hook's place is unknown.
+    a.framework = False
+    assert (a.needs_inner_execution, a.needs_start_state) == (True, True)

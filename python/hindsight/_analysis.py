@@ -51,6 +51,10 @@ EPOCH_END_HOOKS = frozenset(
 EPOCH_START_HOOKS = frozenset({"on_train_epoch_start"})
 
 
+def _hook_kind(name: str) -> str | None:
+    return "end" if name in EPOCH_END_HOOKS else "start" if name in EPOCH_START_HOOKS else None
+
+
 @dataclass
 class Analysis:
     compatible: bool
@@ -374,6 +378,23 @@ def probes(src: str, filename: str = "<script>") -> tuple[list[Probe], list[str]
                     called_at.setdefault(callee, []).append((loops[0], line))
                     if callee in holds_loop:
                         first_inner[loops[0]] = min(first_inner.get(loops[0], line), line)
+    # Functions the script never calls itself: the framework hook that runs
+    # each, through the helpers it calls (a helper all of whose callers are
+    # hooks of one kind is placed as they are).
+    callers: dict[str, set[str]] = {}
+    for fname, bodies in scopes.items():
+        for body in bodies:
+            for callee, _loops, _line in body.calls:
+                if callee in scopes and callee not in ("", fname):
+                    callers.setdefault(callee, set()).add(fname)
+
+    def hook_of(f: str, seen: tuple[str, ...] = ()) -> str:
+        if _hook_kind(f) is not None or f in seen or len(seen) >= _MAX_DEPTH or not callers.get(f):
+            return f
+        up = sorted(hook_of(c, (*seen, f)) for c in callers[f])
+        kinds = {_hook_kind(h) for h in up}
+        return up[0] if len(kinds) == 1 and None not in kinds else f
+
     found: list[Probe] = []
     for fname, bodies in scopes.items():
         ctxs = entry.get(fname)
@@ -381,7 +402,7 @@ def probes(src: str, filename: str = "<script>") -> tuple[list[Probe], list[str]
             own_loop = min((line for _, loops, line in body.loops if not loops), default=None)
             for name, loops, line in body.logs:
                 if not ctxs:  # never called from the script: its place is unknown
-                    found.append(Probe(name, loops, line, in_function=True, hook=fname))
+                    found.append(Probe(name, loops, line, in_function=True, hook=hook_of(fname)))
                     continue
                 # The deepest context it can run in decides: an inner-loop
                 # site must run its steps.

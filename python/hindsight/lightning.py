@@ -60,6 +60,19 @@ What the callback does:
   with ``hs.dataframe``, ``hindsight logs``, ``hindsight plot``. A run stopped
   by a signal is marked interrupted, and the relaunch that resumes the fit
   continues its logs in the same run.
+* Replay: with ``HindsightLogger`` (or any ``hs.*`` call) the callback
+  records every epoch, with its time and checkpoint, in the run, and
+  ``hindsight replay train.py`` computes new ``hs.log`` statements in the
+  module's hooks. A worker runs the fit from epoch 0 to the last epoch it
+  needs: an epoch it restores skips training (the module's
+  ``on_train_batch_start`` answers -1), then at the epoch's end restores its
+  checkpoint through Lightning's own restore (model, precision, callbacks,
+  optimizers, schedulers; the step counters are set from it) and runs
+  validation on it, so probes in ``on_train_epoch_end``,
+  ``on_validation_epoch_end`` and ``validation_step`` see the recorded
+  state. An epoch it executes trains as recorded (probes in
+  ``training_step``). ``latest_path`` answers None in a worker, and
+  ``ModelCheckpoint`` / ``EarlyStopping`` are left out of the fit.
 * Retention (a union; the newest checkpoint is always kept):
   ``keep_last=N`` epoch-end checkpoints, ``keep_best=K`` by ``monitor``
   (a key of ``trainer.callback_metrics`` at epoch end, ``mode`` "min" or

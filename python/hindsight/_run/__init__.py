@@ -96,6 +96,7 @@ def checkpointing(
     requeue: bool | None = None,
     store: str | os.PathLike[str] | None = None,
     local_first: str | os.PathLike[str] | None = None,
+    transient: Iterable[str] = (),
     **objects: Any,
 ) -> Iterator[None]:
     """Objects (modules, optimizers, schedulers, grad scalers, tensors) whose
@@ -123,6 +124,14 @@ def checkpointing(
     ``keep_best=K`` by the epoch-level log ``best_metric`` (``best_mode`` "min"
     or "max"), ``keep_every=N`` epochs.
 
+    Loop variables: the variables the outer loop and its inner loop assign
+    that later code reads (an iteration counter, a prefetched batch, the
+    last loss) are checkpointed too, when storable (numbers, strings,
+    tensors, arrays, plain containers of them). One that is not is refused
+    when the first block ends, naming it; ``transient=["pbar"]`` declares
+    variables whose value need not survive a resume (a progress bar, an
+    open file).
+
     Destination: ``store`` is a directory (local or a shared file system) or
     ``"s3://bucket/prefix"`` (AWS_* variables configure the endpoint and
     credentials); default $HINDSIGHT_STORE, else the project's
@@ -144,9 +153,16 @@ def checkpointing(
                 f"hs.checkpointing({key}=...): {type(obj).__qualname__} has neither "
                 "state_dict/load_state_dict nor is a tensor"
             )
+    if isinstance(transient, str) or not all(isinstance(t, str) and t.isidentifier() for t in transient):
+        raise InvalidArgumentError(
+            f"hs.checkpointing(transient={transient!r}): a list of variable names, e.g. transient=['pbar']"
+        )
+    transient = set(transient)
     run = current()
     run.set_store(store, local_first)
     run.objects.update(objects)
+    added = transient - run.transient
+    run.transient |= added
     # No objects: hands-free, they are found when the outer loop starts.
     run.hands_free = not objects
     if every is not None:
@@ -172,6 +188,7 @@ def checkpointing(
         for key in [*objects, *run.discovered]:
             run.objects.pop(key, None)
         run.hands_free, run.discovered = False, {}
+        run.transient -= added
         if run._store is not None:
             run._store.flush()
 

@@ -227,6 +227,8 @@ class Run:
         # loop starts (loopvars.stateful_objects), by name, with a line.
         self.hands_free = False
         self.discovered: dict[str, tuple[Any, int]] = {}
+        # Loop variables whose value need not survive a resume (hs.checkpointing(transient=...)).
+        self.transient: set[str] = set()
         self.outer_name: str | None = None
         self.outer_idx = -1
         self.outer_value: Any = None
@@ -595,9 +597,9 @@ class Run:
         shared = _storages(state["objects"])
         loop_vars: dict[str, Any] = {}
         if self.outer_vars is not None:
-            loop_vars["outer"] = self.outer_vars.capture(self.outer_vars.without(block), shared)
+            loop_vars["outer"] = self.outer_vars.capture(self.outer_vars.without(block), shared, self.transient)
         if block is not None:
-            loop_vars["block"] = block.capture(block.names, shared)
+            loop_vars["block"] = block.capture(block.names, shared, self.transient)
         state["vars"] = loop_vars
         return state
 

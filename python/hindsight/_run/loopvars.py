@@ -10,8 +10,11 @@ checkpoint taken inside the loop and written back into the running frame
 (module or function) when a checkpoint is restored, by resume or replay.
 
 Values are kept when the store can hold them (numbers, strings, bytes,
-tensors, arrays and plain containers of them); a changed variable that it
-cannot hold is named once on stderr, with what to do about it.
+tensors, arrays and plain containers of them). A variable the loop assigns
+and later code reads that the store cannot hold is refused when the first
+block ends, naming it, its line and the one-line fix: checkpoint it through
+its ``state_dict``, or declare it ``transient`` (its value need not survive
+a resume: a progress bar, an open file).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import os
 import sys
 from types import FrameType
 from typing import Any
+
+from hindsight.errors import UnsupportedTypeError
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
@@ -240,7 +245,6 @@ class LoopVars:
 
     def __init__(self, frame: FrameType, loop_name: str, names: dict[str, int], live: set[str], skip: set[int]):
         self.frame, self.loop_name, self.names, self.live, self.skip = frame, loop_name, names, live, skip
-        self._told: set[str] = set()
 
     @classmethod
     def of(cls, frame: FrameType, loop_name: str, skip: set[int]) -> LoopVars | None:
@@ -260,11 +264,20 @@ class LoopVars:
             return self.names
         return {n: line for n, line in self.names.items() if n not in other.names}
 
-    def capture(self, names: dict[str, int], shared: set[int] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
+    def capture(
+        self,
+        names: dict[str, int],
+        shared: set[int] = frozenset(),  # type: ignore[assignment]
+        transient: set[str] = frozenset(),  # type: ignore[assignment]
+    ) -> dict[str, Any]:
         """{"values": {name: value}, "devices": {name: ...}} of the storable
         ones. Tensors sharing storage with a checkpointed object's state
         (`w = model.weight.data`) are not kept: a restored copy would no
-        longer alias the object, and writes through it would be lost."""
+        longer alias the object, and writes through it would be lost.
+
+        A variable the loop assigns and later code reads that cannot be kept
+        (and is not in ``transient``) raises UnsupportedTypeError: a resume
+        or a replay would go on with another value than the recorded run."""
         local = self.frame.f_locals
         values: dict[str, Any] = {}
         for name, line in names.items():
@@ -276,21 +289,20 @@ class LoopVars:
             if _storages(v) & shared:
                 continue  # restored through the object it aliases
             if not storable(v):
-                why = f"a {type(v).__qualname__} cannot be checkpointed"
-                fix = f"If it has state, pass it to hs.checkpointing({name}=...)."
+                why = f"a {type(v).__module__}.{type(v).__qualname__} cannot be checkpointed"
+                fix = f"if it has state_dict/load_state_dict, pass it: hs.checkpointing({name}=...)"
             elif _tensor_bytes(v) > MAX_VAR_BYTES:
-                why = f"its {_tensor_bytes(v) / 2**20:.0f} MiB of tensors are not checkpointed"
-                fix = "Keep what later code needs in a smaller variable (a .item(), a slice)."
+                why = f"its {_tensor_bytes(v) / 2**20:.0f} MiB of tensors are more than a loop variable may hold"
+                fix = "keep what later code needs in a smaller variable (a .item(), a slice)"
             else:
                 values[name] = v
                 continue
-            if line > 0 and name in self.live and name not in self._told:
-                self._told.add(name)
-                print(
-                    f"hindsight: variable '{name}' (line {line}) is changed by loop '{self.loop_name}' and read "
-                    f"later, but {why}: after a resume or a replay it keeps the value the rest of the program "
-                    f"gives it. {fix}",
-                    file=sys.stderr,
+            if line > 0 and name in self.live and name not in transient:
+                raise UnsupportedTypeError(
+                    f"variable '{name}' (line {line}) is assigned by loop '{self.loop_name}' and read later, but "
+                    f"{why}: a resume or a replay would go on with another value than this run's. Fix: {fix}; "
+                    f'or, if its value need not survive a resume (a progress bar, an open file), name it: '
+                    f'hs.checkpointing(..., transient=["{name}"])'
                 )
         return {"values": values, "devices": {k: _devices(v) for k, v in values.items()}}
 

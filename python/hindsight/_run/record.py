@@ -59,6 +59,7 @@ class RecordRun(Run):
         self.resume: dict[str, Any] | None = None
         self.block_rng: dict[str, Any] | None = None
         self.block_iterable: Any = None
+        self.vars_checked = 0
         self.policy = _native.AdaptivePolicy(float(os.environ.get(ENV_EPSILON, 1.0 / 15.0)))
         every = os.environ.get(ENV_EVERY)
         self.every = int(every) if every else None
@@ -215,6 +216,12 @@ class RecordRun(Run):
         self.block_done = True
         if not self.objects:
             return
+        if self.vars_checked < 2:
+            # Refuse a loop variable that cannot be checkpointed now, not at
+            # the first checkpoint the adaptive policy takes (maybe much
+            # later); the second iteration sees those assigned after the steps.
+            self.vars_checked += 1
+            self.capture()
         compute = time.perf_counter() - self.iter_start
         expected = self.last_blocked if self.last_blocked is not None else self._estimate_materialize()
         if self.every is not None:
