@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from conftest import run_py
+from conftest import REPO, run_py
 
 torch = pytest.importorskip("torch")
 
@@ -763,3 +764,94 @@ def test_replay_of_a_lightning_script_restores_epochs_for_hook_probes(pl: Any, t
     r = replay("-j", "2")
     assert "parallel replay of w0 on 2 worker(s)" in r.stdout
     check("w0")
+
+
+LOADER_SCRIPT = """
+import os, signal, sys
+import torch
+import lightning.pytorch as pl
+import hindsight as hs
+from hindsight.lightning import HindsightCheckpoint
+import toy_data
+
+
+class M(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 2)
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.global_step == int(sys.argv[2]) and not os.path.exists("stopped"):
+            open("stopped", "w").close()
+            os.kill(os.getpid(), signal.SIGUSR1)  # preempted here: checkpoint after this step, exit 85
+        hs.log("first_x", x[0, 0].item())
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        hs.log("loss", loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+pl.seed_everything(0, verbose=False)
+loader = hs.data.Loader(toy_data.make, batch_size=32, seed=0, workers="local:1", dataset_args={"n": 640})
+trainer = pl.Trainer(max_epochs=3, enable_progress_bar=False, enable_checkpointing=False, logger=False,
+                     enable_model_summary=False, callbacks=[HindsightCheckpoint(sys.argv[1])])
+model = M()
+with loader:
+    trainer.fit(model, loader, ckpt_path=HindsightCheckpoint.latest_path(sys.argv[1]))
+torch.save(model.state_dict(), sys.argv[1] + ".pt")
+"""
+
+
+def test_lightning_with_the_input_service_resumes_a_signal_at_a_random_step_bit_identically(
+    pl: Any, tmp_path: Path
+) -> None:
+    """Lightning saves and restores a loader with state_dict/load_state_dict
+    (hs.data.Loader) in its checkpoints, so a SIGUSR1 at any step resumes at
+    the exact next batch: weights and every logged value equal an
+    uninterrupted run's. Lightning sets the loader's epoch through
+    `loader.sampler.set_epoch`, so each epoch has its own order."""
+    import random
+
+    from hindsight import _native
+
+    shutil.copy(REPO / "examples" / "toy_data.py", tmp_path / "toy_data.py")
+    (tmp_path / "train.py").write_text(LOADER_SCRIPT)
+    stop_at = random.Random().randrange(1, 59)
+    print("signal at step", stop_at)
+
+    def run(name: str, at: int) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "train.py", name, str(at)],
+            cwd=tmp_path,
+            env={**os.environ, "HINDSIGHT_HOME": str(tmp_path / f"home-{name}")},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    ref = run("ref", -1)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    first = run("int", stop_at)
+    assert first.returncode == 85, first.stderr[-3000:]
+    assert f"step-{stop_at + 1:09d}" in first.stderr  # checkpointed after the signalled step
+    again = run("int", stop_at)
+    assert again.returncode == 0, again.stderr[-3000:]
+    a, b = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "int.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    def logged(name: str) -> dict[tuple, str]:
+        db = _native.LogDb(str(tmp_path / f"home-{name}" / "logs.db"))
+        (r,) = db.runs()  # the relaunch continued the interrupted run
+        assert r["status"] == "completed"
+        return {(v.name, *v.ctx, v.rep): v.value_json for v in db.values(r["id"])}
+
+    want = logged("ref")
+    assert len(want) == 2 * 60
+    assert logged("int") == want
+    firsts = [want[("first_x", ("epoch", e), ("step", 20 * e), 0)] for e in range(3)]
+    assert len(set(firsts)) == 3, "each epoch has its own order"

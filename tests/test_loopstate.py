@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, hindsight_cmd
-
 from hindsight.errors import UnsupportedTypeError
+
+from conftest import REPO, hindsight_cmd
 
 SCRIPT = REPO / "examples" / "iteration_train.py"
 ARGS = ["--rounds", "5", "--eval_interval", "6"]

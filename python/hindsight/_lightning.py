@@ -230,6 +230,12 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         self._signals.restore()
 
     def _should_stop(self, trainer: Any) -> bool:
+        run = _run._RUN
+        if self.stop_signal is None and isinstance(run, RecordRun) and run.stop_signal is not None:
+            # The script's hindsight run was created during the fit (by the
+            # first hs.log or logged metric) and its handler, installed over
+            # ours, took the signal.
+            self.stop_signal = run.stop_signal
         stop = self.stop_signal is not None
         if trainer.world_size > 1:
             stop = bool(trainer.strategy.reduce_boolean_decision(stop, all=False))
@@ -375,9 +381,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
 
     # hs.log in the module's hooks: the (epoch, global step) Lightning is at.
     def _context(self, ctx: list[tuple[str, int]] | None) -> None:
-        run = _run._RUN
-        if run is not None:
-            run.framework_ctx = ctx
+        _run.set_framework_context(ctx)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._context([("epoch", trainer.current_epoch), ("step", trainer.global_step)])
@@ -577,9 +581,7 @@ def _replay_run() -> ReplayRun | None:
 
 
 def _drop(on: bool) -> None:
-    run = _run._RUN
-    if run is not None:
-        run.framework_drop = on
+    _run.set_framework_drop(on)
 
 
 def _restore_epoch_end(trainer: Any, ckpt: dict[str, Any], name: str) -> None:

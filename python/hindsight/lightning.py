@@ -102,10 +102,11 @@ Limitations:
   Lightning's business: with a plain ``DataLoader`` the rest of the epoch is
   drawn from a fresh iterator (Lightning warns "your dataloader is not
   resumable"), so the samples seen differ from an uninterrupted run. A
-  loader with ``state_dict``/``load_state_dict`` (torchdata's
-  ``StatefulDataLoader``) has its state saved and restored by Lightning (how
-  exactly it resumes is up to Lightning and the loader; not tested here).
-  Epoch-end resume is exact on CPU (tested: bit-identical weights with
+  loader with ``state_dict``/``load_state_dict`` has its state saved and
+  restored by Lightning: with ``hindsight.data.Loader`` a signal at any step
+  resumes at the exact next batch (tested: weights and every logged value
+  bit-identical to an uninterrupted run; Lightning sets its epoch through
+  ``loader.sampler.set_epoch``). Epoch-end resume is exact on CPU (tested: bit-identical weights with
   shuffling and dropout, thanks to the restored RNG states).
 * A signal during validation or a long epoch-end hook is acted on after it.
 * With ``accumulate_grad_batches > 1`` the signal checkpoint waits for the

@@ -31,6 +31,11 @@ __all__ = [
 ]
 
 _RUN: Run | None = None
+# The loop context a framework's hooks set (Lightning's epoch and step) and
+# whether values there are dropped, kept here too so that a run created
+# later (by the first hs.log inside a training_step) starts in them.
+_FRAMEWORK_CTX: list[tuple[str, int]] | None = None
+_FRAMEWORK_DROP = False
 
 
 def current() -> Run:
@@ -38,7 +43,25 @@ def current() -> Run:
     if _RUN is None or _RUN.finished:
         plan = os.environ.get(ENV_REPLAY)
         _RUN = ReplayRun(plan) if plan else RecordRun()
+        _RUN.framework_ctx, _RUN.framework_drop = _FRAMEWORK_CTX, _FRAMEWORK_DROP
     return _RUN
+
+
+def set_framework_context(ctx: list[tuple[str, int]] | None) -> None:
+    """The context of hs.log calls outside any hs.loop, set by a framework's hooks."""
+    global _FRAMEWORK_CTX
+    _FRAMEWORK_CTX = ctx
+    if _RUN is not None:
+        _RUN.framework_ctx = ctx
+
+
+def set_framework_drop(on: bool) -> None:
+    """Whether values logged in the framework's current context are dropped
+    (Lightning's sanity check, an epoch a replay skips)."""
+    global _FRAMEWORK_DROP
+    _FRAMEWORK_DROP = on
+    if _RUN is not None:
+        _RUN.framework_drop = on
 
 
 def _after_fork() -> None:

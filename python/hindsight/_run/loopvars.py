@@ -301,7 +301,7 @@ class LoopVars:
                 raise UnsupportedTypeError(
                     f"variable '{name}' (line {line}) is assigned by loop '{self.loop_name}' and read later, but "
                     f"{why}: a resume or a replay would go on with another value than this run's. Fix: {fix}; "
-                    f'or, if its value need not survive a resume (a progress bar, an open file), name it: '
+                    f"or, if its value need not survive a resume (a progress bar, an open file), name it: "
                     f'hs.checkpointing(..., transient=["{name}"])'
                 )
         return {"values": values, "devices": {k: _devices(v) for k, v in values.items()}}

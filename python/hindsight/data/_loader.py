@@ -163,6 +163,16 @@ def _importable(obj: Callable[..., Any], what: str) -> str:
     return name
 
 
+class _EpochSetter:
+    """``loader.sampler``: ``set_epoch`` for frameworks that set a loader's epoch through its sampler."""
+
+    def __init__(self, loader: Loader) -> None:
+        self._loader = loader
+
+    def set_epoch(self, epoch: int) -> None:
+        self._loader.set_epoch(epoch)
+
+
 class Loader:
     """Batches of ``dataset`` computed by worker processes, each example
     exactly once per epoch, in the order (seed, epoch) fixes.
@@ -280,6 +290,12 @@ class Loader:
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch the next iteration delivers (its order and randomness)."""
         self.epoch = int(epoch)
+
+    @property
+    def sampler(self) -> _EpochSetter:
+        """What frameworks call ``set_epoch`` on at each epoch's start, as on a
+        ``DataLoader``'s sampler (Lightning, Accelerate): it sets this loader's epoch."""
+        return _EpochSetter(self)
 
     def __len__(self) -> int:
         return self.spec.batches_per_epoch()
