@@ -605,6 +605,7 @@ import hindsight as hs
 from hindsight.lightning import HindsightCheckpoint, HindsightLogger
 
 epochs = hs.arg("epochs", 4)
+every = hs.arg("every", 1)
 
 
 class M(pl.LightningModule):
@@ -645,7 +646,7 @@ g = torch.Generator().manual_seed(0)
 data = TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
 trainer = pl.Trainer(max_epochs=epochs, enable_progress_bar=False, log_every_n_steps=1,
                      enable_model_summary=False, default_root_dir="root",
-                     logger=HindsightLogger(), callbacks=[HindsightCheckpoint("store")])
+                     logger=HindsightLogger(), callbacks=[HindsightCheckpoint("store", every_n_epochs=every)])
 trainer.fit(M(lr=0.05), DataLoader(data, batch_size=8, shuffle=True), DataLoader(data, batch_size=16),
             ckpt_path=HindsightCheckpoint.latest_path("store"))
 """
@@ -855,3 +856,41 @@ def test_lightning_with_the_input_service_resumes_a_signal_at_a_random_step_bit_
     assert logged("int") == want
     firsts = [want[("first_x", ("epoch", e), ("step", 20 * e), 0)] for e in range(3)]
     assert len(set(firsts)) == 3, "each epoch has its own order"
+
+
+def test_lightning_replay_recomputes_epochs_without_a_checkpoint(pl: Any, tmp_path: Path) -> None:
+    """With a checkpoint every second epoch, an epoch-end probe's replay
+    restores the checkpointed epochs and trains the others from the one
+    before (its optimizer, schedule, RNG and step counters restored), giving
+    the values of a run that had the probe from the start."""
+    from conftest import hindsight_cmd
+
+    ref, proj = tmp_path / "ref", tmp_path / "proj"
+    for root, src in ((ref, _probed(*END_PROBES)), (proj, REPLAY_SCRIPT)):
+        root.mkdir()
+        (root / "train.py").write_text(src)
+        r = subprocess.run(
+            [sys.executable, "train.py", "--every", "2"],
+            cwd=root,
+            env={**os.environ, "HINDSIGHT_HOME": str(root / "home")},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+    (proj / "train.py").write_text(_probed(*END_PROBES))
+    r = subprocess.run(
+        [*hindsight_cmd(), "replay", "train.py", "-q", "--strict"],
+        cwd=proj,
+        env={**os.environ, "HINDSIGHT_HOME": str(proj / "home")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    # Checkpoints after epochs 1 and 3; epoch 0 trains from the start, epoch 2 from epoch 1's.
+    assert "2 restored from checkpoints, 16 inner-loop steps executed" in r.stdout
+    want = _phases(ref / "home")
+    got = _phases(proj / "home")
+    for name in ("w_norm", "lr_now", "val_probe"):
+        assert {c: v[1] for c, v in got[name].items()} == {c: v[0] for c, v in want[name].items()}, name
