@@ -27,6 +27,10 @@ durable; not Python/torch start-up) and prints it as JSON on its last line.
 3. parallel replay: add `hs.log("grad_norm", ...)` inside the step loop and
    replay the same run with -j 1, then -j 2 (replayed values upsert, so both
    do the same work): efficiency = T1 / (2 * T2).
+4. worker start-up across runs: record RUNS one-epoch runs (other seeds), add
+   the weight_norm probe and `hindsight replay rec.py --runs all -j 2`, with
+   workers forked from the zygote that imported torch (the default) and with
+   each worker a fresh interpreter ($HINDSIGHT_REPLAY_FORK=0), alternated.
 """
 
 from __future__ import annotations
@@ -504,6 +508,50 @@ def part_parallel(tab: Table, raw: dict[str, Any], proj: Path, epochs: int) -> N
     raw["checks"] = checks
 
 
+MANY_RUNS = 4
+
+
+def part_runs(tab: Table, raw: dict[str, Any]) -> None:
+    d = OUT / "runs"
+    d.mkdir()
+    src = training_script("rec", 1)
+    (d / "rec.py").write_text(src)
+    home = d / ".hindsight"
+    for seed in range(MANY_RUNS):
+        env = child_env(HINDSIGHT_HOME=str(home), HINDSIGHT_CHECKPOINT_EVERY="1")
+        run([PY, "rec.py", "--seed", str(seed)], d, env, f"record seed {seed}")
+    (d / "rec.py").write_text(src.replace("        sched.step()\n", "        sched.step()\n" + WEIGHT_PROBE, 1))
+    walls: dict[str, list[float]] = {"1": [], "0": []}
+    for _rep in range(2):
+        for fork in ("0", "1"):
+            env = child_env(HINDSIGHT_HOME=str(home), HINDSIGHT_REPLAY_FORK=fork)
+            r = run(
+                [PY, "-m", "hindsight", "replay", "rec.py", "-q", "--strict", "--runs", "all", "-j", "2"],
+                d,
+                env,
+                f"replay --runs all, fork={fork}",
+                ok=(0, 1, 3),
+            )
+            walls[fork].append(r["wall_s"])
+            print(
+                f"  replay of {MANY_RUNS} runs -j 2, {'forked' if fork == '1' else 'fresh'} workers: whole "
+                f"{r['wall_s']:.2f} s (exit {r['rc']}); other processes kept {r['others_cores']:.2f} cores busy",
+                file=sys.stderr,
+                flush=True,
+            )
+            if r["rc"] != 0:
+                raw.setdefault("problems", []).append(f"replay --runs all fork={fork} exited {r['rc']}")
+    forked, fresh = statistics.median(walls["1"]), statistics.median(walls["0"])
+    tab.section(f"4. worker start-up: a probe replayed into {MANY_RUNS} runs (1 epoch each), -j 2")
+    tab.add(
+        "whole command, workers forked from the zygote vs fresh interpreters",
+        forked,
+        fresh,
+        note=f"{fresh / forked:.1f}x faster; medians of 2 each, alternated",
+    )
+    raw["runs"] = {"forked_s": walls["1"], "fresh_s": walls["0"]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -547,6 +595,9 @@ def main() -> int:
         part_partial(tab, raw, proj, args.epochs)
         part_parallel(tab, raw, proj, args.epochs)
         print(f"  (parts 2-3 took {now() - t0:.0f} s)", file=sys.stderr, flush=True)
+        t0 = now()
+        part_runs(tab, raw)
+        print(f"  (part 4 took {now() - t0:.0f} s)", file=sys.stderr, flush=True)
         raw.pop("_last_rec", None)
 
         print(tab.render())

@@ -30,6 +30,7 @@ from typing import Any
 from hindsight import _native
 from hindsight._analysis import Analysis, analyze, transplant
 from hindsight._run import ENV_HOME, ENV_REPLAY
+from hindsight._zygote import Zygote, preload_modules
 from hindsight.errors import HindsightError, NotFoundError, ReplayError
 
 
@@ -141,6 +142,8 @@ class Worker:
     err: bytes = b""
     partial: bytes = b""
     open_pipes: int = 0
+    err_fd: int = -1
+    zid: int = -1  # the request id of a worker forked by the zygote
 
 
 @dataclass
@@ -412,69 +415,102 @@ def _run_local(
     sel = selectors.DefaultSelector()
     waiting = list(workers)
     running = 0
+    thread_env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    zygote = _start_zygote(workers, {**os.environ, **thread_env}) if len(workers) >= 2 else None
     with tempfile.TemporaryDirectory(prefix="hindsight-replay-") as tmp:
 
         def launch(n: int, w: Worker) -> None:
             r, wfd = os.pipe()
             plan_path = Path(tmp) / f"worker-{n}.json"
             plan_path.write_text(w.plan.to_json(wfd))  # the worker protocol: hindsight_core::replay
-            env = {
-                **os.environ,
-                ENV_REPLAY: str(plan_path),
-                ENV_HOME: str(home),
-                "OMP_NUM_THREADS": str(threads),
-                "MKL_NUM_THREADS": str(threads),
-            }
-            w.proc = subprocess.Popen(
-                w.argv,
-                cwd=w.cwd,
-                env=env,
-                pass_fds=(wfd,),
-                stdout=subprocess.DEVNULL if args.quiet else None,
-                stderr=subprocess.PIPE,
-            )
+            env = {**os.environ, ENV_REPLAY: str(plan_path), ENV_HOME: str(home), **thread_env}
+            if zygote is not None:
+                er, ew = os.pipe()
+                out = os.open(os.devnull, os.O_WRONLY) if args.quiet else os.dup(1)
+                try:
+                    w.zid = zygote.fork(w.argv, w.cwd, env, (out, ew, wfd), threads)
+                finally:
+                    os.close(out)
+                    os.close(ew)
+                w.err_fd = er
+            else:
+                w.proc = subprocess.Popen(
+                    w.argv,
+                    cwd=w.cwd,
+                    env=env,
+                    pass_fds=(wfd,),
+                    stdout=subprocess.DEVNULL if args.quiet else None,
+                    stderr=subprocess.PIPE,
+                )
+                assert w.proc.stderr is not None
+                w.err_fd = w.proc.stderr.fileno()
             os.close(wfd)
             w.read_fd = r
             # Standard error is read as it comes, beside the progress pipe:
             # a worker that writes more than a pipe holds (64 KiB) would
             # otherwise block on it, and the replay with it.
-            assert w.proc.stderr is not None
-            for fd in (r, w.proc.stderr.fileno()):
+            for fd in (r, w.err_fd):
                 os.set_blocking(fd, False)
                 sel.register(fd, selectors.EVENT_READ, w)
             w.open_pipes = 2
 
-        launched = 0
-        while waiting or running:
-            while waiting and running < budget:
-                launch(launched, waiting.pop(0))
-                launched += 1
-                running += 1
-            for key, _ in sel.select(timeout=0.5):
-                w = key.data
-                assert w.proc is not None and w.proc.stderr is not None
-                chunk = os.read(key.fd, 65536)
-                if chunk and key.fd == w.read_fd:
-                    # Whole lines only: a read may end inside one.
-                    w.partial += chunk
-                    done, _, w.partial = w.partial.rpartition(b"\n")
-                    _progress_lines(w, done.decode())
-                    continue
-                if chunk:
-                    w.err = (w.err + chunk)[-_STDERR_KEPT:]
-                    continue
-                sel.unregister(key.fd)
-                if key.fd == w.read_fd:
-                    os.close(key.fd)
-                else:
-                    w.proc.stderr.close()
-                w.open_pipes -= 1
-                if w.open_pipes == 0:
-                    w.returncode = w.proc.wait()
-                    w.stderr_tail = w.err.decode(errors="replace")[-2000:]
-                    running -= 1
-            _progress(workers, total, start)
+        try:
+            launched = 0
+            while waiting or running:
+                while waiting and running < budget:
+                    launch(launched, waiting.pop(0))
+                    launched += 1
+                    running += 1
+                for key, _ in sel.select(timeout=0.5):
+                    w = key.data
+                    chunk = os.read(key.fd, 65536)
+                    if chunk and key.fd == w.read_fd:
+                        # Whole lines only: a read may end inside one.
+                        w.partial += chunk
+                        done, _, w.partial = w.partial.rpartition(b"\n")
+                        _progress_lines(w, done.decode())
+                        continue
+                    if chunk:
+                        w.err = (w.err + chunk)[-_STDERR_KEPT:]
+                        continue
+                    sel.unregister(key.fd)
+                    if w.proc is not None and key.fd == w.err_fd:
+                        assert w.proc.stderr is not None
+                        w.proc.stderr.close()
+                    else:
+                        os.close(key.fd)
+                    w.open_pipes -= 1
+                    if w.open_pipes == 0:
+                        w.returncode = w.proc.wait() if w.proc is not None else zygote.wait(w.zid)  # type: ignore[union-attr]
+                        w.stderr_tail = w.err.decode(errors="replace")[-2000:]
+                        running -= 1
+                _progress(workers, total, start)
+        finally:
+            if zygote is not None:
+                if running:
+                    zygote.kill()
+                zygote.close()
         _progress(workers, total, start, final=True)
+
+
+def _start_zygote(workers: list[Worker], env: dict[str, str]) -> Zygote | None:
+    """The process the workers are forked from (`hindsight._zygote`), having
+    imported the heavy libraries their scripts import; None where it cannot
+    run (no fork, or $HINDSIGHT_REPLAY_FORK=0): workers then start afresh."""
+    if os.environ.get("HINDSIGHT_REPLAY_FORK", "1") == "0" or not hasattr(os, "fork"):
+        return None
+    modules: list[str] = []
+    for script in {w.argv[1] for w in workers if len(w.argv) > 1}:
+        try:
+            source = Path(script).read_text()
+        except (OSError, UnicodeDecodeError):
+            continue
+        modules += [m for m in preload_modules(source) if m not in modules]
+    try:
+        return Zygote(modules, env)
+    except OSError as e:
+        print(f"note: replay workers start afresh ({e})", file=sys.stderr)
+        return None
 
 
 # Bytes of a local worker's standard error kept for the report.
