@@ -75,9 +75,13 @@ class Zygote:
         self.pids: dict[int, int] = {}
         self.status: dict[int, int] = {}
         self._next = 0
-        msg = self._read()
+        try:
+            msg = self._read()
+        except OSError:
+            msg = {"why": "it exited"}
         if not msg.get("ready"):
-            raise OSError(f"replay zygote did not start: {msg}")
+            self.close()
+            raise OSError(f"the replay zygote is not usable: {msg.get('why', msg)}")
 
     def _read(self) -> dict[str, Any]:
         while b"\n" not in self._buf:
@@ -235,11 +239,18 @@ def serve(sock: socket.socket) -> None:
 
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
+    # A CUDA driver initialized before fork() fails in every child: torch's
+    # availability check goes through NVML here, which forks safely.
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     for name in sys.argv[2:]:
         # A module that fails to import here is imported by the worker
         # itself, which then reports its error as a fresh interpreter would.
         with contextlib.suppress(Exception):
             __import__(name)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        sock.sendall(json.dumps({"ready": False, "why": "an import initialized CUDA"}).encode() + b"\n")
+        return
     serve(sock)
 
 
