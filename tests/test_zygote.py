@@ -13,8 +13,9 @@ from pathlib import Path
 from hindsight._zygote import Zygote, preload_modules
 
 SCRIPT = """
-import os, sys
+import os, signal, sys
 print("out", sys.argv[1:], os.getcwd(), os.environ["ZYGOTE_TEST"], flush=True)
+print("ctrl-c raises", signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)
 print("err", __name__, sys.path[0], file=sys.stderr, flush=True)
 os.write(int(os.environ["PROGRESS_FD"]), f"{os.getppid()}\\n".encode())
 import atexit
@@ -59,6 +60,7 @@ def test_a_forked_worker_is_the_script_run_with_its_request(tmp_path: Path) -> N
         status, out, err, progress = results["3"]
         assert status == 3
         assert f"out ['3'] {work} 3" in out and "atexit ran" in out  # argv, cwd, env; exit work done
+        assert "ctrl-c raises True" in out  # though the zygote itself ignores SIGINT
         assert f"err __main__ {tmp_path}" in err  # run as __main__, its directory first on sys.path
         assert progress.strip() == str(z.proc.pid)  # forked from the zygote, through the progress descriptor
         status, out, err, _ = results["fail"]

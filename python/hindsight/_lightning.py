@@ -18,7 +18,7 @@ from hindsight._run.record import RecordRun
 from hindsight._run.replay import ReplayRun
 from hindsight._state import rng_state, set_rng_state
 from hindsight._store import Store
-from hindsight.errors import InvalidArgumentError, ReplayError, UnsupportedTypeError
+from hindsight.errors import HindsightError, InvalidArgumentError, ReplayError, UnsupportedTypeError
 from hindsight.lightning import (
     DEFAULT_PREFIX,
     _check_prefix,
@@ -552,7 +552,10 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             ckpt = _unpack(self.store.load(name, allow_pickle=self.allow_pickle))
             _restore_epoch_end(trainer, ckpt, name)
             self._replay.blocks_restored += 1
-            self._replay.db.set_restore_seconds(self._replay.run_id, "epoch", epoch, time.perf_counter() - t0)
+            try:
+                self._replay.db.set_restore_seconds(self._replay.run_id, "epoch", epoch, time.perf_counter() - t0)
+            except HindsightError as e:  # bookkeeping only: say so, but never fail a replay for it
+                print(f"hindsight: could not record the restore time of {name}: {e}", file=sys.stderr)
             _drop(False)
             _validate(trainer)
             # Validation drew from the random generators after the recorded

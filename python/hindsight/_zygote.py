@@ -138,6 +138,7 @@ def _child(request: dict[str, Any], fds: list[int]) -> None:
     """In the forked child: become `python <argv>` and never return."""
     code = 1
     try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
         out, err, progress = fds
         os.dup2(out, 1)
         os.dup2(err, 2)
@@ -184,6 +185,9 @@ def _child(request: dict[str, Any], fds: list[int]) -> None:
 
 
 def serve(sock: socket.socket) -> None:
+    # Ctrl-C reaches the whole process group: the workers stop (the driver
+    # reports it); the zygote ends when the driver closes the socket.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ)
     children: dict[int, int] = {}  # pid -> request id
