@@ -695,6 +695,37 @@ def _phases(home: Path) -> dict[str, dict[tuple, tuple[Any, Any]]]:
     return out
 
 
+def _record(root: Path, src: str, *args: str) -> None:
+    """`src` recorded as root/train.py, with its project home in root/home."""
+    root.mkdir()
+    (root / "train.py").write_text(src)
+    r = subprocess.run(
+        [sys.executable, "train.py", *args],
+        cwd=root,
+        env={**os.environ, "HINDSIGHT_HOME": str(root / "home")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _replay(root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """`hindsight replay train.py --strict` in a project made by `_record`; must succeed."""
+    from conftest import hindsight_cmd
+
+    r = subprocess.run(
+        [*hindsight_cmd(), "replay", "train.py", "-q", "--strict", *extra],
+        cwd=root,
+        env={**os.environ, "HINDSIGHT_HOME": str(root / "home")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    return r
+
+
 def test_replay_of_a_lightning_script_restores_epochs_for_hook_probes(pl: Any, tmp_path: Path) -> None:
     """`hindsight replay` of a LightningModule: probes in the epoch hooks get
     the recorded epochs' state with no training step run (validation runs on
@@ -703,22 +734,10 @@ def test_replay_of_a_lightning_script_restores_epochs_for_hook_probes(pl: Any, t
     --where; a probe in training_step re-executes the epochs over -j 2
     workers. Every value equals a run that had the probes from the start
     (shuffling, dropout and an LR schedule included)."""
-    from conftest import hindsight_cmd
-
     every = [*END_PROBES, START_PROBE, STEP_PROBE]
     ref, proj = tmp_path / "ref", tmp_path / "proj"
-    for root, src in ((ref, _probed(*every)), (proj, REPLAY_SCRIPT)):
-        root.mkdir()
-        (root / "train.py").write_text(src)
-        r = subprocess.run(
-            [sys.executable, "train.py"],
-            cwd=root,
-            env={**os.environ, "HINDSIGHT_HOME": str(root / "home")},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert r.returncode == 0, r.stderr[-3000:]
+    _record(ref, _probed(*every))
+    _record(proj, REPLAY_SCRIPT)
     want = {k: {c: v[0] for c, v in vals.items()} for k, vals in _phases(ref / "home").items()}
     assert sorted(want["w_norm"]) == [(("epoch", e), 0) for e in range(4)]
     # Lightning's sanity-check validation before epoch 0 is no epoch's: not recorded.
@@ -728,16 +747,7 @@ def test_replay_of_a_lightning_script_restores_epochs_for_hook_probes(pl: Any, t
     assert len(want["w0"]) == 4 * 8
 
     def replay(*extra: str) -> subprocess.CompletedProcess[str]:
-        r = subprocess.run(
-            [*hindsight_cmd(), "replay", "train.py", "-q", "--strict", *extra],
-            cwd=proj,
-            env={**os.environ, "HINDSIGHT_HOME": str(proj / "home")},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-        return r
+        return _replay(proj, *extra)
 
     def check(*names: str, epochs: range = range(4)) -> None:
         got = _phases(proj / "home")
@@ -863,31 +873,11 @@ def test_lightning_replay_recomputes_epochs_without_a_checkpoint(pl: Any, tmp_pa
     restores the checkpointed epochs and trains the others from the one
     before (its optimizer, schedule, RNG and step counters restored), giving
     the values of a run that had the probe from the start."""
-    from conftest import hindsight_cmd
-
     ref, proj = tmp_path / "ref", tmp_path / "proj"
-    for root, src in ((ref, _probed(*END_PROBES)), (proj, REPLAY_SCRIPT)):
-        root.mkdir()
-        (root / "train.py").write_text(src)
-        r = subprocess.run(
-            [sys.executable, "train.py", "--every", "2"],
-            cwd=root,
-            env={**os.environ, "HINDSIGHT_HOME": str(root / "home")},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert r.returncode == 0, r.stderr[-3000:]
+    _record(ref, _probed(*END_PROBES), "--every", "2")
+    _record(proj, REPLAY_SCRIPT, "--every", "2")
     (proj / "train.py").write_text(_probed(*END_PROBES))
-    r = subprocess.run(
-        [*hindsight_cmd(), "replay", "train.py", "-q", "--strict"],
-        cwd=proj,
-        env={**os.environ, "HINDSIGHT_HOME": str(proj / "home")},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    r = _replay(proj)
     # Checkpoints after epochs 1 and 3; epoch 0 trains from the start, epoch 2 from epoch 1's.
     assert "2 restored from checkpoints, 16 inner-loop steps executed" in r.stdout
     want = _phases(ref / "home")
