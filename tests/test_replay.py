@@ -253,9 +253,23 @@ def test_nondeterministic_script_is_caught_by_the_divergence_check(recorded):
             "loss = nn.functional.cross_entropy(net(x + 0.1 * torch.randn(x.shape)), y)",
         ),
     )
-    r = replay(script, home, "--force", "--strict")
+    # Fatal by default: exit 3, naming the first difference, and the probe's
+    # values (computed on the wrong state) are not presented as results.
+    r = replay(script, home, "--force")
     assert r.returncode == 3, r.stdout + r.stderr
     assert "DIVERGENCE" in r.stderr and "first: loss at epoch=0, step=0" in r.stderr
+    assert "discarded" in r.stderr
+    assert not any(values(home, "grad_norm").values())
+    # Kept on request, marked: `hindsight logs` says so beside each value,
+    # and hs.dataframe still does not show them as results.
+    r = replay(script, home, "--force", "--allow-divergence")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "DIVERGENCE" in r.stderr and "marked 'diverged'" in r.stderr
+    logs = subprocess.run(
+        [*hindsight_cmd(), "--home", str(home), "logs", "grad_norm"], capture_output=True, text=True, timeout=60
+    )
+    assert logs.returncode == 0 and "[diverged]" in logs.stdout, logs.stdout + logs.stderr
+    assert not any(values(home, "grad_norm").values())
 
 
 def test_unknown_run_and_missing_script_are_clear_errors(recorded):
@@ -352,11 +366,15 @@ def test_a_later_exact_replay_is_not_blamed_for_an_earlier_forced_one(recorded: 
         "loss = nn.functional.cross_entropy(net(x + 0.1 * torch.randn(x.shape)), y)",
     )
     edit(script, INNER_PROBE, noisy)
-    assert replay(script, home, "--force").returncode == 0  # diverges, leaves replayed rows behind
+    # Diverges; its rows are kept (marked) on request.
+    assert replay(script, home, "--force", "--allow-divergence").returncode == 0
     edit(script, (noisy[1], noisy[0]))  # back to the recorded computation
-    r = replay(script, home, "--strict", "--where", "epoch == 0")
+    r = replay(script, home, "--where", "epoch == 0")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "DIVERGENCE" not in r.stderr
+    # The exact values replace the diverged ones where it replayed, and only there.
+    got = {ctx: v for ctx, v in values(home, "grad_norm").items() if v}
+    assert got and all(dict(ctx)["epoch"] == 0 for ctx in got), got
 
 
 def test_rm_run_deletes_the_run_its_logs_and_its_checkpoints(tmp_path: Path) -> None:

@@ -170,6 +170,15 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         self._signals = _preemption.StopSignals(catch_sigint)
         self.last_saved: str | None = None
         self._last_step_saved = -1
+        # A signal acted on at an epoch's end: the exit waits until Lightning
+        # has finished that epoch (see on_train_epoch_end).
+        self._exit_pending = False
+        # A checkpoint was saved before Lightning handed the step's or epoch's
+        # values to the loggers: they go to the database at the next hook.
+        self._flush_due = False
+        # Set in setup: a restored fit that recorded into a hindsight run
+        # continues that run (load_state_dict).
+        self._continue_run = False
         # Where this fit writes: `prefix`, or `<prefix>.fitN` for a later
         # fresh fit in the same store (decided when fit starts).
         self.fit_prefix = self.prefix
@@ -243,6 +252,14 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
                 self.stop_signal = signal.SIGTERM  # another rank got it
         return stop
 
+    def _flush_logs(self) -> None:
+        """The values of the script's hindsight run (HindsightLogger, hs.log in
+        the hooks) so far into its log database."""
+        self._flush_due = False
+        run = _run._RUN
+        if isinstance(run, RecordRun) and not run.finished:
+            run.flush_logs()
+
     def _exit(self, trainer: Any) -> None:
         self._restore_signals(trainer)
         if isinstance(_run._RUN, RecordRun):
@@ -254,6 +271,12 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
 
     # -- saving -----------------------------------------------------------------------
     def _save(self, trainer: Any, end: bool, wait: bool) -> None:
+        # Every value logged so far reaches the database before the checkpoint
+        # that covers it: a kill -9 after the checkpoint loses none (the
+        # resumed fit does not log them again). Lightning hands the loggers
+        # this step's (or epoch's) own values after this hook: next flush.
+        self._flush_logs()
+        self._flush_due = True
         epoch = trainer.current_epoch
         step = trainer.global_step
         name = _native.CheckpointId(
@@ -326,6 +349,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         self._replay = _replay_run() if stage == "fit" else None
         if self._replay is not None:
             self._replay_setup(trainer)
+        self._continue_run = stage == "fit" and self._replay is None and bool(trainer.is_global_zero)
         # Teach the strategy's CheckpointIO hindsight:// paths before
         # Lightning restores from ckpt_path.
         strategy = trainer.strategy
@@ -353,6 +377,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
                         )
         self.fit_prefix = self._choose_prefix(trainer)
         self._last_step_saved = trainer.global_step
+        self._exit_pending = self._flush_due = False
         self._signals.received = None
         self._signals.install()
 
@@ -378,12 +403,16 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         # checkpoint. Take SIGTERM back for the duration of fit.
         self._signals.install()
         self._fix_lightning_teardown(trainer)
+        # A fit resumed mid-epoch does not call on_train_epoch_start.
+        self._epoch_start = time.perf_counter()
 
     # hs.log in the module's hooks: the (epoch, global step) Lightning is at.
     def _context(self, ctx: list[tuple[str, int]] | None) -> None:
         _run.set_framework_context(ctx)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._flush_due:
+            self._flush_logs()  # the values of the step a checkpoint was taken after
         self._context([("epoch", trainer.current_epoch), ("step", trainer.global_step)])
         if self._replay is not None and self._mode != "execute":
             _drop(True)  # a skipped step: until the checkpoint is restored, no value is the epoch's
@@ -400,6 +429,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         _drop(False)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self._end_of_epoch(trainer)
         self._context([("epoch", trainer.current_epoch)])
         self._epoch_start = time.perf_counter()
         if self._replay is not None:
@@ -414,6 +444,13 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         should_accumulate = getattr(epoch_loop, "_should_accumulate", None)
         if callable(should_accumulate) and should_accumulate():
             return  # mid gradient accumulation: not a step boundary
+        if epoch_loop.batch_progress.is_last_batch:
+            # A signal after an epoch's last step is acted on at the epoch's
+            # end (on_train_epoch_end). Lightning resumes a checkpoint taken
+            # here at the next epoch: this epoch's validation and end hooks
+            # would never run, and a stateful loader would get the finished
+            # epoch's position for the next one (which then yields nothing).
+            return
         if self._should_stop(trainer):
             self._save(trainer, end=False, wait=True)
             self._log_step_metrics(trainer)
@@ -445,7 +482,20 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             self._save(trainer, end=True, wait=stop)
             saved = self.last_saved
         self._record_epoch(trainer, saved)
-        if stop:
+        # On a signal, leave once Lightning has finished the epoch (the
+        # module's on_train_epoch_end, the epoch's self.log values): the
+        # resumed fit starts at the next epoch and would not run them.
+        self._exit_pending = stop
+
+    def _end_of_epoch(self, trainer: Any) -> None:
+        """After Lightning finished an epoch (the next epoch's start, or the
+        end of training): its last values, logged after the epoch-end
+        checkpoint, into the database; then the exit a signal asked for."""
+        if self._replay is not None:
+            return
+        self._flush_logs()
+        if self._exit_pending:
+            self._exit_pending = False
             self._exit(trainer)
 
     def _record_epoch(self, trainer: Any, checkpoint: str | None) -> None:
@@ -466,6 +516,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._replay is not None:
             self._replay_progress()
+        self._end_of_epoch(trainer)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         if self._replay is not None:
@@ -567,12 +618,22 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             self._pending = epoch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"prefix": self.prefix, "rng": rng_state() if self.restore_rng else None}
+        run = _run._RUN
+        return {
+            "prefix": self.prefix,
+            "rng": rng_state() if self.restore_rng else None,
+            "run": isinstance(run, RecordRun) and not run.finished,  # the fit records into a hindsight run
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         rng = state_dict.get("rng")
         if self.restore_rng and rng:
             set_rng_state(rng)
+        if state_dict.get("run") and self._continue_run:
+            # Continue the interrupted run now, not at the first hs.log: a
+            # relaunch with nothing left to train logs nothing, and the run
+            # would stay "interrupted" although the fit completed.
+            _run.current()
 
 
 def _replay_run() -> ReplayRun | None:
@@ -691,6 +752,13 @@ class HindsightLogger(_loggers.Logger):  # type: ignore[misc, name-defined]
         for name, value in metrics.items():
             if name != "epoch":
                 self.record.log_at(ctx, name, float(value))
+
+    @_rank_zero_only  # type: ignore[untyped-decorator]
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        # A checkpoint another callback (ModelCheckpoint) wrote: the values
+        # it covers reach the database now, not at the end of fit.
+        if self._record is not None:
+            self._record.flush_logs()
 
     @_rank_zero_only  # type: ignore[untyped-decorator]
     def finalize(self, status: str) -> None:

@@ -35,6 +35,12 @@ def dataframe(*names: str, run: str | list[str] | None = None, args: bool = Fals
     run; where both exist for a context, the recorded value is shown (the
     engine's rule, the same as ``hindsight logs``; a replay that disagrees
     is reported as a divergence).
+
+    A replayed value is shown only when its replay proved itself: values of
+    a replay kept with ``--allow-divergence`` are left out (missing), and
+    ``df.attrs["replay_flags"]`` maps ``(run, context, name)`` to the flag
+    of each value that is not exact ("inexact": another thread count;
+    "diverged": left out).
     """
     import pandas as pd
 
@@ -52,6 +58,7 @@ def dataframe(*names: str, run: str | list[str] | None = None, args: bool = Fals
     rows: dict[tuple[str, tuple[tuple[str, int], ...], int], dict[str, Any]] = {}
     loops: list[str] = []
     repeated = False
+    flags: dict[tuple[str, tuple[tuple[str, int], ...], str], str] = {}
     for r in runs:
         if _run._RUN is not None and r == _run._RUN.run_id:
             _run._RUN.flush_logs()
@@ -61,6 +68,10 @@ def dataframe(*names: str, run: str | list[str] | None = None, args: bool = Fals
                     loops.append(loop)
             repeated = repeated or v.rep > 0
             row = rows.setdefault((r, tuple(v.ctx), v.rep), {"run": r, **dict(v.ctx), "rep": v.rep})
+            if v.recorded is None and v.replay_flag is not None:
+                flags[(r, tuple(v.ctx), v.name)] = v.replay_flag
+                if v.replay_flag == "diverged":
+                    continue  # never shown as if it were good
             row[v.name] = json.loads(v.value_json)
     arg_names: list[str] = []
     if args:
@@ -91,4 +102,5 @@ def dataframe(*names: str, run: str | list[str] | None = None, args: bool = Fals
     df = pd.DataFrame([rows[k] for k in order], columns=columns)
     for loop in loops:
         df[loop] = df[loop].astype("Int64")
+    df.attrs["replay_flags"] = flags
     return df

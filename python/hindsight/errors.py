@@ -70,6 +70,13 @@ class ReplayError(HindsightError):
     """A replay cannot run as asked (script changed beyond logging, missing checkpoint, ...)."""
 
 
+class DivergenceError(ReplayError):
+    """A replay or a resume computed something other than the recording: a
+    step consumed other data, a logged value differs, or the state at a
+    checkpoint differs. Raised at the first difference, naming it; nothing
+    computed after it is presented as a result."""
+
+
 class CancelledError(HindsightError):
     """The operation was interrupted or abandoned."""
 
@@ -151,6 +158,7 @@ __all__ = [
     "DataUnreachableError",
     "DatabaseError",
     "DeviceCopyError",
+    "DivergenceError",
     "HindsightError",
     "InternalError",
     "InvalidArgumentError",

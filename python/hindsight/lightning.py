@@ -30,7 +30,12 @@ What the callback does:
   exits with the checkpoint exit code: ``exit_code=...``, else HTCondor's
   ``CheckpointExitCode`` from ``$_CONDOR_JOB_AD``, else
   ``$HINDSIGHT_EXIT_CODE``, else 85 (``sys.exit``: Lightning's ``on_exception``
-  hooks and teardown run on the way out). ``requeue=True`` (or
+  hooks and teardown run on the way out). A signal at an epoch's last step
+  (or during the validation after it) is acted on at the epoch's end, and
+  the exit waits until Lightning has finished the epoch (its
+  ``on_train_epoch_end`` hooks, the epoch's logged values): Lightning
+  resumes a checkpoint taken after an epoch's last batch at the next epoch,
+  without that epoch's validation and end hooks. ``requeue=True`` (or
   ``$HINDSIGHT_SLURM_REQUEUE=1``) runs ``scontrol requeue $SLURM_JOB_ID``
   first. During ``fit`` the callback replaces Lightning's own SIGTERM handler
   (which stops training with exit status 0 and no checkpoint) and, being
@@ -57,9 +62,15 @@ What the callback does:
   at its (epoch, global step); with the callback, ``hs.log`` in
   ``training_step`` gets the same context, and ``hs.log`` in the epoch hooks
   (``on_train_epoch_end``, ``on_validation_epoch_end``) the epoch. Read them
-  with ``hs.dataframe``, ``hindsight logs``, ``hindsight plot``. A run stopped
-  by a signal is marked interrupted, and the relaunch that resumes the fit
-  continues its logs in the same run.
+  with ``hs.dataframe``, ``hindsight logs``, ``hindsight plot``. Values reach
+  the log database before each checkpoint the callback saves, and those
+  Lightning hands over after it (the step's own ``self.log`` values, the
+  epoch's aggregates, ``hs.log`` in the module's ``on_train_epoch_end``) at
+  the next batch or epoch start (a ``kill -9`` in that instant, after the
+  checkpoint's background commit, can lose them; any other loses no value a
+  resume would not compute again). A run stopped by a signal (or killed) is
+  continued in the same run by the relaunch that resumes the fit, also when
+  nothing is left to train.
 * Replay: with ``HindsightLogger`` (or any ``hs.*`` call) the callback
   records every epoch, with its time and checkpoint, in the run, and
   ``hindsight replay train.py`` computes new ``hs.log`` statements in the

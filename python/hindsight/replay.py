@@ -1,7 +1,7 @@
 """`hindsight replay`: add log statements to a recorded script, then compute
 their values without re-training.
 
-    hindsight replay train.py [--run ID ...] [-j G] [--where "epoch >= 10"] [--force] [--strict]
+    hindsight replay train.py [--run ID ...] [-j G] [--where "epoch >= 10"] [--force] [--fast] [--allow-divergence]
                               [--launcher slurm [--sbatch=--partition=P ...]]
 
 New statements outside the inner loops: partial replay (the training steps
@@ -30,6 +30,7 @@ from typing import Any
 from hindsight import _native
 from hindsight._analysis import Analysis, analyze, transplant
 from hindsight._run import ENV_HOME, ENV_REPLAY
+from hindsight._run.replay import EXIT_DIVERGED
 from hindsight._zygote import Zygote, preload_modules
 from hindsight.errors import HindsightError, NotFoundError, ReplayError
 
@@ -137,6 +138,9 @@ class Worker:
     restored: int = 0
     returncode: int | None = None
     stderr_tail: str = ""
+    # The replay the worker stages its values for, and its torch threads.
+    replay_id: int = 0
+    threads: int = 1
     # Local workers: the tail of standard error read so far, and the pipes
     # (progress, standard error) still open.
     err: bytes = b""
@@ -157,6 +161,9 @@ class RunJob:
     start_seq: int
     versions: dict[str, Any]
     temp_script: Path | None = None
+    replay_id: int = 0
+    #: Workers run with the recording's thread count, so values must be equal bit for bit.
+    exact: bool = True
 
 
 def _progress(workers: list[Worker], total: int, start: float, final: bool = False) -> None:
@@ -249,12 +256,17 @@ def replay(args: argparse.Namespace) -> int:
         if not jobs:
             return status
         workers = [w for j in jobs for w in j.workers]
+        budget = _threads(args, jobs)
+        for job in jobs:
+            job.replay_id = db.begin_replay(job.run_id, job.exact)
+            for w in job.workers:
+                w.replay_id = job.replay_id
         start = time.monotonic()
         spool = None
         if args.launcher == "slurm":
             spool = _run_slurm(args, db, workers, home, start)
         else:
-            _run_local(args, workers, home, jobs[0].versions if len(jobs) == 1 else {}, start)
+            _run_local(args, workers, home, budget, start)
         for job in jobs:
             status |= _report(args, db, job, start)
         if spool is not None:
@@ -267,6 +279,48 @@ def replay(args: argparse.Namespace) -> int:
         for job in jobs:
             if job.temp_script is not None:
                 job.temp_script.unlink(missing_ok=True)
+
+
+def _threads(args: argparse.Namespace, jobs: list[RunJob]) -> int:
+    """Each worker's torch thread count, whether its run's values can be
+    compared bit for bit, and how many local workers run at once.
+
+    Exactness needs the recording's thread count (reductions round by how
+    they are split). So by default every worker runs with it, and -j is
+    capped so that workers x threads <= cores; `--fast` instead gives each
+    worker cores // workers threads, and the values are compared with a
+    tolerance and stored marked inexact."""
+    cores = os.cpu_count() or 1
+    budget = max(1, min(int(args.jobs), sum(len(j.workers) for j in jobs)))
+    if args.launcher == "slurm":
+        budget = int(args.jobs)
+    recorded = [int(j.versions["torch_threads"]) for j in jobs if j.versions.get("torch_threads")]
+    if not args.fast and recorded and args.launcher == "local":
+        widest = max(recorded)
+        capped = max(1, cores // widest)
+        if capped < budget:
+            print(
+                f"note: -j {args.jobs} runs {capped} worker(s) at a time: each uses the recording's {widest} "
+                f"torch thread(s) so that values replay exactly, and this machine has {cores} cores "
+                "(--fast runs more, with values that may differ in the last bits)",
+                file=sys.stderr,
+            )
+            budget = capped
+    fair = max(1, cores // budget)
+    for job in jobs:
+        want = job.versions.get("torch_threads")
+        threads = int(want) if want and not args.fast else fair
+        job.exact = not want or threads == int(want)
+        if not job.exact:
+            print(
+                f"note: run {job.run_id}: each worker uses {threads} thread(s), the recording used {want}: "
+                "values may differ in the last bits; they are compared within a tolerance and kept marked "
+                "'inexact' (an exact value an earlier replay computed is never replaced)",
+                file=sys.stderr,
+            )
+        for w in job.workers:
+            w.threads = threads
+    return budget
 
 
 def _runs_of(db: Any, script: Path, which: list[str], since: str | None) -> list[dict[str, Any]]:
@@ -358,7 +412,7 @@ def _prepare(
 
 def _report(args: argparse.Namespace, db: Any, job: RunJob, start: float) -> int:
     """Failures, divergences and the summary of one run's replay; its exit status."""
-    failed = [w for w in job.workers if w.returncode != 0]
+    failed = [w for w in job.workers if w.returncode not in (0, EXIT_DIVERGED)]
     for w in failed:
         iters = sorted(i for i, m in w.modes.items() if m != "skip")
         print(
@@ -367,28 +421,38 @@ def _report(args: argparse.Namespace, db: Any, job: RunJob, start: float) -> int
             file=sys.stderr,
         )
     for w in job.workers:
-        if w.returncode == 0 and w.stderr_tail.strip():
+        if w.returncode in (0, EXIT_DIVERGED) and w.stderr_tail.strip():
             sys.stderr.write(w.stderr_tail)
-    # Judge only what this replay wrote, not rows an earlier one left.
-    divergences = db.divergences(job.run_id, job.start_seq)
+    # Judge what this replay staged against the recording: a replay that
+    # computed a recorded value differently computed its new ones on wrong
+    # state too, so they are not presented as results.
+    divergences = db.replay_divergences(job.replay_id).divergences
     if divergences:
         first = divergences[0]
         where = ", ".join(f"{k}={v}" for k, v in first.ctx) or "top level"
+        kept = "kept, marked 'diverged'" if args.allow_divergence else "discarded"
         print(
             f"DIVERGENCE in run {job.run_id}: {len(divergences)} value(s) differ between record and replay; "
-            f"first: {first.name} at {where}: recorded {first.record_value}, replayed {first.replay_value}",
+            f"first: {first.name} at {where}: recorded {first.record_value}, replayed {first.replay_value}. "
+            f"The replay's values were {kept}"
+            + ("" if args.allow_divergence else " (--allow-divergence keeps them, marked)"),
             file=sys.stderr,
         )
+    diverged = bool(divergences) or any(w.returncode == EXIT_DIVERGED for w in job.workers)
+    if diverged and not args.allow_divergence:
+        db.finish_replay(job.replay_id, None)
+    else:
+        db.finish_replay(job.replay_id, "diverged" if diverged else "exact" if job.exact else "inexact")
     steps = sum(w.steps for w in job.workers)
     restored = sum(w.restored for w in job.workers)
     print(
         f"replayed {job.total} iteration(s) in {time.monotonic() - start:.1f}s: {restored} restored from "
         f"checkpoints, {steps} inner-loop steps executed; new values: {job.names}"
     )
+    if diverged and not args.allow_divergence:
+        return EXIT_DIVERGED
     if failed:
         return 1
-    if divergences and args.strict:
-        return 3
     return 0
 
 
@@ -396,39 +460,32 @@ def _run_local(
     args: argparse.Namespace,
     workers: list[Worker],
     home: Path,
-    versions: dict[str, Any],
+    budget: int,
     start: float,
 ) -> None:
     """Workers as processes of this machine, writing into the project's
-    logs.db: at most -j at a time, over all runs' workers."""
-    budget = max(1, min(args.jobs, len(workers)))
-    # workers x threads <= cores: oversubscribed workers are slower than one.
-    threads = max(1, (os.cpu_count() or 1) // budget)
-    recorded_threads = versions.get("torch_threads")
-    if recorded_threads and recorded_threads != threads:
-        print(
-            f"note: each worker uses {threads} thread(s); the recording used {recorded_threads}, "
-            "so values may differ in the last bits",
-            file=sys.stderr,
-        )
+    logs.db: at most `budget` at a time, over all runs' workers."""
     total = sum(sum(1 for m in w.modes.values() if m != "skip") for w in workers)
     sel = selectors.DefaultSelector()
     waiting = list(workers)
     running = 0
-    thread_env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    zygote = _start_zygote(workers, {**os.environ, **thread_env}) if len(workers) >= 2 else None
+
+    def thread_env(n: int) -> dict[str, str]:
+        return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
+
+    zygote = _start_zygote(workers, {**os.environ, **thread_env(workers[0].threads)}) if len(workers) >= 2 else None
     with tempfile.TemporaryDirectory(prefix="hindsight-replay-") as tmp:
 
         def launch(n: int, w: Worker) -> None:
             r, wfd = os.pipe()
             plan_path = Path(tmp) / f"worker-{n}.json"
-            plan_path.write_text(w.plan.to_json(wfd))  # the worker protocol: hindsight_core::replay
-            env = {**os.environ, ENV_REPLAY: str(plan_path), ENV_HOME: str(home), **thread_env}
+            plan_path.write_text(w.plan.to_json(wfd, None, w.replay_id))  # the worker protocol: hindsight_core::replay
+            env = {**os.environ, ENV_REPLAY: str(plan_path), ENV_HOME: str(home), **thread_env(w.threads)}
             if zygote is not None:
                 er, ew = os.pipe()
                 out = os.open(os.devnull, os.O_WRONLY) if args.quiet else os.dup(1)
                 try:
-                    w.zid = zygote.fork(w.argv, w.cwd, env, (out, ew, wfd), threads)
+                    w.zid = zygote.fork(w.argv, w.cwd, env, (out, ew, wfd), w.threads)
                 finally:
                     os.close(out)
                     os.close(ew)
@@ -545,13 +602,13 @@ def _run_slurm(args: argparse.Namespace, db: Any, workers: list[Worker], home: P
         task = spool / f"task-{i}"
         db.export_run(w.run_id, f"{task}.db")
         # fd 3: the task's progress file, opened by its script.
-        Path(f"{task}.json").write_text(w.plan.to_json(3, f"{task}.db"))
+        Path(f"{task}.json").write_text(w.plan.to_json(3, f"{task}.db", w.replay_id))
         Path(f"{task}.sh").write_text(
             "\n".join(
                 [
                     f"# hindsight replay of run {w.run_id}, worker {w.index}",
                     f"cd {q(w.cwd)} || exit 1",
-                    'export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}" MKL_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"',
+                    f"export OMP_NUM_THREADS={w.threads} MKL_NUM_THREADS={w.threads}",
                     f"export {ENV_REPLAY}={q(str(task))}.json {ENV_HOME}={q(str(home))}",
                     f"exec 3>>{q(str(task))}.progress",
                     " ".join(q(a) for a in w.argv),
@@ -571,6 +628,8 @@ def _run_slurm(args: argparse.Namespace, db: Any, workers: list[Worker], home: P
         f"--array=0-{len(workers) - 1}",
         f"--job-name=hindsight-replay-{runs[0]}" + (f"+{len(runs) - 1}" if len(runs) > 1 else ""),
         f"--output={spool}/task-%a.out",
+        # The recording's thread count, so values replay exactly.
+        f"--cpus-per-task={max(w.threads for w in workers)}",
         *(args.sbatch or []),
         str(spool / "replay.sbatch"),
     ]
@@ -622,7 +681,7 @@ def _finish_task(db: Any, spool: Path, i: int, w: Worker) -> None:
     if w.returncode != 0 and not w.stderr_tail:
         w.stderr_tail = f"(no output; the task ended without an exit status: see `scontrol show job` or {out})"
     try:
-        db.import_replay(w.run_id, spool / f"task-{i}.db")
+        db.import_replay(w.run_id, spool / f"task-{i}.db", w.replay_id)
     except HindsightError as e:
         w.returncode = w.returncode or 1
         w.stderr_tail += f"\nits values could not be merged: {e}"
@@ -654,7 +713,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-j", "--jobs", type=int, default=1, help="worker processes for inner-loop probes")
     p.add_argument("--where", help="only these outer iterations, e.g. 'epoch >= 10'")
     p.add_argument("--force", action="store_true", help="replay even if the script changed beyond logging")
-    p.add_argument("--strict", action="store_true", help="exit 3 if replayed values differ from recorded ones")
+    p.add_argument(
+        "--allow-divergence",
+        action="store_true",
+        help="keep the values of a replay whose recomputed values differ from the recorded ones "
+        "(marked 'diverged'; by default they are discarded and the replay exits 3)",
+    )
+    p.add_argument(
+        "--fast",
+        action="store_true",
+        help="run -j workers at once with cores/j threads each, even where the recording used more threads: "
+        "values may differ in the last bits (compared within a tolerance, kept marked 'inexact')",
+    )
+    p.add_argument("--strict", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
     p.add_argument("--home", help="project home (default: $HINDSIGHT_HOME or <git root>/.hindsight)")
     p.add_argument("-q", "--quiet", action="store_true", help="hide the workers' standard output")
     p.add_argument(

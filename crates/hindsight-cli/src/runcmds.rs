@@ -314,7 +314,11 @@ pub(crate) fn cmd_logs(
                     jsontext::compact(v.value()),
                     jsontext::compact(v.replayed.as_deref().unwrap_or_default())
                 ),
-                Some(v) => jsontext::compact(v.value()),
+                // A replayed value that is not exact says so beside it.
+                Some(v) => match (&v.recorded, &v.replay_flag) {
+                    (None, Some(flag)) => format!("{} [{flag}]", jsontext::compact(v.value())),
+                    _ => jsontext::compact(v.value()),
+                },
                 None => String::new(),
             }));
             line
@@ -324,17 +328,21 @@ pub(crate) fn cmd_logs(
     Ok(EXIT_OK)
 }
 
-/// `{"ctx": {...}, "rep": k, "values": {...}, "replayed": {...}, "diverged": {...}}`:
+/// `{"ctx": {...}, "rep": k, "values": {...}, "replayed": {...}, "diverged": {...}, "flags": {...}}`:
 /// the occurrence in the context, the value of each name (the recorded one
 /// if there is one), whether a replay wrote one too, and the replayed values
 /// that differ.
 fn ctx_row_json(row: &CtxRow, names: &[String]) -> String {
     let (mut values, mut replayed, mut diverged) = (Object::new(), Object::new(), Object::new());
+    let mut flags = Object::new();
     for name in names {
         let Some(v) = row.cells.get(name) else {
             continue;
         };
         values.raw(name, &jsontext::compact(v.value()));
+        if let Some(flag) = &v.replay_flag {
+            flags.value(name, &json!(flag));
+        }
         replayed.value(name, &json!(v.replayed.is_some()));
         if let (true, Some(b)) = (v.diverged(), &v.replayed) {
             diverged.raw(name, &jsontext::compact(b));
@@ -346,6 +354,7 @@ fn ctx_row_json(row: &CtxRow, names: &[String]) -> String {
         .raw("values", &values.finish())
         .raw("replayed", &replayed.finish())
         .raw("diverged", &diverged.finish())
+        .raw("flags", &flags.finish())
         .finish()
 }
 

@@ -433,15 +433,15 @@ fn logs_json_lists_context_values_and_replays() {
         v,
         serde_json::json!([
             {"ctx": {}, "rep": 0, "values": {"final": {"best": 0.7, "note": "ok"}},
-             "replayed": {"final": false}, "diverged": {}},
+             "replayed": {"final": false}, "diverged": {}, "flags": {}},
             {"ctx": {"epoch": 0, "step": 0}, "rep": 0, "values": {"loss": 1.0, "grad_norm": 2.5},
-             "replayed": {"loss": true, "grad_norm": true}, "diverged": {}},
+             "replayed": {"loss": true, "grad_norm": true}, "diverged": {}, "flags": {}},
             {"ctx": {"epoch": 0, "step": 1}, "rep": 0, "values": {"loss": 0.5},
-             "replayed": {"loss": false}, "diverged": {}},
+             "replayed": {"loss": false}, "diverged": {}, "flags": {}},
             {"ctx": {"epoch": 1, "step": 0}, "rep": 0, "values": {"loss": 0.3333333333333333, "grad_norm": "NaN"},
-             "replayed": {"loss": true, "grad_norm": true}, "diverged": {"loss": 0.34}},
+             "replayed": {"loss": true, "grad_norm": true}, "diverged": {"loss": 0.34}, "flags": {}},
             {"ctx": {"epoch": 1, "step": 1}, "rep": 0, "values": {"loss": 0.25},
-             "replayed": {"loss": false}, "diverged": {}},
+             "replayed": {"loss": false}, "diverged": {}, "flags": {}},
         ])
     );
 }

@@ -10,9 +10,10 @@ use std::sync::Mutex;
 use hindsight_core::runs::adaptive::{self, AdaptivePolicy as CorePolicy};
 use hindsight_core::runs::dates::now_ms;
 use hindsight_core::runs::db::{
-    IterationRow, LogDb as CoreDb, LogRow, NewRun, Phase, RunRow, RunStatus,
+    BatchDigest, IterationRow, LogDb as CoreDb, LogRow, NewRun, Phase, RunRow, RunStatus, Trust,
 };
 use hindsight_core::runs::replay;
+use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -196,16 +197,80 @@ impl LogDb {
         rows: Vec<LogTuple>,
     ) -> PyResult<()> {
         let ph = phase(phase_name)?;
-        let rows: Vec<LogRow> = rows
-            .into_iter()
-            .map(|(name, ctx, rep, value_json)| LogRow {
-                name,
-                ctx,
-                rep,
-                value_json,
-            })
-            .collect();
+        let rows = log_rows(rows);
         self.with(py, |db| db.append_logs(&run_id, ph, &rows))
+    }
+
+    /// Start a replay of the run (`exact`: with the recording's thread
+    /// count); its id goes into the workers' plans.
+    fn begin_replay(&self, py: Python<'_>, run_id: String, exact: bool) -> PyResult<i64> {
+        self.with(py, |db| db.begin_replay(&run_id, exact))
+    }
+
+    /// Stage values a replay worker computed (rows as for `append_logs`).
+    fn append_replay_logs(
+        &self,
+        py: Python<'_>,
+        replay_id: i64,
+        run_id: String,
+        rows: Vec<LogTuple>,
+    ) -> PyResult<()> {
+        let rows = log_rows(rows);
+        self.with(py, |db| db.append_replay_logs(replay_id, &run_id, &rows))
+    }
+
+    /// Staged values of the replay written after `after` that differ from
+    /// the recording's.
+    #[pyo3(signature = (replay_id, after=0))]
+    fn replay_divergences(
+        &self,
+        py: Python<'_>,
+        replay_id: i64,
+        after: i64,
+    ) -> PyResult<ReplayCheck> {
+        let check = self.with(py, |db| db.replay_divergences(replay_id, after))?;
+        Ok(ReplayCheck {
+            divergences: check
+                .divergences
+                .into_iter()
+                .map(Divergence::from)
+                .collect(),
+            last_seq: check.last_seq,
+        })
+    }
+
+    /// End the replay: keep its values with trust `keep` ("exact",
+    /// "inexact", "diverged"), or discard them (None). Returns how many joined.
+    #[pyo3(signature = (replay_id, keep=None))]
+    fn finish_replay(&self, py: Python<'_>, replay_id: i64, keep: Option<&str>) -> PyResult<usize> {
+        let keep = keep.map(Trust::parse).transpose().py_err()?;
+        self.with(py, |db| db.finish_replay(replay_id, keep))
+    }
+
+    /// Fingerprints of the steps of outer iteration `outer`: [(step, digest)].
+    fn record_batches(
+        &self,
+        py: Python<'_>,
+        run_id: String,
+        outer: u64,
+        rows: Vec<(u64, String)>,
+    ) -> PyResult<()> {
+        self.with(py, |db| db.record_batches(&run_id, outer, &rows))
+    }
+
+    /// The recorded fingerprints of outer iteration `outer`: {step: digest}.
+    fn batch_digests(
+        &self,
+        py: Python<'_>,
+        run_id: String,
+        outer: u64,
+    ) -> PyResult<BTreeMap<u64, String>> {
+        self.with(py, |db| db.batch_digests(&run_id, outer))
+            .map(|rows| rows.into_iter().collect())
+    }
+
+    fn has_batch_digests(&self, py: Python<'_>, run_id: String) -> PyResult<bool> {
+        self.with(py, |db| db.has_batch_digests(&run_id))
     }
 
     /// Stored rows ordered by `seq`; empty names = all.
@@ -222,6 +287,7 @@ impl LogDb {
                 phase: r.phase.as_str(),
                 seq: r.seq,
                 created_ms: r.created_ms,
+                flag: r.flag,
             })
             .collect())
     }
@@ -246,6 +312,7 @@ impl LogDb {
                 rep: v.rep,
                 recorded: v.recorded,
                 replayed: v.replayed,
+                replay_flag: v.replay_flag,
             })
             .collect())
     }
@@ -256,9 +323,16 @@ impl LogDb {
         self.with(py, |db| db.export_run(&run_id, &dest))
     }
 
-    /// Merge the values a worker wrote into `src` (see `export_run`); returns their number.
-    fn import_replay(&self, py: Python<'_>, run_id: String, src: PathBuf) -> PyResult<usize> {
-        self.with(py, |db| db.import_replay(&run_id, &src))
+    /// Stage the values a worker of replay `replay_id` wrote into `src`
+    /// (see `export_run`); returns their number.
+    fn import_replay(
+        &self,
+        py: Python<'_>,
+        run_id: String,
+        src: PathBuf,
+        replay_id: i64,
+    ) -> PyResult<usize> {
+        self.with(py, |db| db.import_replay(&run_id, &src, replay_id))
     }
 
     /// The position of the run's latest log row (0 when none).
@@ -288,15 +362,7 @@ impl LogDb {
         after: Option<i64>,
     ) -> PyResult<Vec<Divergence>> {
         let ds = self.with(py, |db| db.divergences_since(&run_id, after))?;
-        Ok(ds
-            .into_iter()
-            .map(|d| Divergence {
-                name: d.name,
-                ctx: d.ctx,
-                record_value: d.record_value,
-                replay_value: d.replay_value,
-            })
-            .collect())
+        Ok(ds.into_iter().map(Divergence::from).collect())
     }
 
     #[pyo3(signature = (run_id, loop_name, idx, seconds, checkpoint=None, materialize_seconds=None, value=None))]
@@ -414,6 +480,8 @@ pub(crate) struct LogRecord {
     seq: i64,
     /// When it was written (ms since the Unix epoch, UTC).
     created_ms: u64,
+    /// A replayed value that is not exact: "inexact" or "diverged".
+    flag: Option<String>,
 }
 
 /// A name at one loop context with both phases merged (`LogDb.values`).
@@ -430,16 +498,99 @@ pub(crate) struct LogValue {
     replayed: Option<String>,
     /// Both phases logged it and the values differ.
     diverged: bool,
+    /// The replayed value is not exact: "inexact" (another thread count) or
+    /// "diverged" (kept on request from a replay that diverged).
+    replay_flag: Option<String>,
 }
 
 /// A value the record and a replay logged differently (`LogDb.divergences`).
-#[pyclass(module = "hindsight._native", frozen, get_all)]
-#[derive(Debug)]
+#[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
+#[derive(Debug, Clone)]
 pub(crate) struct Divergence {
     name: String,
     ctx: Vec<(String, i64)>,
     record_value: String,
     replay_value: String,
+}
+
+impl From<hindsight_core::runs::db::Divergence> for Divergence {
+    fn from(d: hindsight_core::runs::db::Divergence) -> Self {
+        Divergence {
+            name: d.name,
+            ctx: d.ctx,
+            record_value: d.record_value,
+            replay_value: d.replay_value,
+        }
+    }
+}
+
+/// What a check of a replay's values found (`LogDb.replay_divergences`).
+#[pyclass(module = "hindsight._native", frozen, get_all)]
+#[derive(Debug)]
+pub(crate) struct ReplayCheck {
+    /// Values the recording logged that the replay computed differently, first first.
+    divergences: Vec<Divergence>,
+    /// The newest staged value checked: pass it as `after` next time.
+    last_seq: i64,
+}
+
+fn log_rows(rows: Vec<LogTuple>) -> Vec<LogRow> {
+    rows.into_iter()
+        .map(|(name, ctx, rep, value_json)| LogRow {
+            name,
+            ctx,
+            rep,
+            value_json,
+        })
+        .collect()
+}
+
+/// A part of a batch fingerprint: a description (str) or a buffer's bytes.
+#[derive(FromPyObject)]
+enum DigestPart {
+    Text(String),
+    Bytes(PyBuffer<u8>),
+}
+
+/// The fingerprint of one training step's batch (`runs::db::BatchDigest`)
+/// over its parts in order: descriptions (dtype, shape) and contiguous
+/// buffers (tensor or array bytes). Hashed with the GIL released.
+#[pyfunction]
+fn batch_digest(py: Python<'_>, parts: Vec<DigestPart>) -> PyResult<String> {
+    let mut slices: Vec<(usize, usize)> = Vec::with_capacity(parts.len());
+    for p in &parts {
+        if let DigestPart::Bytes(b) = p {
+            if !b.is_c_contiguous() {
+                return Err(pyo3::exceptions::PyValueError::new_err(
+                    "batch_digest: buffers must be C-contiguous",
+                ));
+            }
+            slices.push((b.buf_ptr() as usize, b.len_bytes()));
+        } else {
+            slices.push((0, 0));
+        }
+    }
+    let texts: Vec<Option<String>> = parts
+        .iter()
+        .map(|p| match p {
+            DigestPart::Text(t) => Some(t.clone()),
+            DigestPart::Bytes(_) => None,
+        })
+        .collect();
+    // The buffers stay exported (held by `parts`) while the GIL is released.
+    interrupt::run(py, |_| {
+        let mut d = BatchDigest::new();
+        for (text, (ptr, len)) in texts.iter().zip(&slices) {
+            match text {
+                Some(t) => d.part(t.as_bytes()),
+                None if *len == 0 => d.part(&[]),
+                // SAFETY: ptr/len describe a C-contiguous buffer kept alive
+                // and exported by its PyBuffer in `parts` until we return.
+                None => d.part(unsafe { std::slice::from_raw_parts(*ptr as *const u8, *len) }),
+            }
+        }
+        Ok::<_, hindsight_core::Error>(d.finish())
+    })
 }
 
 #[pyclass(module = "hindsight._native", frozen, get_all)]
@@ -490,12 +641,24 @@ impl WorkerPlan {
 
     /// The JSON handed to the worker, with the progress descriptor it
     /// inherits and the database it writes to (default: the project's).
-    #[pyo3(signature = (progress_fd=None, log_db=None))]
-    fn to_json(&self, progress_fd: Option<i32>, log_db: Option<PathBuf>) -> PyResult<String> {
+    #[pyo3(signature = (progress_fd=None, log_db=None, replay_id=None))]
+    fn to_json(
+        &self,
+        progress_fd: Option<i32>,
+        log_db: Option<PathBuf>,
+        replay_id: Option<i64>,
+    ) -> PyResult<String> {
         let mut p = self.0.clone();
         p.progress_fd = progress_fd;
         p.log_db = log_db.map(|d| d.to_string_lossy().into_owned());
+        p.replay_id = replay_id;
         p.to_json().py_err()
+    }
+
+    /// The replay whose values the worker stages (`LogDb.begin_replay`).
+    #[getter]
+    fn replay_id(&self) -> Option<i64> {
+        self.0.replay_id
     }
 
     #[getter]
@@ -601,6 +764,8 @@ fn parse_date(text: &str) -> PyResult<u64> {
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_date, m)?)?;
+    m.add_function(wrap_pyfunction!(batch_digest, m)?)?;
+    m.add_class::<ReplayCheck>()?;
     m.add_class::<LogDb>()?;
     m.add_class::<AdaptivePolicy>()?;
     m.add_class::<Iteration>()?;

@@ -4,6 +4,7 @@ helpers that read the script, its source and its command line."""
 
 from __future__ import annotations
 
+import functools
 import json
 import numbers
 import os
@@ -19,7 +20,7 @@ from typing import Any, TypeVar
 
 from hindsight import _native
 from hindsight._run.loopvars import LoopVars, _storages, stateful_objects
-from hindsight._state import apply_state, capture, set_rng_state
+from hindsight._state import apply_grads, apply_state, capture, set_rng_state
 from hindsight.errors import InvalidArgumentError
 
 T = TypeVar("T")
@@ -207,6 +208,7 @@ class Run:
         # counts are dropped at each step; the others at each outer iteration.
         self.reps_outer: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
         self.reps_inner: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
+        # Writes for the background thread: callables run in order.
         self.log_queue: queue.Queue[Any] = queue.Queue()
         self.log_error: BaseException | None = None
         self.log_thread: threading.Thread | None = threading.Thread(
@@ -316,12 +318,12 @@ class Run:
         """Background thread: full batches go to SQLite off the training thread
         (the database call releases the GIL)."""
         while True:
-            rows = self.log_queue.get()
+            write = self.log_queue.get()
             try:
-                if rows is None:
+                if write is None:
                     return
                 if self.log_error is None:
-                    self.db.append_logs(self.run_id, self.phase, rows)
+                    write()
             except BaseException as e:  # noqa: BLE001 - surfaced by the next log/flush
                 self.log_error = e
             finally:
@@ -332,17 +334,25 @@ class Run:
             e, self.log_error = self.log_error, None
             raise e
 
-    def _submit(self, rows: list[tuple[str, list[tuple[str, int]], int, str]]) -> None:
+    def _write_logs(self, rows: list[tuple[str, list[tuple[str, int]], int, str]]) -> None:
+        """Where this phase's values go (a replay stages them: see ReplayRun)."""
+        self.db.append_logs(self.run_id, self.phase, rows)
+
+    def _submit(self, write: Any) -> None:
         if self.log_thread is not None and self.log_thread.is_alive():
-            self.log_queue.put(rows)
+            self.log_queue.put(write)
         else:  # after finish (or in a process without the thread): write directly
-            self.db.append_logs(self.run_id, self.phase, rows)
+            write()
+
+    def _flush_buffers(self) -> None:
+        """Hand what is buffered to the writer (RecordRun adds its batch fingerprints)."""
+        if self.buffer:
+            rows, self.buffer = self.buffer, []
+            self._submit(functools.partial(self._write_logs, rows))
 
     def flush_logs(self) -> None:
         """Everything logged so far is in the database when this returns."""
-        if self.buffer:
-            rows, self.buffer = self.buffer, []
-            self._submit(rows)
+        self._flush_buffers()
         if self.log_thread is not None and self.log_thread.is_alive():
             self.log_queue.join()
         self._raise_log_error()
@@ -387,8 +397,7 @@ class Run:
         self.buffer.append((name, ctx, rep, text))
         if len(self.buffer) >= LOG_BATCH:
             self._raise_log_error()
-            rows, self.buffer = self.buffer, []
-            self._submit(rows)
+            self._flush_buffers()
 
     def arg(self, name: str, default: Any) -> Any:
         raise NotImplementedError
@@ -490,6 +499,7 @@ class Run:
                 self.block_done = False
                 self.reps_outer = {k: v for k, v in self.reps_outer.items() if not k[1]}  # top level stays
                 self.stale_start = self._start_is_stale(i)
+                self._iteration_starts(i)
                 try:
                     yield x
                 except GeneratorExit:
@@ -526,7 +536,7 @@ class Run:
             for j, x in enumerate(it, start):
                 entry[1] = j
                 self.reps_inner.clear()
-                self._step_starts()
+                self._step_starts(i, j, x)
                 self.heartbeat()
                 yield x
                 self._step_boundary(i, j)
@@ -555,6 +565,9 @@ class Run:
     def _block_closed(self, i: int) -> None:
         """The steps of iteration i were left early (break or exception)."""
 
+    def _iteration_starts(self, i: int) -> None:
+        """Outer iteration i is about to run its body."""
+
     def _iteration_continues(self) -> None:
         """The body of the current outer iteration went on normally after the steps."""
 
@@ -574,8 +587,8 @@ class Run:
     def _block_iter(self, i: int, iterable: Iterable[T]) -> tuple[Iterator[T], int]:
         return iter(iterable), 0
 
-    def _step_starts(self) -> None:
-        pass
+    def _step_starts(self, i: int, j: int, batch: Any) -> None:
+        """Step j of iteration i is about to run on `batch` (what the inner loop yielded)."""
 
     def _step_boundary(self, i: int, j: int) -> None:
         pass
@@ -619,5 +632,7 @@ class Run:
 
     def _apply(self, state: dict[str, Any], name: str) -> None:
         self._apply_objects(state, name)
+        if "grads" in state:
+            apply_grads(self.objects, state["grads"], name)
         self._apply_vars(state)
         set_rng_state(state["rng"])

@@ -7,6 +7,7 @@ preemption (checkpoint at the next step boundary, then exit) and resume."""
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import json
 import os
@@ -18,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from hindsight import _native, _preemption
-from hindsight._run import cmdline
+from hindsight._run import batches, cmdline
 from hindsight._run.common import (
     ENV_EPSILON,
     ENV_EVERY,
@@ -34,7 +35,7 @@ from hindsight._run.common import (
     _to_json,
 )
 from hindsight._state import apply_grads, capture, capture_grads, rng_state, set_rng_state, tensor_bytes
-from hindsight.errors import CorruptError, HindsightError, NotFoundError
+from hindsight.errors import CorruptError, DivergenceError, HindsightError, NotFoundError
 
 
 class RecordRun(Run):
@@ -58,7 +59,13 @@ class RecordRun(Run):
         self.last_checkpoint_time = time.monotonic()
         self.resume: dict[str, Any] | None = None
         self.block_rng: dict[str, Any] | None = None
+        # The RNG state when the current outer iteration started: code before
+        # the steps may create the data iterator (`enumerate(loader)` draws
+        # the shuffle order there), so a resume replays that code from it.
+        self.iter_rng: dict[str, Any] | None = None
         self.block_iterable: Any = None
+        # Fingerprints of the current iteration's batches, until written.
+        self.batch_rows: list[tuple[int, int, str]] = []
         self.vars_checked = 0
         self.policy = _native.AdaptivePolicy(float(os.environ.get(ENV_EPSILON, 1.0 / 15.0)))
         every = os.environ.get(ENV_EVERY)
@@ -230,7 +237,13 @@ class RecordRun(Run):
         elif not self.policy.observe_iteration(compute, expected):
             return
         ck = self._checkpoint_id(i)
-        self._save_now(ck, {"at": at}, wait=False)
+        extra: dict[str, Any] = {"at": at}
+        # After the steps may come the optimizer step of accumulated
+        # gradients (nanoGPT's micro-steps): they are state then.
+        grads = capture_grads(self.objects)
+        if grads is not None:
+            extra["grads"] = grads
+        self._save_now(ck, extra, wait=False)
         self.policy.observe_materialize(self.last_blocked or 0.0)
         self.iter_checkpoint = ck.name
         self.iter_materialize = self.last_blocked
@@ -321,7 +334,14 @@ class RecordRun(Run):
         if resume["kind"] == "end":
             self._apply(resume["state"], resume["name"])
             self.resume = None
+        elif resume["kind"] == "step" and resume["state"].get("iter_rng") is not None:
+            # The code before the steps runs again as it first ran (it may
+            # create the data iterator and draw its order there).
+            set_rng_state(resume["state"]["iter_rng"])
         return True
+
+    def _iteration_starts(self, i: int) -> None:
+        self.iter_rng = rng_state()
 
     def _skip_block(self, i: int) -> bool:
         resume = self.resume
@@ -349,22 +369,62 @@ class RecordRun(Run):
             apply_grads(self.objects, state["grads"], resume["name"])
         self._apply_vars(state)
         done = int(state["position"][1]) + 1
+        i = int(state["position"][0])
+        self.iter_rng = state.get("iter_rng")
+        self.block_rng = state["block_rng"]
         if "loader_state" in state and hasattr(iterable, "load_state_dict"):
             iterable.load_state_dict(state["loader_state"])  # a stateful loader knows its own position
-            self.block_rng = state["block_rng"]
             it = iter(iterable)
         else:
-            # Re-create the epoch's order from the RNG state it was drawn from,
-            # then step over what was consumed before the interruption.
-            set_rng_state(state["block_rng"])
-            self.block_rng = state["block_rng"]
+            if iter(iterable) is not iterable:
+                # A re-iterable (a DataLoader): re-create the epoch's order
+                # from the RNG state it was drawn from.
+                set_rng_state(state["block_rng"])
+            # else an iterator made before the steps (`enumerate(loader)`),
+            # re-created from the iteration's start state (see _visit).
             it = iter(iterable)
-            _advance(it, done)
+            # Step over what was consumed before the interruption, proving
+            # on the way that it is what the recording consumed.
+            self._advance_checked(it, i, done)
         set_rng_state(state["rng"])
         return it, done
 
+    def _advance_checked(self, it: Iterator[Any], i: int, n: int) -> None:
+        recorded = self.db.batch_digests(self.run_id, i)
+        if not recorded or n == 0:
+            _advance(it, n)  # recorded before fingerprints existed
+            return
+        sampler_iter = getattr(it, "_sampler_iter", None)
+        if sampler_iter is not None and getattr(it, "_num_workers", 1) == 0 and hasattr(it, "_num_yielded"):
+            # Skip the indices without loading; load the last one to prove the order.
+            _advance(it, n - 1)
+            first = n - 1
+        else:
+            first = 0
+        for j in range(first, n):
+            batch = next(it)
+            if j in recorded and batches.digest(batch) != recorded[j]:
+                raise DivergenceError(
+                    f"resume of run {self.run_id}: the batch at {self.outer_name} {i}, step {j} differs from "
+                    "the recorded one: the data loader's order or content was not restored (a sampler or "
+                    "iterator drawing from a generator hindsight does not checkpoint, or data that changed "
+                    "on disk); use hs.data.Loader, or a DataLoader with a seeded generator, or start the "
+                    "epoch afresh (HINDSIGHT_RESUME=0 starts a new run)"
+                )
+
     def _block_ends(self) -> None:
         self.block_iterable = None
+
+    def _step_starts(self, i: int, j: int, batch: Any) -> None:
+        self.batch_rows.append((i, j, batches.digest(batch)))
+
+    def _flush_buffers(self) -> None:
+        super()._flush_buffers()
+        if self.batch_rows:
+            rows, self.batch_rows = self.batch_rows, []
+            for i in sorted({r[0] for r in rows}):
+                steps = [(j, d) for k, j, d in rows if k == i]
+                self._submit(functools.partial(self.db.record_batches, self.run_id, i, steps))
 
     def _step_boundary(self, i: int, j: int) -> None:
         """Between two training steps: act on a signal or a due safety checkpoint."""
@@ -381,7 +441,7 @@ class RecordRun(Run):
         due = self.safety_seconds is not None and time.monotonic() - self.last_checkpoint_time > self.safety_seconds
         if self.stop_signal is None and not due:
             return
-        mid = {"block_rng": self.block_rng, "position": [i, j]}
+        mid = {"block_rng": self.block_rng, "iter_rng": self.iter_rng, "position": [i, j]}
         loader = self.block_iterable
         if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict") and not hasattr(loader, "parameters"):
             mid["loader_state"] = loader.state_dict()

@@ -16,8 +16,12 @@ import time
 from typing import Any
 
 from hindsight import _native
+from hindsight._run import batches
 from hindsight._run.common import Run
 from hindsight.errors import HindsightError, ReplayError
+
+#: A worker's exit status when what it computed differs from the recording.
+EXIT_DIVERGED = 3
 
 
 class ReplayRun(Run):
@@ -38,6 +42,11 @@ class ReplayRun(Run):
         self.inner_steps_executed = 0
         self.blocks_restored = 0
         self.last_visited = -1
+        # The recorded fingerprints of the executed iteration's batches, and
+        # the staged values checked so far against the recording.
+        self.expected: dict[int, str] = {}
+        self.checked_seq = 0
+        self.replay_id: int | None = self.plan.replay_id
         atexit.register(self.finish)
 
     def _log_db_path(self) -> str:
@@ -89,8 +98,27 @@ class ReplayRun(Run):
         self._restore(i)
         return True
 
-    def _step_starts(self) -> None:
+    def _write_logs(self, rows: list[tuple[str, list[tuple[str, int]], int, str]]) -> None:
+        # Staged: they become results only after the driver's check.
+        if self.replay_id is None:
+            self.db.append_logs(self.run_id, self.phase, rows)
+        else:
+            self.db.append_replay_logs(self.replay_id, self.run_id, rows)
+
+    def _block_iter(self, i: int, iterable: Any) -> tuple[Any, int]:
+        self.expected = self.db.batch_digests(self.run_id, i)
+        return super()._block_iter(i, iterable)
+
+    def _step_starts(self, i: int, j: int, batch: Any) -> None:
         self.inner_steps_executed += 1
+        want = self.expected.get(j)
+        if want is not None and batches.digest(batch) != want:
+            self._diverged(
+                f"the batch at {self.outer_name} {i}, step {j} differs from the one the recording consumed: "
+                "the data order or content is not what was recorded (data changed on disk, a loader drawing "
+                "from a generator that is not checkpointed, or an iterator created before hs.loop that the "
+                "restored state does not re-create)"
+            )
 
     def _end_block(self, i: int, at: str = "block") -> None:
         super()._end_block(i, at)
@@ -101,7 +129,27 @@ class ReplayRun(Run):
 
     def _end_iteration(self, i: int, closing: bool = False) -> None:
         self.flush_logs()  # the driver may read the logs as soon as it sees the line
+        self._check_values()
         self._progress(f"{i}\n")
+
+    def _check_values(self) -> None:
+        """Stop at the first value the recording logged that this replay computed otherwise."""
+        if self.replay_id is None:
+            return
+        check = self.db.replay_divergences(self.replay_id, self.checked_seq)
+        self.checked_seq = check.last_seq
+        if check.divergences:
+            d = check.divergences[0]
+            where = ", ".join(f"{k}={v}" for k, v in d.ctx) or "top level"
+            self._diverged(f"{d.name} at {where}: recorded {d.record_value}, replayed {d.replay_value}")
+
+    def _diverged(self, what: str) -> None:
+        """Leave with EXIT_DIVERGED, naming the difference: what follows would be wrong."""
+        print(f"hindsight: replay of run {self.run_id} diverged from the recording: {what}", file=sys.stderr)
+        sys.stderr.flush()
+        self.finished = True  # nothing more is written for this worker
+        # SystemExit, not an exception the script's own `except Exception` could swallow.
+        raise SystemExit(EXIT_DIVERGED)
 
     def _restore(self, i: int) -> None:
         name = self.checkpoints.get(i)

@@ -282,6 +282,10 @@ class Loader:
         self.epoch = 0
         self._position = 0
         self._resume: int | None = None
+        # The epoch a restored position belongs to: a framework that moves
+        # on to the next epoch (a checkpoint after an epoch's last batch)
+        # must not start that epoch at the old position.
+        self._resume_epoch = 0
 
     @property
     def job_id(self) -> str:
@@ -301,7 +305,8 @@ class Loader:
         return self.spec.batches_per_epoch()
 
     def __iter__(self) -> Iterator[Any]:
-        start, self._resume = (self._resume or 0), None
+        start = self._resume if self._resume is not None and self.epoch == self._resume_epoch else 0
+        self._resume = None
         self._client.start_epoch(self.epoch, start)
         self._position = start
         try:
@@ -358,6 +363,7 @@ class Loader:
             raise DataMismatchError(f"the loader's input job differs from the one this state was recorded with: {diff}")
         self.epoch = int(state["epoch"])
         self._resume = int(state["batch"])
+        self._resume_epoch = self.epoch
         self._position = self._resume
 
     def stats(self) -> dict[str, Any]:

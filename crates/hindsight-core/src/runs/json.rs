@@ -13,12 +13,20 @@ use crate::error::{Error, Result};
 /// whitespace do not matter), numbers compared as numbers (`1` = `1.0`,
 /// `NaN` = `NaN`; integers exactly). Unparsable text compares as text.
 pub fn values_equal(a: &str, b: &str) -> bool {
+    values_close(a, b, 0.0)
+}
+
+/// Like [`values_equal`], but floating-point numbers may differ by a
+/// relative `rtol` (`|x - y| <= rtol * max(|x|, |y|)`): the comparison of a
+/// replay that ran with another thread count than the recording, whose sums
+/// may round differently in the last bits. `rtol = 0` is [`values_equal`].
+pub fn values_close(a: &str, b: &str, rtol: f64) -> bool {
     let (a, b) = (a.trim(), b.trim());
     if a == b {
         return true;
     }
     match (parse(a), parse(b)) {
-        (Some(x), Some(y)) => equal(&x, &y),
+        (Some(x), Some(y)) => equal(&x, &y, rtol),
         _ => false,
     }
 }
@@ -180,25 +188,31 @@ fn is_int(tok: &str) -> bool {
     !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())
 }
 
-fn num_equal(a: &str, b: &str) -> bool {
+fn num_equal(a: &str, b: &str, rtol: f64) -> bool {
     if is_int(a) && is_int(b) {
         if let (Ok(x), Ok(y)) = (a.parse::<i128>(), b.parse::<i128>()) {
             return x == y;
         }
     }
     match (a.parse::<f64>(), b.parse::<f64>()) {
-        (Ok(x), Ok(y)) => x == y || (x.is_nan() && y.is_nan()),
+        (Ok(x), Ok(y)) => {
+            x == y
+                || (x.is_nan() && y.is_nan())
+                || (x.is_finite() && y.is_finite() && (x - y).abs() <= rtol * x.abs().max(y.abs()))
+        }
         _ => a == b,
     }
 }
 
-fn equal(a: &J, b: &J) -> bool {
+fn equal(a: &J, b: &J, rtol: f64) -> bool {
     match (a, b) {
         (J::Null, J::Null) => true,
         (J::Bool(x), J::Bool(y)) => x == y,
-        (J::Num(x), J::Num(y)) => num_equal(x, y),
+        (J::Num(x), J::Num(y)) => num_equal(x, y, rtol),
         (J::Str(x), J::Str(y)) => x == y,
-        (J::Arr(x), J::Arr(y)) => x.len() == y.len() && x.iter().zip(y).all(|(p, q)| equal(p, q)),
+        (J::Arr(x), J::Arr(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| equal(p, q, rtol))
+        }
         (J::Obj(x), J::Obj(y)) => {
             if x.len() != y.len() {
                 return false;
@@ -209,7 +223,7 @@ fn equal(a: &J, b: &J) -> bool {
             ys.sort_by(|p, q| p.0.cmp(&q.0));
             xs.iter()
                 .zip(&ys)
-                .all(|(p, q)| p.0 == q.0 && equal(&p.1, &q.1))
+                .all(|(p, q)| p.0 == q.0 && equal(&p.1, &q.1, rtol))
         }
         _ => false,
     }

@@ -72,6 +72,8 @@ pub struct LogRecord {
     /// Position in the run's write order (both phases share one sequence).
     pub seq: i64,
     pub created_ms: u64,
+    /// A replayed value's trust (see [`Trust`](super::Trust)): None where exact.
+    pub flag: Option<String>,
 }
 
 /// One name at one loop context (and occurrence), with what each phase wrote there.
@@ -85,6 +87,9 @@ pub struct LogValue {
     pub recorded: Option<String>,
     /// JSON text written by a replay, if one logged this.
     pub replayed: Option<String>,
+    /// Why the replayed value is not exact (`inexact`, `diverged`); None
+    /// where it is, or where no replay logged this.
+    pub replay_flag: Option<String>,
 }
 
 impl LogValue {
@@ -136,7 +141,48 @@ pub fn ctx_json(ctx: &[(String, i64)]) -> String {
     s
 }
 
-fn parse_ctx(text: &str) -> Option<Vec<(String, i64)>> {
+/// Rows checked (name, loop names, JSON value) and their context encoded:
+/// (name, context, occurrence, value).
+pub(super) fn prepare_rows<'a>(
+    run_id: &str,
+    rows: &'a [LogRow],
+) -> Result<Vec<(&'a str, String, u32, &'a str)>> {
+    let mut prepared = Vec::with_capacity(rows.len());
+    for row in rows {
+        let what = || format!("log '{}' of run {run_id}", row.name);
+        if row.name.is_empty() {
+            return Err(Error::invalid(
+                format!("log of run {run_id}"),
+                "the name is empty",
+            ));
+        }
+        for (i, (loop_name, _)) in row.ctx.iter().enumerate() {
+            if loop_name.is_empty() {
+                return Err(Error::invalid(
+                    what(),
+                    "a loop name in its context is empty",
+                ));
+            }
+            if row.ctx[..i].iter().any(|(n, _)| n == loop_name) {
+                return Err(Error::invalid(
+                    what(),
+                    format!("loop '{loop_name}' appears twice in its context"),
+                ));
+            }
+        }
+        let value = row.value_json.trim();
+        if json::parse(value).is_none() {
+            return Err(Error::invalid(
+                what(),
+                format!("value is not valid JSON: {value:.80}"),
+            ));
+        }
+        prepared.push((row.name.as_str(), ctx_json(&row.ctx), row.rep, value));
+    }
+    Ok(prepared)
+}
+
+pub(super) fn parse_ctx(text: &str) -> Option<Vec<(String, i64)>> {
     match json::parse(text)? {
         json::J::Obj(entries) => entries
             .into_iter()
@@ -160,38 +206,7 @@ impl LogDb {
         if rows.is_empty() {
             return Ok(());
         }
-        let mut prepared = Vec::with_capacity(rows.len());
-        for row in rows {
-            let what = || format!("log '{}' of run {run_id}", row.name);
-            if row.name.is_empty() {
-                return Err(Error::invalid(
-                    format!("log of run {run_id}"),
-                    "the name is empty",
-                ));
-            }
-            for (i, (loop_name, _)) in row.ctx.iter().enumerate() {
-                if loop_name.is_empty() {
-                    return Err(Error::invalid(
-                        what(),
-                        "a loop name in its context is empty",
-                    ));
-                }
-                if row.ctx[..i].iter().any(|(n, _)| n == loop_name) {
-                    return Err(Error::invalid(
-                        what(),
-                        format!("loop '{loop_name}' appears twice in its context"),
-                    ));
-                }
-            }
-            let value = row.value_json.trim();
-            if json::parse(value).is_none() {
-                return Err(Error::invalid(
-                    what(),
-                    format!("value is not valid JSON: {value:.80}"),
-                ));
-            }
-            prepared.push((row.name.as_str(), ctx_json(&row.ctx), row.rep, value));
-        }
+        let prepared = prepare_rows(run_id, rows)?;
         let created = to_i64(now_ms());
         self.write(|tx| {
             self.require_run(tx, run_id)?;
@@ -239,7 +254,7 @@ impl LogDb {
         let mut st = self
             .conn
             .prepare_cached(
-                "SELECT name, ctx, value, phase, seq, created_ms, rep FROM logs \
+                "SELECT name, ctx, value, phase, seq, created_ms, rep, flag FROM logs \
                  WHERE run_id = ?1 AND (?2 IS NULL OR name IN (SELECT value FROM json_each(?2))) \
                  ORDER BY seq",
             )
@@ -254,12 +269,13 @@ impl LogDb {
                     r.get::<_, i64>(4)?,
                     r.get::<_, i64>(5)?,
                     r.get::<_, u32>(6)?,
+                    r.get::<_, Option<String>>(7)?,
                 ))
             })
             .db(&self.path)?;
         let mut out = Vec::new();
         for row in rows {
-            let (name, ctx_text, value_json, phase, seq, created, rep) = row.db(&self.path)?;
+            let (name, ctx_text, value_json, phase, seq, created, rep, flag) = row.db(&self.path)?;
             out.push(LogRecord {
                 ctx: self.decode_ctx(run_id, &name, &ctx_text)?,
                 phase: phase
@@ -271,6 +287,7 @@ impl LogDb {
                 value_json,
                 seq,
                 created_ms: to_u64(created),
+                flag,
             });
         }
         Ok(out)
@@ -294,12 +311,16 @@ impl LogDb {
                         rep: rec.rep,
                         recorded: None,
                         replayed: None,
+                        replay_flag: None,
                     });
                     out.len() - 1
                 });
             match rec.phase {
                 Phase::Record => out[i].recorded = Some(rec.value_json),
-                Phase::Replay => out[i].replayed = Some(rec.value_json),
+                Phase::Replay => {
+                    out[i].replayed = Some(rec.value_json);
+                    out[i].replay_flag = rec.flag;
+                }
             }
         }
         // Occurrences of one name in one context in their own order, even
@@ -328,7 +349,12 @@ impl LogDb {
         )
     }
 
-    fn decode_ctx(&self, run_id: &str, name: &str, text: &str) -> Result<Vec<(String, i64)>> {
+    pub(super) fn decode_ctx(
+        &self,
+        run_id: &str,
+        name: &str,
+        text: &str,
+    ) -> Result<Vec<(String, i64)>> {
         parse_ctx(text).ok_or_else(|| self.bad_row(run_id, name, "context"))
     }
 

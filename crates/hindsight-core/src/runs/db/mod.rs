@@ -23,7 +23,7 @@ use rusqlite::{Connection, ErrorCode, Transaction, TransactionBehavior};
 use crate::error::{Error, Result};
 
 /// Schema version this build writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 4;
+pub const SCHEMA_VERSION: i64 = 5;
 
 /// How long a writer waits for another process's transaction.
 pub const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -112,19 +112,64 @@ CREATE INDEX logs_by_seq ON logs (run_id, seq);
 /// its position.
 const SCHEMA_V4: &str = "ALTER TABLE iterations ADD COLUMN value INTEGER;";
 
+/// Version 5: what makes a replay or a resume check itself.
+/// - `batches`: a fingerprint of what each training step consumed (its
+///   batch), by outer iteration and step, written while recording; a resume
+///   and every replay worker compare what they consume with it.
+/// - `replays` and `replay_logs`: one row per `hindsight replay` of a run,
+///   and the values its workers wrote, staged there until the driver has
+///   compared them with the recording ([`LogDb::finish_replay`]); only then
+///   do they join `logs`, with `flag` saying how far they can be trusted
+///   (NULL: exact; `inexact`: another thread count; `diverged`: kept on
+///   request although the replay diverged).
+const SCHEMA_V5: &str = r#"
+CREATE TABLE batches (
+    run_id  TEXT NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
+    outer   INTEGER NOT NULL,
+    step    INTEGER NOT NULL,
+    digest  TEXT NOT NULL,
+    PRIMARY KEY (run_id, outer, step)
+) WITHOUT ROWID;
+CREATE TABLE replays (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id      TEXT NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
+    exact       INTEGER NOT NULL,
+    status      TEXT NOT NULL,
+    started_ms  INTEGER NOT NULL,
+    ended_ms    INTEGER
+);
+CREATE TABLE replay_logs (
+    replay_id  INTEGER NOT NULL,
+    run_id     TEXT NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
+    name       TEXT NOT NULL,
+    ctx        TEXT NOT NULL,
+    rep        INTEGER NOT NULL,
+    value      TEXT NOT NULL,
+    seq        INTEGER NOT NULL,
+    created_ms INTEGER NOT NULL,
+    UNIQUE (replay_id, name, ctx, rep)
+);
+CREATE INDEX replay_logs_by_seq ON replay_logs (replay_id, seq);
+ALTER TABLE logs ADD COLUMN flag TEXT;
+"#;
+
 const RUN_COLUMNS: &str =
     "id, script, script_abs, project_root, source_hash, git_commit, git_dirty, \
      args, status, started_ms, ended_ms, host, versions, pid, resume_key, store";
 
+mod batches;
 mod iterations;
 mod logs;
+mod replays;
 mod runs;
 mod spool;
 #[cfg(test)]
 mod tests;
 
+pub use batches::BatchDigest;
 pub use iterations::IterationRow;
 pub use logs::{ctx_json, Divergence, LogRecord, LogRow, LogValue, Phase};
+pub use replays::{ReplayCheck, Trust, INEXACT_RTOL};
 pub use runs::{NewRun, RunRow, RunStatus};
 
 /// The run/log database. `Send` but not `Sync` (one SQLite connection):
@@ -242,7 +287,9 @@ impl LogDb {
             .conn
             .query_row(
                 "SELECT (SELECT count(*) FROM logs WHERE run_id NOT IN (SELECT id FROM runs)) + \
-                        (SELECT count(*) FROM iterations WHERE run_id NOT IN (SELECT id FROM runs))",
+                        (SELECT count(*) FROM iterations WHERE run_id NOT IN (SELECT id FROM runs)) + \
+                        (SELECT count(*) FROM batches WHERE run_id NOT IN (SELECT id FROM runs)) + \
+                        (SELECT count(*) FROM replay_logs WHERE run_id NOT IN (SELECT id FROM runs))",
                 [],
                 |r| r.get(0),
             )
@@ -279,6 +326,9 @@ impl LogDb {
         }
         if found < 4 {
             tx.execute_batch(SCHEMA_V4)?;
+        }
+        if found < 5 {
+            tx.execute_batch(SCHEMA_V5)?;
         }
         if found < SCHEMA_VERSION {
             tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use rusqlite::params;
 
-use super::{to_i64, DbResult, LogDb, LogRow, Phase, RUN_COLUMNS};
+use super::{to_i64, DbResult, LogDb, RUN_COLUMNS};
 use crate::error::{Error, Result};
 
 impl LogDb {
@@ -51,15 +51,22 @@ impl LogDb {
             .db(&spool.path)
         })?;
         for name in self.outer_loops(run_id)? {
-            spool.record_iterations(run_id, &self.iterations(run_id, &name)?)?;
+            let rows = self.iterations(run_id, &name)?;
+            spool.record_iterations(run_id, &rows)?;
+            // The worker checks the data it consumes against these.
+            for it in &rows {
+                spool.record_batches(run_id, it.idx, &self.batch_digests(run_id, it.idx)?)?;
+            }
         }
         Ok(())
     }
 
     /// Merge what a replay worker wrote into `src` (made by [`export_run`](Self::export_run))
-    /// into this database: its replay values, in the order it wrote them, and
-    /// the restore times it measured. Returns the number of values merged.
-    pub fn import_replay(&self, run_id: &str, src: &Path) -> Result<usize> {
+    /// into this database: the values it staged for replay `replay_id`, in
+    /// the order it wrote them (still staged: the driver judges them with
+    /// the other tasks'), and the restore times it measured. Returns the
+    /// number of values merged.
+    pub fn import_replay(&self, run_id: &str, src: &Path, replay_id: i64) -> Result<usize> {
         if !src.is_file() {
             return Err(Error::NotFound {
                 what: "replay database",
@@ -68,18 +75,8 @@ impl LogDb {
             });
         }
         let spool = LogDb::open(src)?;
-        let rows: Vec<LogRow> = spool
-            .logs(run_id, &[])?
-            .into_iter()
-            .filter(|r| r.phase == Phase::Replay)
-            .map(|r| LogRow {
-                name: r.name,
-                ctx: r.ctx,
-                rep: r.rep,
-                value_json: r.value_json,
-            })
-            .collect();
-        self.append_logs(run_id, Phase::Replay, &rows)?;
+        let rows = spool.staged_rows(replay_id, run_id)?;
+        self.append_replay_logs(replay_id, run_id, &rows)?;
         for name in spool.outer_loops(run_id)? {
             for it in spool.iterations(run_id, &name)? {
                 if let Some(seconds) = it.restore_seconds {

@@ -970,6 +970,9 @@ fn a_worker_database_round_trips_replay_values_through_the_same_rules() {
     db.record_iterations(&id, &[it(0), it(1)]).unwrap();
     db.append_logs(&id, Phase::Record, &[row("loss", &[("epoch", 0)], "1.0")])
         .unwrap();
+    db.record_batches(&id, 1, &[(0, "d0".into()), (1, "d1".into())])
+        .unwrap();
+    let replay = db.begin_replay(&id, true).unwrap();
 
     let spool_path = dir.path().join("task-0.db");
     db.export_run(&id, &spool_path).unwrap();
@@ -988,11 +991,16 @@ fn a_worker_database_round_trips_replay_values_through_the_same_rules() {
             spool.logs(&id, &[]).unwrap().is_empty(),
             "record values stay home"
         );
+        // The worker checks its data against the recorded fingerprints.
+        assert_eq!(
+            spool.batch_digests(&id, 1).unwrap(),
+            db.batch_digests(&id, 1).unwrap()
+        );
         // The worker: two values, one logged twice in one context, and a restore time.
         spool
-            .append_logs(
+            .append_replay_logs(
+                replay,
                 &id,
-                Phase::Replay,
                 &[
                     row("loss", &[("epoch", 0)], "1.5"),
                     row("grad", &[("epoch", 1)], "2"),
@@ -1005,33 +1013,189 @@ fn a_worker_database_round_trips_replay_values_through_the_same_rules() {
             .unwrap();
         spool.set_restore_seconds(&id, "epoch", 1, 0.25).unwrap();
     }
-    assert_eq!(db.import_replay(&id, &spool_path).unwrap(), 3);
+    assert_eq!(db.import_replay(&id, &spool_path, replay).unwrap(), 3);
+    // Staged, not yet results.
+    assert!(db
+        .logs(&id, &[])
+        .unwrap()
+        .iter()
+        .all(|r| r.phase == Phase::Record));
+    // Merged values are judged like a local worker's: 1.0 recorded, 1.5 replayed.
+    assert_eq!(
+        db.replay_divergences(replay, 0).unwrap().divergences.len(),
+        1
+    );
+    // Merging again replaces, never duplicates.
+    db.import_replay(&id, &spool_path, replay).unwrap();
+    assert_eq!(db.finish_replay(replay, Some(Trust::Diverged)).unwrap(), 3);
     let logs = db.logs(&id, &[]).unwrap();
-    let replayed: Vec<(String, u32, String)> = logs
+    let replayed: Vec<(String, u32, String, Option<String>)> = logs
         .iter()
         .filter(|r| r.phase == Phase::Replay)
-        .map(|r| (r.name.clone(), r.rep, r.value_json.clone()))
+        .map(|r| (r.name.clone(), r.rep, r.value_json.clone(), r.flag.clone()))
         .collect();
+    let d = Some("diverged".to_string());
     assert_eq!(
         replayed,
         [
-            ("loss".to_string(), 0, "1.5".to_string()),
-            ("grad".to_string(), 0, "2".to_string()),
-            ("grad".to_string(), 1, "3".to_string())
+            ("loss".to_string(), 0, "1.5".to_string(), d.clone()),
+            ("grad".to_string(), 0, "2".to_string(), d.clone()),
+            ("grad".to_string(), 1, "3".to_string(), d)
         ]
     );
-    // Merged values are judged like a local worker's: 1.0 recorded, 1.5 replayed.
-    assert_eq!(db.divergences(&id).unwrap().len(), 1);
     assert_eq!(
         db.iterations(&id, "epoch").unwrap()[1].restore_seconds,
         Some(0.25)
     );
-    // Merging again replaces, never duplicates.
-    db.import_replay(&id, &spool_path).unwrap();
-    assert_eq!(db.logs(&id, &[]).unwrap().len(), logs.len());
     let missing = db
-        .import_replay(&id, &dir.path().join("nope.db"))
+        .import_replay(&id, &dir.path().join("nope.db"), replay)
         .unwrap_err();
     assert!(missing.to_string().contains("nope.db"), "{missing}");
     assert!(!dir.path().join("nope.db").exists());
+}
+
+fn staged(db: &LogDb, id: &str, exact: bool, rows: &[LogRow]) -> i64 {
+    let replay = db.begin_replay(id, exact).unwrap();
+    db.append_replay_logs(replay, id, rows).unwrap();
+    replay
+}
+
+fn replayed_values(db: &LogDb, id: &str) -> Vec<(String, String, Option<String>)> {
+    db.values(id, &[])
+        .unwrap()
+        .into_iter()
+        .filter_map(|v| Some((v.name, v.replayed?, v.replay_flag)))
+        .collect()
+}
+
+#[test]
+fn a_replays_values_are_staged_until_judged_and_a_discarded_replay_leaves_nothing() {
+    let (_dir, db) = temp_db();
+    let id = db.create_run(&new_run("train.py")).unwrap();
+    db.append_logs(&id, Phase::Record, &[row("loss", &[("epoch", 0)], "1.0")])
+        .unwrap();
+    let replay = staged(
+        &db,
+        &id,
+        true,
+        &[
+            row("loss", &[("epoch", 0)], "1.25"),
+            row("probe", &[("epoch", 0)], "7"),
+        ],
+    );
+    // Nothing of it is a result yet.
+    assert!(replayed_values(&db, &id).is_empty());
+    let check = db.replay_divergences(replay, 0).unwrap();
+    assert_eq!(check.divergences.len(), 1);
+    assert_eq!(check.divergences[0].replay_value, "1.25");
+    assert_eq!(check.last_seq, 2);
+    // Checked after its last position: nothing new.
+    assert!(db
+        .replay_divergences(replay, check.last_seq)
+        .unwrap()
+        .divergences
+        .is_empty());
+    assert_eq!(db.finish_replay(replay, None).unwrap(), 0);
+    assert!(replayed_values(&db, &id).is_empty());
+    assert!(db
+        .replay_divergences(replay, 0)
+        .unwrap()
+        .divergences
+        .is_empty());
+    let unknown = db.replay_divergences(replay + 100, 0).unwrap_err();
+    assert!(unknown.to_string().contains("replay"), "{unknown}");
+}
+
+#[test]
+fn a_less_trusted_replay_never_overwrites_a_more_trusted_value() {
+    let (_dir, db) = temp_db();
+    let id = db.create_run(&new_run("train.py")).unwrap();
+    let exact = staged(&db, &id, true, &[row("probe", &[("epoch", 0)], "1.0")]);
+    db.finish_replay(exact, Some(Trust::Exact)).unwrap();
+    // Another thread count: its value stays out where an exact one exists,
+    // and comes in where none does.
+    let inexact = staged(
+        &db,
+        &id,
+        false,
+        &[
+            row("probe", &[("epoch", 0)], "1.0000001"),
+            row("probe", &[("epoch", 1)], "2.0"),
+        ],
+    );
+    assert_eq!(db.finish_replay(inexact, Some(Trust::Inexact)).unwrap(), 1);
+    assert_eq!(
+        replayed_values(&db, &id),
+        [
+            ("probe".into(), "1.0".into(), None),
+            ("probe".into(), "2.0".into(), Some("inexact".into()))
+        ]
+    );
+    // An exact replay replaces the inexact value; a diverged one replaces neither.
+    let again = staged(&db, &id, true, &[row("probe", &[("epoch", 1)], "2.5")]);
+    db.finish_replay(again, Some(Trust::Exact)).unwrap();
+    let bad = staged(&db, &id, true, &[row("probe", &[("epoch", 1)], "9")]);
+    assert_eq!(db.finish_replay(bad, Some(Trust::Diverged)).unwrap(), 0);
+    assert_eq!(
+        replayed_values(&db, &id),
+        [
+            ("probe".into(), "1.0".into(), None),
+            ("probe".into(), "2.5".into(), None)
+        ]
+    );
+}
+
+#[test]
+fn an_inexact_replay_is_compared_within_a_tolerance_and_an_exact_one_bit_for_bit() {
+    let (_dir, db) = temp_db();
+    let id = db.create_run(&new_run("train.py")).unwrap();
+    db.append_logs(
+        &id,
+        Phase::Record,
+        &[row("loss", &[("epoch", 0)], "4.16459")],
+    )
+    .unwrap();
+    let last_bits = [row("loss", &[("epoch", 0)], "4.164590001")];
+    let exact = staged(&db, &id, true, &last_bits);
+    assert_eq!(
+        db.replay_divergences(exact, 0).unwrap().divergences.len(),
+        1
+    );
+    let inexact = staged(&db, &id, false, &last_bits);
+    assert!(db
+        .replay_divergences(inexact, 0)
+        .unwrap()
+        .divergences
+        .is_empty());
+    // Beyond the tolerance (the 4.16459 against 4.16539): a divergence either way.
+    let far = staged(&db, &id, false, &[row("loss", &[("epoch", 0)], "4.16539")]);
+    assert_eq!(db.replay_divergences(far, 0).unwrap().divergences.len(), 1);
+}
+
+#[test]
+fn batch_fingerprints_are_kept_per_step_and_replaced_by_a_resumed_run() {
+    let (_dir, db) = temp_db();
+    let id = db.create_run(&new_run("train.py")).unwrap();
+    assert!(!db.has_batch_digests(&id).unwrap());
+    db.record_batches(&id, 2, &[(0, "a".into()), (1, "b".into())])
+        .unwrap();
+    db.record_batches(&id, 2, &[(1, "c".into())]).unwrap();
+    db.record_batches(&id, 3, &[(0, "d".into())]).unwrap();
+    assert!(db.has_batch_digests(&id).unwrap());
+    assert_eq!(
+        db.batch_digests(&id, 2).unwrap(),
+        [(0, "a".to_string()), (1, "c".to_string())]
+    );
+    assert!(db.batch_digests(&id, 9).unwrap().is_empty());
+    // Parts are delimited: the same bytes split differently differ.
+    let digest = |parts: &[&[u8]]| {
+        let mut d = BatchDigest::new();
+        for p in parts {
+            d.part(p);
+        }
+        d.finish()
+    };
+    assert_ne!(digest(&[b"ab", b"c"]), digest(&[b"a", b"bc"]));
+    assert_eq!(digest(&[b"ab", b"c"]), digest(&[b"ab", b"c"]));
+    assert_eq!(digest(&[]).len(), 32);
 }

@@ -55,6 +55,10 @@ pub struct WorkerPlan {
     /// merged back by `LogDb::import_replay`. `None`: the project's own.
     #[serde(default)]
     pub log_db: Option<String>,
+    /// The replay (`LogDb::begin_replay`) whose staged values the worker
+    /// writes; they become results only after the driver's check.
+    #[serde(default)]
+    pub replay_id: Option<i64>,
 }
 
 impl WorkerPlan {
@@ -213,6 +217,7 @@ pub fn plan(req: &Request<'_>) -> Result<ReplayPlan> {
             checkpoints: own,
             progress_fd: None,
             log_db: None,
+            replay_id: None,
         });
     }
     Ok(ReplayPlan { kind, workers })
