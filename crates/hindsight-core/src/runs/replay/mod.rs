@@ -220,7 +220,79 @@ pub fn plan(req: &Request<'_>) -> Result<ReplayPlan> {
             replay_id: None,
         });
     }
-    Ok(ReplayPlan { kind, workers })
+    let plan = ReplayPlan { kind, workers };
+    check(req, &plan)?;
+    Ok(plan)
+}
+
+/// The plan's promises, checked before any worker starts: a probe is
+/// answered only by executing its code on the state it reads.
+/// - Every selected iteration is visited; with probes inside the inner loop
+///   it is executed (restoring it would answer them from a checkpoint).
+/// - With probes before the inner loop, it is visited by a worker that also
+///   visits the iteration before it (the state it starts from).
+/// - A worker executes an iteration only right after visiting the previous
+///   one, and restores only iterations it has a checkpoint for.
+///
+/// A violation is a planner bug: [`Error::Internal`], never a wrong value.
+pub fn check(req: &Request<'_>, plan: &ReplayPlan) -> Result<()> {
+    let bug = |what: String| {
+        Err(Error::internal(format!(
+            "replay plan of run {}: {what}",
+            req.run_id
+        )))
+    };
+    let n = req.iterations.iter().map(|r| r.idx + 1).max().unwrap_or(0);
+    for i in 0..n {
+        if !req.selected.get(i as usize).copied().unwrap_or(false) {
+            continue;
+        }
+        let visits = |w: &&WorkerPlan| w.modes.contains_key(&i);
+        if !plan.workers.iter().any(|w| visits(&w)) {
+            return bug(format!("selected iteration {i} is not visited"));
+        }
+        if req.needs_inner
+            && !plan
+                .workers
+                .iter()
+                .any(|w| w.modes.get(&i) == Some(&Mode::Execute))
+        {
+            return bug(format!(
+                "iteration {i} has probes in its inner loop but is not executed"
+            ));
+        }
+        if req.needs_start
+            && i > 0
+            && !plan
+                .workers
+                .iter()
+                .any(|w| w.modes.contains_key(&i) && w.modes.contains_key(&(i - 1)))
+        {
+            return bug(format!(
+                "iteration {i} has probes before its inner loop but its start state is not visited"
+            ));
+        }
+    }
+    for w in &plan.workers {
+        for (&i, &mode) in &w.modes {
+            match mode {
+                Mode::Execute if i > 0 && !w.modes.contains_key(&(i - 1)) => {
+                    return bug(format!(
+                        "worker {} executes iteration {i} without the state before it",
+                        w.worker
+                    ));
+                }
+                Mode::Restore if !w.checkpoints.contains_key(&i) => {
+                    return bug(format!(
+                        "worker {} restores iteration {i} without a checkpoint",
+                        w.worker
+                    ));
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -243,6 +315,79 @@ mod tests {
 
     fn store_of(rows: &[IterationRow]) -> HashSet<String> {
         rows.iter().filter_map(|r| r.checkpoint.clone()).collect()
+    }
+
+    #[test]
+    fn a_plan_that_answers_an_inner_probe_from_a_checkpoint_is_refused() {
+        let it = rows(4, 1);
+        let store = store_of(&it);
+        let selected = [false, false, true, false];
+        let req = Request {
+            run_id: "r",
+            loop_name: "epoch",
+            iterations: &it,
+            in_store: &store,
+            selected: &selected,
+            needs_inner: true,
+            needs_start: false,
+            workers: 1,
+        };
+        let mut p = plan(&req).unwrap();
+        assert_eq!(p.workers[0].modes.get(&2), Some(&Mode::Execute));
+        // The bug this guards against: iteration 2 restored instead of executed.
+        p.workers[0].modes.insert(2, Mode::Restore);
+        p.workers[0].checkpoints.insert(2, "r.epoch-000002".into());
+        let e = check(&req, &p).unwrap_err();
+        assert!(e.to_string().contains("not executed"), "{e}");
+        // And one executing an iteration without the state before it.
+        p.workers[0].modes.remove(&1);
+        p.workers[0].modes.insert(2, Mode::Execute);
+        let e = check(&req, &p).unwrap_err();
+        assert!(e.to_string().contains("without the state before it"), "{e}");
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(500))]
+        /// Over loop shapes (lengths, checkpoint patterns, selections,
+        /// probe places, worker counts), every plan keeps its promises.
+        #[test]
+        fn every_plan_executes_or_visits_what_its_probes_need(
+            n in 1usize..40,
+            ck in proptest::collection::vec(proptest::bool::ANY, 40),
+            sel in proptest::collection::vec(proptest::bool::ANY, 40),
+            needs_inner in proptest::bool::ANY,
+            needs_start in proptest::bool::ANY,
+            workers in 1usize..6,
+            first in 0usize..40,
+        ) {
+            let it: Vec<IterationRow> = (0..n as u64)
+                .map(|i| IterationRow {
+                    value: None,
+                    loop_name: "epoch".into(),
+                    idx: i,
+                    seconds: 1.0 + (i % 3) as f64,
+                    checkpoint: ck[i as usize].then(|| format!("r.epoch-{i:06}")),
+                    materialize_seconds: None,
+                    restore_seconds: None,
+                })
+                .collect();
+            let store = store_of(&it);
+            let mut selected: Vec<bool> = sel[..n].to_vec();
+            selected[first % n] = true;
+            let req = Request {
+                run_id: "r",
+                loop_name: "epoch",
+                iterations: &it,
+                in_store: &store,
+                selected: &selected,
+                needs_inner,
+                needs_start,
+                workers,
+            };
+            // plan() checks itself: an Err here is a broken promise.
+            let p = plan(&req).map_err(|e| proptest::test_runner::TestCaseError::fail(e.to_string()))?;
+            proptest::prop_assert!(check(&req, &p).is_ok());
+        }
     }
 
     #[test]
