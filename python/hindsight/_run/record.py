@@ -237,6 +237,9 @@ class RecordRun(Run):
         elif not self.policy.observe_iteration(compute, expected):
             return
         ck = self._checkpoint_id(i)
+        # The values of the steps are in the database before the checkpoint
+        # that covers them exists: a resume from it never re-logs them.
+        self.flush_logs()
         extra: dict[str, Any] = {"at": at}
         # After the steps may come the optimizer step of accumulated
         # gradients (nanoGPT's micro-steps): they are state then.
