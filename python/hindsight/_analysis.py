@@ -14,6 +14,8 @@ import builtins
 import difflib
 from dataclasses import dataclass, field
 
+from hindsight._effects import _MAX_DEPTH, _Aliases, _imported, _Script
+
 
 @dataclass(frozen=True)
 class Probe:
@@ -85,73 +87,10 @@ class Analysis:
         return any(p.before_inner or (p.in_function and self._hook(p) not in EPOCH_END_HOOKS) for p in self.new_probes)
 
 
-class _Aliases:
-    def __init__(self, tree: ast.AST) -> None:
-        self.modules: set[str] = set()
-        self.direct: dict[str, str] = {}
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                for a in node.names:
-                    if a.name == "hindsight":
-                        self.modules.add(a.asname or "hindsight")
-            elif isinstance(node, ast.ImportFrom) and node.module == "hindsight":
-                for a in node.names:
-                    self.direct[a.asname or a.name] = a.name
-
-    def is_call(self, node: ast.AST, attr: str) -> bool:
-        if not isinstance(node, ast.Call):
-            return False
-        f = node.func
-        if isinstance(f, ast.Attribute) and f.attr == attr and isinstance(f.value, ast.Name):
-            return f.value.id in self.modules
-        return isinstance(f, ast.Name) and self.direct.get(f.id) == attr
-
-
 def _const_str(call: ast.Call) -> str | None:
     if call.args and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str):
         return call.args[0].value
     return None
-
-
-# Calls that change what training reads, in an added statement: mutating
-# methods, and draws from a random stream training also draws from.
-_MUTATORS = frozenset(
-    "step zero_grad backward append extend insert pop remove clear update setdefault add discard "
-    "train eval load_state_dict manual_seed seed shuffle write send put".split()
-)
-_RANDOM = frozenset(
-    "rand randn randint randperm rand_like randn_like randint_like bernoulli multinomial normal poisson "
-    "dropout choice choices sample uniform random".split()
-)
-_MUTATING_BUILTINS = frozenset({"next", "setattr", "delattr", "exec", "eval"})
-
-
-def _writes(node: ast.AST, core: set[str]) -> str | None:
-    """Why an added expression may change training state, or None."""
-    for n in ast.walk(node):
-        if isinstance(n, ast.NamedExpr) and isinstance(n.target, ast.Name) and n.target.id in core:
-            return f"assigns '{n.target.id}', which the training code uses"
-        if not isinstance(n, ast.Call):
-            continue
-        f = n.func
-        if isinstance(f, ast.Name) and f.id in _MUTATING_BUILTINS:
-            return f"calls {f.id}(), which changes the object it is given"
-        if isinstance(f, ast.Attribute):
-            chain = ast.unparse(f)
-            if f.attr.endswith("_") and not f.attr.startswith("_"):
-                return f"calls {chain}(), an in-place operation"
-            if f.attr in _MUTATORS:
-                return f"calls {chain}(), which changes its object"
-            if f.attr in _RANDOM or ".random." in f".{chain}.":
-                return f"calls {chain}(), which draws from a random stream training also draws from"
-    return None
-
-
-def _imported(s: ast.Import | ast.ImportFrom) -> dict[str, str]:
-    """name -> what an import binds to it."""
-    if isinstance(s, ast.Import):
-        return {(a.asname or a.name.split(".")[0]): (a.name if a.asname else a.name.split(".")[0]) for a in s.names}
-    return {(a.asname or a.name): f"{'.' * s.level}{s.module}:{a.name}" for a in s.names}
 
 
 def _bound(s: ast.stmt) -> list[str] | None:
@@ -186,15 +125,18 @@ def _names(tree: ast.AST) -> set[str]:
 
 
 class _StripProbes(ast.NodeTransformer):
-    """Removes the statements that only observe: `hs.log`, and, where `core`
-    (the names of the training code) is given, `print`, imports and
-    assignments of names the training code never uses, and `if` blocks that
-    hold nothing else. What an observing-looking statement writes keeps it
-    (the scripts then differ), with the reason in `refused`."""
+    """Removes the statements that only observe: `hs.log`, and, where
+    `script` (judging by the training code's names) is given, `print`,
+    imports and assignments of names the training code never uses, and `if`
+    blocks that hold nothing else. What an observing-looking statement
+    writes keeps it (the scripts then differ), with the reason in `refused`.
+    So does what an `hs.log` call's arguments write: a recorded one is then
+    kept in both scripts (it ran when recording too: no difference), a new
+    one only in the current script, which is refused."""
 
-    def __init__(self, aliases: _Aliases, core: set[str] | None, imports: dict[str, str] | None = None) -> None:
+    def __init__(self, aliases: _Aliases, script: _Script | None, imports: dict[str, str] | None = None) -> None:
         self.aliases = aliases
-        self.core = core
+        self.script = script
         # What the recorded script's imports bind: importing the same again is no change.
         self.imports = imports or {}
         self.refused: list[tuple[ast.stmt, str]] = []
@@ -211,17 +153,19 @@ class _StripProbes(ast.NodeTransformer):
         return node
 
     def _observes(self, s: ast.stmt) -> bool:
-        if isinstance(s, ast.Expr) and self.aliases.is_call(s.value, "log"):
-            return True
-        core = self.core
-        if core is None:
-            return False
+        script = self.script
+        if script is None:
+            return isinstance(s, ast.Expr) and self.aliases.is_call(s.value, "log")
+        core = script.core
         why: str | None = None
-        if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) and ast.unparse(s.value.func) == "print":
-            why = _writes(s.value, core)
+        if isinstance(s, ast.Expr) and (
+            self.aliases.is_call(s.value, "log")
+            or (isinstance(s.value, ast.Call) and ast.unparse(s.value.func) == "print")
+        ):
+            why = script.why(s.value, s)
         elif isinstance(s, ast.Expr):
             # Not an observing statement; say why, if the reason is plain.
-            reason = _writes(s.value, core)
+            reason = script.why(s.value, s)
             if reason is not None:
                 self.refused.append((s, reason))
             return False
@@ -234,7 +178,10 @@ class _StripProbes(ast.NodeTransformer):
             # observing statements were in them if nothing but `pass` is left.
             if not all(isinstance(b, ast.Pass) for b in [*s.body, *s.orelse]):
                 return False
-            why = _writes(s.test, core)
+            why = script.why(s.test, s)
+        elif isinstance(s, ast.Delete):
+            self.refused.append((s, f"deletes {', '.join(ast.unparse(t) for t in s.targets)}"))
+            return False
         else:
             bound = _bound(s)
             if bound is None:
@@ -244,7 +191,7 @@ class _StripProbes(ast.NodeTransformer):
                 why = f"assigns '{used[0]}', which the training code uses"
             else:
                 value = s.value if isinstance(s, (ast.Assign, ast.AnnAssign)) else None
-                why = _writes(value, core) if value is not None else None
+                why = script.why(value, s) if value is not None else None
         if why is not None:
             self.refused.append((s, why))
             return False
@@ -256,7 +203,9 @@ def _strip(
 ) -> tuple[ast.Module, _Aliases, _StripProbes]:
     tree = ast.parse(src, filename=filename)
     aliases = _Aliases(tree)
-    stripper = _StripProbes(aliases, core, imports)
+    # Judged on the whole script, before anything is stripped from it.
+    script = _Script(tree, aliases, core) if core is not None else None
+    stripper = _StripProbes(aliases, script, imports)
     return stripper.visit(tree), aliases, stripper
 
 
@@ -323,10 +272,6 @@ def _scopes(tree: ast.AST, aliases: _Aliases) -> dict[str, list[_Scope]]:
     scopes[""] = [module]
     walk(tree, module, ())
     return scopes
-
-
-# Nesting deeper than this through calls is not followed (recursion).
-_MAX_DEPTH = 6
 
 
 def probes(src: str, filename: str = "<script>") -> tuple[list[Probe], list[str]]:

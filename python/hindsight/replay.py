@@ -366,7 +366,15 @@ def _prepare(
         # that version's own source, where they belong.
         src, problems = transplant(recorded, current, run["script"])
         placed = analyze(recorded, src, run["script"]) if src is not None else None
-        if placed is None or not placed.compatible:
+        if placed is not None and not placed.compatible:
+            # Placed, but what was added changes the training it replays.
+            diff = "\n".join("  " + line for line in placed.differences[:60])
+            raise ReplayError(
+                f"the statements added to {run['script']} since run {run['id']} would change the training "
+                f"that replay re-runs, so every value after them would differ:\n{diff}\n"
+                "(pass --force to replay the current script anyway)"
+            )
+        if placed is None:
             diff = "\n".join("  " + line for line in analysis.differences[:60])
             why = "\n".join("  " + p for p in problems)
             raise ReplayError(
