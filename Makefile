@@ -110,6 +110,10 @@ wheel: $(STAMP) ## Release wheel in dist/ (abi3), e.g. to carry to a GPU machine
 chaos: develop-release ## Fault injection (kill -9, gc vs writers, corruption, manifest fuzzer): table of trials and failures
 	$(PY) benches/chaos.py
 
+.PHONY: zoo
+zoo: develop-release ## Acceptance suite: public training scripts (tests/zoo/) resumed after signals and replayed with probes (table)
+	$(PY) tests/zoo/driver.py --all
+
 .PHONY: clean
 clean:
 	cargo clean

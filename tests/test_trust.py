@@ -21,7 +21,7 @@ from conftest import hindsight_cmd
 # its shuffle order, is created before hs.loop sees it), two models, two
 # optimizers. The loader's data is read from data.pt, so a test can change
 # it between record and replay.
-GAN = '''
+GAN = """
 import argparse, sys, time
 import torch
 from torch import nn
@@ -61,7 +61,7 @@ with hs.checkpointing(gen=gen, disc=disc, og=og, od=od):
             time.sleep(args.delay)
         hs.log("gnorm", sum(p.norm().item() for p in gen.parameters()))  # PROBE
 torch.save({**{"g." + k: v for k, v in gen.state_dict().items()}, **{"d." + k: v for k, v in disc.state_dict().items()}}, args.out)
-'''
+"""
 BATCHES = 6  # 48 examples in batches of 8
 EPOCHS = 3
 
@@ -215,7 +215,7 @@ def test_a_replay_on_data_that_changed_on_disk_stops_at_the_first_batch_that_dif
 # rate warmed up from the counter, gradients accumulated over micro-steps
 # (the inner loop) and applied after it, the next batch prefetched, one
 # torch thread set by the script.
-ITER = '''
+ITER = """
 import itertools, math
 import torch
 from torch import nn
@@ -249,8 +249,8 @@ with hs.checkpointing(model=model, opt=opt, every=3):
         if iter_num >= 24:
             break
 torch.save(model.state_dict(), "final.pt")
-'''
-ITER_PROBE = ('        # PROBE\n', '        hs.log("wnorm", sum(p.norm().item() for p in model.parameters()))\n')
+"""
+ITER_PROBE = ("        # PROBE\n", '        hs.log("wnorm", sum(p.norm().item() for p in model.parameters()))\n')
 
 
 @pytest.mark.parametrize("jobs", ["1", "2"])
