@@ -50,6 +50,29 @@ impl LogDb {
             )
             .db(&spool.path)
         })?;
+        // The replays under way, so the worker can judge its staged values.
+        let running: Vec<(i64, bool, i64)> = {
+            let mut st = self
+                .conn
+                .prepare(
+                    "SELECT id, exact, started_ms FROM replays WHERE run_id = ?1 AND status = 'running'",
+                )
+                .db(&self.path)?;
+            let rows = st
+                .query_map([run_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+                .db(&self.path)?;
+            rows.collect::<rusqlite::Result<_>>().db(&self.path)?
+        };
+        spool.write(|tx| {
+            for (id, exact, started) in &running {
+                tx.execute(
+                    "INSERT INTO replays (id, run_id, exact, status, started_ms) VALUES (?1, ?2, ?3, 'running', ?4)",
+                    params![id, run_id, exact, started],
+                )
+                .db(&spool.path)?;
+            }
+            Ok(())
+        })?;
         for name in self.outer_loops(run_id)? {
             let rows = self.iterations(run_id, &name)?;
             spool.record_iterations(run_id, &rows)?;

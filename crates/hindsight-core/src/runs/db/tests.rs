@@ -991,6 +991,12 @@ fn a_worker_database_round_trips_replay_values_through_the_same_rules() {
             spool.logs(&id, &[]).unwrap().is_empty(),
             "record values stay home"
         );
+        // The worker judges its staged values against the recording.
+        assert!(spool
+            .replay_divergences(replay, 0)
+            .unwrap()
+            .divergences
+            .is_empty());
         // The worker checks its data against the recorded fingerprints.
         assert_eq!(
             spool.batch_digests(&id, 1).unwrap(),
