@@ -1,4 +1,4 @@
-"""The zoo's bounded subset (not yet in CI: run it with `pytest tests/zoo/ci_subset.py`; four scripts still fail, see docs/trust.md): every public training script of tests/zoo/ once, with one
+"""The zoo's bounded subset (not yet in CI: run it with `pytest tests/zoo/ci_subset.py`; some scripts still fail, see docs/trust.md): every public training script of tests/zoo/ once, with one
 signal at a boundary step (SIGTERM, SIGUSR1 and kill -9 rotated over the
 scripts) and one probe replay (-j 2 for about half of them), at the scripts'
 smaller CI size. `make zoo` (tests/zoo/driver.py --all) runs the full matrix.
@@ -29,11 +29,11 @@ CASES: dict[str, tuple[str, str, str, int]] = {
     "word_language_model": ("USR1", "last", "step", 2),
     "dcgan": ("KILL", "epoch-end", "step", 1),
     "vae": ("TERM", "epoch-end", "epoch", 1),
-    "time_sequence_prediction": ("USR1", "first", "step", 2),
-    "siamese_network": ("KILL", "last", "epoch", 2),
+    "time_sequence_prediction": ("TERM", "last", "step", 2),
+    "siamese_network": ("USR1", "epoch-end", "epoch", 2),
     "imagenet": ("KILL", "epoch-end", "step", 1),
-    "reinforce": ("USR1", "last", "epoch", 2),
-    "nanogpt": ("TERM", "first", "step", 2),
+    "reinforce": ("USR1", "first", "epoch", 2),
+    "nanogpt": ("KILL", "last", "step", 2),
     "timm_train": ("USR1", "first", "step", 1),
     "iterable_dataset": ("TERM", "epoch-end", "step", 2),
     "mingpt_trainer": ("KILL", "last", "epoch", 1),

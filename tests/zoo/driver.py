@@ -75,7 +75,7 @@ class Spec:
 
     file: str
     args: tuple[str, ...] = ()
-    small: tuple[str, ...] = ()  # tests/test_zoo.py: a smaller run of the same shape
+    small: tuple[str, ...] = ()  # ci_subset.py: a smaller run of the same shape
     note: str = ""
 
 
@@ -278,6 +278,12 @@ def run_script(script: Path, spec_args: tuple[str, ...], home: Path, **env: str)
     return run([sys.executable, script.name, *spec_args], script.parent, base_env(home, **env))
 
 
+def keep(d: Path, k: int, p: Proc) -> None:
+    """A launch's output, kept beside its project for a look after the run (--keep)."""
+    (d / f"launch-{k}.out").write_text(p.stdout)
+    (d / f"launch-{k}.err").write_text(p.stderr)
+
+
 def hindsight_cli(*args: str, cwd: Path, home: Path) -> Proc:
     return run([sys.executable, "-m", "hindsight", *args], cwd, base_env(home))
 
@@ -290,9 +296,9 @@ def failure(p: Proc, what: str) -> Outcome:
         return Outcome(ERROR, f"{what}: hang ({p.stderr.strip().splitlines()[-1]})")
     err = p.stderr.strip()
     lines = [ln.strip() for ln in err.splitlines() if ln.strip()]
-    if p.rc == 3 and ("DIVERGENCE" in err or "DivergenceError" in err):
+    if p.rc == 3 and ("DIVERGENCE" in err or "DivergenceError" in err or "diverged from the recording" in err):
         # The replay checked itself against the recording and kept nothing.
-        first = next((ln for ln in lines if ln.startswith("DIVERGENCE")), excerpt(err, 2))
+        first = next((ln for ln in lines if ln.startswith("DIVERGENCE") or "diverged from the" in ln), excerpt(err, 2))
         return Outcome(REFUSED, f"{what}: exit 3, divergence detected: {first[:600]}", extra={"diverged": True})
     tracebacks = [i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last)")]
     if tracebacks:
@@ -522,6 +528,7 @@ class Zoo:
         t0 = time.perf_counter()
         p = run_script(script, self.args(spec), d / "home", **env)
         attempts = [p]
+        keep(d, 0, p)
         want_rc = -signal.SIGKILL if sig == "KILL" else 85
         if not (d / "signalled").exists():
             return Outcome(ERROR, f"step {at} was never reached (exit {p.rc})")
@@ -541,15 +548,13 @@ class Zoo:
                 return Outcome(ERROR, f"SIG{sig} at step {at}: still not done after {len(attempts)} launches")
             r = run_script(script, self.args(spec), d / "home", **env)
             attempts.append(r)
+            keep(d, len(attempts) - 1, r)
             if r.rc == 0:
                 break
             if r.rc in (85, -signal.SIGKILL):
                 continue
             return failure(r, f"relaunch after SIG{sig} at step {at}")
         last = attempts[-1]
-        for k, a in enumerate(attempts):
-            (d / f"launch-{k}.out").write_text(a.stdout)
-            (d / f"launch-{k}.err").write_text(a.stderr)
         if len(attempts) > 1 and "resuming run" not in last.stderr:
             notes.append("relaunch did not say 'resuming run'")
         src = re.search(r"continues from (the start|checkpoint \S+)", last.stderr)
