@@ -399,9 +399,11 @@ class RecordRun(Run):
             return
         sampler_iter = getattr(it, "_sampler_iter", None)
         if sampler_iter is not None and getattr(it, "_num_workers", 1) == 0 and hasattr(it, "_num_yielded"):
-            # Skip the indices without loading; load the last one to prove the order.
-            _advance(it, n - 1)
-            first = n - 1
+            # Skip the indices without loading, as before the fingerprints: loading
+            # one here would draw from the RNGs at another state than recorded
+            # (a Dataset drawing from `random`), a false mismatch (zoo: siamese).
+            _advance(it, n)
+            return
         else:
             first = 0
         for j in range(first, n):
