@@ -34,6 +34,7 @@ p.add_argument("--workers", type=int, default=2)
 p.add_argument("--out", default="final.pt")
 p.add_argument("--delay", type=float, default=0.0)
 p.add_argument("--order", default="global")
+p.add_argument("--count", default="inside")  # or outside: enumerate(hs.loop(...))
 args = hs.args(p)
 torch.manual_seed(0)
 x, y = torch.load("data.pt")
@@ -49,7 +50,8 @@ with hs.checkpointing(gen=gen, disc=disc, og=og, od=od):
             import os
             g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
             loader = DataLoader(ds, batch_size=8, sampler=RandomSampler(ds, generator=g), num_workers=args.workers)
-        for i, (xb, yb) in hs.loop("step", enumerate(loader)):
+        steps = hs.loop("step", enumerate(loader)) if args.count == "inside" else enumerate(hs.loop("step", loader))
+        for i, (xb, yb) in steps:
             fake = gen(xb + 0.1 * torch.randn_like(xb))
             ld = nn.functional.softplus(-disc(xb)).mean() + nn.functional.softplus(disc(fake.detach())).mean()
             od.zero_grad(); ld.backward(); od.step()
@@ -57,6 +59,7 @@ with hs.checkpointing(gen=gen, disc=disc, og=og, od=od):
             og.zero_grad(); lg.backward(); og.step()
             hs.log("ld", ld.item())
             hs.log("lg", lg.item())
+            hs.log("i", i)
             print("step", epoch, i, flush=True)
             time.sleep(args.delay)
         hs.log("gnorm", sum(p.norm().item() for p in gen.parameters()))  # PROBE
@@ -147,9 +150,21 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch
     ids=["first-step", "mid-epoch", "epoch-last-step", "run-last-step"],
 )
 def test_enumerate_of_a_shuffling_loader_with_workers_resumes_exactly(tmp_path, reference, sig, at):
+    check_resume(tmp_path, reference, sig, at, "inside")
+
+
+@pytest.mark.parametrize("at", [BATCHES + 2, 2 * BATCHES - 1], ids=["mid-epoch", "epoch-last-step"])
+def test_an_enumerate_around_the_step_loop_counts_on_from_the_resumed_step(tmp_path, reference, at):
+    """`for i, b in enumerate(hs.loop("step", loader))`: the steps done before
+    the signal are skipped, and the script's own `i` must go on from there
+    (it used to restart at 0: values logged with the wrong index)."""
+    check_resume(tmp_path, reference, signal.SIGTERM, at, "outside")
+
+
+def check_resume(tmp_path: Path, reference: tuple[dict[str, torch.Tensor], dict], sig: int, at: int, count: str) -> None:
     ref_weights, ref_series = reference
     project(tmp_path)
-    args = ("--out", "final.pt", "--delay", "0.05")
+    args = ("--out", "final.pt", "--delay", "0.05", "--count", count)
     r = interrupt(tmp_path, sig, at, *args)
     assert r.returncode == 85, r.stderr
     r = run(tmp_path, *args)

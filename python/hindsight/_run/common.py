@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hindsight import _native
+from hindsight._run.counters import shift_enumerates
 from hindsight._run.loopvars import LoopVars, _storages, stateful_objects
 from hindsight._state import apply_grads, apply_state, capture, set_rng_state
 from hindsight.errors import InvalidArgumentError
@@ -246,6 +247,7 @@ class Run:
         self.outer_vars: LoopVars | None = None
         self.block_vars: LoopVars | None = None
         self.block_live = False
+        self.block_gen: Any = None
         self.finished = False
         # Set by hs.checkpointing; only recording acts on them.
         self.exit_code: int | None = None
@@ -423,7 +425,9 @@ class Run:
         if not self.stack:
             return self._outer(name, iterable)
         if len(self.stack) == 1 and not self.block_done:
-            return self._block(name, iterable)
+            gen = self._block(name, iterable)
+            self.block_gen = gen  # what an enumerate() around it iterates (see counters.py)
+            return gen
         return self._plain(name, iterable)
 
     def _explain(self, name: str, frame: Any) -> None:
@@ -533,6 +537,10 @@ class Run:
         ok = closed = False
         try:
             it, start = self._block_iter(i, iterable)
+            gen, self.block_gen = self.block_gen, None
+            if start:
+                shift_enumerates(gen, start, f"{self.outer_name} {i}, step {start}")
+            del gen
             for j, x in enumerate(it, start):
                 entry[1] = j
                 self.reps_inner.clear()
