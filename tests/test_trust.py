@@ -283,3 +283,45 @@ def test_an_iteration_loop_with_accumulation_replays_exactly(tmp_path, jobs):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "DIVERGENCE" not in r.stderr
     assert series(rec)["logs"]["wnorm"] == want
+
+
+# time_sequence_prediction's shape: one loop level, each iteration one
+# optimizer step, and code after the loop that reads the trained model.
+ONE_LEVEL = """
+import time
+import torch
+from torch import nn
+import hindsight as hs
+
+torch.manual_seed(0)
+x, y = torch.load("data.pt")
+model = nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with hs.checkpointing(model=model, opt=opt):
+    for step in hs.loop("step", range(6)):
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+        hs.log("loss", loss.item())
+        print("step", step, flush=True)
+        time.sleep(0.05)
+torch.save(model.state_dict(), "final.pt")
+"""
+
+
+@pytest.mark.parametrize("at", [2, 5], ids=["middle", "last-iteration"])
+def test_a_one_level_loop_signalled_in_any_iteration_resumes_to_the_same_weights(tmp_path, at):
+    """A signal in the last iteration used to resume with the initial
+    weights: every iteration was skipped and nothing restored the state
+    the code after the loop reads."""
+    ref = tmp_path / "ref"
+    project(ref, ONE_LEVEL)
+    assert run(ref).returncode == 0
+    rec = tmp_path / "rec"
+    project(rec, ONE_LEVEL)
+    r = interrupt(rec, signal.SIGTERM, at)
+    assert r.returncode == 85, r.stderr
+    r = run(rec)
+    assert r.returncode == 0, r.stderr
+    want, got = torch.load(ref / "final.pt"), torch.load(rec / "final.pt")
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert series(rec)["logs"] == series(ref)["logs"]

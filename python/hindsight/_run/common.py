@@ -518,6 +518,8 @@ class Run:
                 if not self.block_done:
                     self._end_block(i, at="iteration")
                 self._end_iteration(i)
+            else:
+                self._outer_ends()
         finally:
             self.stack.remove(entry)
             self.flush_logs()
@@ -569,6 +571,9 @@ class Run:
     # Hooks of the loops, defined by RecordRun and ReplayRun.
     def _outer_starts(self) -> None:
         pass
+
+    def _outer_ends(self) -> None:
+        """The outer loop ran out of iterations (no `break`)."""
 
     def _block_closed(self, i: int) -> None:
         """The steps of iteration i were left early (break or exception)."""

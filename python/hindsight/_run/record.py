@@ -35,7 +35,7 @@ from hindsight._run.common import (
     _to_json,
 )
 from hindsight._state import apply_grads, capture, capture_grads, rng_state, set_rng_state, tensor_bytes
-from hindsight.errors import CorruptError, DivergenceError, HindsightError, NotFoundError
+from hindsight.errors import CorruptError, DivergenceError, HindsightError, NotFoundError, ReplayError
 
 
 class RecordRun(Run):
@@ -44,6 +44,7 @@ class RecordRun(Run):
     def __init__(self) -> None:
         super().__init__()
         self.resume_pending = False
+        self.iterations_seen = 0
         self._prepared = False
         self.known = cmdline.Known()
         # A checkpoint written when the steps were closed early, until the
@@ -328,6 +329,7 @@ class RecordRun(Run):
     def _visit(self, i: int) -> bool | None:
         self.iter_checkpoint = None
         self.iter_materialize = None
+        self.iterations_seen = i + 1
         resume = self.resume
         if resume is None:
             return True
@@ -342,6 +344,23 @@ class RecordRun(Run):
             # create the data iterator and draw its order there).
             set_rng_state(resume["state"]["iter_rng"])
         return True
+
+    def _outer_ends(self) -> None:
+        resume = self.resume
+        if resume is None:
+            return
+        self.resume = None
+        n = self.iterations_seen
+        if resume["kind"] == "end" and resume["epoch"] == n - 1:
+            # Interrupted after the last iteration: nothing is left to run,
+            # but the code after the loop reads the state it ended with.
+            self._apply(resume["state"], resume["name"])
+            return
+        raise ReplayError(
+            f"resume of run {self.run_id}: checkpoint {resume['name']} is at {self.outer_name} {resume['epoch']}, "
+            f"but the loop now ends after {n} iterations: the script's arguments or data changed since the "
+            "run was interrupted (HINDSIGHT_RESUME=0 starts a new run)"
+        )
 
     def _iteration_starts(self, i: int) -> None:
         self.iter_rng = rng_state()
