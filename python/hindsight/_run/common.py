@@ -248,6 +248,7 @@ class Run:
         self.block_vars: LoopVars | None = None
         self.block_live = False
         self.block_gen: Any = None
+        self.iter_values: dict[str, tuple[Any, int | None]] | None = None
         self.finished = False
         # Set by hs.checkpointing; only recording acts on them.
         self.exit_code: int | None = None
@@ -626,6 +627,10 @@ class Run:
             loop_vars["outer"] = self.outer_vars.capture(self.outer_vars.without(block), shared, self.transient)
         if block is not None:
             loop_vars["block"] = block.capture(block.names, shared, self.transient)
+        if self.iter_values is not None and self.outer_vars is not None:
+            # As they were when the iteration began: a resume re-runs the
+            # code before the steps from them (RecordRun._visit).
+            loop_vars["iter"] = self.outer_vars.capture(self.outer_vars.names, shared, self.transient, at=self.iter_values)
         state["vars"] = loop_vars
         return state
 

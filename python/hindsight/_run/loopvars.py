@@ -264,11 +264,25 @@ class LoopVars:
             return self.names
         return {n: line for n, line in self.names.items() if n not in other.names}
 
+    def snapshot(self) -> dict[str, tuple[Any, int | None]]:
+        """The variables' values now (lists and dicts copied, tensors with
+        their version counter), for `capture(..., at=...)` in a checkpoint
+        taken later: what the code before the steps read (see RecordRun._visit)."""
+        local = self.frame.f_locals
+        out: dict[str, tuple[Any, int | None]] = {}
+        for name in self.names:
+            if name in local:
+                v = local[name]
+                v = list(v) if type(v) is list else dict(v) if type(v) is dict else v
+                out[name] = (v, getattr(v, "_version", None))
+        return out
+
     def capture(
         self,
         names: dict[str, int],
         shared: set[int] = frozenset(),  # type: ignore[assignment]
         transient: set[str] = frozenset(),  # type: ignore[assignment]
+        at: dict[str, tuple[Any, int | None]] | None = None,
     ) -> dict[str, Any]:
         """{"values": {name: value}, "devices": {name: ...}} of the storable
         ones. Tensors sharing storage with a checkpointed object's state
@@ -277,13 +291,19 @@ class LoopVars:
 
         A variable the loop assigns and later code reads that cannot be kept
         (and is not in ``transient``) raises UnsupportedTypeError: a resume
-        or a replay would go on with another value than the recorded run."""
-        local = self.frame.f_locals
+        or a replay would go on with another value than the recorded run.
+
+        ``at``: a `snapshot` to keep instead of the current values; what it
+        cannot keep is left out, never refused (the current values are), and
+        so is a tensor changed in place since (its old value is gone)."""
+        local = self.frame.f_locals if at is None else {k: v for k, (v, _) in at.items()}
         values: dict[str, Any] = {}
         for name, line in names.items():
             if name not in local:
                 continue
             v = local[name]
+            if at is not None and at[name][1] is not None and getattr(v, "_version", None) != at[name][1]:
+                continue
             if id(v) in self.skip:
                 continue  # given to hs.checkpointing: saved through its state_dict
             if _storages(v) & shared:
@@ -297,7 +317,7 @@ class LoopVars:
             else:
                 values[name] = v
                 continue
-            if line > 0 and name in self.live and name not in transient:
+            if at is None and line > 0 and name in self.live and name not in transient:
                 raise UnsupportedTypeError(
                     f"variable '{name}' (line {line}) is assigned by loop '{self.loop_name}' and read later, but "
                     f"{why}: a resume or a replay would go on with another value than this run's. Fix: {fix}; "

@@ -241,7 +241,7 @@ class RecordRun(Run):
         # The values of the steps are in the database before the checkpoint
         # that covers them exists: a resume from it never re-logs them.
         self.flush_logs()
-        extra: dict[str, Any] = {"at": at}
+        extra: dict[str, Any] = {"at": at, "iter_rng": self.iter_rng}
         # After the steps may come the optimizer step of accumulated
         # gradients (nanoGPT's micro-steps): they are state then.
         grads = capture_grads(self.objects)
@@ -339,10 +339,18 @@ class RecordRun(Run):
         if resume["kind"] == "end":
             self._apply(resume["state"], resume["name"])
             self.resume = None
-        elif resume["kind"] == "step" and resume["state"].get("iter_rng") is not None:
-            # The code before the steps runs again as it first ran (it may
-            # create the data iterator and draw its order there).
-            set_rng_state(resume["state"]["iter_rng"])
+        else:
+            # Interrupted in (or after) the steps of iteration i: the code
+            # before the steps runs again as it first ran, from the RNG
+            # state and the loop's variables it started with (it may create
+            # the data iterator and draw its order, or evaluate when the
+            # iteration counter says so).
+            state = resume["state"]
+            if state.get("iter_rng") is not None:
+                set_rng_state(state["iter_rng"])
+            at_start = (state.get("vars") or {}).get("iter")
+            if at_start and self.outer_vars is not None:
+                self.outer_vars.restore(at_start)
         return True
 
     def _outer_ends(self) -> None:
@@ -364,6 +372,8 @@ class RecordRun(Run):
 
     def _iteration_starts(self, i: int) -> None:
         self.iter_rng = rng_state()
+        if self.objects and self.outer_vars is not None:
+            self.iter_values = self.outer_vars.snapshot()
 
     def _skip_block(self, i: int) -> bool:
         resume = self.resume
