@@ -309,6 +309,8 @@ PROBE_ACCEPTED = {
     "loader_length": (STEP, 'hs.log("n", len(loader))'),
     "state_dict": (STEP, 'hs.log("k", len(net.state_dict()))'),
     "history": (STEP, 'hs.log("h", history[-1])'),
+    # iterates a model's output (an LSTM's hidden-state tuple in the zoo's word_language_model)
+    "iterate_output": (STEP, 'hs.log("o", sum(r.abs().sum().item() for r in out))'),
     # draws from a generator of its own, seeded with a constant
     "seeded_numpy": (STEP, 'hs.log("e", np.random.default_rng(0).normal())'),
     "seeded_torch": (STEP, 'hs.log("t", torch.randn(1, generator=torch.Generator().manual_seed(0)).item())'),

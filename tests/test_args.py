@@ -175,3 +175,49 @@ def test_an_argparse_parser_is_recorded_and_its_flags_are_known(tmp_path: Path) 
     runs = subprocess.run([*hindsight_cmd(), "--home", str(home), "runs", "--json"], capture_output=True, text=True)
     [run] = json.loads(runs.stdout)
     assert run["args"] == {"layers": [8, 16], "name": "x", "wd": 0.5}
+
+
+REPLAY_ARGPARSE = """
+import argparse
+import hindsight as hs
+p = argparse.ArgumentParser()
+p.add_argument("total_epochs", type=int)
+p.add_argument("--dataset", required=True)
+p.add_argument("--flag", action="store_true")
+p.add_argument("--layers", nargs="+", type=int, default=[1])
+sub = p.add_subparsers(dest="cmd", required=True)
+sub.add_parser("train").add_argument("--lr", type=float, default=0.1)
+ns = hs.args(p)
+w = 0.0
+for epoch in hs.loop("epoch", range(ns.total_epochs)):
+    w += ns.lr * sum(ns.layers)
+    hs.log("w", w)
+"""
+
+
+def test_a_parser_with_required_positional_and_subcommand_arguments_replays(tmp_path: Path) -> None:
+    """The pytorch/examples shapes (dcgan's required `--dataset`, the DDP
+    tutorial's positionals): replay parses what the recording was given."""
+    script = tmp_path / "train.py"
+    script.write_text(REPLAY_ARGPARSE)
+    home = tmp_path / "home"
+    env = {**os.environ, "HINDSIGHT_HOME": str(home), "HINDSIGHT_CHECKPOINT_EVERY": "1"}
+    argv = ["--layers", "8", "16", "--flag", "3", "--dataset", "cifar", "train", "--lr", "0.5"]
+    r = subprocess.run([sys.executable, str(script), *argv], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    script.write_text(
+        REPLAY_ARGPARSE.replace(
+            '    hs.log("w", w)\n',
+            '    hs.log("w", w)\n    hs.log("cfg", f"{ns.dataset}|{ns.flag}|{ns.layers}|{ns.cmd}")\n',
+        )
+    )
+    r = subprocess.run(
+        [*hindsight_cmd(), "replay", str(script), "-q"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    code = (
+        "import json, hindsight as hs\nprint(hs.dataframe('w', 'cfg')[['epoch', 'w', 'cfg']].to_json(orient='values'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [[e, 12.0 * (e + 1), "cifar|True|[8, 16]|train"] for e in range(3)]

@@ -274,28 +274,176 @@ torch.save({k: v.clone() for k, v in net.state_dict().items()}, sys.argv[1])
 """
 
 
-@pytest.mark.parametrize("at", ["1.5", "0.2", "2.6"])
-def test_a_signal_between_two_optimizer_steps_resumes_the_accumulated_gradients(tmp_path, at):
-    script = tmp_path / "acc.py"
-    script.write_text(ACCUMULATE)
+def interrupted_and_reference(tmp_path: Path, text: str, at: str, suffix: str) -> tuple[Path, Path]:
+    """Run `text` (which sends itself SIGUSR1 at SIGNAL_AT = "epoch.step")
+    uninterrupted, and signalled then rerun: the two output files (argv[1])."""
+    script = tmp_path / f"train{suffix}.py"
+    script.write_text(text)
     ref = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "ref.pt")],
+        [sys.executable, str(script), str(tmp_path / f"ref{suffix}")],
         env=env(tmp_path / "ref-home"),
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert ref.returncode == 0, ref.stderr
-    home, out = tmp_path / ".hindsight", tmp_path / "out.pt"
-    signalled = env(home, SIGNAL_AT=at, MARK=str(tmp_path / "signalled"))
-    first = subprocess.run(
-        [sys.executable, str(script), str(out)], env=signalled, capture_output=True, text=True, timeout=120
-    )
-    assert first.returncode == 85, first.stderr
-    again = subprocess.run(
-        [sys.executable, str(script), str(out)], env=signalled, capture_output=True, text=True, timeout=120
-    )
-    assert again.returncode == 0, again.stderr
-    want, got = torch.load(tmp_path / "ref.pt"), torch.load(out)
+    out = tmp_path / f"out{suffix}"
+    signalled = env(tmp_path / ".hindsight", SIGNAL_AT=at, MARK=str(tmp_path / "signalled"))
+    for code in (85, 0):
+        r = subprocess.run(
+            [sys.executable, str(script), str(out)], env=signalled, capture_output=True, text=True, timeout=120
+        )
+        assert r.returncode == code, r.stderr
+    return tmp_path / f"ref{suffix}", out
+
+
+@pytest.mark.parametrize("at", ["1.5", "0.2", "2.6"])
+def test_a_signal_between_two_optimizer_steps_resumes_the_accumulated_gradients(tmp_path, at):
+    ref, out = interrupted_and_reference(tmp_path, ACCUMULATE, at, ".pt")
+    want, got = torch.load(ref), torch.load(out)
     for k, t in want.items():
         assert torch.equal(got[k], t), k
+
+
+OBJECTS = """\
+import json, os, random, signal, sys
+import numpy as np
+import torch
+import hindsight as hs
+
+
+class AverageMeter:  # timm/utils/metrics.py's shape: changed through update()
+    def __init__(self):
+        self.sum, self.count, self.avg = 0.0, 0, 0.0
+
+    def update(self, v, n=1):
+        self.sum += v * n
+        self.count += n
+        self.avg = self.sum / self.count
+
+
+class Env:  # a gymnasium-style environment with its own numpy Generator
+    def __init__(self):
+        self.np_random = np.random.default_rng(7)
+        self.state = np.zeros(2)
+
+    def step(self):
+        self.state = self.state + self.np_random.normal(size=2)
+        return float(self.state.sum())
+
+
+class WarmupScheduler:  # not a torch LRScheduler: state through state_dict
+    def __init__(self, optimizer):
+        self.optimizer, self.t, self.base = optimizer, 0, optimizer.param_groups[0]["lr"]
+
+    def step_update(self):
+        self.t += 1
+        self.optimizer.param_groups[0]["lr"] = self.base * min(1.0, self.t / 10)
+
+    def state_dict(self):
+        return {"t": self.t, "base": self.base}
+
+    def load_state_dict(self, sd):
+        self.t, self.base = sd["t"], sd["base"]
+
+
+env = Env()
+
+
+def train_one_epoch(epoch, net, opt, sched, py_rng):
+    meter = AverageMeter()
+    for step in hs.loop("step", range(6)):
+        x = torch.full((4, 3), env.step()) + py_rng.random()
+        loss = net(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step_update()
+        meter.update(loss.item())
+        hs.log("avg", meter.avg)
+        if os.environ.get("SIGNAL_AT") == f"{epoch}.{step}" and not os.path.exists(os.environ["MARK"]):
+            open(os.environ["MARK"], "w").close()
+            os.kill(os.getpid(), signal.SIGUSR1)
+    return meter.avg
+
+
+def main():
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    sched = WarmupScheduler(opt)
+    py_rng = random.Random(3)
+    history = []
+    with hs.checkpointing():
+        for epoch in hs.loop("epoch", range(3)):
+            history.append(train_one_epoch(epoch, net, opt, sched, py_rng))
+    out = {"history": history, "env": env.step(), "py": py_rng.random(), "t": sched.t,
+           "w": net.weight.detach().flatten().tolist()}
+    with open(sys.argv[1], "w") as f:
+        json.dump(out, f)
+
+
+main()
+"""
+
+
+@pytest.mark.parametrize("at", ["1.3", "0.5", "2.0"])
+def test_objects_a_loop_changes_through_methods_resume_in_place(tmp_path, at):
+    """timm's AverageMeter, an environment's own numpy Generator (a module
+    global the function's loop steps), a random.Random and a scheduler that
+    only has a state_dict: a signal mid-run resumes all of them exactly."""
+    ref, out = interrupted_and_reference(tmp_path, OBJECTS, at, ".json")
+    want, got = json.loads(ref.read_text()), json.loads(out.read_text())
+    assert got == want
+
+
+class Meter:
+    def __init__(self) -> None:
+        import collections
+
+        import numpy as np
+
+        self.vals: list[float] = []
+        self.g = np.random.default_rng(1)
+        self.t = torch.Generator().manual_seed(2)
+        self.r = random.Random(3)
+        self.big = 1 << 100
+        self.od = collections.OrderedDict(a=1)
+        self.by_int = {0: torch.ones(2)}
+        self.scalars = (np.float64(0.25), np.int32(3))  # an environment's state tuple
+
+
+def test_object_state_round_trips_in_place_and_refuses_what_it_cannot_keep():
+    import collections
+    import io
+
+    import numpy as np
+
+    from hindsight._run import objstate
+
+    m = Meter()
+    m.vals.append(1.5)
+    saved = objstate.encode(m)
+    draws = (m.g.normal(), torch.rand(1, generator=m.t).item(), m.r.random())
+    m.vals.append(9.0)
+    m.by_int[0] = torch.zeros(2)  # (encode keeps tensors by reference: the store copies them)
+    same = objstate.restore(m, saved, "m")
+    assert same is m  # in place: other references see the restored state
+    assert m.vals == [1.5] and m.big == 1 << 100 and isinstance(m.od, collections.OrderedDict)
+    assert torch.equal(m.by_int[0], torch.ones(2))
+    assert [(type(x), x) for x in m.scalars] == [(np.float64, 0.25), (np.int32, 3)]
+    assert (m.g.normal(), torch.rand(1, generator=m.t).item(), m.r.random()) == draws
+    # A fresh process has no such object yet: a plain instance is built.
+    fresh = objstate.restore(objstate.MISSING, saved, "m")
+    assert type(fresh) is Meter and fresh.vals == [1.5]
+
+    class Holder:
+        def __init__(self) -> None:
+            self.f = io.StringIO()
+
+    with pytest.raises(objstate.NotKept, match=r"_io.StringIO cannot be checkpointed \(in a .*Holder\)"):
+        objstate.encode(Holder())
+    loop: list = []
+    loop.append(loop)
+    with pytest.raises(objstate.NotKept, match="refers to itself"):
+        objstate.encode(loop)

@@ -161,7 +161,9 @@ def test_an_enumerate_around_the_step_loop_counts_on_from_the_resumed_step(tmp_p
     check_resume(tmp_path, reference, signal.SIGTERM, at, "outside")
 
 
-def check_resume(tmp_path: Path, reference: tuple[dict[str, torch.Tensor], dict], sig: int, at: int, count: str) -> None:
+def check_resume(
+    tmp_path: Path, reference: tuple[dict[str, torch.Tensor], dict], sig: int, at: int, count: str
+) -> None:
     ref_weights, ref_series = reference
     project(tmp_path)
     args = ("--out", "final.pt", "--delay", "0.05", "--count", count)

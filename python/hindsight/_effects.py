@@ -248,7 +248,11 @@ class _Script:
                         direct.add(id(t))
             elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
                 items |= {n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)}
-                iterated.append(node.iter)
+                if not isinstance(node, ast.comprehension):
+                    # A comprehension's iterable is most often a container
+                    # (`sum(h.norm() for h in hidden)`, a probe's own): only
+                    # a `for` statement's makes a name a source by itself.
+                    iterated.append(node.iter)
             elif isinstance(node, ast.ExceptHandler) and node.name:
                 binds.setdefault(node.name, []).append(None)
         # ast.walk finds methods too: a method is called on an object, never by its bare name.

@@ -99,6 +99,12 @@ class Known:
                 name = _flag_name(opt)
                 if name:
                     self.parser_options.add(name)
+            # Subcommands (`train --lr 0.5`): their parsers' options too.
+            choices = action.choices if action.option_strings == [] else None
+            if isinstance(choices, dict):
+                for sub in choices.values():
+                    if sub is not parser:
+                        self.add_parser(sub)
 
     def usage(self, script: str) -> str:
         lines = [f"usage: {script} [--NAME VALUE ...]", "", "arguments (hs.arg):"]

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from hindsight import _native
 from hindsight._run.counters import shift_enumerates
-from hindsight._run.loopvars import LoopVars, _storages, stateful_objects
+from hindsight._run.loopvars import LoopVars, ModuleVars, _storages, stateful_objects
 from hindsight._state import apply_grads, apply_state, capture, set_rng_state
 from hindsight.errors import InvalidArgumentError
 
@@ -246,9 +246,10 @@ class Run:
         # block_live: the steps of the current iteration are under way.
         self.outer_vars: LoopVars | None = None
         self.block_vars: LoopVars | None = None
+        self.module_vars = ModuleVars()
         self.block_live = False
         self.block_gen: Any = None
-        self.iter_values: dict[str, tuple[Any, int | None]] | None = None
+        self.iter_values: dict[str, tuple[Any, tuple[int, ...]]] | None = None
         self.finished = False
         # Set by hs.checkpointing; only recording acts on them.
         self.exit_code: int | None = None
@@ -480,6 +481,7 @@ class Run:
             self.discovered = stateful_objects(frame)
             self.objects.update({k: v for k, (v, _) in self.discovered.items()})
         self.outer_vars = LoopVars.of(frame, name, self._object_ids())
+        self.module_vars.add(self.outer_vars)
         if os.environ.get(ENV_EXPLAIN) == "1":
             self._explain(name, frame)
         entry: list[Any] = [name, -1]
@@ -530,6 +532,7 @@ class Run:
         i = self.outer_idx
         self.stale_start = False  # restored or rebuilt below
         self.block_vars = LoopVars.of(sys._getframe(1), name, self._object_ids())
+        self.module_vars.add(self.block_vars)
         self.block_live = True
         if self._skip_block(i):
             self.block_done = True
@@ -630,7 +633,10 @@ class Run:
         if self.iter_values is not None and self.outer_vars is not None:
             # As they were when the iteration began: a resume re-runs the
             # code before the steps from them (RecordRun._visit).
-            loop_vars["iter"] = self.outer_vars.capture(self.outer_vars.names, shared, self.transient, at=self.iter_values)
+            loop_vars["iter"] = self.outer_vars.capture(
+                self.outer_vars.names, shared, self.transient, at=self.iter_values
+            )
+        loop_vars["modules"] = self.module_vars.capture(self._object_ids(), shared)
         state["vars"] = loop_vars
         return state
 
@@ -640,6 +646,8 @@ class Run:
     def _apply_vars(self, state: dict[str, Any]) -> None:
         """Put the loops' variables back into the frames running them."""
         saved = state.get("vars") or {}
+        if "modules" in saved:
+            self.module_vars.restore(saved["modules"])
         if self.outer_vars is not None and "outer" in saved:
             self.outer_vars.restore(saved["outer"])
         if self.block_live and self.block_vars is not None and "block" in saved:

@@ -28,7 +28,7 @@ def _index_offset() -> int | None:
     """Where an enumerate keeps its next index (CPython's ``en_index``), checked."""
     off = object.__basicsize__  # right after the object header
     for want in (_PROBE, 7):
-        probe = enumerate((), want)
+        probe: enumerate[Any] = enumerate((), want)
         if ctypes.c_ssize_t.from_address(id(probe) + off).value != want:
             return None
     return off

@@ -10,7 +10,10 @@ checkpoint taken inside the loop and written back into the running frame
 (module or function) when a checkpoint is restored, by resume or replay.
 
 Values are kept when the store can hold them (numbers, strings, bytes,
-tensors, arrays and plain containers of them). A variable the loop assigns
+tensors, arrays and containers of them), and so are objects the loop changes
+through their methods whose state can be kept exactly (objstate.py: plain
+Python objects, objects with a state_dict, numpy/torch/random generators),
+restored in place. A variable the loop assigns
 and later code reads that the store cannot hold is refused when the first
 block ends, naming it, its line and the one-line fix: checkpoint it through
 its ``state_dict``, or declare it ``transient`` (its value need not survive
@@ -26,7 +29,8 @@ import sys
 from types import FrameType
 from typing import Any
 
-from hindsight.errors import UnsupportedTypeError
+from hindsight._run import objstate
+from hindsight.errors import ReplayError, UnsupportedTypeError
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
@@ -81,16 +85,40 @@ def _loop_at(scope: ast.AST, line: int) -> ast.For | ast.AsyncFor | None:
     return best
 
 
-def _changed(loop: ast.For | ast.AsyncFor) -> dict[str, int]:
-    """Names the loop assigns or calls a method on, with a line where it does."""
+def _changed(loop: ast.For | ast.AsyncFor) -> tuple[dict[str, int], set[str]]:
+    """Names the loop assigns, calls a method on or passes to a function
+    (which may change the object: `train_one_epoch(epoch, env, meter)`), with
+    a line where it does; and the names it only passes."""
     stored: dict[str, int] = {}
     called: dict[str, int] = {}
+    passed: dict[str, int] = {}
     for n in _own_nodes(loop):
         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
             stored[n.id] = min(stored.get(n.id, n.lineno), n.lineno)
-        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name):
-            called[n.func.value.id] = -n.lineno  # negative: changed through a method, maybe
-    return {**called, **stored}
+        elif isinstance(n, ast.Call):
+            if isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name):
+                called[n.func.value.id] = -n.lineno  # negative: changed through a method, maybe
+            for a in [*n.args, *(k.value for k in n.keywords)]:
+                if isinstance(a, ast.Name):
+                    passed[a.id] = -n.lineno
+    return {**passed, **called, **stored}, set(passed) - set(called) - set(stored)
+
+
+def keep(v: Any, skip: set[int], shared: set[int]) -> Any:
+    """`v` as the checkpoint keeps it (objstate.encode), or NotKept: what
+    cannot be kept exactly, or is too large for a loop variable."""
+    kept = objstate.encode(v, skip, shared)
+    size = _tensor_bytes(kept)
+    if size > MAX_VAR_BYTES:
+        raise objstate.NotKept(f"its {size / 2**20:.0f} MiB of tensors are more than a loop variable may hold")
+    return kept
+
+
+def _is_data(v: Any) -> bool:
+    """A tensor or array: a function it is passed to reads it (changing one
+    in place is done through a method, which marks the name changed)."""
+    torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
+    return (torch is not None and isinstance(v, torch.Tensor)) or (np is not None and isinstance(v, np.ndarray))
 
 
 def _live(scope: ast.AST, loop: ast.For | ast.AsyncFor) -> set[str]:
@@ -148,25 +176,6 @@ def _storages(v: Any) -> set[int]:
     return set()
 
 
-def storable(v: Any, depth: int = 0) -> bool:
-    """What a hindsight store holds as it is (and gives back equal)."""
-    if v is None or type(v) in (bool, int, float, str, bytes):
-        return True
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(v, torch.Tensor):
-        return not isinstance(v, torch.nn.Parameter)
-    np = sys.modules.get("numpy")
-    if np is not None and isinstance(v, np.ndarray):
-        return not v.dtype.hasobject
-    if depth >= 6:
-        return False
-    if type(v) in (list, tuple):
-        return len(v) <= 100_000 and all(storable(x, depth + 1) for x in v)
-    if type(v) is dict:
-        return len(v) <= 100_000 and all(type(k) is str and storable(x, depth + 1) for k, x in v.items())
-    return False
-
-
 def _devices(v: Any) -> Any:
     """Where each tensor of a value lives (restored there), shaped like the value."""
     torch = sys.modules.get("torch")
@@ -213,9 +222,21 @@ def _stateful_types() -> tuple[type, ...]:
     return tuple(out)
 
 
+def _has_state_dict(v: Any) -> bool:
+    """Duck-typed state (not a class, nor a data loader: a loader's position
+    is hs.loop's to restore)."""
+    if isinstance(v, type) or not callable(getattr(v, "state_dict", None)):
+        return False
+    if not callable(getattr(v, "load_state_dict", None)) or type(v).__module__.startswith("hindsight"):
+        return False
+    return not hasattr(v, "__iter__")
+
+
 def stateful_objects(frame: FrameType, loop_line: int | None = None) -> dict[str, tuple[Any, int]]:
     """Hands-free checkpointing: the modules, optimizers, LR schedulers and
-    grad scalers the `for` at the frame's line reads (directly or as
+    grad scalers, and any other object with a state_dict and a
+    load_state_dict (timm's scheduler and loss scaler), that the `for` at
+    the frame's line reads (directly or as
     arguments of the functions it calls), by variable name, with a line
     where it does. A module inside another one found is left to it."""
     tree = _tree(frame.f_code.co_filename)
@@ -232,7 +253,7 @@ def stateful_objects(frame: FrameType, loop_line: int | None = None) -> dict[str
     seen: set[int] = set()
     for name, line in sorted(read.items(), key=lambda kv: kv[1]):
         v = frame.f_locals.get(name, frame.f_globals.get(name))
-        if isinstance(v, kinds) and id(v) not in seen:
+        if (isinstance(v, kinds) or _has_state_dict(v)) and id(v) not in seen:
             seen.add(id(v))
             found[name] = (v, line)
     torch = sys.modules["torch"]
@@ -240,11 +261,30 @@ def stateful_objects(frame: FrameType, loop_line: int | None = None) -> dict[str
     return {k: (v, line) for k, (v, line) in found.items() if id(v) not in inner}
 
 
+_UNSET = object()
+
+
 class LoopVars:
     """The variables one `hs.loop` body changes, in the frame that runs it."""
 
-    def __init__(self, frame: FrameType, loop_name: str, names: dict[str, int], live: set[str], skip: set[int]):
-        self.frame, self.loop_name, self.names, self.live, self.skip = frame, loop_name, names, live, skip
+    def __init__(
+        self,
+        frame: FrameType,
+        loop_name: str,
+        names: dict[str, int],
+        live: set[str],
+        skip: set[int],
+        passed: set[str] = frozenset(),  # type: ignore[assignment]
+    ):
+        self.frame, self.loop_name, self.live, self.skip, self.passed = frame, loop_name, live, skip, passed
+        # Names the frame reads from its module (a function's loop stepping a
+        # module-level environment): the module's own, kept by the run for
+        # every checkpoint (ModuleVars), not only those taken in this loop.
+        own = frame.f_locals is frame.f_globals or frame.f_code.co_name == "<module>"
+        code = frame.f_code
+        local = {*code.co_varnames, *code.co_cellvars, *code.co_freevars}
+        self.globals = {n: line for n, line in names.items() if not own and line < 0 and n not in local}
+        self.names = {n: line for n, line in names.items() if n not in self.globals}
 
     @classmethod
     def of(cls, frame: FrameType, loop_name: str, skip: set[int]) -> LoopVars | None:
@@ -257,24 +297,35 @@ class LoopVars:
             return None
         # Every changed variable is kept, not only those the recorded code
         # reads later: a probe added for replay may read any of them.
-        return cls(frame, loop_name, _changed(loop), _live(scope, loop), skip)
+        names, passed = _changed(loop)
+        return cls(frame, loop_name, names, _live(scope, loop), skip, passed)
 
     def without(self, other: LoopVars | None) -> dict[str, int]:
         if other is None or other.frame is not self.frame:
             return self.names
         return {n: line for n, line in self.names.items() if n not in other.names}
 
-    def snapshot(self) -> dict[str, tuple[Any, int | None]]:
+    def snapshot(self) -> dict[str, tuple[Any, tuple[int, ...]]]:
         """The variables' values now (lists and dicts copied, tensors with
         their version counter), for `capture(..., at=...)` in a checkpoint
         taken later: what the code before the steps read (see RecordRun._visit)."""
+        out: dict[str, tuple[Any, tuple[int, ...]]] = {}
         local = self.frame.f_locals
-        out: dict[str, tuple[Any, int | None]] = {}
         for name in self.names:
-            if name in local:
-                v = local[name]
-                v = list(v) if type(v) is list else dict(v) if type(v) is dict else v
-                out[name] = (v, getattr(v, "_version", None))
+            v = local.get(name, _UNSET)
+            if v is _UNSET or (name in self.passed and _is_data(v)):
+                continue
+            if type(v) is list:
+                v = list(v)
+            elif type(v) is dict:
+                v = dict(v)
+            elif not isinstance(v, (int, float, str, bytes, type(None))) and id(v) not in self.skip:
+                # An object changes in place: keep its state as it is now.
+                try:
+                    v = objstate.encode(v, self.skip)
+                except objstate.NotKept:
+                    pass
+            out[name] = (v, objstate.versions(v))
         return out
 
     def capture(
@@ -282,7 +333,7 @@ class LoopVars:
         names: dict[str, int],
         shared: set[int] = frozenset(),  # type: ignore[assignment]
         transient: set[str] = frozenset(),  # type: ignore[assignment]
-        at: dict[str, tuple[Any, int | None]] | None = None,
+        at: dict[str, tuple[Any, tuple[int, ...]]] | None = None,
     ) -> dict[str, Any]:
         """{"values": {name: value}, "devices": {name: ...}} of the storable
         ones. Tensors sharing storage with a checkpointed object's state
@@ -296,28 +347,32 @@ class LoopVars:
         ``at``: a `snapshot` to keep instead of the current values; what it
         cannot keep is left out, never refused (the current values are), and
         so is a tensor changed in place since (its old value is gone)."""
-        local = self.frame.f_locals if at is None else {k: v for k, (v, _) in at.items()}
         values: dict[str, Any] = {}
+        local = self.frame.f_locals
         for name, line in names.items():
-            if name not in local:
-                continue
-            v = local[name]
-            if at is not None and at[name][1] is not None and getattr(v, "_version", None) != at[name][1]:
+            if at is None:
+                v = local.get(name, _UNSET)
+            else:
+                v, seen = at.get(name, (_UNSET, ()))
+                if v is not _UNSET and objstate.versions(v) != seen:
+                    continue
+            if v is _UNSET or (name in self.passed and _is_data(v)):
                 continue
             if id(v) in self.skip:
                 continue  # given to hs.checkpointing: saved through its state_dict
             if _storages(v) & shared:
                 continue  # restored through the object it aliases
-            if not storable(v):
-                why = f"a {type(v).__module__}.{type(v).__qualname__} cannot be checkpointed"
-                fix = f"if it has state_dict/load_state_dict, pass it: hs.checkpointing({name}=...)"
-            elif _tensor_bytes(v) > MAX_VAR_BYTES:
-                why = f"its {_tensor_bytes(v) / 2**20:.0f} MiB of tensors are more than a loop variable may hold"
-                fix = "keep what later code needs in a smaller variable (a .item(), a slice)"
-            else:
-                values[name] = v
+            try:
+                values[name] = keep(v, self.skip, shared)
                 continue
+            except objstate.NotKept as e:
+                why = str(e)
             if at is None and line > 0 and name in self.live and name not in transient:
+                fix = (
+                    "keep what later code needs in a smaller variable (a .item(), a slice)"
+                    if "MiB" in why
+                    else f"if it has state_dict/load_state_dict, pass it: hs.checkpointing({name}=...)"
+                )
                 raise UnsupportedTypeError(
                     f"variable '{name}' (line {line}) is assigned by loop '{self.loop_name}' and read later, but "
                     f"{why}: a resume or a replay would go on with another value than this run's. Fix: {fix}; "
@@ -331,12 +386,59 @@ class LoopVars:
         if not values:
             return
         frame = self.frame
-        placed = {k: _placed(v, devices.get(k)) for k, v in values.items()}
-        if frame.f_code.co_name == "<module>" or frame.f_locals is frame.f_globals:
+        module_level = frame.f_code.co_name == "<module>" or frame.f_locals is frame.f_globals
+        local = frame.f_globals if module_level else frame.f_locals
+        placed = {
+            k: objstate.restore(local.get(k, objstate.MISSING), _placed(v, devices.get(k)), k)
+            for k, v in values.items()
+        }
+        if module_level:
             frame.f_globals.update(placed)
             return
-        local = frame.f_locals
         local.update(placed)
         if sys.version_info < (3, 13):
             # Before PEP 667, f_locals is a snapshot: write it back.
             ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
+
+
+class ModuleVars:
+    """Module-level objects that loops change from inside functions (the
+    zoo's reinforce: `env.step(...)` in `main()`): kept with every checkpoint
+    of the run once a loop has shown it changes them, restored in place."""
+
+    def __init__(self) -> None:
+        # (module name, variable) -> (the module's namespace, only passed)
+        self.known: dict[tuple[str, str], tuple[dict[str, Any], bool]] = {}
+
+    def add(self, lv: LoopVars | None) -> None:
+        if lv is None:
+            return
+        g = lv.frame.f_globals
+        for name in lv.globals:
+            if name in g:
+                self.known.setdefault((str(g.get("__name__")), name), (g, name in lv.passed))
+
+    def capture(self, skip: set[int], shared: set[int]) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        for (module, name), (g, passed) in self.known.items():
+            v = g.get(name, _UNSET)
+            if v is _UNSET or id(v) in skip or (passed and _is_data(v)) or isinstance(v, (int, float, str, bytes)):
+                continue
+            try:
+                values[f"{module}:{name}"] = keep(v, skip, shared)
+            except objstate.NotKept:
+                continue  # only called or passed: maybe not changed at all (a logger, a module)
+        return {"values": values, "devices": {k: _devices(v) for k, v in values.items()}}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        devices = saved.get("devices", {})
+        for key, v in saved.get("values", {}).items():
+            module, _, name = key.rpartition(":")
+            known = self.known.get((module, name))
+            mod = sys.modules.get(module)
+            g = known[0] if known is not None else vars(mod) if mod is not None else None
+            if g is None:
+                raise ReplayError(
+                    f"the checkpoint holds {name!r} of module {module!r}, which this program has not loaded"
+                )
+            g[name] = objstate.restore(g.get(name, objstate.MISSING), _placed(v, devices.get(key)), name)

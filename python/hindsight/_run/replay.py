@@ -8,7 +8,10 @@ it runs. The worker protocol (plan file, progress lines) is documented with
 
 from __future__ import annotations
 
+import argparse
 import atexit
+import contextlib
+import io
 import json
 import os
 import sys
@@ -57,8 +60,16 @@ class ReplayRun(Run):
         return self.args.get(name, default)
 
     def parse_args(self, parser: Any, argv: list[str] | None) -> Any:
-        """The recorded values, on the parser's defaults (for options added since)."""
-        ns = parser.parse_args([])
+        """The recorded values, on what the recorded command line parses to.
+
+        Parsing the recorded argv satisfies required and positional arguments
+        and gives options added since the recording their defaults; the
+        recorded values then win over anything the parse produced (type
+        conversions of the original parse, values of `hs.args(parser, argv)`
+        given by the script)."""
+        versions = json.loads(self.db.run(self.run_id).get("versions_json") or "{}")
+        recorded = list(versions.get("argv") or [])[1:]
+        ns = _parse_quietly(parser, recorded)
         for k, v in self.args.items():
             setattr(ns, k, v)
         return ns
@@ -162,3 +173,19 @@ class ReplayRun(Run):
             self.db.set_restore_seconds(self.run_id, self.outer_name or "", i, time.perf_counter() - t0)
         except HindsightError as e:  # bookkeeping only: say so, but never fail a replay for it
             print(f"hindsight: could not record the restore time of {name}: {e}", file=sys.stderr)
+
+
+def _parse_quietly(parser: Any, argv: list[str]) -> Any:
+    """`parser.parse_known_args(argv)`, or, where the parser now rejects it
+    (an argument made required since the recording), a namespace of the
+    parser's defaults: the recorded values are laid over it either way."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            return parser.parse_known_args(argv)[0]
+        except SystemExit:
+            pass
+    ns = argparse.Namespace()
+    for action in parser._actions:
+        if action.dest is not argparse.SUPPRESS and action.default is not argparse.SUPPRESS:
+            setattr(ns, action.dest, action.default)
+    return ns
