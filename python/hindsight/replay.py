@@ -29,7 +29,7 @@ from typing import Any
 
 from hindsight import _native
 from hindsight._analysis import Analysis, analyze, transplant
-from hindsight._run import ENV_HOME, ENV_REPLAY
+from hindsight._run import ENV_HOME, ENV_REPLAY, files
 from hindsight._run.replay import EXIT_DIVERGED
 from hindsight._zygote import Zygote, preload_modules
 from hindsight.errors import HindsightError, NotFoundError, ReplayError
@@ -488,12 +488,22 @@ def _run_local(
             r, wfd = os.pipe()
             plan_path = Path(tmp) / f"worker-{n}.json"
             plan_path.write_text(w.plan.to_json(wfd, None, w.replay_id))  # the worker protocol: hindsight_core::replay
-            env = {**os.environ, ENV_REPLAY: str(plan_path), ENV_HOME: str(home), **thread_env(w.threads)}
+            # Its own working directory: files the script writes are its own (files.py).
+            own = Path(tmp) / f"cwd-{n}"
+            files.mirror(Path(w.cwd), own)
+            env = {
+                **os.environ,
+                ENV_REPLAY: str(plan_path),
+                ENV_HOME: str(home),
+                files.ENV_RECORDED_CWD: w.cwd,
+                files.ENV_CONCURRENT: "1" if budget > 1 and len(workers) > 1 else "0",
+                **thread_env(w.threads),
+            }
             if zygote is not None:
                 er, ew = os.pipe()
                 out = os.open(os.devnull, os.O_WRONLY) if args.quiet else os.dup(1)
                 try:
-                    w.zid = zygote.fork(w.argv, w.cwd, env, (out, ew, wfd), w.threads)
+                    w.zid = zygote.fork(w.argv, str(own), env, (out, ew, wfd), w.threads)
                 finally:
                     os.close(out)
                     os.close(ew)
@@ -501,7 +511,7 @@ def _run_local(
             else:
                 w.proc = subprocess.Popen(
                     w.argv,
-                    cwd=w.cwd,
+                    cwd=own,
                     env=env,
                     pass_fds=(wfd,),
                     stdout=subprocess.DEVNULL if args.quiet else None,
@@ -608,6 +618,8 @@ def _run_slurm(args: argparse.Namespace, db: Any, workers: list[Worker], home: P
     q = shlex.quote
     for i, w in enumerate(workers):
         task = spool / f"task-{i}"
+        own = spool / f"cwd-{i}"  # the task's own working directory (files.py)
+        files.mirror(Path(w.cwd), own)
         db.export_run(w.run_id, f"{task}.db")
         # fd 3: the task's progress file, opened by its script.
         Path(f"{task}.json").write_text(w.plan.to_json(3, f"{task}.db", w.replay_id))
@@ -615,7 +627,8 @@ def _run_slurm(args: argparse.Namespace, db: Any, workers: list[Worker], home: P
             "\n".join(
                 [
                     f"# hindsight replay of run {w.run_id}, worker {w.index}",
-                    f"cd {q(w.cwd)} || exit 1",
+                    f"cd {q(str(own))} || exit 1",
+                    f"export {files.ENV_RECORDED_CWD}={q(w.cwd)} {files.ENV_CONCURRENT}={int(len(workers) > 1)}",
                     f"export OMP_NUM_THREADS={w.threads} MKL_NUM_THREADS={w.threads}",
                     f"export {ENV_REPLAY}={q(str(task))}.json {ENV_HOME}={q(str(home))}",
                     f"exec 3>>{q(str(task))}.progress",

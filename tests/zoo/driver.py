@@ -75,7 +75,7 @@ class Spec:
 
     file: str
     args: tuple[str, ...] = ()
-    small: tuple[str, ...] = ()  # ci_subset.py: a smaller run of the same shape
+    small: tuple[str, ...] = ()  # tests/test_zoo.py (CI): a smaller run of the same shape
     note: str = ""
 
 

@@ -239,11 +239,7 @@ best_val_loss = None
 
 # At any point you can hit Ctrl + C to break out of training early.
 try:
-    # transient=["f"]: without it recording refuses, since `f` (the file of
-    # `with open(args.save, 'wb') as f` below) "is assigned by loop 'epoch' and
-    # read later" -- the later `with open(args.save, 'rb') as f` rebinds it
-    # first; the README's fix for an open file is to declare it transient.
-    with hs.checkpointing(model=model, transient=["f"]):
+    with hs.checkpointing(model=model):
         for epoch in hs.loop("epoch", range(1, args.epochs+1)):
             epoch_start_time = time.time()
             train()

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from hindsight import _native
 from hindsight._run.counters import shift_enumerates
+from hindsight._run.files import Written, put_back
 from hindsight._run.loopvars import LoopVars, ModuleVars, _storages, stateful_objects
 from hindsight._state import apply_grads, apply_state, capture, set_rng_state
 from hindsight.errors import InvalidArgumentError
@@ -242,11 +243,17 @@ class Run:
         # before its inner loop would describe the wrong state, so they are
         # dropped until the inner loop restores or rebuilds it.
         self.stale_start = False
+        # A replay worker whose plan ends before the loop does: the code after
+        # the loop runs on the state of its last iteration, not the run's
+        # final one, so what it logs is no result (the last worker's is).
+        self.past_plan = False
         # The variables the outer loop and the steps change (loopvars.py);
         # block_live: the steps of the current iteration are under way.
         self.outer_vars: LoopVars | None = None
         self.block_vars: LoopVars | None = None
         self.module_vars = ModuleVars()
+        # Files the script writes under its working directory (files.py): kept by a recording.
+        self.files: Written | None = None
         self.block_live = False
         self.block_gen: Any = None
         self.iter_values: dict[str, tuple[Any, tuple[int, ...]]] | None = None
@@ -315,6 +322,9 @@ class Run:
             location, local = self._open_store()
             self._store = Store(location, local_first=local)
             self.store_location, self.local_first = location, local
+            if self.files is not None:
+                # The store's own files are never "files the script wrote".
+                self.files.exclude.extend(Path(p).resolve() for p in (location, local) if p and "://" not in p)
         return self._store
 
     # -- logs --------------------------------------------------------------------
@@ -371,7 +381,7 @@ class Run:
         key = (name, tuple(ctx))
         rep = reps.get(key, 0)
         reps[key] = rep + 1
-        if self.stale_start:
+        if self.stale_start or self.past_plan:
             return
         self._append(name, ctx, rep, value)
 
@@ -638,6 +648,9 @@ class Run:
             )
         loop_vars["modules"] = self.module_vars.capture(self._object_ids(), shared)
         state["vars"] = loop_vars
+        kept = self.files.capture() if self.files is not None else {}
+        if kept:
+            state["files"] = {"paths": list(kept), "data": list(kept.values())}
         return state
 
     def _object_ids(self) -> set[int]:
@@ -656,9 +669,14 @@ class Run:
     def _apply_objects(self, state: dict[str, Any], name: str) -> None:
         apply_state(self.objects, state["objects"], name)
 
-    def _apply(self, state: dict[str, Any], name: str) -> None:
+    def _apply(self, state: dict[str, Any], name: str, rng: bool = True) -> None:
+        """Everything a checkpoint holds back into the program; ``rng``:
+        the RNG states too (a resume inside the steps sets them itself)."""
         self._apply_objects(state, name)
         if "grads" in state:
             apply_grads(self.objects, state["grads"], name)
         self._apply_vars(state)
-        set_rng_state(state["rng"])
+        if "files" in state:
+            put_back(dict(zip(state["files"]["paths"], state["files"]["data"], strict=True)), Path.cwd(), name)
+        if rng:
+            set_rng_state(state["rng"])

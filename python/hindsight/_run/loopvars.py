@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import ctypes
+import io
 import os
 import sys
 from types import FrameType
@@ -112,6 +113,12 @@ def keep(v: Any, skip: set[int], shared: set[int]) -> Any:
     if size > MAX_VAR_BYTES:
         raise objstate.NotKept(f"its {size / 2**20:.0f} MiB of tensors are more than a loop variable may hold")
     return kept
+
+
+def _closed_file(v: Any) -> bool:
+    """A file a `with open(...) as f` closed: no state left to carry on
+    (a later read of it fails loudly, resumed or not)."""
+    return isinstance(v, io.IOBase) and v.closed
 
 
 def _is_data(v: Any) -> bool:
@@ -367,7 +374,7 @@ class LoopVars:
                 continue
             except objstate.NotKept as e:
                 why = str(e)
-            if at is None and line > 0 and name in self.live and name not in transient:
+            if at is None and line > 0 and name in self.live and name not in transient and not _closed_file(v):
                 fix = (
                     "keep what later code needs in a smaller variable (a .item(), a slice)"
                     if "MiB" in why

@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from hindsight import _native, _preemption
@@ -34,7 +35,8 @@ from hindsight._run.common import (
     _snapshot_source,
     _to_json,
 )
-from hindsight._state import apply_grads, capture, capture_grads, rng_state, set_rng_state, tensor_bytes
+from hindsight._run.files import Written
+from hindsight._state import capture, capture_grads, rng_state, set_rng_state, tensor_bytes
 from hindsight.errors import CorruptError, DivergenceError, HindsightError, NotFoundError, ReplayError
 
 
@@ -71,6 +73,7 @@ class RecordRun(Run):
         self.policy = _native.AdaptivePolicy(float(os.environ.get(ENV_EPSILON, 1.0 / 15.0)))
         every = os.environ.get(ENV_EVERY)
         self.every = int(every) if every else None
+        self.files = Written(Path.cwd(), [self.home])
         self._start()
         self._wrap_excepthook()
         self.signals.install()
@@ -188,6 +191,9 @@ class RecordRun(Run):
                 except NotFoundError:
                     pass  # its save failed: there is nothing to discard
             self.signals.restore()
+            note = self.files.note() if self.files is not None else None
+            if note:
+                print(note, file=sys.stderr, flush=True)
             if self._store is not None:
                 self._store.flush()
                 if status == "completed":
@@ -396,10 +402,7 @@ class RecordRun(Run):
     def _resume_steps(self, iterable: Any, resume: dict[str, Any]) -> tuple[Iterator[Any], int]:
         """Continue an interrupted block exactly: same data order, no sample repeated or skipped."""
         state = resume["state"]
-        self._apply_objects(state, resume["name"])
-        if "grads" in state:
-            apply_grads(self.objects, state["grads"], resume["name"])
-        self._apply_vars(state)
+        self._apply(state, resume["name"], rng=False)
         done = int(state["position"][1]) + 1
         i = int(state["position"][0])
         self.iter_rng = state.get("iter_rng")

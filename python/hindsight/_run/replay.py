@@ -16,10 +16,11 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from hindsight import _native
-from hindsight._run import batches
+from hindsight._run import batches, files
 from hindsight._run.common import Run
 from hindsight.errors import HindsightError, ReplayError
 
@@ -50,6 +51,10 @@ class ReplayRun(Run):
         self.expected: dict[int, str] = {}
         self.checked_seq = 0
         self.replay_id: int | None = self.plan.replay_id
+        recorded_cwd = os.environ.get(files.ENV_RECORDED_CWD)
+        if recorded_cwd:
+            # Writes go to this worker's own mirror of the recorded directory.
+            files.Mirror(Path(recorded_cwd), Path.cwd(), [self.home], os.environ.get(files.ENV_CONCURRENT) == "1")
         atexit.register(self.finish)
 
     def _log_db_path(self) -> str:
@@ -92,6 +97,7 @@ class ReplayRun(Run):
 
     def _visit(self, i: int) -> bool | None:
         if i > self.last_needed:
+            self.past_plan = True
             return None
         return self.modes.get(i, "skip") != "skip"
 

@@ -1,4 +1,4 @@
-"""The zoo's bounded subset (not yet in CI: run it with `pytest tests/zoo/ci_subset.py`; some scripts still fail, see docs/trust.md): every public training script of tests/zoo/ once, with one
+"""The zoo's bounded subset, part of CI: every public training script of tests/zoo/ once, with one
 signal at a boundary step (SIGTERM, SIGUSR1 and kill -9 rotated over the
 scripts) and one probe replay (-j 2 for about half of them), at the scripts'
 smaller CI size. `make zoo` (tests/zoo/driver.py --all) runs the full matrix.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "zoo"))
 
 import driver  # tests/zoo/driver.py
 

@@ -1,0 +1,229 @@
+"""Files a training run writes and may read back (the LSTM's best model,
+nanoGPT's ckpt.pt, timm's summary.csv): kept with the checkpoints, put back
+when one is restored, and never shared between replay workers.
+
+Recording: an audit hook sees every `open` for writing (builtins.open,
+os.open, numpy, csv); `torch.save` to a path opens it in C++, so it is
+wrapped to say so too. A file under the working directory is kept, by its
+path relative to it, with every later checkpoint (the store deduplicates
+unchanged content); a file written elsewhere is named in a note at the end.
+
+Replay: each worker runs in a mirror of the recorded working directory made
+of symbolic links. Before a write, the links on its path become a real
+directory and file (copy on write), so a worker writes neither into the
+recorded tree nor into another worker's. A write the mirror cannot redirect
+(an absolute path into the recorded directory) stops the worker, naming it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import shutil
+import stat
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hindsight.errors import ReplayError
+
+#: Set in a replay worker: the recorded working directory its own mirrors.
+ENV_RECORDED_CWD = "HINDSIGHT_RECORDED_CWD"
+#: "1" when other workers of the same replay may run at the same time.
+ENV_CONCURRENT = "HINDSIGHT_REPLAY_CONCURRENT"
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+# The one watcher of the process (an audit hook cannot be removed).
+_WATCHER: list[Callable[[Path, bool], None]] = []
+
+
+_busy = threading.local()
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if event != "open" or not _WATCHER or getattr(_busy, "on", False):
+        return
+    _busy.on = True  # a watcher that opens a file must not see its own open
+    try:
+        _opened(*args)
+    finally:
+        _busy.on = False
+
+
+def _opened(path: Any, mode: Any, flags: Any) -> None:
+    if isinstance(path, int) or path is None:
+        return
+    if isinstance(mode, str):
+        writes, keeps = any(c in mode for c in "wax+"), "a" in mode or "+" in mode
+    else:
+        writes = isinstance(flags, int) and bool(flags & _WRITE_FLAGS)
+        keeps = writes and not flags & os.O_TRUNC
+    if writes:
+        _WATCHER[0](Path(os.path.abspath(os.fsdecode(path))), keeps)
+
+
+def _watch(callback: Callable[[Path, bool], None]) -> None:
+    if not getattr(sys, "_hindsight_audit", False):
+        sys.addaudithook(_audit)
+        sys._hindsight_audit = True  # type: ignore[attr-defined]
+    _WATCHER[:] = [callback]
+    torch: Any = sys.modules.get("torch")
+    if torch is not None and not getattr(torch.save, "_hindsight", False):
+        original = torch.save
+
+        @functools.wraps(original)
+        def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(f, (str, bytes, os.PathLike)) and _WATCHER:
+                _WATCHER[0](Path(os.path.abspath(os.fsdecode(f))), False)
+            return original(obj, f, *args, **kwargs)
+
+        save._hindsight = True  # type: ignore[attr-defined]
+        torch.save = save
+
+
+def _ignored(p: Path) -> bool:
+    return "__pycache__" in p.parts or p.suffix == ".pyc"
+
+
+class Written:
+    """Recording: the files written under `root`, kept with each checkpoint."""
+
+    def __init__(self, root: Path, exclude: list[Path]):
+        self.root = root.resolve()
+        self.exclude = [e.resolve() for e in exclude]
+        self.kept: dict[str, None] = {}  # relative paths, in the order first written
+        self.outside: dict[str, None] = {}
+        # Read here, never in the hook: gettempdir() may open a file under a lock.
+        self.temp = Path(tempfile.gettempdir()).resolve()
+        self._read: dict[str, tuple[tuple[int, int], bytes]] = {}
+        _watch(self._opened)
+
+    def _opened(self, path: Path, keeps: bool) -> None:
+        p = path.resolve()
+        if _ignored(p) or any(p.is_relative_to(e) for e in self.exclude):
+            return
+        if p.is_relative_to(self.root):
+            self.kept.setdefault(p.relative_to(self.root).as_posix())
+        elif not p.is_relative_to(self.temp) and p.parts[:2] != ("/", "dev"):
+            self.outside.setdefault(str(p))
+
+    def capture(self) -> dict[str, bytes]:
+        """{relative path: content} of the kept files that exist now. A file
+        is read again only when its size or modification time changed."""
+        out: dict[str, bytes] = {}
+        for rel in self.kept:
+            try:
+                st = (self.root / rel).stat()
+            except FileNotFoundError:
+                continue  # removed since: nothing to put back
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            key = (st.st_mtime_ns, st.st_size)
+            seen = self._read.get(rel)
+            if seen is None or seen[0] != key:
+                seen = (key, (self.root / rel).read_bytes())
+                self._read[rel] = seen
+            out[rel] = seen[1]
+        return out
+
+    def note(self) -> str | None:
+        if not self.outside:
+            return None
+        names = list(self.outside)
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        return (
+            f"hindsight: note: the run wrote {', '.join(names[:3])}{more}, outside its working directory "
+            f"{self.root}: checkpoints do not keep such files, so a resume or replay finds them as they are then"
+        )
+
+
+class Mirror:
+    """Replay worker: its working directory `own` mirrors `recorded`.
+
+    A write through an absolute path into the recorded directory cannot be
+    redirected. A worker alone is allowed it: the file's recorded content is
+    kept aside at the first write and put back when the worker exits. With
+    other workers running at the same time it is refused: they would read
+    each other's files."""
+
+    def __init__(self, recorded: Path, own: Path, exclude: list[Path], concurrent: bool):
+        self.recorded, self.own = recorded.resolve(), own.resolve()
+        self.exclude = [e.resolve() for e in exclude]
+        self.concurrent = concurrent
+        self.originals: dict[Path, bytes | None] = {}
+        _watch(self._opened)
+        atexit.register(self.put_back_originals)
+
+    def _opened(self, path: Path, keeps: bool) -> None:
+        if path.is_relative_to(self.own):
+            self.materialize(path, keeps)
+            return
+        real = path.resolve()
+        if not real.is_relative_to(self.recorded) or any(real.is_relative_to(e) for e in self.exclude):
+            return
+        if self.concurrent:
+            raise ReplayError(
+                f"the replayed script writes {path}, inside the recorded working directory {self.recorded}, "
+                "while other replay workers run: they would read each other's file. Give the script a path "
+                "relative to its working directory (each worker has its own), or replay with -j 1"
+            )
+        if real not in self.originals:
+            self.originals[real] = real.read_bytes() if real.is_file() else None
+
+    def put_back_originals(self) -> None:
+        """The recorded directory as the recording left it."""
+        for real, data in self.originals.items():
+            if data is None:
+                real.unlink(missing_ok=True)
+            else:
+                tmp = real.with_name(f".{real.name}.hindsight-restore")
+                tmp.write_bytes(data)
+                os.replace(tmp, real)
+        self.originals.clear()
+
+    def materialize(self, path: Path, keeps: bool) -> None:
+        """Make `path`'s directories real and `path` a file of its own (a
+        copy of the linked one when the write keeps content: append, r+)."""
+        cur = self.own
+        for part in path.relative_to(self.own).parts[:-1]:
+            cur = cur / part
+            if cur.is_symlink():
+                target = Path(os.readlink(cur))
+                if not target.is_relative_to(self.recorded) or not target.is_dir():
+                    return  # a link of the user's own (data elsewhere): written where it points
+                cur.unlink()
+                mirror(target, cur)
+        if path.is_symlink():
+            target = Path(os.readlink(path))
+            if not target.is_relative_to(self.recorded):
+                return
+            path.unlink()
+            if keeps and target.is_file():
+                shutil.copyfile(target, path)
+
+
+def mirror(src: Path, dst: Path) -> None:
+    """`dst` as a directory of links to each entry of `src`."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for entry in os.scandir(src):
+        os.symlink(entry.path, dst / entry.name)
+
+
+def put_back(files: dict[str, bytes], root: Path, checkpoint: str) -> None:
+    """Write a checkpoint's files under `root` (the run's or the worker's
+    working directory), each atomically. A path that leaves `root` is
+    refused: restoring writes nowhere else."""
+    base = root.resolve()
+    for rel, data in files.items():
+        p = base / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise ReplayError(f"checkpoint '{checkpoint}' holds a file outside the working directory: {rel!r}")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f".{p.name}.hindsight-restore")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, p)

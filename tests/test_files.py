@@ -1,0 +1,142 @@
+"""Files the training writes and reads back (a best-model file, a metrics
+CSV) are kept with the checkpoints: a resume finds them as they were at the
+checkpoint, and each replay worker writes into a directory of its own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import hindsight_cmd
+
+SCRIPT = """\
+import os, signal
+import torch
+import hindsight as hs
+
+torch.manual_seed(0)
+net = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(net.parameters(), lr=0.05)
+data = torch.randn(64, 4)
+target = data.sum(1, keepdim=True)
+best = None
+with hs.checkpointing(model=net, optimizer=opt):
+    for epoch in hs.loop("epoch", range(4)):
+        with open("metrics.csv", "a") as f:  # before the steps: re-run by a resume
+            f.write(f"{epoch}\\n")
+        for step in hs.loop("step", range(8)):
+            x, y = data[step * 8:(step + 1) * 8], target[step * 8:(step + 1) * 8]
+            loss = (net(x) - y).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if os.environ.get("SIGNAL_AT") == f"{epoch}.{step}" and not os.path.exists(os.environ["MARK"]):
+                open(os.environ["MARK"], "w").close()
+                os.kill(os.getpid(), signal.SIGUSR1)
+        val = (net(data) - target).pow(2).mean().item()
+        if best is None or val < best - 0.5 or epoch == 1:
+            best = val
+            torch.save(net.state_dict(), "best.pt")
+        hs.log("val", val)
+model = torch.nn.Linear(4, 1)
+model.load_state_dict(torch.load("best.pt"))
+hs.log("best_loss", (model(data) - target).pow(2).mean().item())
+with open("metrics.csv") as f:
+    hs.log("rows", f.read())
+torch.save(net.state_dict(), os.environ.get("FINAL", "final.pt"))  # absolute: no mirror can redirect it
+"""
+
+
+def _run(script: Path, home: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(script)],
+        env={**os.environ, "HINDSIGHT_HOME": str(home), "HINDSIGHT_CHECKPOINT_EVERY": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=script.parent,
+    )
+
+
+def _values(home: Path, *names: str) -> list[tuple]:
+    code = (
+        "import json, sys, hindsight as hs\n"
+        "df = hs.dataframe(*sys.argv[1:])\n"
+        "print(df.drop(columns=['run']).to_json(orient='values'))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, *names],
+        env={**os.environ, "HINDSIGHT_HOME": str(home)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    import json
+
+    return sorted(tuple(map(str, row)) for row in json.loads(r.stdout))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[tuple]:
+    root = tmp_path_factory.mktemp("ref")
+    (root / "train.py").write_text(SCRIPT)
+    r = _run(root / "train.py", root / ".hindsight")
+    assert r.returncode == 0, r.stderr
+    return _values(root / ".hindsight", "val", "best_loss", "rows")
+
+
+@pytest.mark.parametrize("at", ["2.3", "1.0"])
+def test_a_resume_finds_the_files_as_they_were_at_its_checkpoint(tmp_path: Path, reference: list[tuple], at: str):
+    """The metrics file is appended before the steps, which a mid-epoch
+    resume re-runs: without the file put back, the row is there twice."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    home = tmp_path / ".hindsight"
+    sig = {"SIGNAL_AT": at, "MARK": str(tmp_path / "signalled")}
+    assert _run(script, home, **sig).returncode == 85
+    r = _run(script, home, **sig)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "metrics.csv").read_text() == "0\n1\n2\n3\n"
+    assert _values(home, "val", "best_loss", "rows") == reference
+
+
+def test_replay_workers_write_files_of_their_own_and_leave_the_recorded_ones(
+    tmp_path: Path, reference: list[tuple]
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    home = tmp_path / ".hindsight"
+    absolute = {"FINAL": str(tmp_path / "final.pt")}
+    assert _run(script, home, **absolute).returncode == 0
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (tmp_path / "best.pt", tmp_path / "metrics.csv")}
+    script.write_text(
+        SCRIPT.replace("            opt.step()\n", "            opt.step()\n            hs.log('l', loss.item())\n")
+    )
+    final = (tmp_path / "final.pt").read_bytes()
+
+    def replay(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*hindsight_cmd(), "replay", str(script), "-q", *extra],
+            env={**os.environ, "HINDSIGHT_HOME": str(home), **absolute},
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+        )
+
+    # Workers at the same time would share final.pt: refused, naming it.
+    r = replay("-j", "2", "--fast")
+    assert r.returncode != 0 and "writes " + str(tmp_path / "final.pt") in r.stderr, r.stdout + r.stderr
+    # One at a time (the recording's threads fill this machine's cores).
+    r = replay("-j", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (tmp_path / "best.pt", tmp_path / "metrics.csv")}
+    assert after == before
+    assert (tmp_path / "final.pt").read_bytes() == final  # put back as recorded when the worker exits
+    assert _values(home, "val", "best_loss", "rows") == reference
+    assert len(_values(home, "l")) == 32
