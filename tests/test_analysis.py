@@ -431,3 +431,22 @@ def test_the_verdict_is_what_the_probe_does_to_the_training() -> None:
         same = logged == losses and all(torch.equal(a, b) for a, b in zip(w, weights, strict=True))
         assert same != changes, f"{code}: the training {'did not change' if same else 'changed'}"
         assert analyze(TRAIN, probed, "train.py").compatible == (not changes), code
+
+
+def test_a_for_over_a_name_bound_to_hs_loop_is_that_loop() -> None:
+    """`steps = hs.loop("step", ...) if ... else ...; for b in steps:` (the
+    zoo GAN's --count switch): a probe in that `for` runs in the step loop.
+    Placed in the epoch loop instead, the replay restored every epoch and
+    ran the probe nowhere, exiting 0 with no value."""
+    from hindsight._analysis import probes
+
+    src = (
+        "import hindsight as hs\n"
+        "for epoch in hs.loop('epoch', range(2)):\n"
+        "    steps = hs.loop('step', enumerate(range(3))) if epoch >= 0 else enumerate(hs.loop('step', range(3)))\n"
+        "    for i, x in steps:\n"
+        "        hs.log('x', x)\n"
+    )
+    found, outer = probes(src)
+    assert [(p.name, p.loops) for p in found] == [("x", ("epoch", "step"))]
+    assert outer == ["epoch"]

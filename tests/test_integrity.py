@@ -84,6 +84,22 @@ def test_unsupported_object_is_refused_with_its_key_path(store_dir):
         store.save("x", {"s": torch.eye(3).to_sparse()})
 
 
+def test_a_tree_deeper_than_load_reads_is_refused_at_save_and_the_store_stays_usable(store_dir):
+    """One save of a 41-level dict used to commit, then fail at load, and
+    make gc and usage fail for the whole store."""
+    deep: dict = {"leaf": torch.ones(2)}
+    for i in range(41):
+        deep = {f"k{i}": deep}
+    store = hs.Store(store_dir)
+    store.save("ok", {"w": torch.zeros(3)}).wait()
+    with pytest.raises(hs.InvalidArgumentError, match=r"checkpoint 'deep': nesting deeper than 32 levels at 'k40/k39/"):
+        store.save("deep", deep).wait()
+    assert store.list() == ["ok"]
+    store.gc()
+    assert store.usage()["checkpoints"] == 1
+    assert torch.equal(store.load("ok")["w"], torch.zeros(3))
+
+
 class Exploit:
     """Unpickling this would create a file: proof of code execution."""
 

@@ -226,6 +226,8 @@ def _loop_name(node: ast.For | ast.AsyncFor, aliases: _Aliases) -> str | None:
         if aliases.is_call(n, "loop"):
             assert isinstance(n, ast.Call)
             return _const_str(n) or "?"
+        if isinstance(n, ast.Name) and n.id in aliases.loops:
+            return aliases.loops[n.id]
     return None
 
 

@@ -25,6 +25,20 @@ class _Aliases:
             elif isinstance(node, ast.ImportFrom) and node.module == "hindsight":
                 for a in node.names:
                     self.direct[a.asname or a.name] = a.name
+        # Names bound to an hs.loop before the `for` that iterates them
+        # (`steps = hs.loop("step", ...) if ... else ...; for b in steps:`):
+        # name -> the loop's name.
+        self.loops: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign):
+                calls = [c for c in ast.walk(node.value) if self.is_call(c, "loop")]
+                if calls:
+                    assert isinstance(calls[0], ast.Call)
+                    first = calls[0].args[0] if calls[0].args else None
+                    name = first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else "?"
+                    for t in node.targets:
+                        if isinstance(t, ast.Name):
+                            self.loops[t.id] = name
 
     def is_call(self, node: ast.AST, attr: str) -> bool:
         if not isinstance(node, ast.Call):

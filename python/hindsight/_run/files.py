@@ -145,8 +145,9 @@ class Mirror:
     """Replay worker: its working directory `own` mirrors `recorded`.
 
     A write through an absolute path into the recorded directory cannot be
-    redirected. A worker alone is allowed it: the file's recorded content is
-    kept aside at the first write and put back when the worker exits. With
+    redirected. A worker alone is allowed it: the content of a file that
+    existed is kept aside at the first write and put back when the worker
+    exits (a file it creates stays: a replay adds, never changes). With
     other workers running at the same time it is refused: they would read
     each other's files."""
 
@@ -177,9 +178,7 @@ class Mirror:
     def put_back_originals(self) -> None:
         """The recorded directory as the recording left it."""
         for real, data in self.originals.items():
-            if data is None:
-                real.unlink(missing_ok=True)
-            else:
+            if data is not None:
                 tmp = real.with_name(f".{real.name}.hindsight-restore")
                 tmp.write_bytes(data)
                 os.replace(tmp, real)

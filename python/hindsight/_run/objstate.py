@@ -65,7 +65,8 @@ def _plain_class(t: type) -> bool:
         if not c.__flags__ & _HEAPTYPE or "__slots__" in c.__dict__:
             return False
     cls: Any = t
-    return cls.__setattr__ is object.__setattr__ and cls.__new__ is object.__new__
+    has_dict = cls.__dictoffset__ != 0  # a heap type from C (`_thread.lock`) may have none
+    return has_dict and cls.__setattr__ is object.__setattr__ and cls.__new__ is object.__new__
 
 
 class _Encoder:

@@ -332,6 +332,16 @@ pub struct Manifest {
 
 impl Manifest {
     pub fn encode(&self) -> Result<Vec<u8>> {
+        // What decode would refuse is refused here, before anything is
+        // committed: a listed checkpoint that cannot be read poisons the
+        // store-wide operations (gc, usage) that must read every manifest.
+        self.validate()
+            .map_err(|d| Error::invalid("state", format!("checkpoint '{}': {d}", self.name)))?;
+        self.encode_unchecked()
+    }
+
+    /// The manifest's bytes as they are (tests write hostile ones with it).
+    fn encode_unchecked(&self) -> Result<Vec<u8>> {
         // Plain data serializes; if it ever did not, writing an empty
         // manifest would lose the checkpoint: report it instead.
         let body = serde_json::to_vec(self).map_err(|e| {
@@ -393,8 +403,11 @@ impl Manifest {
 pub const MAX_CHUNK_LEN: u64 = 1 << 30;
 /// Python refuses to parse longer decimal integers by default.
 const MAX_BIGINT_DIGITS: usize = 4300;
-/// Nesting deeper than this is not a checkpoint (and would risk the stack).
-const MAX_DEPTH: usize = 512;
+/// The deepest nesting of a state tree a checkpoint holds, checked at save
+/// and at load: one owner, so a save never commits what load refuses. The
+/// manifest's JSON must stay within serde_json's 128 levels, and each dict
+/// level of the tree takes three of them.
+pub const MAX_TREE_DEPTH: usize = 32;
 
 fn validate_blob(b: &Blob, path: &[String]) -> Result<(), String> {
     let mut sum: u64 = 0;
@@ -449,9 +462,9 @@ fn validate_key(k: &Node, path: &[String]) -> Result<(), String> {
 }
 
 fn validate_node(node: &Node, path: &mut Vec<String>, depth: usize) -> Result<(), String> {
-    if depth > MAX_DEPTH {
+    if depth > MAX_TREE_DEPTH {
         return Err(format!(
-            "nesting deeper than {MAX_DEPTH} at '{}'",
+            "nesting deeper than {MAX_TREE_DEPTH} levels at '{}'",
             path.join("/")
         ));
     }
@@ -709,9 +722,39 @@ mod tests {
             meta: BTreeMap::new(),
             root,
         };
-        let e = Manifest::decode(&m.encode().unwrap(), Path::new("m"))
+        let e = Manifest::decode(&m.encode_unchecked().unwrap(), Path::new("m"))
             .unwrap_err()
             .to_string();
         assert!(e.contains("needs 12 bytes"), "{e}");
+    }
+    fn nested(depth: usize) -> Manifest {
+        let mut root = Node::Int(1);
+        for i in 0..depth {
+            root = Node::Dict(vec![(Node::Str(format!("k{i}")), root)]);
+        }
+        Manifest {
+            format: FORMAT_VERSION,
+            name: "deep".into(),
+            created_ms: 0,
+            meta: BTreeMap::new(),
+            root,
+        }
+    }
+
+    #[test]
+    fn the_deepest_tree_a_save_accepts_loads_and_one_deeper_is_refused_at_save() {
+        let m = nested(MAX_TREE_DEPTH);
+        assert_eq!(
+            Manifest::decode(&m.encode().unwrap(), Path::new("m")).unwrap(),
+            m
+        );
+        let e = nested(MAX_TREE_DEPTH + 1).encode().unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::InvalidArgument);
+        let text = e.to_string();
+        assert!(
+            text.contains("checkpoint 'deep'") && text.contains("nesting deeper than"),
+            "{text}"
+        );
+        assert!(text.contains("k32/k31"), "names where: {text}");
     }
 }
