@@ -260,10 +260,10 @@ def stop(p: subprocess.Popen[str]) -> None:
             pipe.close()
 
 
-def start_worker(port: int) -> subprocess.Popen[str]:
+def start_worker(port: int, args: str = '{"n": 300, "sleep_ms": 2}') -> subprocess.Popen[str]:
     return subprocess.Popen(
         [*hindsight_cmd(), "data", "worker", "--dispatcher", f"127.0.0.1:{port}", "--dataset", "data_synth:make",
-         "--args", '{"n": 300, "sleep_ms": 2}', "--bind", "127.0.0.1:0"],
+         "--args", args, "--bind", "127.0.0.1:0"],
         stdout=subprocess.DEVNULL,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])},
         text=True,
@@ -304,6 +304,27 @@ def test_remote_dispatcher_killed_with_a_worker_restarts_from_its_journal_includ
             assert same(got, want)
     finally:
         for p in [d, *workers]:
+            stop(p)
+
+
+def test_a_worker_built_with_other_dataset_arguments_serves_nothing_and_is_named(tmp_path):
+    """Same factory, other arguments: another dataset. Its examples would
+    reach the trainer as if they were the job's (issue 22)."""
+    port = free_port()
+    d = start_dispatcher(tmp_path / "journal", port)
+    w = start_worker(port, '{"sleep_ms": 2, "n": 480}')
+    try:
+        with pytest.raises(hs.HindsightError, match=r'dataset arguments mismatch.*\{"n":300,"sleep_ms":2\}.*"n":480'):
+            with hs.data.Loader(
+                data_synth.make,
+                batch_size=8,
+                seed=SEED,
+                workers=f"127.0.0.1:{port}",
+                dataset_args={"n": 300, "sleep_ms": 2},
+            ) as loader:
+                read(loader, 0)
+    finally:
+        for p in (d, w):
             stop(p)
 
 

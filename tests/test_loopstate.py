@@ -411,6 +411,7 @@ class Meter:
         self.od = collections.OrderedDict(a=1)
         self.by_int = {0: torch.ones(2)}
         self.scalars = (np.float64(0.25), np.int32(3))  # an environment's state tuple
+        self.kind = signal.Signals.SIGTERM  # an Enum member (pytorch/examples imagenet's Summary)
 
 
 def test_object_state_round_trips_in_place_and_refuses_what_it_cannot_keep():
@@ -432,6 +433,7 @@ def test_object_state_round_trips_in_place_and_refuses_what_it_cannot_keep():
     assert m.vals == [1.5] and m.big == 1 << 100 and isinstance(m.od, collections.OrderedDict)
     assert torch.equal(m.by_int[0], torch.ones(2))
     assert [(type(x), x) for x in m.scalars] == [(np.float64, 0.25), (np.int32, 3)]
+    assert m.kind is signal.Signals.SIGTERM
     assert (m.g.normal(), torch.rand(1, generator=m.t).item(), m.r.random()) == draws
     # A fresh process has no such object yet: a plain instance is built.
     fresh = objstate.restore(objstate.MISSING, saved, "m")

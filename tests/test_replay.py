@@ -646,3 +646,20 @@ def test_runs_share_one_worker_budget(tmp_path: Path) -> None:
     # At no instant were more than two workers logging.
     for t in {t for s in spans.values() for t in s}:
         assert sum(1 for a, b in spans.values() if a <= t <= b) <= 2, spans
+
+
+def test_a_probe_whose_line_never_runs_is_named_not_passed_silently(tmp_path: Path) -> None:
+    script = tmp_path / "rep.py"
+    script.write_text(REPEATED)
+    home = tmp_path / ".hindsight"
+    r = subprocess.run([sys.executable, str(script)], env=env_for(home), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    script.write_text(
+        REPEATED.replace(
+            "            opt.step()\n",
+            "            opt.step()\n            if step > 9:\n                hs.log('never', step)\n",
+        )
+    )
+    r = replay(script, home)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "the replay produced no value of 'never'" in r.stderr, r.stderr

@@ -493,6 +493,7 @@ def data_latest_checkpoint(names: list[str], job_id: str, epoch: int, split: int
 def serve_data_worker(
     dispatcher: str,
     dataset: str,
+    dataset_args: str,
     code_version: str,
     produce: Callable[[UnitWork], memoryview],
     *,

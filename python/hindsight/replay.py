@@ -457,6 +457,15 @@ def _report(args: argparse.Namespace, db: Any, job: RunJob, start: float) -> int
         f"replayed {job.total} iteration(s) in {time.monotonic() - start:.1f}s: {restored} restored from "
         f"checkpoints, {steps} inner-loop steps executed; new values: {job.names}"
     )
+    if not failed and not diverged:
+        # Nothing is no wrong value, but it must not pass unnoticed.
+        have = set(db.log_names(job.run_id))
+        for name in (n for n in job.names.split(", ") if n and n not in have):
+            print(
+                f"note: run {job.run_id}: the replay produced no value of {name!r}: its line did not run in "
+                "the replayed iterations (a condition that never held, or --where left them out)",
+                file=sys.stderr,
+            )
     if diverged and not args.allow_divergence:
         return EXIT_DIVERGED
     if failed:

@@ -54,9 +54,19 @@ impl DispatcherOptions {
 struct WorkerEntry {
     address: String,
     dataset: String,
+    dataset_args: String,
     code_version: String,
     alive: bool,
     last_seen: Instant,
+}
+
+impl WorkerEntry {
+    /// Builds the job's examples: same factory, arguments and code.
+    fn serves(&self, job: &proto::JobSpec) -> bool {
+        self.dataset == job.dataset
+            && self.dataset_args == job.dataset_args
+            && self.code_version == job.code_version
+    }
 }
 
 #[derive(Debug)]
@@ -94,6 +104,7 @@ impl State {
                     WorkerEntry {
                         address: w.address.clone(),
                         dataset: w.dataset.clone(),
+                        dataset_args: w.dataset_args.clone(),
                         code_version: w.code_version.clone(),
                         alive: true,
                         last_seen: now,
@@ -168,6 +179,7 @@ impl State {
                     address: w.address.clone(),
                     dataset: w.dataset.clone(),
                     code_version: w.code_version.clone(),
+                    dataset_args: w.dataset_args.clone(),
                 }));
             }
         }
@@ -237,9 +249,10 @@ impl State {
         for (id, n) in planned {
             *load.entry(id.as_str()).or_default() += n;
         }
-        let candidates = self.workers.iter().filter(|(_, w)| {
-            w.alive && w.dataset == job.dataset && w.code_version == job.code_version
-        });
+        let candidates = self
+            .workers
+            .iter()
+            .filter(|(_, w)| w.alive && w.serves(job));
         let best = |avoiding: bool| {
             candidates
                 .clone()
@@ -340,24 +353,34 @@ impl Inner {
             )));
         };
         let Some((worker_id, worker_addr)) = shared.state.pick_worker(job, avoid, planned) else {
-            // Workers that serve the dataset from other code will never
-            // do: refuse at once instead of waiting for a matching one.
-            let others: Vec<&str> = shared
+            // Workers that serve the dataset from other code, or built it
+            // with other arguments, will never do: refuse at once, naming
+            // the difference, instead of waiting for a matching one.
+            let others: Vec<&WorkerEntry> = shared
                 .state
                 .workers
                 .values()
-                .filter(|w| {
-                    w.alive && w.dataset == job.dataset && w.code_version != job.code_version
-                })
+                .filter(|w| w.alive && w.dataset == job.dataset && !w.serves(job))
+                .collect();
+            let versions: Vec<&str> = others
+                .iter()
+                .filter(|w| w.code_version != job.code_version)
                 .map(|w| w.code_version.as_str())
                 .collect();
-            if !others.is_empty() {
+            if !versions.is_empty() {
                 return Err(Status::failed_precondition(format!(
                     "code version mismatch: the job wants dataset {} at code version {}, the live \
                      workers run version(s) {}; start the workers from the same code as the trainer",
                     job.dataset,
                     job.code_version,
-                    others.join(", ")
+                    versions.join(", ")
+                )));
+            }
+            if let Some(w) = others.first() {
+                return Err(Status::failed_precondition(format!(
+                    "dataset arguments mismatch: the job wants dataset {} with arguments {}, the live \
+                     workers build it with {}; start the workers with the trainer's dataset_args",
+                    job.dataset, job.dataset_args, w.dataset_args
                 )));
             }
             return Err(Status::unavailable(format!(
@@ -533,6 +556,7 @@ impl proto::dispatcher_server::Dispatcher for DispatcherService {
             w.alive
                 && w.address == req.address
                 && w.dataset == req.dataset
+                && w.dataset_args == req.dataset_args
                 && w.code_version == req.code_version
         });
         if same {
@@ -620,7 +644,7 @@ impl proto::dispatcher_server::Dispatcher for DispatcherService {
             .state
             .workers
             .values()
-            .filter(|w| w.alive && w.dataset == spec.dataset)
+            .filter(|w| w.alive && w.serves(&spec))
             .count() as u32;
         Ok(Response::new(proto::AttachReply {
             job_id,

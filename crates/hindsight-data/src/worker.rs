@@ -55,6 +55,9 @@ pub struct PipelineFailure {
 pub trait Pipeline: Send + Sync + 'static {
     /// "module:factory", as in the job spec.
     fn dataset(&self) -> &str;
+    /// Canonical JSON of the arguments the factory was called with, as in
+    /// the job spec (`"{}"` for none).
+    fn dataset_args(&self) -> &str;
     /// A digest of the dataset's code; jobs of another version are refused.
     fn code_version(&self) -> &str;
     /// The payload of one unit. Must depend only on the request. Any owner
@@ -188,12 +191,15 @@ impl proto::worker_server::Worker for WorkerService {
         let spec = JobSpec::from(&spec);
         if spec.dataset != self.pipeline.dataset()
             || spec.code_version != self.pipeline.code_version()
+            || spec.dataset_args != self.pipeline.dataset_args()
         {
             return Err(Status::failed_precondition(format!(
-                "this worker serves dataset {} at code version {}, the job wants {} at {}",
+                "this worker serves dataset {} with arguments {} at code version {}, the job wants {} with {} at {}",
                 self.pipeline.dataset(),
+                self.pipeline.dataset_args(),
                 self.pipeline.code_version(),
                 spec.dataset,
+                spec.dataset_args,
                 spec.code_version
             )));
         }
@@ -347,6 +353,7 @@ async fn register(
         address: address.to_string(),
         dataset: pipeline.dataset().to_string(),
         code_version: pipeline.code_version().to_string(),
+        dataset_args: pipeline.dataset_args().to_string(),
     });
     // A dispatcher that accepts but never answers (stopped, hung) must not
     // hang the worker's start or its heartbeat loop.

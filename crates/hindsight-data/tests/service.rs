@@ -42,6 +42,9 @@ impl Pipeline for Synthetic {
     fn dataset(&self) -> &str {
         "synthetic:make"
     }
+    fn dataset_args(&self) -> &str {
+        "{}"
+    }
     fn code_version(&self) -> &str {
         "v1"
     }

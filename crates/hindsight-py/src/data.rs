@@ -415,6 +415,7 @@ impl AsRef<[u8]> for Encoded {
 /// The user's preprocessing, called with the GIL for each unit.
 struct PyPipeline {
     dataset: String,
+    dataset_args: String,
     code_version: String,
     produce: Py<PyAny>,
 }
@@ -422,6 +423,9 @@ struct PyPipeline {
 impl Pipeline for PyPipeline {
     fn dataset(&self) -> &str {
         &self.dataset
+    }
+    fn dataset_args(&self) -> &str {
+        &self.dataset_args
     }
     fn code_version(&self) -> &str {
         &self.code_version
@@ -473,12 +477,13 @@ fn traceback(py: Python<'_>, e: &PyErr) -> String {
 /// (local workers), it also stops when that process is gone, so a trainer
 /// killed with SIGKILL leaves no workers behind.
 #[pyfunction]
-#[pyo3(signature = (dispatcher, dataset, code_version, produce, *, bind="127.0.0.1:0", advertise=None, ready=None, parent_pid=None, shared_dir=None))]
+#[pyo3(signature = (dispatcher, dataset, dataset_args, code_version, produce, *, bind="127.0.0.1:0", advertise=None, ready=None, parent_pid=None, shared_dir=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn serve_data_worker(
     py: Python<'_>,
     dispatcher: String,
     dataset: String,
+    dataset_args: String,
     code_version: String,
     produce: Py<PyAny>,
     bind: &str,
@@ -489,6 +494,7 @@ pub(crate) fn serve_data_worker(
 ) -> PyResult<()> {
     let pipeline = Arc::new(PyPipeline {
         dataset,
+        dataset_args,
         code_version,
         produce,
     });

@@ -15,6 +15,7 @@ classes the process already has (no pickle: loading runs no stored code).
 
 from __future__ import annotations
 
+import enum
 import random
 import sys
 import types
@@ -127,6 +128,8 @@ class _Encoder:
             return {MARK: "torch.Generator", "device": str(v.device), "state": v.get_state()}
         if isinstance(v, random.Random):
             return {MARK: "random.Random", "type": _qualname(t), "state": self(v.getstate(), depth)}
+        if isinstance(v, enum.Enum):
+            return {MARK: "enum", "type": _qualname(t), "name": v.name}  # a singleton: named, not copied
         if isinstance(v, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
             raise NotKept(f"a {t.__name__} has no state of its own to keep")
         if callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None)):
@@ -215,6 +218,8 @@ def restore(current: Any, saved: Any, name: str) -> Any:
     t: Any = type(current) if _qualname(type(current)) == saved.get("type") else _resolve(saved.get("type", ""))
     if t is None:
         raise ReplayError(f"'{name}' held a {saved.get('type')}, a class this program has not defined")
+    if kind == "enum":
+        return t[saved["name"]]
     if kind == "random.Random":
         if type(current) is not t:
             current = t()

@@ -58,6 +58,17 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
+def canonical_args(args: dict[str, Any]) -> str:
+    """The factory's arguments as the job spec and every worker state them:
+    a worker built with other arguments serves another dataset."""
+    try:
+        return json.dumps(args, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgumentError(
+            f"dataset_args must be JSON (workers elsewhere rebuild the dataset from them): {e}"
+        ) from e
+
+
 class _LocalWorkers:
     """``local:N``: a dispatcher in this process and N worker processes,
     started the way remote ones are (``hindsight data worker``), never
@@ -219,12 +230,7 @@ class Loader:
         if batch_size < 1:
             raise InvalidArgumentError(f"batch_size must be at least 1, got {batch_size}")
         args = dict(dataset_args or {})
-        try:
-            args_json = json.dumps(args, sort_keys=True, separators=(",", ":"), allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise InvalidArgumentError(
-                f"dataset_args must be JSON (workers elsewhere rebuild the dataset from them): {e}"
-            ) from e
+        args_json = canonical_args(args)
         if rank is None or world is None:
             rank, world = _world()
         shards: list[int] = []

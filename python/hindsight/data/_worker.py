@@ -290,7 +290,7 @@ def _import(spec: str, what: str) -> Callable[..., Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``hindsight data worker``: serve a dataset for a remote dispatcher."""
-    from hindsight.data._loader import code_version
+    from hindsight.data._loader import canonical_args, code_version
 
     p = argparse.ArgumentParser(prog="hindsight data worker", description=main.__doc__)
     p.add_argument("--dispatcher", required=True, help="host:port of the dispatcher")
@@ -341,6 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _native.serve_data_worker(
             a.dispatcher,
             a.dataset,
+            canonical_args(args),
             code_version(factory, collate),
             make_produce(factory, args, collate, checkpoints),
             bind=a.bind,
