@@ -36,6 +36,11 @@ ENV_RECORDED_CWD = "HINDSIGHT_RECORDED_CWD"
 #: "1" when other workers of the same replay may run at the same time.
 ENV_CONCURRENT = "HINDSIGHT_REPLAY_CONCURRENT"
 
+#: A file larger than this is not kept (a framework's own checkpoint files
+#: would double the store and its hashing at every checkpoint): it is named
+#: in the note at the end of the run instead.
+MAX_FILE_BYTES = 64 << 20
+
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 # The one watcher of the process (an audit hook cannot be removed).
 _WATCHER: list[Callable[[Path, bool], None]] = []
@@ -97,6 +102,7 @@ class Written:
         self.exclude = [e.resolve() for e in exclude]
         self.kept: dict[str, None] = {}  # relative paths, in the order first written
         self.outside: dict[str, None] = {}
+        self.too_large: dict[str, None] = {}
         # Read here, never in the hook: gettempdir() may open a file under a lock.
         self.temp = Path(tempfile.gettempdir()).resolve()
         self._read: dict[str, tuple[tuple[int, int], bytes]] = {}
@@ -122,6 +128,9 @@ class Written:
                 continue  # removed since: nothing to put back
             if not stat.S_ISREG(st.st_mode):
                 continue
+            if st.st_size > MAX_FILE_BYTES:
+                self.too_large.setdefault(rel)
+                continue
             key = (st.st_mtime_ns, st.st_size)
             seen = self._read.get(rel)
             if seen is None or seen[0] != key:
@@ -131,13 +140,19 @@ class Written:
         return out
 
     def note(self) -> str | None:
-        if not self.outside:
+        def some(names: list[str]) -> str:
+            return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+        why = []
+        if self.outside:
+            why.append(f"{some(list(self.outside))}, outside its working directory {self.root}")
+        if self.too_large:
+            why.append(f"{some(list(self.too_large))}, larger than {MAX_FILE_BYTES >> 20} MiB")
+        if not why:
             return None
-        names = list(self.outside)
-        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         return (
-            f"hindsight: note: the run wrote {', '.join(names[:3])}{more}, outside its working directory "
-            f"{self.root}: checkpoints do not keep such files, so a resume or replay finds them as they are then"
+            f"hindsight: note: the run wrote {'; and '.join(why)}: checkpoints do not keep such files, "
+            "so a resume or replay finds them as they are then"
         )
 
 
