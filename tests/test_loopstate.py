@@ -449,3 +449,46 @@ def test_object_state_round_trips_in_place_and_refuses_what_it_cannot_keep():
     loop.append(loop)
     with pytest.raises(objstate.NotKept, match="refers to itself"):
         objstate.encode(loop)
+
+
+EVAL_FIRST = """\
+import json, os, signal, sys
+import torch
+import hindsight as hs
+
+torch.manual_seed(0)
+net = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+x = torch.randn(16, 4)
+with hs.checkpointing(model=net, optimizer=opt):
+    for it in hs.loop("iter", range(4)):
+        hs.log("eval", net(x).pow(2).mean().item())  # before the steps: nanoGPT's estimate_loss()
+        for micro in hs.loop("micro", range(3)):
+            loss = net(x[micro::3]).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if os.environ.get("SIGNAL_AT") == f"{it}.{micro}" and not os.path.exists(os.environ["MARK"]):
+                open(os.environ["MARK"], "w").close()
+                os.kill(os.getpid(), signal.SIGUSR1)
+with open(sys.argv[1], "w") as f:
+    json.dump(net.weight.flatten().tolist(), f)
+"""
+
+
+def test_values_the_code_before_the_steps_logged_survive_a_resume_inside_the_steps(tmp_path):
+    """The resume re-runs that code (it may make the data iterator) on the
+    weights the process started with: what it logs again is no result (the
+    zoo's nanoGPT: train_loss at iter 10 evaluated on initial weights)."""
+    ref, out = interrupted_and_reference(tmp_path, EVAL_FIRST, "2.1", ".json")
+    assert json.loads(ref.read_text()) == json.loads(out.read_text())
+
+    def evals(home: Path) -> list[list[object]]:
+        code = "import hindsight as hs\nprint(hs.dataframe('eval')[['iter', 'eval']].to_json(orient='values'))"
+        r = subprocess.run([sys.executable, "-c", code], env=env(home), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    want = evals(tmp_path / "ref-home")
+    assert [row[0] for row in want] == [0, 1, 2, 3]
+    assert evals(tmp_path / ".hindsight") == want

@@ -376,6 +376,14 @@ class RecordRun(Run):
             "run was interrupted (HINDSIGHT_RESUME=0 starts a new run)"
         )
 
+    def _start_is_stale(self, i: int) -> bool:
+        # Resumed inside iteration i's steps: the code before them runs again
+        # (it may make the data iterator), but on the objects as the process
+        # started them, not as they were then (nanoGPT's estimate_loss() on
+        # initial weights). The interrupted run logged its values already.
+        r = self.resume
+        return r is not None and r["epoch"] == i and r["kind"] in ("step", "block")
+
     def _iteration_starts(self, i: int) -> None:
         self.iter_rng = rng_state()
         if self.objects and self.outer_vars is not None:
