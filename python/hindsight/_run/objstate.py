@@ -31,7 +31,6 @@ MARK = "__hindsight__"
 MAX_NODES = 200_000
 #: Nesting of containers and objects kept.
 MAX_DEPTH = 8
-_I64 = (-(1 << 63), 1 << 63)
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python
 
 
@@ -80,10 +79,8 @@ class _Encoder:
         self.nodes += 1
         if self.nodes > MAX_NODES:
             raise NotKept(f"its state has more than {MAX_NODES} values")
-        if v is None or type(v) in (bool, float, str, bytes):
-            return v
-        if type(v) is int:
-            return v if _I64[0] <= v < _I64[1] else {MARK: "int", "v": str(v)}
+        if v is None or type(v) in (bool, int, float, str, bytes):
+            return v  # the checkpoint format holds integers of any size itself
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(v, torch.Tensor):
             if isinstance(v, torch.nn.Parameter):
@@ -183,8 +180,6 @@ def restore(current: Any, saved: Any, name: str) -> Any:
                 f"'{name}' referred to a checkpointed object that the resumed program does not hold there"
             )
         return current
-    if kind == "int":
-        return int(saved["v"])
     if kind == "numpy.scalar":
         return saved["v"][()]
     if kind == "ordered":
