@@ -3,6 +3,7 @@ one and pins the fix."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -88,6 +89,34 @@ def test_gc_never_deletes_through_a_symlinked_store_directory(tmp_path: Path, st
     r = subprocess.run([*hindsight_cmd(), "gc", str(store_dir)], capture_output=True, text=True)
     assert r.returncode != 0 and "symbolic link" in r.stderr
     assert (thesis / "chapter1.tex").read_text() == "years of work"
+
+
+def test_a_symlinked_chunk_directory_is_never_written_read_or_emptied_through(tmp_path: Path, store_dir: Path) -> None:
+    """Issue 22: with `chunks/ab` a link to a directory outside the store,
+    saves wrote chunk files there and a damaged chunk read through it was
+    moved from there into the store's quarantine."""
+    store = hs.Store(store_dir)
+    store.save("a", {"x": torch.arange(1000, dtype=torch.float32)}).wait()
+    store.close()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    chunks = store_dir / "chunks"
+    for fan in chunks.iterdir():  # the existing chunks move out, behind links
+        for f in fan.iterdir():
+            (outside / f.name).write_bytes(b"damaged")  # what a read would "quarantine"
+        shutil.rmtree(fan)
+    for i in range(256):
+        (chunks / f"{i:02x}").symlink_to(outside)
+    before = sorted(p.name for p in outside.iterdir())
+    store = hs.Store(store_dir)
+    with pytest.raises(hs.HindsightError, match="symbolic link"):
+        store.load("a")
+    with pytest.raises(hs.HindsightError, match="symbolic link"):
+        store.save("b", {"y": torch.randn(100)}).wait()
+    store.close()
+    assert sorted(p.name for p in outside.iterdir()) == before, "nothing written or moved outside the store"
+    assert all(p.read_bytes() == b"damaged" for p in outside.iterdir())
+    assert not (store_dir / "quarantine").exists() or not any((store_dir / "quarantine").iterdir())
 
 
 @pytest.mark.parametrize("location", ["", "S3://bucket/p", "s3:/bucket/p"])

@@ -327,3 +327,57 @@ def test_a_one_level_loop_signalled_in_any_iteration_resumes_to_the_same_weights
     want, got = torch.load(ref / "final.pt"), torch.load(rec / "final.pt")
     assert all(torch.equal(want[k], got[k]) for k in want)
     assert series(rec)["logs"] == series(ref)["logs"]
+
+
+# A state change the recording did not make and no logged value shows: the
+# replay's own state check (its state against each checkpoint it reaches by
+# executing) is what catches it. `t0` is a clock reading kept in a loop
+# variable: it differs on every run and must not fail a replay.
+DRIFT = """
+import os, time
+import torch
+import hindsight as hs
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = torch.randn(32, 4)
+with hs.checkpointing(model=model, opt=opt):
+    for epoch in hs.loop("epoch", range(3)):
+        t0 = time.time()
+        for i in hs.loop("step", range(4)):
+            loss = model(data[i * 8 : (i + 1) * 8]).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if epoch == 1 and i == 3 and os.environ.get("DRIFT"):
+                with torch.no_grad():
+                    model.bias.add_(1e-3)
+        hs.log("epoch_done", epoch)
+"""
+
+
+def test_a_replay_whose_state_drifts_from_a_checkpoint_stops_naming_the_tensor(tmp_path):
+    (tmp_path / "train.py").write_text(DRIFT)
+    r = run(tmp_path, HINDSIGHT_CHECKPOINT_EVERY="1")
+    assert r.returncode == 0, r.stderr
+    src = (tmp_path / "train.py").read_text()
+    (tmp_path / "train.py").write_text(
+        src.replace("opt.step()\n", 'opt.step()\n            hs.log("loss", loss.item())\n')
+    )
+    # As recorded: every executed epoch proves its state; the clock reading is a note.
+    r = replay(tmp_path, "-j", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "vars/" in r.stderr and "clock reading" in r.stderr, r.stderr
+    # Drifted: the first checkpoint after the drift stops the replay, naming the tensor.
+    r = subprocess.run(
+        [*hindsight_cmd(), "replay", "train.py", "-q", "-j", "1", "--force"],
+        cwd=tmp_path,
+        env=env(tmp_path, DRIFT="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "after epoch 1, the state differs from the recorded checkpoint" in r.stderr, r.stderr
+    assert "'objects/model/bias'" in r.stderr, r.stderr

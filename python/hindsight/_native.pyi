@@ -128,6 +128,13 @@ class Store:
         copy_threads: int | None = None,
         handle_out: list[SaveHandle] | None = None,
     ) -> SaveHandle: ...
+    def check_state(
+        self,
+        name: str,
+        state: Any,
+        describe: Callable[[Any, str], tuple[Any, ...]],
+        materialize: Callable[[Any], tuple[int, Any, None]],
+    ) -> StateCheck: ...
     def load(
         self,
         name: str,
@@ -332,6 +339,22 @@ class Iteration:
     def restore_seconds(self) -> float | None: ...
 
 @final
+class StateDifference:
+    """One difference between a checkpoint and a live state."""
+
+    @property
+    def path(self) -> str: ...
+    @property
+    def detail(self) -> str: ...
+
+class StateCheck:
+    """A live state compared with a checkpoint (`Store.check_state`)."""
+
+    @property
+    def first(self) -> StateDifference | None: ...
+    @property
+    def notes(self) -> list[StateDifference]: ...
+
 class WorkerPlan:
     """What one replay worker does; its JSON is the worker protocol."""
 
@@ -342,7 +365,9 @@ class WorkerPlan:
         progress_fd: int | None = None,
         log_db: str | os.PathLike[str] | None = None,
         replay_id: int | None = None,
+        exact: bool = True,
     ) -> str: ...
+    def state_check(self, i: int) -> str | None: ...
     @property
     def replay_id(self) -> int | None: ...
     @property

@@ -172,6 +172,21 @@ class Store:
         finally:
             copies.saved(out[0] if out else None)
 
+    def check_state(self, name: str, state: Any) -> _native.StateCheck:
+        """Compare ``state`` with checkpoint ``name`` without loading it:
+        the live bytes are hashed along the checkpoint's chunks (the rule is
+        the engine's ``checkpoint::compare``). Device tensors are copied to
+        the host first."""
+
+        def describe(obj: Any, key: str) -> tuple[Any, ...]:
+            return self._describe(obj, key, False)
+
+        def to_host(t: Any) -> tuple[int, Any, None]:
+            h = t.detach().to("cpu").contiguous()
+            return h.data_ptr(), h, None
+
+        return self._native.check_state(name, state, describe, to_host)
+
     def prepare(self, state: Any, *, wait: bool = False) -> None:
         """Start the one-time set-up for saving ``state`` (pinning host memory
         for its CUDA tensors) on a background thread, so the first ``save``

@@ -141,6 +141,8 @@ class Worker:
     # The replay the worker stages its values for, and its torch threads.
     replay_id: int = 0
     threads: int = 1
+    #: Runs with the recording's thread count: its state must equal the checkpoints'.
+    exact: bool = True
     # Local workers: the tail of standard error read so far, and the pipes
     # (progress, standard error) still open.
     err: bytes = b""
@@ -320,6 +322,7 @@ def _threads(args: argparse.Namespace, jobs: list[RunJob]) -> int:
             )
         for w in job.workers:
             w.threads = threads
+            w.exact = job.exact
     return budget
 
 
@@ -496,7 +499,9 @@ def _run_local(
         def launch(n: int, w: Worker) -> None:
             r, wfd = os.pipe()
             plan_path = Path(tmp) / f"worker-{n}.json"
-            plan_path.write_text(w.plan.to_json(wfd, None, w.replay_id))  # the worker protocol: hindsight_core::replay
+            plan_path.write_text(
+                w.plan.to_json(wfd, None, w.replay_id, w.exact)
+            )  # the worker protocol: hindsight_core::replay
             # Its own working directory: files the script writes are its own (files.py).
             own = Path(tmp) / f"cwd-{n}"
             files.mirror(Path(w.cwd), own)
@@ -631,7 +636,7 @@ def _run_slurm(args: argparse.Namespace, db: Any, workers: list[Worker], home: P
         files.mirror(Path(w.cwd), own)
         db.export_run(w.run_id, f"{task}.db")
         # fd 3: the task's progress file, opened by its script.
-        Path(f"{task}.json").write_text(w.plan.to_json(3, f"{task}.db", w.replay_id))
+        Path(f"{task}.json").write_text(w.plan.to_json(3, f"{task}.db", w.replay_id, w.exact))
         Path(f"{task}.sh").write_text(
             "\n".join(
                 [

@@ -289,8 +289,10 @@ fn execute(cli: Cli, out: &mut String, err: &mut dyn Write) -> Result<i32, Failu
             }
             Ok(code)
         }
-        Command::Gc { store_dir } => cmd_gc(&places.open_store(store_dir)?, out),
-        Command::Du { store_dir, json } => cmd_du(&places.open_store(store_dir)?, json, out),
+        Command::Gc { store_dir } => cmd_gc(&places.open_store(store_dir)?, out, err),
+        Command::Du { store_dir, json } => {
+            cmd_du(&places.open_store(store_dir)?, json, out, err)
+        }
         Command::Runs { limit, json } => runcmds::cmd_runs(&places.open_db()?, limit, json, out),
         Command::Logs {
             run,
@@ -674,7 +676,7 @@ fn cmd_rm_runs(
     Ok(code)
 }
 
-fn cmd_gc(store: &Store, out: &mut String) -> Result<i32, Failure> {
+fn cmd_gc(store: &Store, out: &mut String, err: &mut dyn Write) -> Result<i32, Failure> {
     let report = store.gc()?;
     outln!(
         out,
@@ -683,11 +685,27 @@ fn cmd_gc(store: &Store, out: &mut String) -> Result<i32, Failure> {
         human_size(report.bytes_removed),
         plural(report.staging_files_removed, "staging file")
     );
-    Ok(EXIT_OK)
+    Ok(name_unreadable(&report.unreadable, "every chunk it names was kept", err))
 }
 
-fn cmd_du(store: &Store, json: bool, out: &mut String) -> Result<i32, Failure> {
+/// Name each checkpoint a store-wide command skipped; the exit code.
+fn name_unreadable(unreadable: &[(String, String)], kept: &str, err: &mut dyn Write) -> i32 {
+    for (name, why) in unreadable {
+        let _ = writeln!(
+            err,
+            "error: checkpoint '{name}' was skipped ({kept}): {why}; `hindsight rm {name}` removes it"
+        );
+    }
+    if unreadable.is_empty() {
+        EXIT_OK
+    } else {
+        EXIT_FAILURE
+    }
+}
+
+fn cmd_du(store: &Store, json: bool, out: &mut String, err: &mut dyn Write) -> Result<i32, Failure> {
     let u = store.usage()?;
+    let code = name_unreadable(&u.unreadable, "not counted", err);
     let ratio = (u.stored_bytes > 0).then(|| u.logical_bytes as f64 / u.stored_bytes as f64);
     if json {
         let v = json!({
@@ -699,9 +717,10 @@ fn cmd_du(store: &Store, json: bool, out: &mut String) -> Result<i32, Failure> {
             "dedup_ratio": ratio,
             "chunks": u.chunks,
             "unreferenced_chunks": u.unreferenced_chunks,
+            "unreadable": u.unreadable.iter().map(|(n, _)| n).collect::<Vec<_>>(),
         });
         outln!(out, "{}", to_json(&v));
-        return Ok(EXIT_OK);
+        return Ok(code);
     }
     let sized = |n: u64| format!("{} ({n} bytes)", human_size(n));
     outln!(out, "checkpoints          {}", u.checkpoints);
@@ -722,7 +741,7 @@ fn cmd_du(store: &Store, json: bool, out: &mut String) -> Result<i32, Failure> {
     } else {
         outln!(out, "unreferenced chunks  0");
     }
-    Ok(EXIT_OK)
+    Ok(code)
 }
 
 // ---------------------------------------------------------------------------

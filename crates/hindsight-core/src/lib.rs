@@ -14,6 +14,7 @@ pub mod runs;
 pub mod staging;
 pub mod sync;
 
+pub use checkpoint::compare::{check_state, Difference, StateCheck};
 pub use checkpoint::fingerprint::{fingerprint, fingerprint_many, Fingerprint};
 pub use checkpoint::format::{Array, ArrayLib, Blob, ChunkId, Codec, Manifest, Node};
 pub use checkpoint::location::Location;

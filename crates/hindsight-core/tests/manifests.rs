@@ -277,3 +277,48 @@ fn a_manifest_that_lies_about_a_chunk_never_quarantines_the_good_chunk() {
     let bufs = load_crafted(&store, "honest", &base).unwrap();
     assert!(bufs.iter().any(|b| b == b"hello"));
 }
+
+/// Issue 22: one checkpoint whose manifest does not decode (a tree deeper
+/// than the reader takes, written by an older hindsight) poisoned gc and
+/// usage for the whole store. They skip and name it now, and gc keeps every
+/// chunk its bytes name; a manifest of another format version still stops
+/// gc (what it references cannot be known).
+#[test]
+fn store_wide_operations_skip_and_name_a_manifest_that_does_not_decode() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = new_store(dir.path());
+    let mut body = base_manifest(&store);
+    let mut root = body["root"].clone();
+    for i in 0..41 {
+        root = json!({"t": "dict", "v": [[{"t": "str", "v": format!("k{i}")}, root]]});
+    }
+    body["root"] = root;
+    body["name"] = json!("deep");
+    store.storage().put_manifest("deep", &sign(&body)).unwrap();
+    store.remove("base").unwrap(); // the deep one is all that references the chunks
+    let chunks = store.storage().list_chunks().unwrap().len();
+    assert!(chunks >= 4);
+
+    let u = store.usage().unwrap();
+    assert_eq!(u.checkpoints, 0);
+    assert_eq!(u.unreadable.len(), 1);
+    assert_eq!(u.unreadable[0].0, "deep");
+    assert!(u.unreadable[0].1.contains("does not parse"), "{:?}", u.unreadable);
+    assert_eq!(u.unreferenced_chunks, 0, "its chunks count as referenced");
+
+    let r = store.gc().unwrap();
+    assert_eq!(r.chunks_removed, 0, "gc kept the chunks the manifest names");
+    assert_eq!(r.unreadable[0].0, "deep");
+    assert_eq!(store.storage().list_chunks().unwrap().len(), chunks);
+
+    // Removed, its chunks go.
+    store.remove("deep").unwrap();
+    assert_eq!(store.gc().unwrap().chunks_removed, chunks);
+
+    // Another format version: nothing can be known of it; gc refuses.
+    let mut other = sign(&body);
+    other[4..8].copy_from_slice(&99u32.to_le_bytes());
+    store.storage().put_manifest("future", &other).unwrap();
+    let e = store.gc().unwrap_err().to_string();
+    assert!(e.contains("format version 99"), "{e}");
+}

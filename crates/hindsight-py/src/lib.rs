@@ -9,6 +9,7 @@ mod interrupt;
 mod naming;
 mod project;
 mod runs;
+mod state_check;
 mod tree;
 
 use std::collections::{BTreeMap, HashMap};
@@ -330,6 +331,59 @@ impl Store {
         Ok(handle)
     }
 
+    /// Compare a live state with checkpoint `name` (the core's
+    /// `check_state`): hashes the live bytes along the checkpoint's chunks,
+    /// reads only its manifest. `materialize` copies a device tensor to the
+    /// host: (pointer, owner, None).
+    fn check_state(
+        &self,
+        py: Python<'_>,
+        name: String,
+        state: &Bound<'_, PyAny>,
+        describe: &Bound<'_, PyAny>,
+        materialize: &Bound<'_, PyAny>,
+    ) -> PyResult<state_check::PyStateCheck> {
+        let none = py.None().into_bound(py);
+        let mut cache = HashMap::new();
+        let mut walk = tree::SaveWalk::new(describe, materialize, &none, &mut cache, false);
+        let live = walk.node(state, &mut Vec::new())?;
+        let tree::SaveWalk {
+            slots,
+            sources,
+            keepalive,
+            lent,
+            ..
+        } = walk;
+        let result = interrupt::run(py, |_| {
+            let mut lent = lent.iter();
+            let mut bytes: Vec<&[u8]> = Vec::with_capacity(slots.len());
+            for slot in &slots {
+                match slot {
+                    tree::Slot::Stage(src) => bytes.push(sources[*src].as_slice()),
+                    tree::Slot::Lend => {
+                        let buf = lent.next().ok_or_else(|| Error::Internal {
+                            detail: "check_state: fewer lent buffers than slots".into(),
+                        })?;
+                        buf.ready().map_err(|detail| Error::Device {
+                            checkpoint: name.clone(),
+                            detail,
+                        })?;
+                        bytes.push(buf.bytes());
+                    }
+                    _ => {
+                        return Err(Error::Internal {
+                            detail: "check_state: a reused slot without a cache".into(),
+                        })
+                    }
+                }
+            }
+            let recorded = self.replica.manifest(&name)?;
+            Ok(core::check_state(&recorded.root, &live, &bytes))
+        });
+        drop(keepalive);
+        Ok(result?.into())
+    }
+
     /// Load a checkpoint (or the sub-tree at `path`) into Python objects.
     #[pyo3(signature = (name, make_array, unpickle, path=None, threads=None))]
     fn load<'py>(
@@ -421,6 +475,7 @@ impl Store {
         d.set_item("chunks_removed", r.chunks_removed)?;
         d.set_item("bytes_removed", r.bytes_removed)?;
         d.set_item("staging_files_removed", r.staging_files_removed)?;
+        d.set_item("unreadable", r.unreadable)?;
         Ok(d)
     }
 
@@ -434,6 +489,7 @@ impl Store {
         d.set_item("stored_bytes", u.stored_bytes)?;
         d.set_item("chunks", u.chunks)?;
         d.set_item("unreferenced_chunks", u.unreferenced_chunks)?;
+        d.set_item("unreadable", u.unreadable)?;
         Ok(d)
     }
 
@@ -512,6 +568,8 @@ fn run_cli(py: Python<'_>, args: Vec<String>) -> (i32, String, String) {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Store>()?;
     m.add_class::<SaveHandle>()?;
+    m.add_class::<state_check::PyStateCheck>()?;
+    m.add_class::<state_check::PyDifference>()?;
     m.add_class::<buffer::Buffer>()?;
     m.add_class::<naming::PyCheckpointId>()?;
     m.add_class::<naming::PyFitChoice>()?;

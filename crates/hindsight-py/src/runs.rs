@@ -641,18 +641,27 @@ impl WorkerPlan {
 
     /// The JSON handed to the worker, with the progress descriptor it
     /// inherits and the database it writes to (default: the project's).
-    #[pyo3(signature = (progress_fd=None, log_db=None, replay_id=None))]
+    /// `exact`: the worker runs with the recording's thread count.
+    #[pyo3(signature = (progress_fd=None, log_db=None, replay_id=None, exact=true))]
     fn to_json(
         &self,
         progress_fd: Option<i32>,
         log_db: Option<PathBuf>,
         replay_id: Option<i64>,
+        exact: bool,
     ) -> PyResult<String> {
         let mut p = self.0.clone();
         p.progress_fd = progress_fd;
         p.log_db = log_db.map(|d| d.to_string_lossy().into_owned());
         p.replay_id = replay_id;
+        p.exact = exact;
         p.to_json().py_err()
+    }
+
+    /// The checkpoint to compare the state with after executing iteration
+    /// `i` (`Store.check_state`), or None.
+    fn state_check(&self, i: u64) -> Option<&str> {
+        self.0.state_check(i)
     }
 
     /// The replay whose values the worker stages (`LogDb.begin_replay`).

@@ -593,7 +593,11 @@ class Run:
         """The steps of iteration i were left early (break or exception)."""
 
     def _iteration_starts(self, i: int) -> None:
-        """Outer iteration i is about to run its body."""
+        """Outer iteration i is about to run its body: its loop variables as
+        they are now are part of its checkpoint (a resume re-runs the code
+        before the steps from them; a replay's state is compared with them)."""
+        if self.objects and self.outer_vars is not None:
+            self.iter_values = self.outer_vars.snapshot()
 
     def _iteration_continues(self) -> None:
         """The body of the current outer iteration went on normally after the steps."""

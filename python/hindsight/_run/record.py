@@ -66,6 +66,11 @@ class RecordRun(Run):
         # the steps may create the data iterator (`enumerate(loader)` draws
         # the shuffle order there), so a resume replays that code from it.
         self.iter_rng: dict[str, Any] | None = None
+        # The RNG states when the first iteration began, kept with every
+        # checkpoint: a replay worker executing from the first iteration
+        # starts from them, so generators the script never seeded (Python's
+        # `random`, NumPy's) draw as recorded.
+        self.start_rng: dict[str, Any] | None = None
         self.block_iterable: Any = None
         # Fingerprints of the current iteration's batches, until written.
         self.batch_rows: list[tuple[int, int, str]] = []
@@ -210,6 +215,8 @@ class RecordRun(Run):
     def _save_now(self, ck: _native.CheckpointId, extra: dict[str, Any], wait: bool) -> None:
         state = self.capture()
         state.update(extra)
+        if self.start_rng is not None:
+            state["start_rng"] = self.start_rng  # the same bytes every time: stored once
         t0 = time.perf_counter()
         h = self.store.save(ck.name, state, meta={**ck.meta(), "run": self.run_id})
         # The steady-state price: one-time set-up of the first saves (fresh
@@ -325,6 +332,8 @@ class RecordRun(Run):
             return
         self.resume_pending = False
         self.resume = self._latest_checkpoint()
+        if self.resume is not None:
+            self.start_rng = self.resume["state"].get("start_rng")
         where = "the start" if self.resume is None else f"checkpoint {self.resume['name']}"
         print(
             f"hindsight: run {self.run_id} continues from {where} (store {self.store.path})",
@@ -385,9 +394,10 @@ class RecordRun(Run):
         return r is not None and r["epoch"] == i and r["kind"] in ("step", "block")
 
     def _iteration_starts(self, i: int) -> None:
+        super()._iteration_starts(i)
         self.iter_rng = rng_state()
-        if self.objects and self.outer_vars is not None:
-            self.iter_values = self.outer_vars.snapshot()
+        if i == 0:
+            self.start_rng = self.iter_rng
 
     def _skip_block(self, i: int) -> bool:
         resume = self.resume

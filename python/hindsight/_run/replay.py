@@ -22,6 +22,7 @@ from typing import Any
 from hindsight import _native
 from hindsight._run import batches, files
 from hindsight._run.common import Run
+from hindsight._state import capture_grads, set_rng_state
 from hindsight.errors import HindsightError, ReplayError
 
 #: A worker's exit status when what it computed differs from the recording.
@@ -50,6 +51,7 @@ class ReplayRun(Run):
         # the staged values checked so far against the recording.
         self.expected: dict[int, str] = {}
         self.checked_seq = 0
+        self.noted_clock = False
         self.replay_id: int | None = self.plan.replay_id
         recorded_cwd = os.environ.get(files.ENV_RECORDED_CWD)
         if recorded_cwd:
@@ -109,6 +111,26 @@ class ReplayRun(Run):
             raise ReplayError(f"replay plan executes {self.outer_name} {i} without the state before it (a bug)")
         return stale
 
+    def _iteration_starts(self, i: int) -> None:
+        if i == 0 and self.modes.get(0) == "execute":
+            rng = self._recorded_start_rng()
+            if rng is not None:
+                set_rng_state(rng)
+        super()._iteration_starts(i)
+
+    def _recorded_start_rng(self) -> dict[str, Any] | None:
+        """The RNG states the recording's first iteration began with
+        (`RecordRun.start_rng`), from any checkpoint this worker knows."""
+        names = [*self.checkpoints.values(), *(self.plan.state_check(i) for i in self.modes)]
+        name = next((n for n in names if n is not None), None)
+        if name is None:
+            return None
+        try:
+            rng: dict[str, Any] = self.store.load(name, path=["start_rng"])
+        except HindsightError:
+            return None  # recorded before start states were kept
+        return rng
+
     def _skip_block(self, i: int) -> bool:
         if self.modes.get(i) != "restore":
             return False
@@ -143,6 +165,37 @@ class ReplayRun(Run):
             # No inner loop to skip (one step per iteration): the body ran;
             # the state after it is the checkpoint's.
             self._restore(i)
+            return
+        name = self.plan.state_check(i)
+        if name is not None and self.objects:
+            self._check_state(i, name)
+
+    def _check_state(self, i: int, name: str) -> None:
+        """Stop unless the state this worker computed is the one the
+        recording checkpointed at this point (the engine's rule:
+        `checkpoint::compare`). Where it is not, every value computed from
+        here on would be another run's."""
+        state = self.capture()
+        grads = capture_grads(self.objects)
+        if grads is not None:
+            state["grads"] = grads
+        check = self.store.check_state(name, state)
+        if check.notes and not self.noted_clock:
+            self.noted_clock = True
+            n = check.notes[0]
+            print(
+                f"hindsight: note: after {self.outer_name} {i}, the loop variable at '{n.path}' differs from "
+                f"checkpoint {name} ({n.detail}); a float that differs on every run (a clock reading) is not "
+                "compared",
+                file=sys.stderr,
+            )
+        if check.first is not None:
+            d = check.first
+            self._diverged(
+                f"after {self.outer_name} {i}, the state differs from the recorded checkpoint {name} at "
+                f"'{d.path}': {d.detail} (what changes it in this replay and not in the recording is not "
+                "restored or not deterministic)"
+            )
 
     def _end_iteration(self, i: int, closing: bool = False) -> None:
         self.flush_logs()  # the driver may read the logs as soon as it sees the line

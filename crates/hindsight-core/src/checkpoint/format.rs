@@ -390,6 +390,37 @@ impl Manifest {
         Ok(m)
     }
 
+    /// Every chunk id a manifest of this format version may reference, found
+    /// without parsing it (any quoted 64-digit hex string): an
+    /// over-approximation that keeps gc safe around a manifest that does not
+    /// decode. None when the file is not a manifest of this version (a newer
+    /// hindsight's: what it references cannot be known).
+    pub fn scan_chunk_ids(bytes: &[u8]) -> Option<Vec<ChunkId>> {
+        if bytes.len() < 16 || &bytes[..4] != MANIFEST_MAGIC {
+            return None;
+        }
+        if u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]) != FORMAT_VERSION {
+            return None;
+        }
+        let mut ids = Vec::new();
+        let body = &bytes[16..];
+        let mut i = 0;
+        while i + 66 <= body.len() {
+            if body[i] == b'"' && body[i + 65] == b'"' {
+                if let Some(id) = std::str::from_utf8(&body[i + 1..i + 65])
+                    .ok()
+                    .and_then(ChunkId::from_hex)
+                {
+                    ids.push(id);
+                    i += 66;
+                    continue;
+                }
+            }
+            i += 1;
+        }
+        Some(ids)
+    }
+
     /// Structural checks a checksum cannot give (a manifest written by a
     /// buggy or hostile writer): every length with checked arithmetic, the
     /// node grammar (dict keys are scalars or tuples of them), integers,

@@ -1,7 +1,9 @@
 //! Checkpoints: the on-disk format and tree visitor, content fingerprints,
+//! live-state comparison,
 //! names, storage backends, the store (read, gc, verify), the background
 //! writer, the local-first replica, retention and upload.
 
+pub mod compare;
 pub mod fingerprint;
 pub mod format;
 pub mod layout;

@@ -281,6 +281,7 @@ impl Replica {
             total.chunks_removed += r.chunks_removed;
             total.bytes_removed += r.bytes_removed;
             total.staging_files_removed += r.staging_files_removed;
+            total.unreadable.extend(r.unreadable);
         }
         Ok(total)
     }

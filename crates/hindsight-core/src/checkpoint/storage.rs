@@ -116,6 +116,16 @@ impl LocalStorage {
         &self.root
     }
 
+    /// The path of chunk `id`, once its fan-out directory is known not to be
+    /// a link: a save, read, quarantine or delete never goes through one
+    /// (`ln -s /elsewhere chunks/ab` would have saves write there and a
+    /// damaged chunk be moved from there into the store). One `lstat`.
+    fn own_chunk_path(&self, id: &ChunkId) -> Result<PathBuf> {
+        let p = self.chunk_path(id);
+        refuse_symlink(p.parent().unwrap_or(&self.root))?;
+        Ok(p)
+    }
+
     fn lock(&self, op: libc::c_int) -> Result<Box<dyn LockGuard>> {
         let path = self.root.join("gc.lock");
         let f = OpenOptions::new()
@@ -178,8 +188,8 @@ impl Storage for LocalStorage {
     }
 
     fn has_chunk(&self, id: &ChunkId) -> Result<bool> {
-        let p = self.chunk_path(id);
-        match fs::metadata(&p) {
+        let p = self.own_chunk_path(id)?;
+        match fs::symlink_metadata(&p) {
             Ok(_) => Ok(true),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
             Err(e) => Err(Error::io(p, e)),
@@ -189,7 +199,7 @@ impl Storage for LocalStorage {
     fn put_chunk(&self, id: &ChunkId, parts: &[&[u8]]) -> Result<()> {
         let mut dirs = BTreeSet::new();
         durable::write_durable(
-            &self.chunk_path(id),
+            &self.own_chunk_path(id)?,
             &self.tmp,
             parts,
             DirSync::Deferred(&mut dirs),
@@ -202,8 +212,12 @@ impl Storage for LocalStorage {
     }
 
     fn open_chunk(&self, id: &ChunkId) -> Result<Box<dyn Read + Send>> {
-        let p = self.chunk_path(id);
-        match File::open(&p) {
+        let p = self.own_chunk_path(id)?;
+        match OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&p)
+        {
             Ok(f) => Ok(Box::new(f)),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 Err(Error::corrupt(p, "chunk file is missing"))
@@ -213,7 +227,7 @@ impl Storage for LocalStorage {
     }
 
     fn quarantine_chunk(&self, id: &ChunkId) -> Result<()> {
-        let from = self.chunk_path(id);
+        let from = self.own_chunk_path(id)?;
         let dir = self.root.join(layout::QUARANTINE);
         refuse_symlink(&dir)?;
         durable::create_dir_durable(&dir)?;
@@ -257,7 +271,7 @@ impl Storage for LocalStorage {
     }
 
     fn delete_chunk(&self, id: &ChunkId) -> Result<()> {
-        let p = self.chunk_path(id);
+        let p = self.own_chunk_path(id)?;
         match fs::remove_file(&p) {
             Ok(()) => {
                 self.dirty_dirs

@@ -61,6 +61,8 @@ pub struct Usage {
     pub chunks: usize,
     /// Chunks on storage that no checkpoint references (gc would remove them).
     pub unreferenced_chunks: usize,
+    /// Checkpoints whose manifest does not decode, with why: not counted.
+    pub unreadable: Vec<(String, String)>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -68,6 +70,22 @@ pub struct GcReport {
     pub chunks_removed: usize,
     pub bytes_removed: u64,
     pub staging_files_removed: u64,
+    /// Checkpoints whose manifest does not decode, with why: every chunk id
+    /// their bytes name was kept.
+    pub unreadable: Vec<(String, String)>,
+}
+
+/// What the checkpoints of a store reference (see `Store::referenced`).
+#[derive(Default)]
+struct Referenced {
+    /// Checkpoints read.
+    count: usize,
+    /// Their data as if each were stored alone.
+    logical: u64,
+    /// Chunk id -> raw length (0 where only a scan named it).
+    refs: HashMap<ChunkId, u64>,
+    /// (name, why) of manifests that do not decode.
+    unreadable: Vec<(String, String)>,
 }
 
 /// One row of [`Store::describe`]: (key path, kind and detail, bytes).
@@ -466,33 +484,52 @@ impl Store {
         Ok((CHUNK_HEADER_LEN + payload.len()) as u64)
     }
 
-    /// Every chunk referenced by any checkpoint. Fails if a manifest is unreadable,
-    /// because deleting on partial knowledge could destroy live data.
-    fn referenced(&self) -> Result<(usize, u64, HashMap<ChunkId, u64>)> {
-        let mut refs = HashMap::new();
-        let mut logical = 0u64;
-        let mut count = 0;
+    /// Every chunk referenced by any checkpoint. A manifest that does not
+    /// decode is skipped and named, its chunks kept by every id its bytes
+    /// hold ([`Manifest::scan_chunk_ids`]); one that cannot be read, or is
+    /// of another format version, fails the call: deleting on partial
+    /// knowledge could destroy live data.
+    fn referenced(&self) -> Result<Referenced> {
+        let mut r = Referenced::default();
         for name in &self.list()? {
-            let m = match self.manifest(name) {
-                Ok(m) => m,
+            let bytes = match self.storage.get_manifest(name) {
+                Ok(b) => b,
                 // Removed since it was listed (a concurrent `remove`, which takes
                 // no lock): its chunks need no protection.
                 Err(Error::NotFound { .. }) => continue,
                 Err(e) => return Err(e),
             };
-            count += 1;
+            let m = match Manifest::decode(&bytes, &self.storage.manifest_path(name)) {
+                Ok(m) => m,
+                Err(e) => {
+                    let Some(ids) = Manifest::scan_chunk_ids(&bytes) else {
+                        return Err(e);
+                    };
+                    for id in ids {
+                        r.refs.entry(id).or_insert(0);
+                    }
+                    r.unreadable.push((name.clone(), e.to_string()));
+                    continue;
+                }
+            };
+            r.count += 1;
             m.root.for_each_blob(&mut Vec::new(), &mut |_, b| {
-                logical += b.nbytes;
+                r.logical += b.nbytes;
                 for c in &b.chunks {
-                    refs.insert(c.id, c.len);
+                    r.refs.insert(c.id, c.len);
                 }
             });
         }
-        Ok((count, logical, refs))
+        Ok(r)
     }
 
     pub fn usage(&self) -> Result<Usage> {
-        let (checkpoints, logical_bytes, refs) = self.referenced()?;
+        let Referenced {
+            count: checkpoints,
+            logical: logical_bytes,
+            refs,
+            unreadable,
+        } = self.referenced()?;
         let on_disk = self.storage.list_chunks()?;
         let mut stored_bytes: u64 = on_disk.iter().map(|(_, n)| n).sum();
         for name in self.list()? {
@@ -513,6 +550,7 @@ impl Store {
                 .iter()
                 .filter(|(id, _)| !refs.contains_key(id))
                 .count(),
+            unreadable,
         })
     }
 
@@ -521,8 +559,13 @@ impl Store {
     /// first chunk and its commit while chunks are deleted.
     pub fn gc(&self) -> Result<GcReport> {
         let _lock = self.storage.lock_exclusive()?;
-        let (_, _, refs) = self.referenced()?;
-        let mut report = GcReport::default();
+        let Referenced {
+            refs, unreadable, ..
+        } = self.referenced()?;
+        let mut report = GcReport {
+            unreadable,
+            ..GcReport::default()
+        };
         for (id, len) in self.storage.list_chunks()? {
             if !refs.contains_key(&id) {
                 self.storage.delete_chunk(&id)?;

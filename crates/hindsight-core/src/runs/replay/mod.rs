@@ -59,6 +59,19 @@ pub struct WorkerPlan {
     /// writes; they become results only after the driver's check.
     #[serde(default)]
     pub replay_id: Option<i64>,
+    /// Checkpoint name of every iteration it executes that the recording
+    /// checkpointed: the worker compares its state there with it
+    /// ([`check_state`](crate::checkpoint::compare::check_state)).
+    #[serde(default)]
+    pub state_checks: BTreeMap<u64, String>,
+    /// Whether the worker runs as the recording did (its thread count):
+    /// only then is its state bit-identical to a checkpoint's.
+    #[serde(default = "exact_default")]
+    pub exact: bool,
+}
+
+fn exact_default() -> bool {
+    true
 }
 
 impl WorkerPlan {
@@ -79,6 +92,15 @@ impl WorkerPlan {
     /// Iterations the worker visits (restores or executes).
     pub fn visited(&self) -> usize {
         self.modes.len()
+    }
+
+    /// The checkpoint to compare the state with after executing iteration
+    /// `i`, if any: none where the worker does not run exactly as recorded.
+    pub fn state_check(&self, i: u64) -> Option<&str> {
+        let executed = self.modes.get(&i) == Some(&Mode::Execute);
+        (self.exact && executed)
+            .then(|| self.state_checks.get(&i).map(String::as_str))
+            .flatten()
     }
 }
 
@@ -196,8 +218,12 @@ pub fn plan(req: &Request<'_>) -> Result<ReplayPlan> {
     let mut workers = Vec::with_capacity(per_worker.len());
     for (worker, modes) in per_worker.into_iter().enumerate() {
         let mut own = BTreeMap::new();
+        let mut state_checks = BTreeMap::new();
         for (&i, &m) in &modes {
             if m != Mode::Restore {
+                if let Some(name) = checkpoints.get(&i) {
+                    state_checks.insert(i, name.clone());
+                }
                 continue;
             }
             let name = checkpoints.get(&i).ok_or_else(|| Error::NotFound {
@@ -218,6 +244,8 @@ pub fn plan(req: &Request<'_>) -> Result<ReplayPlan> {
             progress_fd: None,
             log_db: None,
             replay_id: None,
+            state_checks,
+            exact: true,
         });
     }
     let plan = ReplayPlan { kind, workers };
@@ -233,6 +261,8 @@ pub fn plan(req: &Request<'_>) -> Result<ReplayPlan> {
 ///   visits the iteration before it (the state it starts from).
 /// - A worker executes an iteration only right after visiting the previous
 ///   one, and restores only iterations it has a checkpoint for.
+/// - A worker that executes an iteration the recording checkpointed
+///   compares its state there with that checkpoint.
 ///
 /// A violation is a planner bug: [`Error::Internal`], never a wrong value.
 pub fn check(req: &Request<'_>, plan: &ReplayPlan) -> Result<()> {
@@ -273,6 +303,14 @@ pub fn check(req: &Request<'_>, plan: &ReplayPlan) -> Result<()> {
             ));
         }
     }
+    // The checkpoint the recording left after iteration i, if still stored.
+    let recorded = |i: u64| {
+        req.iterations
+            .iter()
+            .find(|r| r.idx == i)
+            .and_then(|r| r.checkpoint.as_deref())
+            .filter(|c| req.in_store.contains(*c))
+    };
     for w in &plan.workers {
         for (&i, &mode) in &w.modes {
             match mode {
@@ -286,6 +324,13 @@ pub fn check(req: &Request<'_>, plan: &ReplayPlan) -> Result<()> {
                     return bug(format!(
                         "worker {} restores iteration {i} without a checkpoint",
                         w.worker
+                    ));
+                }
+                Mode::Execute if recorded(i).is_some() && w.state_check(i) != recorded(i) => {
+                    return bug(format!(
+                        "worker {} executes iteration {i} without comparing its state with checkpoint {}",
+                        w.worker,
+                        recorded(i).unwrap_or_default()
                     ));
                 }
                 _ => {}
@@ -468,8 +513,36 @@ mod tests {
         for w in &p.workers {
             for (i, m) in &w.modes {
                 assert_eq!(*m == Mode::Restore, w.checkpoints.contains_key(i));
+                // Every executed iteration proves its state against its checkpoint.
+                let name = format!("r.epoch-{i:06}");
+                let want = (*m == Mode::Execute).then_some(name.as_str());
+                assert_eq!(w.state_check(*i), want);
             }
+            // A worker not running as recorded (another thread count) cannot be bit-exact.
+            let inexact = WorkerPlan {
+                exact: false,
+                ..w.clone()
+            };
+            assert!(inexact
+                .modes
+                .keys()
+                .all(|i| inexact.state_check(*i).is_none()));
         }
+        // A plan whose worker skips a state check is a planner bug.
+        let mut bad = p.clone();
+        bad.workers[1].state_checks.clear();
+        let req = Request {
+            run_id: "r",
+            loop_name: "epoch",
+            iterations: &it,
+            in_store: &store,
+            selected: &[true; 8],
+            needs_inner: true,
+            needs_start: false,
+            workers: 2,
+        };
+        let err = check(&req, &bad).unwrap_err().to_string();
+        assert!(err.contains("without comparing its state"), "{err}");
     }
 
     #[test]

@@ -1,0 +1,376 @@
+//! Is a live state the one a checkpoint holds? A replay worker that
+//! executes an iteration the recording checkpointed compares what it holds
+//! at that point with the checkpoint (issue "never silently wrong": a replay
+//! proves itself or fails). The checkpoint's manifest is the recorded
+//! fingerprint: its chunk ids are BLAKE3 hashes of the raw bytes, so the
+//! live bytes are hashed along the recorded chunk boundaries and nothing is
+//! read from storage.
+//!
+//! The rule, owned here:
+//! - compared: the objects' state, the RNG states, the gradients, the loop
+//!   position and the loop variables (the keys [`COMPARED`]); other keys of
+//!   a checkpoint (when it was taken, files kept with it) are not state a
+//!   replay computes;
+//! - a key the live state has and the checkpoint does not is new code's
+//!   (a variable a probe introduced): not compared; a key the checkpoint has
+//!   and the live state lacks is a difference;
+//! - a float among the loop variables that differs is a note, not a
+//!   failure: wall-clock readings (`end = time.time()`, a meter of batch
+//!   times) differ on every run, while a float a computation produced
+//!   follows from the state compared strictly around it;
+//! - everything else compares exactly: same kind, same value bits, same
+//!   dtype, shape and bytes.
+
+use super::format::{ChunkId, Node};
+
+/// Top-level keys of a run's checkpoint that a replay must reproduce.
+pub const COMPARED: [&str; 5] = ["objects", "rng", "grads", "loop", "vars"];
+/// The top-level key under which float differences are only notes.
+const LENIENT: &str = "vars";
+
+/// One difference between a checkpoint and a live state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Difference {
+    /// Key path (`objects/model/fc.weight`).
+    pub path: String,
+    /// What differs, for a person.
+    pub detail: String,
+}
+
+/// The outcome of [`check_state`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StateCheck {
+    /// The first difference that makes the live state another one.
+    pub first: Option<Difference>,
+    /// Differences that do not (see the module docs), in walk order.
+    pub notes: Vec<Difference>,
+}
+
+/// Compare `live` (a state tree whose blobs are not staged: the `n`-th blob
+/// in [`Node::for_each_blob`] order holds `live_bytes[n]`) with `recorded`,
+/// a checkpoint's root. Stops at the first difference.
+pub fn check_state(recorded: &Node, live: &Node, live_bytes: &[&[u8]]) -> StateCheck {
+    let mut walk = Walk {
+        bytes: live_bytes,
+        next: 0,
+        out: StateCheck::default(),
+        lenient: false,
+    };
+    let mut path = Vec::new();
+    match (recorded, live) {
+        (Node::Dict(rec), Node::Dict(items)) => {
+            for (k, v) in items {
+                let label = k.key_label();
+                let found = rec.iter().find(|(rk, _)| rk == k);
+                match found {
+                    Some((_, r)) if COMPARED.contains(&label.as_str()) => {
+                        walk.lenient = label == LENIENT;
+                        path.push(label);
+                        walk.node(r, v, &mut path);
+                        path.pop();
+                        if walk.out.first.is_some() {
+                            break;
+                        }
+                    }
+                    _ => walk.skip(v),
+                }
+            }
+            if walk.out.first.is_none() {
+                for (k, _) in rec {
+                    let label = k.key_label();
+                    if COMPARED.contains(&label.as_str()) && !items.iter().any(|(lk, _)| lk == k) {
+                        walk.differ(&[label], "the checkpoint has it, the live state does not");
+                        break;
+                    }
+                }
+            }
+        }
+        _ => walk.node(recorded, live, &mut path),
+    }
+    walk.out
+}
+
+struct Walk<'a> {
+    bytes: &'a [&'a [u8]],
+    /// Index of the next live blob (walk order of the live tree).
+    next: usize,
+    out: StateCheck,
+    lenient: bool,
+}
+
+impl Walk<'_> {
+    fn differ(&mut self, path: &[String], detail: impl Into<String>) {
+        self.out.first = Some(Difference {
+            path: path.join("/"),
+            detail: detail.into(),
+        });
+    }
+
+    /// A live sub-tree that is not compared: its blobs still count.
+    fn skip(&mut self, live: &Node) {
+        live.for_each_blob(&mut Vec::new(), &mut |_, _| self.next += 1);
+    }
+
+    fn take_bytes(&mut self) -> &[u8] {
+        let b = self.bytes.get(self.next).copied().unwrap_or(&[]);
+        self.next += 1;
+        b
+    }
+
+    /// Whether the next live blob holds what the recorded blob's chunks name.
+    fn same_bytes(&mut self, recorded: &super::format::Blob) -> bool {
+        let live = self.take_bytes();
+        if live.len() as u64 != recorded.nbytes {
+            return false;
+        }
+        let mut off = 0usize;
+        for c in &recorded.chunks {
+            let Some(seg) = live.get(off..off + c.len as usize) else {
+                return false;
+            };
+            if ChunkId::of(seg) != c.id {
+                return false;
+            }
+            off += c.len as usize;
+        }
+        off == live.len()
+    }
+
+    fn node(&mut self, rec: &Node, live: &Node, path: &mut Vec<String>) {
+        if self.out.first.is_some() {
+            return;
+        }
+        match (rec, live) {
+            (Node::Dict(r), Node::Dict(l)) => {
+                for (k, v) in l {
+                    match r.iter().find(|(rk, _)| rk == k) {
+                        Some((_, rv)) => {
+                            path.push(k.key_label());
+                            self.node(rv, v, path);
+                            path.pop();
+                        }
+                        None => self.skip(v),
+                    }
+                    if self.out.first.is_some() {
+                        return;
+                    }
+                }
+                if let Some((k, _)) = r.iter().find(|(rk, _)| !l.iter().any(|(lk, _)| lk == rk)) {
+                    path.push(k.key_label());
+                    self.differ(path, "the checkpoint has it, the live state does not");
+                    path.pop();
+                }
+            }
+            (Node::List(r), Node::List(l)) | (Node::Tuple(r), Node::Tuple(l)) => {
+                if r.len() != l.len() {
+                    for v in l {
+                        self.skip(v);
+                    }
+                    return self.differ(
+                        path,
+                        format!("{} items recorded, {} live", r.len(), l.len()),
+                    );
+                }
+                for (i, (rv, lv)) in r.iter().zip(l).enumerate() {
+                    path.push(i.to_string());
+                    self.node(rv, lv, path);
+                    path.pop();
+                    if self.out.first.is_some() {
+                        return;
+                    }
+                }
+            }
+            (Node::Array(r), Node::Array(l)) => {
+                if r.lib != l.lib || r.dtype != l.dtype || r.shape != l.shape {
+                    self.next += 1;
+                    return self.differ(
+                        path,
+                        format!(
+                            "recorded a {:?} {} array of shape {:?}, live a {:?} {} of shape {:?}",
+                            r.lib, r.dtype, r.shape, l.lib, l.dtype, l.shape
+                        ),
+                    );
+                }
+                if !self.same_bytes(&r.data) {
+                    self.differ(
+                        path,
+                        format!(
+                            "the {} values of shape {:?} differ from the recorded ones",
+                            r.dtype, r.shape
+                        ),
+                    );
+                }
+            }
+            (Node::Bytes(r), Node::Bytes(_)) | (Node::Pickle(r), Node::Pickle(_)) => {
+                if !self.same_bytes(r) {
+                    self.differ(
+                        path,
+                        format!("the {} differ from the recorded ones", rec.kind()),
+                    );
+                }
+            }
+            (Node::Float(r), Node::Float(l)) if r != l => {
+                let detail = format!(
+                    "recorded {}, live {}",
+                    f64::from_bits(*r),
+                    f64::from_bits(*l)
+                );
+                if self.lenient {
+                    self.out.notes.push(Difference {
+                        path: path.join("/"),
+                        detail,
+                    });
+                } else {
+                    self.differ(path, detail);
+                }
+            }
+            (Node::Float(_), Node::Float(_)) => {}
+            (r, l) if r.kind() != l.kind() => {
+                self.skip(l);
+                self.differ(
+                    path,
+                    format!("recorded a {}, live a {}", r.kind(), l.kind()),
+                );
+            }
+            (r, l) => {
+                if r != l {
+                    self.differ(path, format!("recorded {}, live {}", scalar(r), scalar(l)));
+                }
+            }
+        }
+    }
+}
+
+fn scalar(n: &Node) -> String {
+    match n {
+        Node::Str(s) => format!("{s:?}"),
+        other => other.key_label(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::format::{Array, ArrayLib, Blob, ChunkRef};
+
+    fn s(x: &str) -> Node {
+        Node::Str(x.into())
+    }
+
+    /// A recorded array blob of `bytes`, cut into chunks of `chunk` bytes.
+    fn recorded_array(bytes: &[u8], chunk: usize) -> Node {
+        let chunks = bytes
+            .chunks(chunk)
+            .map(|c| ChunkRef {
+                id: ChunkId::of(c),
+                len: c.len() as u64,
+            })
+            .collect();
+        array(Blob {
+            nbytes: bytes.len() as u64,
+            chunks,
+            pending: None,
+        })
+    }
+
+    fn array(data: Blob) -> Node {
+        Node::Array(Box::new(Array {
+            lib: ArrayLib::Torch,
+            dtype: "float32".into(),
+            shape: vec![2, 2],
+            byte_order: "little".into(),
+            device: None,
+            data,
+        }))
+    }
+
+    fn state(weight: Node, step: i64, clock: f64) -> Node {
+        Node::Dict(vec![
+            (s("at"), s("block")),
+            (
+                s("objects"),
+                Node::Dict(vec![(
+                    s("model"),
+                    Node::Dict(vec![(s("fc.weight"), weight)]),
+                )]),
+            ),
+            (s("loop"), Node::List(vec![Node::Int(step)])),
+            (
+                s("vars"),
+                Node::Dict(vec![(s("end"), Node::Float(clock.to_bits()))]),
+            ),
+        ])
+    }
+
+    const W: [u8; 16] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16];
+
+    #[test]
+    fn the_same_state_passes_whatever_the_chunk_boundaries() {
+        let rec = state(recorded_array(&W, 5), 3, 1.5);
+        let live = state(array(Blob::default()), 3, 1.5);
+        assert_eq!(check_state(&rec, &live, &[&W]), StateCheck::default());
+    }
+
+    #[test]
+    fn a_changed_tensor_is_named_by_its_key_path() {
+        let rec = state(recorded_array(&W, 5), 3, 1.5);
+        let live = state(array(Blob::default()), 3, 1.5);
+        let mut other = W;
+        other[15] ^= 1;
+        let d = check_state(&rec, &live, &[&other]).first.unwrap();
+        assert_eq!(d.path, "objects/model/fc.weight");
+        assert!(d.detail.contains("float32"), "{}", d.detail);
+        // A truncated buffer differs too (not a panic, not a pass).
+        let d = check_state(&rec, &live, &[&W[..12]]).first.unwrap();
+        assert_eq!(d.path, "objects/model/fc.weight");
+    }
+
+    #[test]
+    fn scalars_and_missing_keys_differ_but_new_keys_and_clock_floats_do_not_fail() {
+        let rec = state(recorded_array(&W, 16), 3, 1.5);
+        let live = state(array(Blob::default()), 4, 1.5);
+        let d = check_state(&rec, &live, &[&W]).first.unwrap();
+        assert_eq!(
+            (d.path.as_str(), d.detail.as_str()),
+            ("loop/0", "recorded 3, live 4")
+        );
+
+        // A float among the loop variables: a note.
+        let live = state(array(Blob::default()), 3, 2.5);
+        let c = check_state(&rec, &live, &[&W]);
+        assert_eq!(c.first, None);
+        assert_eq!(c.notes.len(), 1);
+        assert_eq!(c.notes[0].path, "vars/end");
+
+        // A key only the live state has (a probe's variable; a top-level key
+        // that is not state) is not compared, and its blobs are skipped in order.
+        let Node::Dict(mut items) = state(array(Blob::default()), 3, 1.5) else {
+            unreachable!()
+        };
+        items.insert(0, (s("files"), Node::Bytes(Blob::default())));
+        let live = Node::Dict(items);
+        assert_eq!(check_state(&rec, &live, &[b"xx", &W]).first, None);
+
+        // A key the checkpoint has and the live state lacks is a difference.
+        let live = Node::Dict(vec![(s("loop"), Node::List(vec![Node::Int(3)]))]);
+        let d = check_state(&rec, &live, &[]).first.unwrap();
+        assert_eq!(d.path, "objects");
+    }
+
+    #[test]
+    fn a_float_outside_the_loop_variables_and_a_kind_change_are_failures() {
+        let mk = |v: Node| Node::Dict(vec![(s("rng"), Node::Dict(vec![(s("x"), v)]))]);
+        let d = check_state(
+            &mk(Node::Float(1f64.to_bits())),
+            &mk(Node::Float(2f64.to_bits())),
+            &[],
+        )
+        .first
+        .unwrap();
+        assert_eq!(d.path, "rng/x");
+        let d = check_state(&mk(Node::Int(1)), &mk(Node::Float(1f64.to_bits())), &[])
+            .first
+            .unwrap();
+        assert_eq!(d.detail, "recorded a int, live a float");
+    }
+}
