@@ -29,6 +29,8 @@ __all__ = [
     "ReplayCheck",
     "ReplayPlan",
     "SaveHandle",
+    "StateCheck",
+    "StateDifference",
     "Store",
     "UnitWork",
     "WorkerPlan",
@@ -347,6 +349,7 @@ class StateDifference:
     @property
     def detail(self) -> str: ...
 
+@final
 class StateCheck:
     """A live state compared with a checkpoint (`Store.check_state`)."""
 
@@ -355,6 +358,7 @@ class StateCheck:
     @property
     def notes(self) -> list[StateDifference]: ...
 
+@final
 class WorkerPlan:
     """What one replay worker does; its JSON is the worker protocol."""
 

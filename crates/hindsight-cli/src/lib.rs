@@ -290,9 +290,7 @@ fn execute(cli: Cli, out: &mut String, err: &mut dyn Write) -> Result<i32, Failu
             Ok(code)
         }
         Command::Gc { store_dir } => cmd_gc(&places.open_store(store_dir)?, out, err),
-        Command::Du { store_dir, json } => {
-            cmd_du(&places.open_store(store_dir)?, json, out, err)
-        }
+        Command::Du { store_dir, json } => cmd_du(&places.open_store(store_dir)?, json, out, err),
         Command::Runs { limit, json } => runcmds::cmd_runs(&places.open_db()?, limit, json, out),
         Command::Logs {
             run,
@@ -685,7 +683,11 @@ fn cmd_gc(store: &Store, out: &mut String, err: &mut dyn Write) -> Result<i32, F
         human_size(report.bytes_removed),
         plural(report.staging_files_removed, "staging file")
     );
-    Ok(name_unreadable(&report.unreadable, "every chunk it names was kept", err))
+    Ok(name_unreadable(
+        &report.unreadable,
+        "every chunk it names was kept",
+        err,
+    ))
 }
 
 /// Name each checkpoint a store-wide command skipped; the exit code.
@@ -703,7 +705,12 @@ fn name_unreadable(unreadable: &[(String, String)], kept: &str, err: &mut dyn Wr
     }
 }
 
-fn cmd_du(store: &Store, json: bool, out: &mut String, err: &mut dyn Write) -> Result<i32, Failure> {
+fn cmd_du(
+    store: &Store,
+    json: bool,
+    out: &mut String,
+    err: &mut dyn Write,
+) -> Result<i32, Failure> {
     let u = store.usage()?;
     let code = name_unreadable(&u.unreadable, "not counted", err);
     let ratio = (u.stored_bytes > 0).then(|| u.logical_bytes as f64 / u.stored_bytes as f64);

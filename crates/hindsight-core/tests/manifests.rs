@@ -303,7 +303,11 @@ fn store_wide_operations_skip_and_name_a_manifest_that_does_not_decode() {
     assert_eq!(u.checkpoints, 0);
     assert_eq!(u.unreadable.len(), 1);
     assert_eq!(u.unreadable[0].0, "deep");
-    assert!(u.unreadable[0].1.contains("does not parse"), "{:?}", u.unreadable);
+    assert!(
+        u.unreadable[0].1.contains("does not parse"),
+        "{:?}",
+        u.unreadable
+    );
     assert_eq!(u.unreferenced_chunks, 0, "its chunks count as referenced");
 
     let r = store.gc().unwrap();
