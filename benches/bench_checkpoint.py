@@ -16,6 +16,9 @@ C  compression: 128 MiB float32 (random normal) and bfloat16 weights,
 D  proving a tensor unchanged: saves of a 1 GiB state that did not change
    (every byte is fingerprinted before a tensor may be skipped), per GiB,
    against the copy a skip avoids and against torch.save.
+E  a save while gc runs: a store of E_CHECKPOINTS small checkpoints, gc in a
+   loop on another thread, the durable time of saves made meanwhile against
+   the same saves with no gc (a save waits for gc only while it deletes).
 
 Page caches cannot be dropped reliably here, so loads read warm files (for
 both sides) and, before every timed save, ``os.sync()`` (untimed) flushes
@@ -429,11 +432,57 @@ def case_d(tab: Table, raw: dict[str, Any]) -> None:
     gc.collect()
 
 
+E_CHECKPOINTS = 3000
+E_SAVES = 40
+
+
+def case_e(tab: Table, raw: dict[str, Any]) -> None:
+    import threading
+
+    tab.section(f"E: a save while gc runs over {E_CHECKPOINTS} checkpoints (no torch equivalent: vs no gc)")
+    store = hindsight.Store(OUT / "hs-e")
+    gen = torch.Generator().manual_seed(5)
+    for i in range(E_CHECKPOINTS):
+        store.save(f"e{i:05d}", {"w": torch.randn(64, generator=gen), "step": i})
+    store.flush()
+    t0 = now()
+    store.gc()
+    gc_pass = now() - t0
+
+    def saves(tag: str) -> list[float]:
+        out = []
+        for i in range(E_SAVES):
+            t = now()
+            store.save(f"{tag}{i:03d}", {"w": torch.randn(64, generator=gen)}).wait()
+            out.append(now() - t)
+        return out
+
+    alone = saves("alone")
+    stop = threading.Event()
+    passes = [0]
+
+    def gc_loop() -> None:
+        while not stop.is_set():
+            store.gc()
+            passes[0] += 1
+
+    th = threading.Thread(target=gc_loop)
+    th.start()
+    during = saves("during")
+    stop.set()
+    th.join()
+    store.close()
+    raw.update(e_gc_pass_s=gc_pass, e_alone_s=alone, e_during_s=during, e_gc_passes=passes[0])
+    tab.add("one gc pass", gc_pass, None, note=f"{E_CHECKPOINTS} manifests")
+    tab.add("save until durable, median: during gc vs alone", statistics.median(during), statistics.median(alone))
+    tab.add("save until durable, worst: during gc vs alone", max(during), max(alone), note=f"{passes[0]} gc passes")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--keep", action="store_true", help="leave bench-out/checkpoint/ in place")
-    ap.add_argument("--only", default="ABCD", help="cases to run (default ABCD)")
+    ap.add_argument("--only", default="ABCDE", help="cases to run (default ABCDE)")
     args = ap.parse_args()
 
     shutil.rmtree(OUT, ignore_errors=True)
@@ -457,7 +506,7 @@ def main() -> int:
 
         tab = Table()
         raw: dict[str, Any] = {}
-        cases = {"A": case_a, "B": case_b, "C": case_c, "D": case_d}
+        cases = {"A": case_a, "B": case_b, "C": case_c, "D": case_d, "E": case_e}
         for c in args.only.upper():
             t0 = now()
             cases[c](tab, raw)

@@ -221,3 +221,31 @@ def test_a_parser_with_required_positional_and_subcommand_arguments_replays(tmp_
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == [[e, 12.0 * (e + 1), "cifar|True|[8, 16]|train"] for e in range(3)]
+
+
+HELPFUL = """
+import argparse, hindsight as hs
+p = argparse.ArgumentParser()
+p.add_argument("--epochs", type=int, required=True)
+args = hs.args(p)
+for e in hs.loop("epoch", range(args.epochs)):
+    hs.log("e", e)
+"""
+
+
+def test_help_and_a_refused_command_line_create_no_run(tmp_path: Path) -> None:
+    """Issue 22: `python train.py --help` left a completed run with no
+    iterations, which became "the latest run" that replay then failed on."""
+    for argv, code in ((["--help"], 0), ([], 2), (["--epochs", "x"], 2)):
+        r = _run_script(tmp_path, HELPFUL, *argv)
+        assert r.returncode == code, r.stderr
+    r = subprocess.run(
+        [*hindsight_cmd(), "--home", str(tmp_path / "home"), "runs", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [], r.stdout
+    r = _run_script(tmp_path, HELPFUL, "--epochs", "2")
+    assert r.returncode == 0, r.stderr

@@ -153,3 +153,36 @@ def test_errors_carry_their_subject_as_attributes(store_dir):
     with pytest.raises(hs.InvalidArgumentError) as compression:
         hs.Store(store_dir.parent / "other", compression="lz4")
     assert compression.value.arg == "compression"
+
+
+def test_dataframe_refuses_a_damaged_log_database_as_the_cli_does(tmp_path: Path) -> None:
+    """Issue 22: `hs.dataframe` skipped the check `hindsight logs` runs and
+    answered from a damaged database. One read path, one check (core's
+    `LogDb::open_checked`)."""
+    import sqlite3
+    import sys
+
+    script = tmp_path / "t.py"
+    script.write_text(
+        "import hindsight as hs\nfor e in hs.loop('epoch', range(3)):\n    hs.log('loss', 1.0 / (e + 1))\n"
+    )
+    env = {**os.environ, "HINDSIGHT_HOME": str(tmp_path / ".hindsight")}
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    read = [sys.executable, "-c", "import hindsight as hs; print(len(hs.dataframe('loss')))"]
+    ok = subprocess.run(read, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout.strip() == "3", ok.stderr
+    # A row no run owns (damage, or a writer that bypassed the foreign keys).
+    con = sqlite3.connect(tmp_path / ".hindsight" / "logs.db")
+    con.execute("PRAGMA foreign_keys = OFF")
+    con.execute(
+        "INSERT INTO logs (run_id, name, ctx, value, phase, seq, created_ms) "
+        "VALUES ('no-such-run', 'loss', '{}', '9', 'record', 99, 0)"
+    )
+    con.commit()
+    con.close()
+    bad = subprocess.run(read, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0
+    assert "CorruptError" in bad.stderr and "logs.db" in bad.stderr, bad.stderr
+    cli = subprocess.run([*hindsight_cmd(), "logs", "loss"], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert cli.returncode != 0 and "belong to no run" in cli.stderr, cli.stderr

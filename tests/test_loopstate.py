@@ -230,6 +230,48 @@ def test_a_loop_variable_that_cannot_be_checkpointed_is_refused_at_record_unless
         assert "_io.StringIO cannot be checkpointed" in r.stderr and 'transient=["report"]' in r.stderr
 
 
+UNKEPT = """
+import threading, torch, hindsight as hs
+
+class Bar:  # a progress bar's shape: a counter, and a lock no checkpoint holds
+    def __init__(self):
+        self.n, self.lock = 0, threading.Lock()
+    def update(self):
+        with self.lock:
+            self.n += 1
+
+net = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+bar = Bar()
+with hs.checkpointing(model=net, optimizer=opt):
+    for epoch in hs.loop("epoch", range(2)):
+        for step in hs.loop("step", range(3)):
+            opt.zero_grad()
+            net(torch.ones(1, 2)).sum().backward()
+            opt.step()
+            bar.update()
+print("bar", bar.n)
+"""
+
+
+def test_an_object_the_loop_changes_through_methods_that_no_checkpoint_keeps_is_named(tmp_path: Path) -> None:
+    """Not refused (progress bars and summary writers are such objects), but
+    no longer left out silently: the run's closing note names it and why."""
+    script = tmp_path / "t.py"
+    script.write_text(UNKEPT)
+    r = subprocess.run(
+        [sys.executable, str(script)],
+        env={**os.environ, "HINDSIGHT_HOME": str(tmp_path / "home"), "HINDSIGHT_CHECKPOINT_EVERY": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "bar 6" in r.stdout
+    assert "note: not in this run's checkpoints: 'bar' (Bar: " in r.stderr, r.stderr
+    assert "lock" in r.stderr.split("not in this run's checkpoints", 1)[1], r.stderr
+
+
 def test_a_variable_aliasing_a_checkpointed_object_is_not_restored_as_a_copy():
     from hindsight._run.loopvars import _storages
 
@@ -394,6 +436,62 @@ def test_objects_a_loop_changes_through_methods_resume_in_place(tmp_path, at):
     only has a state_dict: a signal mid-run resumes all of them exactly."""
     ref, out = interrupted_and_reference(tmp_path, OBJECTS, at, ".json")
     want, got = json.loads(ref.read_text()), json.loads(out.read_text())
+    assert got == want
+
+
+# The DDP tutorial's single-process shape (pytorch/examples
+# distributed/ddp-tutorial-series): a Trainer holding the model, the
+# optimizer and the DataLoader on `self`, the loops in its methods, a
+# counter and a history on `self`.
+TRAINER = """\
+import json, os, signal, sys
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+import hindsight as hs
+
+
+class Trainer:
+    def __init__(self, model, train_data, optimizer):
+        self.model, self.train_data, self.optimizer = model, train_data, optimizer
+        self.steps_run, self.losses = 0, []
+
+    def _run_epoch(self, epoch):
+        for source, targets in hs.loop("step", self.train_data):
+            self.optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(self.model(source), targets)
+            loss.backward()
+            self.optimizer.step()
+            self.steps_run += 1
+            self.losses.append(round(loss.item(), 6))
+            if os.environ.get("SIGNAL_AT") == f"{epoch}.{self.steps_run % 4}" and not os.path.exists(os.environ["MARK"]):
+                open(os.environ["MARK"], "w").close()
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    def train(self, max_epochs):
+        for epoch in hs.loop("epoch", range(max_epochs)):
+            self._run_epoch(epoch)
+
+
+torch.manual_seed(0)
+ds = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+trainer = Trainer(model, DataLoader(ds, batch_size=8, shuffle=True), opt)
+with hs.checkpointing(model=model, optimizer=opt):
+    trainer.train(3)
+with open(sys.argv[1], "w") as f:
+    json.dump({"steps": trainer.steps_run, "losses": trainer.losses, "w": model.weight.flatten().tolist()}, f)
+"""
+
+
+@pytest.mark.parametrize("at", ["1.2", "2.0"])
+def test_a_trainer_holding_its_dataloader_on_self_resumes_its_counters(tmp_path, at):
+    """`self` (changed through `self._run_epoch`) used to be left out whole
+    because of its DataLoader: `steps_run` and `losses` restarted from the
+    values the code before the loop made."""
+    ref, out = interrupted_and_reference(tmp_path, TRAINER, at, ".json")
+    want, got = json.loads(ref.read_text()), json.loads(out.read_text())
+    assert want["steps"] == 12
     assert got == want
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -663,3 +664,39 @@ def test_a_probe_whose_line_never_runs_is_named_not_passed_silently(tmp_path: Pa
     r = replay(script, home)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "the replay produced no value of 'never'" in r.stderr, r.stderr
+
+
+def test_a_copied_project_reads_its_own_store_and_a_moved_one_still_replays(tmp_path: Path, reference: Path) -> None:
+    """Issue 22: run rows hold absolute paths, so `cp -r proj proj2` replayed
+    from proj's checkpoints, and `mv proj proj3` found no recorded run."""
+    script, _ = record_project(tmp_path / "proj")
+    def only(home: Path, name: str) -> dict[tuple, object]:
+        return {ctx: v[name] for ctx, v in values(home, name).items() if name in v}
+
+    want = only(reference, "weight_norm")
+    assert len(want) == 5
+    shutil.copytree(tmp_path / "proj", tmp_path / "proj2")
+    # The original's checkpoints go: the copy must not need them.
+    shutil.rmtree(tmp_path / "proj" / ".hindsight" / "store")
+    copy = tmp_path / "proj2" / "train.py"
+    edit(copy, OUTER_PROBE)
+    r = replay(copy, tmp_path / "proj2" / ".hindsight")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert only(tmp_path / "proj2" / ".hindsight", "weight_norm") == want
+
+    # Moved: found by its path in the project, replayed where it is now.
+    (tmp_path / "proj2").rename(tmp_path / "proj3")
+    moved = tmp_path / "proj3" / "train.py"
+    edit(moved, INNER_PROBE)
+    r = replay(moved, tmp_path / "proj3" / ".hindsight", "-j", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert only(tmp_path / "proj3" / ".hindsight", "grad_norm") == only(reference, "grad_norm")
+
+    # The original, whose store is gone: said once, naming it, and every
+    # iteration re-executed (issue 22: it used to say nothing).
+    edit(script, OUTER_PROBE)
+    r = replay(script, tmp_path / "proj" / ".hindsight")
+    assert r.returncode == 0, r.stdout + r.stderr
+    gone = f"its checkpoint store is not at {tmp_path / 'proj' / '.hindsight' / 'store'}"
+    assert r.stderr.count(gone) == 1, r.stderr
+    assert only(tmp_path / "proj" / ".hindsight", "weight_norm") == want

@@ -167,9 +167,7 @@ def _open(home: str | None) -> tuple[Any, Any]:
     paths = _native.project_paths(str(Path.cwd()), str(Path(home).resolve()) if home else None)
     if not Path(paths.db).exists():
         raise NotFoundError(f"no hindsight project at {paths.home} (no {Path(paths.db).name})")
-    db = _native.LogDb(str(paths.db))
-    db.check_integrity()
-    return db, paths
+    return _native.LogDb(str(paths.db), checked=True), paths
 
 
 def _runs(db: Any, which: list[str]) -> list[str]:

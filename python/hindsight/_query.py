@@ -16,7 +16,7 @@ def _db() -> Any:
     paths = _native.project_paths(str(_run._script_path().parent))
     if not Path(paths.db).exists():
         raise NotFoundError(f"no hindsight project at {paths.home} (no {Path(paths.db).name}); record a run first")
-    return _native.LogDb(str(paths.db))
+    return _native.LogDb(str(paths.db), checked=True)  # answers from a damaged database would be wrong
 
 
 def dataframe(*names: str, run: str | list[str] | None = None, args: bool = False) -> Any:

@@ -223,17 +223,19 @@ def replay(args: argparse.Namespace) -> int:
     home, db_path = Path(paths.home), Path(paths.db)
     if not db_path.exists():
         raise NotFoundError(f"no hindsight project at {home} (no {db_path.name}): record a run of {args.script} first")
-    db = _native.LogDb(str(db_path))
+    db = _native.LogDb(str(db_path), checked=True)  # replay must not plan from a damaged database
+    # Run rows hold absolute paths; read from where the project is now (it
+    # may have been moved or copied: the engine's runs::relocate).
+    root = home.parent
     if args.runs or args.since:
-        runs = _runs_of(db, script, args.runs or ["all"], args.since)
+        runs = _runs_of(db, script, root, args.runs or ["all"], args.since)
     elif args.run:
-        runs = [db.run(r) for r in args.run]
+        runs = [db.run_at(r, root) for r in args.run]
     else:
-        latest = db.latest_run(str(script))
-        if latest is None:
+        of_script = db.runs_of(str(script), str(root))
+        if not of_script:
             raise NotFoundError(f"no recorded run of {script} in {home}")
-        runs = [latest]
-    db.check_integrity()  # replay must not plan from a damaged database
+        runs = of_script[:1]
     current = _read_script(script)
     status = 0
     names_at: dict[str, set[str]] = {}
@@ -243,6 +245,14 @@ def replay(args: argparse.Namespace) -> int:
         for run in runs:
             # Each run's checkpoints are where it wrote them (recorded in logs.db).
             location = run.get("store") or str(paths.store)
+            if location not in names_at and "://" not in location and not Path(location).is_dir():
+                print(
+                    f"note: run {run['id']}: its checkpoint store is not at {location} (removed, or a store outside "
+                    "a project that moved): every iteration is re-executed, none restored from or checked against "
+                    "a checkpoint",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if location not in names_at:
                 names_at[location] = set(_native.checkpoint_names(location))
             try:
@@ -326,18 +336,12 @@ def _threads(args: argparse.Namespace, jobs: list[RunJob]) -> int:
     return budget
 
 
-def _runs_of(db: Any, script: Path, which: list[str], since: str | None) -> list[dict[str, Any]]:
+def _runs_of(db: Any, script: Path, root: Path, which: list[str], since: str | None) -> list[dict[str, Any]]:
     """`--runs all|ID...` and `--since DATE`: recorded runs of `script`, oldest first."""
     if which != ["all"]:
-        runs = [db.run(r) for r in which]
+        runs = [db.run_at(r, str(root)) for r in which]
     else:
-        # The script as recorded (relative to its project root), wherever the project is now.
-        runs = [
-            r
-            for r in db.runs()
-            if r["status"] != "running"
-            and (r["script_abs"] == str(script) or str(script).endswith(os.sep + r["script"]))
-        ]
+        runs = [r for r in db.runs_of(str(script), str(root)) if r["status"] != "running"]
     if since is not None:
         after = _native.parse_date(since)
         runs = [r for r in runs if (r.get("started_ms") or 0) >= after]
@@ -411,7 +415,7 @@ def _prepare(
     cwd = (
         versions.get("cwd")
         if versions.get("cwd") and Path(versions["cwd"]).is_dir()
-        else str(Path(run["script_abs"]).parent)
+        else str(script.parent)  # the recorded directory is gone: the script's, as it is now
     )
     # The script as it is now (the one analysed), which may be a copy of the
     # recorded one elsewhere, run in the recorded directory.

@@ -304,12 +304,15 @@ fn execute(cli: Cli, out: &mut String, err: &mut dyn Write) -> Result<i32, Failu
             backoff,
             command,
         } => {
+            // At most a year: any longer is a typo, and a deadline that far
+            // cannot be computed on every platform.
+            const MAX_SECONDS: f64 = 365.0 * 24.0 * 3600.0;
             let seconds = |arg: &str, v: f64| {
-                if v.is_finite() && v >= 0.0 {
+                if (0.0..=MAX_SECONDS).contains(&v) {
                     Ok(Duration::from_secs_f64(v))
                 } else {
                     Err(Failure::Usage(format!(
-                        "--{arg} {v}: give a number of seconds"
+                        "--{arg} {v}: give a number of seconds from 0 to {MAX_SECONDS} (a year)"
                     )))
                 }
             };
@@ -384,13 +387,11 @@ impl Places {
     fn open_db(&self) -> Result<LogDb, Failure> {
         let home = self.home();
         let path = home::db_path(&home);
+        home::check_home(&home)?;
         if !path.is_file() {
             return Err(no_project(&home));
         }
-        let db = LogDb::open(&path)?;
-        // Answers from a damaged database would be silently wrong.
-        db.check_integrity()?;
-        Ok(db)
+        Ok(LogDb::open_checked(&path)?)
     }
 }
 
@@ -411,10 +412,7 @@ fn cmd_show_any(
     let db_path = home::db_path(&places.home());
     let mut db_problem = None;
     if db_path.is_file() {
-        let found = LogDb::open(&db_path).and_then(|db| {
-            db.check_integrity()?;
-            db.run(name).map(|run| (db, run))
-        });
+        let found = LogDb::open_checked(&db_path).and_then(|db| db.run(name).map(|run| (db, run)));
         match found {
             Ok((db, run)) => return runcmds::cmd_show_run(&db, &run, out),
             Err(hindsight_core::Error::NotFound { .. }) => {}

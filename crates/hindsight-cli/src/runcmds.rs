@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
 
+use hindsight_core::runs::resume::{status_now, Here};
 use hindsight_core::{Error, LogDb, LogValue, Phase, RunRow, RunStatus};
 use serde_json::json;
 
@@ -128,12 +129,13 @@ pub(crate) fn cmd_runs(
         return Ok(EXIT_OK);
     }
     let differing = differing_args(&runs);
+    let here = Here::current();
     let rows: Vec<Vec<String>> = runs
         .iter()
         .map(|r| {
             vec![
                 r.id.clone(),
-                r.status.to_string(),
+                status_now(r, &here).to_string(),
                 format_utc(r.started_ms),
                 run_duration(r),
                 r.script.clone(),
@@ -163,7 +165,7 @@ fn run_json(r: &RunRow) -> String {
     };
     Object::new()
         .value("id", &json!(r.id))
-        .value("status", &json!(r.status.as_str()))
+        .value("status", &json!(status_now(r, &Here::current()).as_str()))
         .value("script", &json!(r.script))
         .value("script_abs", &json!(r.script_abs))
         .value("project_root", &json!(r.project_root))
@@ -188,7 +190,7 @@ fn run_json(r: &RunRow) -> String {
 
 /// The newest run; an error when there is none.
 fn latest_run(db: &LogDb) -> Result<RunRow, Failure> {
-    db.latest_run(None)?.ok_or_else(|| {
+    db.latest_run()?.ok_or_else(|| {
         Failure::Failed(format!(
             "no runs recorded in {}: run a script that uses hindsight first",
             db.path().display()
@@ -368,7 +370,7 @@ fn indent_rest(text: &str, by: usize) -> String {
 
 pub(crate) fn cmd_show_run(db: &LogDb, run: &RunRow, out: &mut String) -> Result<i32, Failure> {
     outln!(out, "run         {}", run.id);
-    outln!(out, "status      {}", run.status);
+    outln!(out, "status      {}", status_now(run, &Here::current()));
     outln!(out, "script      {}", run.script);
     if run.script_abs != run.script && !run.script_abs.is_empty() {
         outln!(out, "script path {}", run.script_abs);

@@ -627,3 +627,24 @@ fn an_s3_url_without_s3_support_is_a_clear_error() {
         o.stderr
     );
 }
+
+/// Issue 22: `--backoff 1e300` ended in a Rust panic (a duration too large
+/// to represent). Every duration is checked where it is parsed.
+#[test]
+fn a_duration_out_of_range_is_a_usage_error_not_a_panic() {
+    for args in [
+        ["run", "--backoff", "1e300", "--", "true"],
+        ["run", "--hang-timeout", "1e300", "--", "true"],
+        ["run", "--backoff", "-1", "--", "true"],
+        ["run", "--backoff", "inf", "--", "true"],
+    ] {
+        let o = hindsight_env(&args, None, None);
+        assert_eq!(o.code, 2, "{args:?}: {}", o.stderr);
+        assert!(
+            o.stderr.contains("give a number of seconds"),
+            "{args:?}: {}",
+            o.stderr
+        );
+        assert!(!o.stderr.contains("panicked"), "{}", o.stderr);
+    }
+}

@@ -327,6 +327,12 @@ fn commands_without_a_project_fail_with_code_1() {
     }
     // The CLI never creates a project.
     assert!(!p.home.exists());
+    // A home that is a file is named as such (issue 22: it read "no project").
+    std::fs::write(&p.home, b"").unwrap();
+    let msg = "error: invalid project home: <HOME> is a file, not a directory: \
+               move it aside (or set $HINDSIGHT_HOME to a directory)\n";
+    assert_eq!(p.hs(&["runs"]), expect(1, "", msg));
+    std::fs::remove_file(&p.home).unwrap();
     // `show` of neither a run nor a checkpoint: no store to look in.
     assert_eq!(
         p.hs(&["show", "x"]),

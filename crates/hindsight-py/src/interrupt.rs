@@ -67,7 +67,14 @@ pub(crate) fn wait_until<T: Send, E: ToPyErr + Send>(
     timeout: Option<f64>,
     mut step: impl FnMut(Duration) -> Result<Option<T>, E> + Send,
 ) -> PyResult<Option<T>> {
-    let deadline = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
+    // A timeout too large for a deadline (1e300, inf) is no deadline; NaN or
+    // a negative one is "now".
+    let deadline = timeout.and_then(|t| {
+        let t = if t.is_nan() { 0.0 } else { t.max(0.0) };
+        Duration::try_from_secs_f64(t)
+            .ok()
+            .and_then(|d| Instant::now().checked_add(d))
+    });
     run(py, |intr| loop {
         let slice = match deadline {
             Some(d) => d.saturating_duration_since(Instant::now()).min(POLL),

@@ -82,9 +82,18 @@ impl LogDb {
 
 #[pymethods]
 impl LogDb {
+    /// `checked`: to answer from it (`LogDb::open_checked`: its integrity
+    /// is checked first).
     #[new]
-    fn new(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
-        let db = interrupt::run(py, move |_| CoreDb::open(&path))?;
+    #[pyo3(signature = (path, checked=false))]
+    fn new(py: Python<'_>, path: PathBuf, checked: bool) -> PyResult<Self> {
+        let db = interrupt::run(py, move |_| {
+            if checked {
+                CoreDb::open_checked(&path)
+            } else {
+                CoreDb::open(&path)
+            }
+        })?;
         Ok(LogDb { db: Mutex::new(db) })
     }
 
@@ -133,6 +142,11 @@ impl LogDb {
         self.with(py, |db| db.set_status(&run_id, st, ended.then(now_ms)))
     }
 
+    /// Delete a run, its logs and iterations (not its checkpoints).
+    fn delete_run(&self, py: Python<'_>, run_id: String) -> PyResult<()> {
+        self.with(py, |db| db.delete_run(&run_id))
+    }
+
     fn set_args(&self, py: Python<'_>, run_id: String, args_json: String) -> PyResult<()> {
         self.with(py, |db| db.set_args(&run_id, &args_json))
     }
@@ -156,14 +170,34 @@ impl LogDb {
         rs.iter().map(|r| run_dict(py, r)).collect()
     }
 
-    #[pyo3(signature = (script_abs=None))]
-    fn latest_run<'py>(
+    fn latest_run<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let r = self.with(py, |db| db.latest_run())?;
+        r.map(|r| run_dict(py, &r)).transpose()
+    }
+
+    /// The runs of the script now at `script_abs` in the project rooted at
+    /// `root`, newest first, with their paths where the project is now (it
+    /// may have moved or been copied: the engine's `runs::relocate`).
+    fn runs_of<'py>(
         &self,
         py: Python<'py>,
-        script_abs: Option<String>,
-    ) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let r = self.with(py, |db| db.latest_run(script_abs.as_deref()))?;
-        r.map(|r| run_dict(py, &r)).transpose()
+        script_abs: PathBuf,
+        root: PathBuf,
+    ) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let rs = self.with(py, |db| db.runs_of(&script_abs, &root))?;
+        rs.iter().map(|r| run_dict(py, r)).collect()
+    }
+
+    /// Run `run_id` with its paths where they are now that its project is
+    /// rooted at `root` (`runs::relocate`).
+    fn run_at<'py>(
+        &self,
+        py: Python<'py>,
+        run_id: String,
+        root: PathBuf,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let r = self.with(py, |db| db.run(&run_id))?;
+        run_dict(py, &r.relocated(&root))
     }
 
     /// The run a process started with `resume_key` here continues, if any

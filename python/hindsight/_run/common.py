@@ -257,6 +257,9 @@ class Run:
         self.block_live = False
         self.block_gen: Any = None
         self.iter_values: dict[str, tuple[Any, tuple[int, ...]]] | None = None
+        # Loop variables changed through methods that no checkpoint keeps
+        # (LoopVars.unkept), for the closing note.
+        self.unkept: dict[str, str] = {}
         self.finished = False
         # Set by hs.checkpointing; only recording acts on them.
         self.exit_code: int | None = None
@@ -650,6 +653,9 @@ class Run:
             loop_vars["iter"] = self.outer_vars.capture(
                 self.outer_vars.names, shared, self.transient, at=self.iter_values
             )
+        for lv in (self.outer_vars, block):
+            if lv is not None:
+                self.unkept.update(lv.unkept)
         loop_vars["modules"] = self.module_vars.capture(self._object_ids(), shared)
         state["vars"] = loop_vars
         kept = self.files.capture() if self.files is not None else {}

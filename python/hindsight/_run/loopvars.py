@@ -284,6 +284,10 @@ class LoopVars:
         passed: set[str] = frozenset(),  # type: ignore[assignment]
     ):
         self.frame, self.loop_name, self.live, self.skip, self.passed = frame, loop_name, live, skip, passed
+        # Variables the loop changes through methods (maybe) that cannot be
+        # kept (a progress bar, a summary writer): name -> type and why. Not
+        # refused (most are), but named in the run's closing note.
+        self.unkept: dict[str, str] = {}
         # Names the frame reads from its module (a function's loop stepping a
         # module-level environment): the module's own, kept by the run for
         # every checkpoint (ModuleVars), not only those taken in this loop.
@@ -374,6 +378,8 @@ class LoopVars:
                 continue
             except objstate.NotKept as e:
                 why = str(e)
+            if at is None and line < 0 and name in self.live and name not in transient and not _closed_file(v):
+                self.unkept.setdefault(name, f"{type(v).__qualname__}: {why}")
             if at is None and line > 0 and name in self.live and name not in transient and not _closed_file(v):
                 fix = (
                     "keep what later code needs in a smaller variable (a .item(), a slice)"

@@ -129,6 +129,12 @@ class _Encoder:
             return {MARK: "enum", "type": _qualname(t), "name": v.name}  # a singleton: named, not copied
         if isinstance(v, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
             raise NotKept(f"a {t.__name__} has no state of its own to keep")
+        data = sys.modules.get("torch.utils.data")
+        if depth > 1 and data is not None and isinstance(v, (data.DataLoader, data.Dataset, data.Sampler)):
+            # An attribute of a kept object (the DDP tutorial's Trainer holds
+            # its DataLoader): the data source the code made stays. What it
+            # yields is checked against the recording's batch fingerprints.
+            return {MARK: "data", "type": _qualname(t)}
         if callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None)):
             return {MARK: "state_dict", "type": _qualname(t), "state": self(v.state_dict(), depth)}
         if _plain_class(t):
@@ -174,7 +180,7 @@ def restore(current: Any, saved: Any, name: str) -> Any:
             current.update(d)
             return current
         return d
-    if kind == "ref":
+    if kind in ("ref", "data"):
         if current is MISSING:
             raise ReplayError(
                 f"'{name}' referred to a checkpointed object that the resumed program does not hold there"

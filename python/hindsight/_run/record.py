@@ -199,6 +199,16 @@ class RecordRun(Run):
             note = self.files.note() if self.files is not None else None
             if note:
                 print(note, file=sys.stderr, flush=True)
+            if self.unkept:
+                kept_out = "; ".join(f"'{k}' ({v})" for k, v in sorted(self.unkept.items()))
+                print(
+                    f"hindsight: note: not in this run's checkpoints: {kept_out}. The loop changes them through "
+                    "method calls; a resume or a replay goes on with them as the code before the loop makes "
+                    "them. If one holds training state, give it state_dict/load_state_dict and pass it to "
+                    "hs.checkpointing.",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if self._store is not None:
                 self._store.flush()
                 if status == "completed":
@@ -319,11 +329,28 @@ class RecordRun(Run):
         self.known.add_parser(parser)
         # Known args only: flags of hs.arg live beside the parser's; what
         # neither knows is refused when the loop starts (cmdline.Known.check).
-        ns, _ = parser.parse_known_args(argv)
+        try:
+            ns, _ = parser.parse_known_args(argv)
+        except SystemExit:
+            self._nothing_ran()  # --help, or arguments the parser refused
+            raise
         for k, v in vars(ns).items():
             self.args[k] = _to_json(v, k, "hs.args")
         self.db.set_args(self.run_id, json.dumps(self.args))
         return ns
+
+    def _nothing_ran(self) -> None:
+        """The script leaves before training (argparse's --help or usage
+        error): a new run is deleted, so it never becomes "the latest run"
+        with no iterations; a resumed one stays interrupted."""
+        self.finished = True
+        self.flush_logs()
+        self.log_queue.put(None)
+        self.signals.restore()
+        if self.resume_pending:
+            self.db.set_status(self.run_id, "interrupted", False)
+        else:
+            self.db.delete_run(self.run_id)
 
     def _outer_starts(self) -> None:
         # Arguments are declared by now: a misspelt --flag must not run silently.

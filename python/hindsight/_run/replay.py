@@ -37,7 +37,7 @@ class ReplayRun(Run):
             self.plan = _native.WorkerPlan.from_json(f.read())
         super().__init__()
         self.run_id = self.plan.run_id
-        row = self.db.run(self.run_id)
+        row = self.db.run_at(self.run_id, str(self.root))  # where the project is now
         self.recorded_store = row.get("store")
         self.args = json.loads(row["args_json"] or "{}")
         self.modes: dict[int, str] = self.plan.modes

@@ -86,6 +86,8 @@ struct Referenced {
     refs: HashMap<ChunkId, u64>,
     /// (name, why) of manifests that do not decode.
     unreadable: Vec<(String, String)>,
+    /// Digest of each manifest's bytes as read.
+    digests: HashMap<String, blake3::Hash>,
 }
 
 /// One row of [`Store::describe`]: (key path, kind and detail, bytes).
@@ -489,7 +491,10 @@ impl Store {
     /// hold ([`Manifest::scan_chunk_ids`]); one that cannot be read, or is
     /// of another format version, fails the call: deleting on partial
     /// knowledge could destroy live data.
-    fn referenced(&self) -> Result<Referenced> {
+    ///
+    /// `seen`: manifests read before, by name and digest of their bytes;
+    /// those still the same are not read again (gc's second pass).
+    fn referenced(&self, seen: Option<&HashMap<String, blake3::Hash>>) -> Result<Referenced> {
         let mut r = Referenced::default();
         for name in &self.list()? {
             let bytes = match self.storage.get_manifest(name) {
@@ -499,6 +504,11 @@ impl Store {
                 Err(Error::NotFound { .. }) => continue,
                 Err(e) => return Err(e),
             };
+            let digest = blake3::hash(&bytes);
+            if seen.and_then(|s| s.get(name)) == Some(&digest) {
+                continue;
+            }
+            r.digests.insert(name.clone(), digest);
             let m = match Manifest::decode(&bytes, &self.storage.manifest_path(name)) {
                 Ok(m) => m,
                 Err(e) => {
@@ -529,7 +539,8 @@ impl Store {
             logical: logical_bytes,
             refs,
             unreadable,
-        } = self.referenced()?;
+            ..
+        } = self.referenced(None)?;
         let on_disk = self.storage.list_chunks()?;
         let mut stored_bytes: u64 = on_disk.iter().map(|(_, n)| n).sum();
         for name in self.list()? {
@@ -555,19 +566,31 @@ impl Store {
     }
 
     /// Remove chunks no checkpoint references, and stale staging files.
-    /// Holds the exclusive lock, so no save in any process is between its
-    /// first chunk and its commit while chunks are deleted.
+    ///
+    /// Two passes, so that saves (which hold the shared lock from their first
+    /// chunk to their commit) wait for gc only while it deletes: the first,
+    /// without the lock, reads every manifest and lists the chunks none
+    /// references; the second, under the exclusive lock (no save in any
+    /// process is between its first chunk and its commit), reads only the
+    /// manifests committed or replaced since, and spares what they
+    /// reference. Chunks written since the listing are not candidates.
     pub fn gc(&self) -> Result<GcReport> {
+        let first = self.referenced(None)?;
+        let candidates: Vec<(ChunkId, u64)> = self
+            .storage
+            .list_chunks()?
+            .into_iter()
+            .filter(|(id, _)| !first.refs.contains_key(id))
+            .collect();
         let _lock = self.storage.lock_exclusive()?;
-        let Referenced {
-            refs, unreadable, ..
-        } = self.referenced()?;
+        let since = self.referenced(Some(&first.digests))?;
         let mut report = GcReport {
-            unreadable,
+            unreadable: first.unreadable,
             ..GcReport::default()
         };
-        for (id, len) in self.storage.list_chunks()? {
-            if !refs.contains_key(&id) {
+        report.unreadable.extend(since.unreadable);
+        for (id, len) in candidates {
+            if !since.refs.contains_key(&id) {
                 self.storage.delete_chunk(&id)?;
                 report.chunks_removed += 1;
                 report.bytes_removed += len;

@@ -8,6 +8,7 @@ pub mod ids;
 pub mod json;
 pub mod preempt;
 pub mod project;
+pub mod relocate;
 pub mod remove;
 pub mod replay;
 pub mod resume;

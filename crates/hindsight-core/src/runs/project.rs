@@ -48,6 +48,22 @@ pub fn resolve_home(env: Option<OsString>, start: &Path) -> PathBuf {
         .join(HOME_DIR)
 }
 
+/// Refuse a home that exists and is not a directory (a file named
+/// `.hindsight`), naming it: SQLite's own message ("unable to open database
+/// file") and "no project" both hid what was wrong.
+pub fn check_home(home: &Path) -> crate::Result<()> {
+    match std::fs::metadata(home) {
+        Ok(m) if !m.is_dir() => Err(crate::Error::invalid(
+            "project home",
+            format!(
+                "{} is a file, not a directory: move it aside (or set ${HOME_ENV} to a directory)",
+                home.display()
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// The run database of a home.
 pub fn db_path(home: &Path) -> PathBuf {
     home.join(DB_FILE)

@@ -93,6 +93,17 @@ pub fn resumable(run: &RunRow, explicit: bool, here: &Here) -> bool {
     run.host == here.host && !alive(run.pid)
 }
 
+/// The status to show for `run` from `here`: a run still marked running
+/// whose process is certainly gone (same host, its pid dead: kill -9, OOM)
+/// shows as interrupted, which is what a rerun of its command does with it.
+pub fn status_now(run: &RunRow, here: &Here) -> RunStatus {
+    if run.status == RunStatus::Running && run.host == here.host && !alive(run.pid) {
+        RunStatus::Interrupted
+    } else {
+        run.status
+    }
+}
+
 impl LogDb {
     /// The run a process at `here` started with `resume_key` continues, if any.
     pub fn run_to_resume(
@@ -130,6 +141,24 @@ mod tests {
             resume_key: Some("k".into()),
             store: None,
         }
+    }
+
+    #[test]
+    fn a_running_run_whose_process_is_gone_shows_as_interrupted() {
+        let here = Here {
+            host: "node1".into(),
+            slurm_job: None,
+            restarted: false,
+        };
+        let gone = row(RunStatus::Running, "node1", dead_pid(), "{}");
+        assert_eq!(status_now(&gone, &here), RunStatus::Interrupted);
+        let live = row(RunStatus::Running, "node1", std::process::id(), "{}");
+        assert_eq!(status_now(&live, &here), RunStatus::Running);
+        // Another host's process cannot be checked from here.
+        let elsewhere = row(RunStatus::Running, "node2", dead_pid(), "{}");
+        assert_eq!(status_now(&elsewhere, &here), RunStatus::Running);
+        let done = row(RunStatus::Completed, "node1", dead_pid(), "{}");
+        assert_eq!(status_now(&done, &here), RunStatus::Completed);
     }
 
     fn dead_pid() -> u32 {

@@ -242,6 +242,7 @@ impl LogDb {
     /// log database at `path`.
     pub fn open(path: &Path) -> Result<LogDb> {
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            crate::runs::project::check_home(parent)?;
             crate::durable::create_dir_durable(parent)?;
         }
         let conn = Connection::open(path).db(path)?;
@@ -270,6 +271,16 @@ impl LogDb {
     /// constraints) plus rows whose run is gone. Run before answers that
     /// must not be silently wrong (`show`, `logs`, `replay`); any finding is
     /// a `Corrupt` error naming the database.
+    /// Open the database to answer from it: [`LogDb::open`], then
+    /// [`LogDb::check_integrity`]. Every read path (the CLI, `hs.dataframe`,
+    /// replay, export) opens it this way: answers from a damaged database
+    /// would be silently wrong.
+    pub fn open_checked(path: &Path) -> Result<LogDb> {
+        let db = LogDb::open(path)?;
+        db.check_integrity()?;
+        Ok(db)
+    }
+
     pub fn check_integrity(&self) -> Result<()> {
         let mut st = self.conn.prepare("PRAGMA quick_check(20)").db(&self.path)?;
         let found: Vec<String> = st

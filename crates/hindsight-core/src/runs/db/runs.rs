@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::path::Path;
 use std::str::FromStr;
 
 use rusqlite::{params, OptionalExtension, Row};
@@ -259,16 +260,21 @@ impl LogDb {
         )
     }
 
-    /// The newest run, of the given script (absolute path) if `Some`.
-    pub fn latest_run(&self, script_abs: Option<&str>) -> Result<Option<RunRow>> {
-        let rows = self.query_runs(
-            &format!(
-                "SELECT {RUN_COLUMNS} FROM runs WHERE ?1 IS NULL OR script_abs = ?1 \
-                 ORDER BY started_ms DESC, rowid DESC LIMIT 1"
-            ),
-            [script_abs],
-        )?;
-        Ok(rows.into_iter().next())
+    /// The newest run.
+    pub fn latest_run(&self) -> Result<Option<RunRow>> {
+        Ok(self.runs(Some(1))?.into_iter().next())
+    }
+
+    /// The runs of the script now at `script_abs` in the project rooted at
+    /// `root_now`, newest first, their paths where the project is now
+    /// ([`RunRow::is_of`], [`RunRow::relocated`]).
+    pub fn runs_of(&self, script_abs: &Path, root_now: &Path) -> Result<Vec<RunRow>> {
+        Ok(self
+            .runs(None)?
+            .into_iter()
+            .filter(|r| r.is_of(script_abs, root_now))
+            .map(|r| r.relocated(root_now))
+            .collect())
     }
 
     /// The newest run with this resume key whose status is `interrupted` or

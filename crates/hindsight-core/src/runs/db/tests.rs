@@ -4,6 +4,7 @@ use crate::runs::ids::{new_run_id, source_hash};
 use crate::runs::json;
 use std::collections::BTreeMap;
 use std::collections::HashSet;
+use std::path::Path;
 use std::process::Command;
 
 fn new_run(script: &str) -> NewRun {
@@ -63,7 +64,7 @@ fn run_ids_are_unique_in_the_same_millisecond() {
 fn create_list_and_status() {
     let (_dir, db) = temp_db();
     assert!(db.runs(None).unwrap().is_empty());
-    assert_eq!(db.latest_run(None).unwrap(), None);
+    assert_eq!(db.latest_run().unwrap(), None);
 
     let mut a = new_run("train.py");
     a.started_ms = Some(1_000);
@@ -98,12 +99,29 @@ fn create_list_and_status() {
     let ids: Vec<String> = db.runs(None).unwrap().into_iter().map(|r| r.id).collect();
     assert_eq!(ids, vec![id_c.clone(), id_b.clone(), id_a.clone()]);
     assert_eq!(db.runs(Some(1)).unwrap().len(), 1);
-    assert_eq!(db.latest_run(None).unwrap().unwrap().id, id_c);
+    assert_eq!(db.latest_run().unwrap().unwrap().id, id_c);
+    let of = |script: &str, root: &str| -> Vec<String> {
+        db.runs_of(Path::new(script), Path::new(root))
+            .unwrap()
+            .into_iter()
+            .map(|r| r.id)
+            .collect()
+    };
+    assert_eq!(of("/proj/eval.py", "/proj"), vec![id_b.clone()]);
     assert_eq!(
-        db.latest_run(Some("/proj/eval.py")).unwrap().unwrap().id,
-        id_b
+        of("/proj/train.py", "/proj"),
+        vec![id_c.clone(), id_a.clone()]
     );
-    assert_eq!(db.latest_run(Some("/nope.py")).unwrap(), None);
+    assert!(of("/nope.py", "/").is_empty());
+    // The project moved: its runs are found, with their paths where it is now.
+    assert_eq!(
+        of("/moved/train.py", "/moved"),
+        vec![id_c.clone(), id_a.clone()]
+    );
+    let moved = db
+        .runs_of(Path::new("/moved/eval.py"), Path::new("/moved"))
+        .unwrap();
+    assert_eq!(moved[0].script_abs, "/moved/eval.py");
 
     db.set_status(&id_a, RunStatus::Completed, Some(5_000))
         .unwrap();
