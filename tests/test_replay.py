@@ -337,6 +337,7 @@ def test_two_concurrent_recordings_in_one_project(tmp_path):
         ("'a' * 20000000000 == epoch", "not a number"),
         ("[0] * 10**10 == epoch", "no arithmetic on lists"),
         ("__import__('os')", "only comparisons"),
+        ("(" * 3000 + "epoch" + ")" * 3000 + " > 0", "characters"),  # was a RecursionError
     ],
 )
 def test_bad_where_is_a_one_line_error(recorded: tuple[Path, Path], where: str, says: str) -> None:
@@ -346,6 +347,15 @@ def test_bad_where_is_a_one_line_error(recorded: tuple[Path, Path], where: str, 
     assert r.returncode == 1
     assert "Traceback" not in r.stderr and says in r.stderr
     assert r.stderr.strip().count("\n") == 0, r.stderr
+
+
+def test_a_worker_count_out_of_range_is_a_usage_error(recorded: tuple[Path, Path]) -> None:
+    script, home = recorded
+    edit(script, INNER_PROBE)
+    for n in ("0", str(10**30), "many"):
+        r = replay(script, home, "-j", n)
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in r.stderr and "-j" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize(

@@ -35,14 +35,37 @@ from hindsight._zygote import Zygote, preload_modules
 from hindsight.errors import HindsightError, NotFoundError, ReplayError
 
 
+#: Longest --where accepted: a filter longer than this is a mistake, and the
+#: parser's recursion would fail on it anyway.
+MAX_WHERE = 2000
+#: Most replay workers at once: far past any machine's cores (a typo otherwise
+#: overflows the engine's integer).
+MAX_JOBS = 4096
+
+
+def _jobs(text: str) -> int:
+    """`-j N`: a positive worker count."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= n <= MAX_JOBS:
+        raise argparse.ArgumentTypeError(f"{n} workers: give 1 to {MAX_JOBS}")
+    return n
+
+
 def _where(expr: str | None, loop: str) -> Any:
     """A restricted predicate over the outer loop's index, e.g. 'epoch >= 10 and epoch % 2 == 0'."""
     if not expr:
         return lambda i: True
+    if len(expr) > MAX_WHERE:
+        raise ReplayError(f"--where: {len(expr)} characters; a filter of at most {MAX_WHERE} is accepted")
     try:
         tree = ast.parse(expr, mode="eval")
     except SyntaxError as e:
         raise ReplayError(f"--where {expr!r}: not an expression ({e.msg})") from None
+    except (RecursionError, MemoryError):
+        raise ReplayError(f"--where: nested too deeply ({expr[:40]}...)") from None
     allowed = (
         ast.Expression,
         ast.BoolOp,
@@ -749,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
         "of the script get the new statements placed into their own recorded source",
     )
     p.add_argument("--since", metavar="DATE", help="only runs started at or after DATE (UTC: YYYY-MM-DD[ HH:MM])")
-    p.add_argument("-j", "--jobs", type=int, default=1, help="worker processes for inner-loop probes")
+    p.add_argument("-j", "--jobs", type=_jobs, default=1, help="worker processes for inner-loop probes")
     p.add_argument("--where", help="only these outer iterations, e.g. 'epoch >= 10'")
     p.add_argument("--force", action="store_true", help="replay even if the script changed beyond logging")
     p.add_argument(

@@ -693,7 +693,7 @@ fn name_unreadable(unreadable: &[(String, String)], kept: &str, err: &mut dyn Wr
     for (name, why) in unreadable {
         let _ = writeln!(
             err,
-            "error: checkpoint '{name}' was skipped ({kept}): {why}; `hindsight rm {name}` removes it"
+            "error: checkpoint '{name}' was skipped ({kept}): {why}"
         );
     }
     if unreadable.is_empty() {

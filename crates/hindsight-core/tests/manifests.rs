@@ -319,6 +319,20 @@ fn store_wide_operations_skip_and_name_a_manifest_that_does_not_decode() {
     store.remove("deep").unwrap();
     assert_eq!(store.gc().unwrap().chunks_removed, chunks);
 
+    // A file whose name is no checkpoint name (put there by hand): skipped
+    // and named with the way out, gc goes on.
+    let stray = store
+        .storage()
+        .manifest_path("x")
+        .with_file_name("my copy.hsm");
+    std::fs::write(&stray, b"anything").unwrap();
+    let r = store.gc().unwrap();
+    assert_eq!(r.unreadable.len(), 1);
+    assert_eq!(r.unreadable[0].0, "my copy");
+    assert!(r.unreadable[0].1.contains("by hand"), "{:?}", r.unreadable);
+    assert_eq!(store.usage().unwrap().unreadable.len(), 1);
+    std::fs::remove_file(&stray).unwrap();
+
     // Another format version: nothing can be known of it; gc refuses.
     let mut other = sign(&body);
     other[4..8].copy_from_slice(&99u32.to_le_bytes());

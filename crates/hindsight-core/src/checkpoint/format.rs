@@ -514,7 +514,15 @@ fn validate_node(node: &Node, path: &mut Vec<String>, depth: usize) -> Result<()
                     path.join("/")
                 ));
             }
-            if a.shape.len() > 64 || a.shape.iter().any(|&d| d > i64::MAX as u64) {
+            // numpy and torch refuse a shape whose non-zero extents overflow
+            // their index type even when another extent is 0 (`[0, 2**63-1]`).
+            let addressable = a
+                .shape
+                .iter()
+                .filter(|&&d| d != 0)
+                .try_fold(item, |acc, &d| acc.checked_mul(d))
+                .is_some_and(|n| n <= i64::MAX as u64);
+            if a.shape.len() > 64 || !addressable {
                 return Err(format!(
                     "shape {:?} at '{}' is not one an array can have",
                     a.shape,
@@ -770,6 +778,29 @@ mod tests {
             meta: BTreeMap::new(),
             root,
         }
+    }
+
+    #[test]
+    fn an_empty_array_whose_other_extents_overflow_is_corruption() {
+        let root = Node::Array(Box::new(Array {
+            lib: ArrayLib::Numpy,
+            dtype: "<f4".into(),
+            shape: vec![0, (1 << 63) - 1],
+            byte_order: "little".into(),
+            device: None,
+            data: Blob::default(),
+        }));
+        let m = Manifest {
+            format: FORMAT_VERSION,
+            name: "x".into(),
+            created_ms: 0,
+            meta: BTreeMap::new(),
+            root,
+        };
+        let e = Manifest::decode(&m.encode_unchecked().unwrap(), Path::new("m"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not one an array can have"), "{e}");
     }
 
     #[test]

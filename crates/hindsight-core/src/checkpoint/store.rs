@@ -497,6 +497,21 @@ impl Store {
     fn referenced(&self, seen: Option<&HashMap<String, blake3::Hash>>) -> Result<Referenced> {
         let mut r = Referenced::default();
         for name in &self.list()? {
+            if let Err(e) = format::validate_name(name) {
+                // Not a checkpoint any tool could load or remove (put there by
+                // hand): no chunk of it is protected. Named once.
+                if seen.is_some() {
+                    continue;
+                }
+                r.unreadable.push((
+                    name.clone(),
+                    format!(
+                        "{e}; remove the file {} by hand",
+                        self.storage.manifest_path(name).display()
+                    ),
+                ));
+                continue;
+            }
             let bytes = match self.storage.get_manifest(name) {
                 Ok(b) => b,
                 // Removed since it was listed (a concurrent `remove`, which takes
@@ -518,7 +533,10 @@ impl Store {
                     for id in ids {
                         r.refs.entry(id).or_insert(0);
                     }
-                    r.unreadable.push((name.clone(), e.to_string()));
+                    r.unreadable.push((
+                        name.clone(),
+                        format!("{e}; `hindsight rm {name}` removes it"),
+                    ));
                     continue;
                 }
             };
