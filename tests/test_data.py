@@ -455,3 +455,23 @@ def test_a_malformed_unit_is_a_named_corrupt_error_never_a_wrong_value(header):
     payload += bytes((-len(payload)) % 64) + bytes(16)
     with pytest.raises(CorruptError, match="data unit"):
         decode(payload)
+
+
+def test_the_data_commands_name_a_bad_argument_without_a_traceback(tmp_path: Path) -> None:
+    """Issue 22: a bad port, heartbeat or journal path, or an unreachable
+    dispatcher, ended in a Python traceback (the heartbeat even labelled
+    "argument does not match")."""
+    journal_file = tmp_path / "journal"
+    journal_file.write_text("")
+    cases = [
+        (["dispatcher", "--journal", str(tmp_path / "j"), "--port", "99999"], 2, "not a port number"),
+        (["dispatcher", "--journal", str(tmp_path / "j"), "--heartbeat-timeout", "-1"], 1, "heartbeat_timeout"),
+        (["dispatcher", "--journal", str(tmp_path / "j"), "--heartbeat-timeout", "1e300"], 1, "a year"),
+        (["dispatcher", "--journal", str(journal_file)], 1, str(journal_file)),
+        (["worker", "--dispatcher", "127.0.0.1:1", "--dataset", "os:getcwd"], 1, "127.0.0.1:1"),
+    ]
+    for args, code, says in cases:
+        r = subprocess.run([*hindsight_cmd(), "data", *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == code, (args, r.stderr)
+        assert "Traceback" not in r.stderr and says in r.stderr, (args, r.stderr)
+        assert "does not match" not in r.stderr, r.stderr

@@ -27,6 +27,19 @@ def _split_global(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     return options, argv[i:]
 
 
+def _port(text: str) -> int:
+    """`--port N`: a TCP port."""
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"{n} is not a port number (0 to 65535)")
+    return n
+
+
 def _data_dispatcher(argv: list[str]) -> int:
     """`hindsight data dispatcher`: the input service's dispatcher (Rust), here until Ctrl-C or SIGTERM."""
     import argparse
@@ -34,7 +47,7 @@ def _data_dispatcher(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="hindsight data dispatcher", description=_data_dispatcher.__doc__)
     p.add_argument("--journal", required=True, help="directory of its journal, on the dispatcher's local disk")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--port", type=_port, default=50051)
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
     p.add_argument("--heartbeat-timeout", type=float, default=1.0, help="seconds of silence before a worker is dead")
     a = p.parse_args(argv)
@@ -89,12 +102,19 @@ def main(argv: list[str] | None = None) -> int:
         return export_main(rest[0], rest[1:], options.get("--home"))
     if rest and rest[0] == "record":
         return _record(rest[1:])
-    if rest[:2] == ["data", "worker"]:
-        from hindsight.data._worker import main as worker_main
+    if rest[:2] in (["data", "worker"], ["data", "dispatcher"]):
+        from hindsight.errors import HindsightError
 
-        return worker_main(rest[2:])
-    if rest[:2] == ["data", "dispatcher"]:
-        return _data_dispatcher(rest[2:])
+        try:
+            if rest[1] == "worker":
+                from hindsight.data._worker import main as worker_main
+
+                return worker_main(rest[2:])
+            return _data_dispatcher(rest[2:])
+        except HindsightError as e:
+            # A message naming what is wrong (the address, the journal), not a traceback.
+            sys.stderr.write(f"hindsight data {rest[1]}: error: {e}\n")
+            return 1
     args = ["hindsight", *argv]
     code, out, err = _native.run_cli(args)
     sys.stdout.write(out)

@@ -262,13 +262,15 @@ impl DataClient {
 }
 
 fn seconds(v: f64, arg: &str) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(v).map_err(|_| {
-        DataError::Mismatch {
-            what: "argument",
-            detail: format!("{arg} must be a non-negative number of seconds, got {v}"),
-        }
-        .to_pyerr()
-    })
+    // At most a year: past it is a typo (and no deadline can be computed).
+    const MAX: f64 = 365.0 * 24.0 * 3600.0;
+    if !(0.0..=MAX).contains(&v) {
+        return Err(crate::errors::to_py(hindsight_core::Error::invalid(
+            arg,
+            format!("{v}: give a number of seconds from 0 to {MAX} (a year)"),
+        )));
+    }
+    Ok(Duration::from_secs_f64(v))
 }
 
 /// A dispatcher inside this process (what `Loader(workers="local:N")`
