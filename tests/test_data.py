@@ -475,3 +475,9 @@ def test_the_data_commands_name_a_bad_argument_without_a_traceback(tmp_path: Pat
         assert r.returncode == code, (args, r.stderr)
         assert "Traceback" not in r.stderr and says in r.stderr, (args, r.stderr)
         assert "does not match" not in r.stderr, r.stderr
+    # One grammar: the command's help lists the Python-provided commands, and
+    # `hindsight data` alone says what it takes (issue 23: "unrecognized").
+    r = subprocess.run([*hindsight_cmd(), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "\n  record " in r.stdout and "\n  data " in r.stdout, r.stdout
+    r = subprocess.run([*hindsight_cmd(), "data"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "hindsight data {dispatcher,worker}" in r.stdout, r.stdout + r.stderr

@@ -102,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
         return export_main(rest[0], rest[1:], options.get("--home"))
     if rest and rest[0] == "record":
         return _record(rest[1:])
+    if rest[:1] == ["data"] and rest[1:2] not in (["worker"], ["dispatcher"]):
+        sys.stdout.write(
+            "usage: hindsight data {dispatcher,worker} [ARGS...]\n\n"
+            "  dispatcher  the input service's dispatcher (hindsight data dispatcher --help)\n"
+            "  worker      serve a dataset for a dispatcher (hindsight data worker --help)\n"
+        )
+        return 0 if rest[1:2] in (["-h"], ["--help"]) else 2
     if rest[:2] in (["data", "worker"], ["data", "dispatcher"]):
         from hindsight.errors import HindsightError
 

@@ -195,6 +195,20 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Run a training script: [--explain] SCRIPT [ARGS...] (provided by the Python package)
+    #[command(disable_help_flag = true)]
+    Record {
+        /// Arguments for `python -m hindsight record`
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// The input service: `data dispatcher` and `data worker` (provided by the Python package)
+    #[command(disable_help_flag = true)]
+    Data {
+        /// Arguments for `python -m hindsight data`
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 /// Why a command stopped.
@@ -330,6 +344,8 @@ fn execute(cli: Cli, out: &mut String, err: &mut dyn Write) -> Result<i32, Failu
         Command::Replay { args: _ } => Err(python_only("replay")),
         Command::Plot { args: _ } => Err(python_only("plot")),
         Command::Export { args: _ } => Err(python_only("export")),
+        Command::Record { args: _ } => Err(python_only("record")),
+        Command::Data { args: _ } => Err(python_only("data")),
     }
 }
 
