@@ -6,11 +6,13 @@ from collections.abc import Callable
 from typing import Any, Literal, Self, TypeAlias, final
 
 FORMAT_VERSION: int
+TORCH_DTYPES: list[str]
 DEFAULT_STAGING_BYTES: int
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",
     "FORMAT_VERSION",
+    "TORCH_DTYPES",
     "AdaptivePolicy",
     "Buffer",
     "CheckpointId",

@@ -19,11 +19,8 @@ from hindsight.errors import HindsightError, UnsupportedTypeError, WrongProcessE
 
 MapLocation = Any  # None | str | torch.device | Mapping[str, str] | Callable
 
-_TORCH_DTYPES = frozenset(
-    "bool uint8 int8 int16 uint16 int32 uint32 int64 uint64 float16 bfloat16 float32 float64 "
-    "complex32 complex64 complex128 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz "
-    "float8_e8m0fnu".split()
-)
+# The engine's table (`checkpoint::format::TORCH_DTYPES`): one owner.
+_TORCH_DTYPES = frozenset(_native.TORCH_DTYPES)
 
 _live: weakref.WeakSet[Store] = weakref.WeakSet()
 

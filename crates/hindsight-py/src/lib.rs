@@ -590,6 +590,13 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     project::register(m)?;
     m.add("FORMAT_VERSION", core::checkpoint::format::FORMAT_VERSION)?;
     m.add(
+        "TORCH_DTYPES",
+        core::checkpoint::format::TORCH_DTYPES
+            .iter()
+            .map(|&(name, _)| name)
+            .collect::<Vec<_>>(),
+    )?;
+    m.add(
         "DEFAULT_STAGING_BYTES",
         core::checkpoint::writer::default_staging_bytes(),
     )?;

@@ -75,7 +75,8 @@ class RecordRun(Run):
         # Fingerprints of the current iteration's batches, until written.
         self.batch_rows: list[tuple[int, int, str]] = []
         self.vars_checked = 0
-        self.policy = _native.AdaptivePolicy(float(os.environ.get(ENV_EPSILON, 1.0 / 15.0)))
+        eps = os.environ.get(ENV_EPSILON)  # unset: the engine's default (adaptive::DEFAULT_EPSILON)
+        self.policy = _native.AdaptivePolicy(float(eps)) if eps else _native.AdaptivePolicy()
         every = os.environ.get(ENV_EVERY)
         self.every = int(every) if every else None
         self.files = Written(Path.cwd(), [self.home])

@@ -563,18 +563,39 @@ fn validate_node(node: &Node, path: &mut Vec<String>, depth: usize) -> Result<()
     }
 }
 
+/// The torch dtypes the format holds (the name after `torch.`) and their
+/// item sizes: the one table the Python layer asks before a save.
+pub const TORCH_DTYPES: &[(&str, u64)] = &[
+    ("bool", 1),
+    ("uint8", 1),
+    ("int8", 1),
+    ("float8_e4m3fn", 1),
+    ("float8_e5m2", 1),
+    ("float8_e4m3fnuz", 1),
+    ("float8_e5m2fnuz", 1),
+    ("float8_e8m0fnu", 1),
+    ("int16", 2),
+    ("uint16", 2),
+    ("float16", 2),
+    ("bfloat16", 2),
+    ("int32", 4),
+    ("uint32", 4),
+    ("float32", 4),
+    ("complex32", 4),
+    ("int64", 8),
+    ("uint64", 8),
+    ("float64", 8),
+    ("complex64", 8),
+    ("complex128", 16),
+];
+
 /// Bytes per element, or None for a dtype the format does not know.
 pub fn itemsize(lib: ArrayLib, dtype: &str) -> Option<u64> {
     match lib {
-        ArrayLib::Torch => Some(match dtype {
-            "bool" | "uint8" | "int8" | "float8_e4m3fn" | "float8_e5m2" | "float8_e4m3fnuz"
-            | "float8_e5m2fnuz" | "float8_e8m0fnu" => 1,
-            "int16" | "uint16" | "float16" | "bfloat16" => 2,
-            "int32" | "uint32" | "float32" | "complex32" => 4,
-            "int64" | "uint64" | "float64" | "complex64" => 8,
-            "complex128" => 16,
-            _ => return None,
-        }),
+        ArrayLib::Torch => TORCH_DTYPES
+            .iter()
+            .find(|(name, _)| *name == dtype)
+            .map(|&(_, size)| size),
         // numpy dtype.str: byte order char, kind char, item size (e.g. "<f4", "|b1").
         ArrayLib::Numpy => {
             let b = dtype.as_bytes();
