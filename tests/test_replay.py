@@ -680,6 +680,7 @@ def test_a_copied_project_reads_its_own_store_and_a_moved_one_still_replays(tmp_
     """Issue 22: run rows hold absolute paths, so `cp -r proj proj2` replayed
     from proj's checkpoints, and `mv proj proj3` found no recorded run."""
     script, _ = record_project(tmp_path / "proj")
+
     def only(home: Path, name: str) -> dict[tuple, object]:
         return {ctx: v[name] for ctx, v in values(home, name).items() if name in v}
 

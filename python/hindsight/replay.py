@@ -34,7 +34,6 @@ from hindsight._run.replay import EXIT_DIVERGED
 from hindsight._zygote import Zygote, preload_modules
 from hindsight.errors import HindsightError, NotFoundError, ReplayError
 
-
 #: Longest --where accepted: a filter longer than this is a mistake, and the
 #: parser's recursion would fail on it anyway.
 MAX_WHERE = 2000
