@@ -185,7 +185,7 @@ def read_times(path: Path) -> list[float]:
 def db_iters(proj: Path) -> list[Any]:
     """[(epoch, seconds, checkpoint, save blocked seconds, restore seconds)] of the latest run of proj/rec.py."""
     db = _native.LogDb(str(proj / ".hindsight" / "logs.db"))
-    return db.iterations(db.latest_run(str(proj / "rec.py"))["id"], "epoch")
+    return db.iterations(db.latest_run()["id"], "epoch")  # the project holds one script
 
 
 def replay_values(db: Any, run_id: str, name: str) -> dict[tuple[tuple[str, int], ...], Any]:
@@ -252,7 +252,7 @@ def part_record(tab: Table, raw: dict[str, Any], epochs: int) -> Path:
 
     # the checkpoints of the last recording
     last = rec_runs[-1]
-    run_row = _native.LogDb(str(last["dir"] / ".hindsight" / "logs.db")).latest_run(str(last["dir"] / "rec.py"))
+    run_row = _native.LogDb(str(last["dir"] / ".hindsight" / "logs.db")).latest_run()
     iters = db_iters(last["dir"])
     blocked = [
         it.materialize_seconds for it in iters if it.checkpoint is not None and it.materialize_seconds is not None

@@ -14,6 +14,7 @@ __all__ = [
     "FORMAT_VERSION",
     "TORCH_DTYPES",
     "AdaptivePolicy",
+    "ArrayView",
     "Buffer",
     "CheckpointId",
     "CheckpointPolicy",
@@ -27,6 +28,7 @@ __all__ = [
     "LogDb",
     "LogRecord",
     "LogValue",
+    "Pickled",
     "ProjectPaths",
     "ReplayCheck",
     "ReplayPlan",
@@ -123,7 +125,7 @@ class Store:
         self,
         name: str,
         state: Any,
-        describe: Callable[[Any, str], tuple[Any, ...]],
+        describe: Callable[[Any, str], Any],
         materialize: Callable[[Any], tuple[int, Any, Callable[[], object] | None]],
         before_copy: Callable[[], None],
         device_fingerprint: Callable[[Any, Any | None], tuple[bool, Any]],
@@ -136,7 +138,7 @@ class Store:
         self,
         name: str,
         state: Any,
-        describe: Callable[[Any, str], tuple[Any, ...]],
+        describe: Callable[[Any, str], Any],
         materialize: Callable[[Any], tuple[int, Any, None]],
     ) -> StateCheck: ...
     def load(
@@ -344,6 +346,50 @@ class Iteration:
     def materialize_seconds(self) -> float | None: ...
     @property
     def restore_seconds(self) -> float | None: ...
+
+@final
+class ArrayView:
+    """A tensor or array as a save reads it (what `describe` answers)."""
+
+    def __new__(
+        cls,
+        *,
+        lib: str,
+        dtype: str,
+        shape: list[int],
+        ptr: int,
+        nbytes: int,
+        owner: Any,
+        device: str,
+        host: bool,
+        version: int | None = None,
+    ) -> Self: ...
+    @property
+    def lib(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> list[int]: ...
+    @property
+    def ptr(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def owner(self) -> Any: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def host(self) -> bool: ...
+    @property
+    def version(self) -> int | None: ...
+
+@final
+class Pickled:
+    """An object stored as pickled bytes (only where the caller allowed it)."""
+
+    def __new__(cls, data: bytes) -> Self: ...
+    @property
+    def data(self) -> bytes: ...
 
 @final
 class StateDifference:

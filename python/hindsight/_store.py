@@ -144,7 +144,7 @@ class Store:
         """
         self._check_owner()
 
-        def describe(obj: Any, key: str) -> tuple[Any, ...]:
+        def describe(obj: Any, key: str) -> Any:
             return self._describe(obj, key, allow_pickle)
 
         meta_s = {str(k): str(v) for k, v in (meta or {}).items()}
@@ -175,7 +175,7 @@ class Store:
         the engine's ``checkpoint::compare``). Device tensors are copied to
         the host first."""
 
-        def describe(obj: Any, key: str) -> tuple[Any, ...]:
+        def describe(obj: Any, key: str) -> Any:
             return self._describe(obj, key, False)
 
         def to_host(t: Any) -> tuple[int, Any, None]:
@@ -194,7 +194,9 @@ class Store:
         if wait:
             self._copies.wait_prepared()
 
-    def _describe(self, obj: Any, key: str, allow_pickle: bool) -> tuple[Any, ...]:
+    def _describe(self, obj: Any, key: str, allow_pickle: bool) -> Any:
+        """What the engine's tree walk stores for an object it does not
+        know: an ArrayView, a Pickled, or a plain value in its place."""
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):
             return self._describe_tensor(torch, obj, key)
@@ -204,12 +206,21 @@ class Store:
                 a = np.ascontiguousarray(obj)
                 if a.dtype.byteorder == ">":
                     a = a.astype(a.dtype.newbyteorder("<"))
-                return ("array", "numpy", a.dtype.str, list(a.shape), a.ctypes.data, a.nbytes, a, "cpu", True, None)
+                return _native.ArrayView(
+                    lib="numpy",
+                    dtype=a.dtype.str,
+                    shape=list(a.shape),
+                    ptr=a.ctypes.data,
+                    nbytes=a.nbytes,
+                    owner=a,
+                    device="cpu",
+                    host=True,
+                )
             if isinstance(obj, np.generic) and obj.dtype.kind in "biuf":
                 # numpy scalars load back as the equivalent Python scalar.
-                return ("value", obj.item())
+                return obj.item()
         if allow_pickle:
-            return ("pickle", pickle.dumps(obj, protocol=5))
+            return _native.Pickled(pickle.dumps(obj, protocol=5))
         raise about(
             UnsupportedTypeError(
                 f"unsupported type {_type_name(obj)} at key '{key}': hindsight stores dict, list, tuple, "
@@ -219,7 +230,7 @@ class Store:
             key_path=key,
         )
 
-    def _describe_tensor(self, torch: Any, t: Any, key: str) -> tuple[Any, ...]:
+    def _describe_tensor(self, torch: Any, t: Any, key: str) -> _native.ArrayView:
         if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
             raise about(
                 UnsupportedTypeError(
@@ -240,7 +251,17 @@ class Store:
             t = t.contiguous()
         nbytes = t.numel() * t.element_size()
         host = t.device.type == "cpu"
-        return ("array", "torch", dtype, list(t.shape), t.data_ptr(), nbytes, t, str(t.device), host, t._version)
+        return _native.ArrayView(
+            lib="torch",
+            dtype=dtype,
+            shape=list(t.shape),
+            ptr=t.data_ptr(),
+            nbytes=nbytes,
+            owner=t,
+            device=str(t.device),
+            host=host,
+            version=t._version,
+        )
 
     # -- load ---------------------------------------------------------------
     def load(

@@ -4,6 +4,7 @@
 
 mod buffer;
 mod data;
+mod describe;
 mod errors;
 mod interrupt;
 mod naming;
@@ -568,6 +569,8 @@ fn run_cli(py: Python<'_>, args: Vec<String>) -> (i32, String, String) {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Store>()?;
     m.add_class::<SaveHandle>()?;
+    m.add_class::<describe::ArrayView>()?;
+    m.add_class::<describe::Pickled>()?;
     m.add_class::<state_check::PyStateCheck>()?;
     m.add_class::<state_check::PyDifference>()?;
     m.add_class::<buffer::Buffer>()?;

@@ -13,6 +13,7 @@ use pyo3::types::{
 };
 
 use crate::buffer::Buffer;
+use crate::describe::{ArrayView, Pickled};
 use crate::errors::to_py;
 
 /// Below this size a tensor is always copied: cheaper than proving it unchanged.
@@ -298,27 +299,33 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
         }
         // Anything else: ask the Python layer (torch, numpy, opt-in pickle).
         let d = self.describe.call1((obj, path.join("/")))?;
-        let kind: String = d.get_item(0)?.extract()?;
-        match kind.as_str() {
-            "array" => self.array(&d, path),
-            "pickle" => {
-                let b = d.get_item(1)?;
-                let bytes = b.cast::<PyBytes>()?.as_bytes();
-                self.stage(bytes.as_ptr() as usize, bytes.len(), b.clone().unbind());
-                Ok(Node::Pickle(Blob::default()))
-            }
-            "value" => self.node(&d.get_item(1)?, path),
-            other => Err(unsupported(
-                path,
-                format!("describe() answered {other:?}"),
-                "internal error",
-            )),
+        if let Ok(a) = d.cast::<ArrayView>() {
+            return self.array(a.get(), path);
         }
+        if let Ok(p) = d.cast::<Pickled>() {
+            let b = p.get().data.bind(obj.py());
+            let bytes = b.as_bytes();
+            self.stage(
+                bytes.as_ptr() as usize,
+                bytes.len(),
+                b.clone().into_any().unbind(),
+            );
+            return Ok(Node::Pickle(Blob::default()));
+        }
+        if d.is(obj) {
+            return Err(unsupported(
+                path,
+                "describe() answered the object itself".into(),
+                "internal error",
+            ));
+        }
+        // A plain value in its place (a numpy scalar as a Python one).
+        self.node(&d, path)
     }
 
-    /// ("array", lib, dtype, shape, ptr, nbytes, keep, device, host, version)
-    fn array(&mut self, d: &Bound<'py, PyAny>, path: &[String]) -> PyResult<Node> {
-        let lib = match d.get_item(1)?.extract::<String>()?.as_str() {
+    fn array(&mut self, d: &ArrayView, path: &[String]) -> PyResult<Node> {
+        let py = self.describe.py();
+        let lib = match d.lib.as_str() {
             "torch" => ArrayLib::Torch,
             "numpy" => ArrayLib::Numpy,
             other => {
@@ -328,14 +335,9 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
                 ))))
             }
         };
-        let dtype: String = d.get_item(2)?.extract()?;
-        let shape: Vec<u64> = d.get_item(3)?.extract()?;
-        let ptr: usize = d.get_item(4)?.extract()?;
-        let nbytes: usize = d.get_item(5)?.extract()?;
-        let keep = d.get_item(6)?;
-        let device: String = d.get_item(7)?.extract()?;
-        let host: bool = d.get_item(8)?.extract()?;
-        let version: Option<i64> = d.get_item(9)?.extract()?;
+        let (dtype, shape, ptr, nbytes) = (d.dtype.clone(), d.shape.clone(), d.ptr, d.nbytes);
+        let keep = d.owner.bind(py).clone();
+        let (device, host, version) = (d.device.clone(), d.host, d.version);
         let expected = core::checkpoint::format::itemsize(lib, &dtype)
             .map(|s| s * shape.iter().product::<u64>());
         if expected != Some(nbytes as u64) {
