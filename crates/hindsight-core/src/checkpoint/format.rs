@@ -775,6 +775,11 @@ mod tests {
                 pending: None,
             },
         }));
+        let e = decode_error(root);
+        assert!(e.contains("needs 12 bytes"), "{e}");
+    }
+    /// Why a manifest "x" holding `root`, written as it is, does not decode.
+    fn decode_error(root: Node) -> String {
         let m = Manifest {
             format: FORMAT_VERSION,
             name: "x".into(),
@@ -782,11 +787,11 @@ mod tests {
             meta: BTreeMap::new(),
             root,
         };
-        let e = Manifest::decode(&m.encode_unchecked().unwrap(), Path::new("m"))
+        Manifest::decode(&m.encode_unchecked().unwrap(), Path::new("m"))
             .unwrap_err()
-            .to_string();
-        assert!(e.contains("needs 12 bytes"), "{e}");
+            .to_string()
     }
+
     fn nested(depth: usize) -> Manifest {
         let mut root = Node::Int(1);
         for i in 0..depth {
@@ -811,16 +816,7 @@ mod tests {
             device: None,
             data: Blob::default(),
         }));
-        let m = Manifest {
-            format: FORMAT_VERSION,
-            name: "x".into(),
-            created_ms: 0,
-            meta: BTreeMap::new(),
-            root,
-        };
-        let e = Manifest::decode(&m.encode_unchecked().unwrap(), Path::new("m"))
-            .unwrap_err()
-            .to_string();
+        let e = decode_error(root);
         assert!(e.contains("not one an array can have"), "{e}");
     }
 

@@ -491,7 +491,7 @@ mod tests {
     fn inner_probes_split_over_workers() {
         let it = rows(8, 1);
         let store = store_of(&it);
-        let p = plan(&Request {
+        let req = Request {
             run_id: "r",
             loop_name: "epoch",
             iterations: &it,
@@ -500,8 +500,8 @@ mod tests {
             needs_inner: true,
             needs_start: false,
             workers: 2,
-        })
-        .unwrap();
+        };
+        let p = plan(&req).unwrap();
         assert_eq!(p.kind, Kind::Parallel);
         assert_eq!(p.workers.len(), 2);
         let executed: usize = p
@@ -531,16 +531,6 @@ mod tests {
         // A plan whose worker skips a state check is a planner bug.
         let mut bad = p.clone();
         bad.workers[1].state_checks.clear();
-        let req = Request {
-            run_id: "r",
-            loop_name: "epoch",
-            iterations: &it,
-            in_store: &store,
-            selected: &[true; 8],
-            needs_inner: true,
-            needs_start: false,
-            workers: 2,
-        };
         let err = check(&req, &bad).unwrap_err().to_string();
         assert!(err.contains("without comparing its state"), "{err}");
     }
