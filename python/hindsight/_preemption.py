@@ -123,16 +123,20 @@ def leave(signum: int | None, checkpointed: str, code: int | None, *, requeue: b
     the Slurm job if asked, say what happened, exit with the checkpoint code."""
     code = exit_code(code)
     job = os.environ.get("SLURM_JOB_ID")
-    if requeue and job:
-        try:
-            subprocess.run(["scontrol", "requeue", job], timeout=60, check=False)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            print(f"hindsight: scontrol requeue failed: {e}", file=sys.stderr)
+    requeue = bool(requeue and job)
+    # Said before `scontrol requeue`: Slurm may kill the job's processes as
+    # soon as it requeues it, and the line must reach the job's log.
     if announce:
         name = signal.Signals(signum).name if signum is not None else "signal"
+        then = f"requeueing Slurm job {job} and exiting" if requeue else "exiting"
         print(
-            f"hindsight: {name}: checkpointed {checkpointed}; exiting with {code} to be rescheduled",
+            f"hindsight: {name}: checkpointed {checkpointed}; {then} with {code} to be rescheduled",
             file=sys.stderr,
             flush=True,
         )
+    if requeue:
+        try:
+            subprocess.run(["scontrol", "requeue", str(job)], timeout=60, check=False)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            print(f"hindsight: scontrol requeue failed: {e}", file=sys.stderr)
     raise SystemExit(code)
