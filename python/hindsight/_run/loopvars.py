@@ -27,6 +27,7 @@ import ctypes
 import io
 import os
 import sys
+import types
 from types import FrameType
 from typing import Any
 
@@ -119,6 +120,12 @@ def _closed_file(v: Any) -> bool:
     """A file a `with open(...) as f` closed: no state left to carry on
     (a later read of it fails loudly, resumed or not)."""
     return isinstance(v, io.IOBase) and v.closed
+
+
+def _code(v: Any) -> bool:
+    """A module, class or function: called through, never training state
+    (`hs.log(...)`, `F.cross_entropy(...)` are not changes to `hs` or `F`)."""
+    return isinstance(v, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType))
 
 
 def _is_data(v: Any) -> bool:
@@ -378,7 +385,14 @@ class LoopVars:
                 continue
             except objstate.NotKept as e:
                 why = str(e)
-            if at is None and line < 0 and name in self.live and name not in transient and not _closed_file(v):
+            if (
+                at is None
+                and line < 0
+                and name in self.live
+                and name not in transient
+                and not _closed_file(v)
+                and not _code(v)
+            ):
                 self.unkept.setdefault(name, f"{type(v).__qualname__}: {why}")
             if at is None and line > 0 and name in self.live and name not in transient and not _closed_file(v):
                 fix = (
