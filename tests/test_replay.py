@@ -133,6 +133,38 @@ def test_outer_loop_probe_replays_without_running_any_step(recorded, reference):
         assert got[ctx]["weight_norm"] == v["weight_norm"], ctx
 
 
+SLOW_TO_LOAD = (  # state whose load_state_dict takes 1 s (an index rebuilt on load): dear to restore
+    "with hs.checkpointing(model=net, optimizer=opt, scheduler=sched):",
+    "import time\n\n\n"
+    "class Index:\n"
+    "    def state_dict(self):\n"
+    "        return {'rows': 3}\n\n"
+    "    def load_state_dict(self, state):\n"
+    "        time.sleep(1.0)\n\n\n"
+    "with hs.checkpointing(model=net, optimizer=opt, scheduler=sched, index=Index()):",
+)
+
+
+def test_an_iteration_cheaper_to_execute_than_to_restore_is_executed_and_checked(tmp_path, reference):
+    """The planner's cost rule: once a restore is measured dearer than the
+    iteration was when recorded, the worker executes the next iterations
+    from the state their predecessor left (each compared with the checkpoint
+    it replaces) instead of restoring them; the values are the reference's."""
+    script = make_project(tmp_path / "proj", SLOW_TO_LOAD)
+    home = tmp_path / "proj" / ".hindsight"
+    record(script, home)
+    edit(script, OUTER_PROBE)
+    r = replay(script, home, "--strict")
+    assert r.returncode == 0, r.stdout + r.stderr
+    # The first epoch is restored (and measured); the 4 others are executed: 6 steps each.
+    assert "1 restored from checkpoints, 24 inner-loop steps executed" in r.stdout, r.stdout
+    got = values(home, "weight_norm")
+    want = {ctx: v for ctx, v in values(reference, "weight_norm").items() if "weight_norm" in v}
+    assert len(want) == 5
+    for ctx, v in want.items():
+        assert got[ctx]["weight_norm"] == v["weight_norm"], ctx
+
+
 def test_a_worker_writing_more_than_a_pipe_holds_to_stderr_does_not_stall(recorded):
     """A chatty worker (warnings, a probe that prints) writes more to standard
     error than a pipe buffers; the replay reads it as it comes, finishes, and

@@ -698,6 +698,14 @@ impl WorkerPlan {
         self.0.state_check(i)
     }
 
+    /// The checkpoint to compare with after executing iteration `i` instead
+    /// of restoring it, where the engine's rule prefers that (`measured`:
+    /// this worker's mean restore seconds so far), or None: restore.
+    #[pyo3(signature = (i, measured=None))]
+    fn execute_instead(&self, i: u64, measured: Option<f64>) -> Option<&str> {
+        self.0.execute_instead(i, measured)
+    }
+
     /// The replay whose values the worker stages (`LogDb.begin_replay`).
     #[getter]
     fn replay_id(&self) -> Option<i64> {

@@ -46,6 +46,10 @@ class ReplayRun(Run):
         self.last_needed = max(self.modes, default=-1)
         self.inner_steps_executed = 0
         self.blocks_restored = 0
+        self.restore_seconds: list[float] = []
+        # Iterations executed instead of restored (the engine's cost rule):
+        # iteration -> the checkpoint their state is compared with.
+        self.instead: dict[int, str] = {}
         self.last_visited = -1
         # The recorded fingerprints of the executed iteration's batches, and
         # the staged values checked so far against the recording.
@@ -134,6 +138,12 @@ class ReplayRun(Run):
     def _skip_block(self, i: int) -> bool:
         if self.modes.get(i) != "restore":
             return False
+        measured = sum(self.restore_seconds) / len(self.restore_seconds) if self.restore_seconds else None
+        instead = self.plan.execute_instead(i, measured)
+        if instead is not None:
+            self.modes[i] = "execute"
+            self.instead[i] = instead
+            return False
         self._restore(i)
         return True
 
@@ -166,7 +176,7 @@ class ReplayRun(Run):
             # the state after it is the checkpoint's.
             self._restore(i)
             return
-        name = self.plan.state_check(i)
+        name = self.plan.state_check(i) or self.instead.get(i)
         if name is not None and self.objects:
             self._check_state(i, name)
 
@@ -228,8 +238,10 @@ class ReplayRun(Run):
         t0 = time.perf_counter()
         self._apply(self.store.load(name), name)
         self.blocks_restored += 1
+        took = time.perf_counter() - t0
+        self.restore_seconds.append(took)
         try:
-            self.db.set_restore_seconds(self.run_id, self.outer_name or "", i, time.perf_counter() - t0)
+            self.db.set_restore_seconds(self.run_id, self.outer_name or "", i, took)
         except HindsightError as e:  # bookkeeping only: say so, but never fail a replay for it
             print(f"hindsight: could not record the restore time of {name}: {e}", file=sys.stderr)
 

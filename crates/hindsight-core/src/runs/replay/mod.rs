@@ -68,6 +68,15 @@ pub struct WorkerPlan {
     /// only then is its state bit-identical to a checkpoint's.
     #[serde(default = "exact_default")]
     pub exact: bool,
+    /// Recorded compute seconds of every iteration the worker restores right
+    /// after visiting the one before it: it may execute such an iteration
+    /// instead, when that costs less than restoring it
+    /// ([`execute_instead`](Self::execute_instead)).
+    #[serde(default)]
+    pub seconds: BTreeMap<u64, f64>,
+    /// Mean restore time measured by earlier replays of this run, if any.
+    #[serde(default)]
+    pub restore_seconds: Option<f64>,
 }
 
 fn exact_default() -> bool {
@@ -100,6 +109,28 @@ impl WorkerPlan {
         let executed = self.modes.get(&i) == Some(&Mode::Execute);
         (self.exact && executed)
             .then(|| self.state_checks.get(&i).map(String::as_str))
+            .flatten()
+    }
+}
+
+impl WorkerPlan {
+    /// Whether to execute iteration `i` rather than restore it, as planned:
+    /// only where the worker runs exactly as recorded and its state is
+    /// already the one before `i` (the plan visits `i - 1`; not the first
+    /// iteration, whose start state is set before its code runs), and the
+    /// restore costs more than the iteration did when recorded. The restore
+    /// cost is `measured` (this worker's mean so far), else the earlier
+    /// replays' mean; unknown: restore (and measure). Returns the checkpoint
+    /// the executed state is then compared with (the one it replaces).
+    pub fn execute_instead(&self, i: u64, measured: Option<f64>) -> Option<&str> {
+        let seconds = *self.seconds.get(&i)?;
+        let restore = measured.or(self.restore_seconds)?;
+        let may = self.exact
+            && i > 0
+            && self.modes.get(&i) == Some(&Mode::Restore)
+            && self.modes.contains_key(&(i - 1))
+            && restore > seconds;
+        may.then(|| self.checkpoints.get(&i).map(String::as_str))
             .flatten()
     }
 }
@@ -165,6 +196,14 @@ pub fn plan(req: &Request<'_>) -> Result<ReplayPlan> {
     };
     let mut times = vec![0.0; n];
     let mut checkpoints: BTreeMap<u64, String> = BTreeMap::new();
+    let restores: Vec<f64> = req
+        .iterations
+        .iter()
+        .filter_map(|r| r.restore_seconds)
+        .filter(|s| s.is_finite() && *s >= 0.0)
+        .collect();
+    let restore_seconds =
+        (!restores.is_empty()).then(|| restores.iter().sum::<f64>() / restores.len() as f64);
     for r in req.iterations {
         times[r.idx as usize] = r.seconds;
         if let Some(c) = r.checkpoint.as_ref().filter(|c| req.in_store.contains(*c)) {
@@ -219,7 +258,11 @@ pub fn plan(req: &Request<'_>) -> Result<ReplayPlan> {
     for (worker, modes) in per_worker.into_iter().enumerate() {
         let mut own = BTreeMap::new();
         let mut state_checks = BTreeMap::new();
+        let mut seconds = BTreeMap::new();
         for (&i, &m) in &modes {
+            if m == Mode::Restore && i > 0 && modes.contains_key(&(i - 1)) {
+                seconds.insert(i, times[i as usize]);
+            }
             if m != Mode::Restore {
                 if let Some(name) = checkpoints.get(&i) {
                     state_checks.insert(i, name.clone());
@@ -246,6 +289,8 @@ pub fn plan(req: &Request<'_>) -> Result<ReplayPlan> {
             replay_id: None,
             state_checks,
             exact: true,
+            seconds,
+            restore_seconds,
         });
     }
     let plan = ReplayPlan { kind, workers };
@@ -432,7 +477,60 @@ mod tests {
             // plan() checks itself: an Err here is a broken promise.
             let p = plan(&req).map_err(|e| proptest::test_runner::TestCaseError::fail(e.to_string()))?;
             proptest::prop_assert!(check(&req, &p).is_ok());
+            // However costly a restore, an iteration executed instead of
+            // restored starts from its predecessor's state and is compared
+            // with the checkpoint it replaces.
+            for w in &p.workers {
+                for (&i, &m) in &w.modes {
+                    if let Some(c) = w.execute_instead(i, Some(f64::MAX)) {
+                        proptest::prop_assert_eq!(m, Mode::Restore);
+                        proptest::prop_assert!(i > 0 && w.modes.contains_key(&(i - 1)));
+                        proptest::prop_assert_eq!(Some(c), w.checkpoints.get(&i).map(String::as_str));
+                    }
+                }
+            }
         }
+    }
+
+    #[test]
+    fn a_restore_dearer_than_the_iteration_is_replaced_by_executing_it() {
+        let mut it = rows(4, 1);
+        let store = store_of(&it);
+        let req = |it: &[IterationRow]| {
+            plan(&Request {
+                run_id: "r",
+                loop_name: "epoch",
+                iterations: it,
+                in_store: &store,
+                selected: &[true; 4],
+                needs_inner: false,
+                needs_start: false,
+                workers: 1,
+            })
+            .unwrap()
+        };
+        let p = req(&it);
+        let w = &p.workers[0];
+        // Nothing measured yet: restore, and measure.
+        assert_eq!(w.execute_instead(2, None), None);
+        // A restore measured dearer than the recorded 1 s iteration.
+        assert_eq!(w.execute_instead(2, Some(1.5)), Some("r.epoch-000002"));
+        assert_eq!(w.execute_instead(2, Some(0.5)), None);
+        // Never the first iteration (its start state is set before its code runs).
+        assert_eq!(w.execute_instead(0, Some(9.0)), None);
+        // Earlier replays' measurements are the prior.
+        it[1].restore_seconds = Some(3.0);
+        it[3].restore_seconds = Some(1.0);
+        let p = req(&it);
+        assert_eq!(p.workers[0].restore_seconds, Some(2.0));
+        assert_eq!(
+            p.workers[0].execute_instead(1, None),
+            Some("r.epoch-000001")
+        );
+        // A worker not running as recorded restores: only then is the state exact.
+        let mut w = p.workers[0].clone();
+        w.exact = false;
+        assert_eq!(w.execute_instead(1, Some(9.0)), None);
     }
 
     #[test]
