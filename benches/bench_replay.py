@@ -27,6 +27,12 @@ durable; not Python/torch start-up) and prints it as JSON on its last line.
 3. parallel replay: add `hs.log("grad_norm", ...)` inside the step loop and
    replay the same run with -j 1, then -j 2 (replayed values upsert, so both
    do the same work): efficiency = T1 / (2 * T2).
+5. an iteration loop: the zoo's nanoGPT (tests/zoo/nanogpt.py: `hs.loop("iter",
+   itertools.count())`, micro-step accumulation, prefetched batch) for 200
+   iterations, recorded with the default adaptive policy (no
+   $HINDSIGHT_CHECKPOINT_EVERY); plain (hindsight replaced by the zoo's no-op
+   shim) and rec alternated twice; then the zoo's epoch probe (after the
+   micro-steps) replayed: whole command and process CPU against the recording.
 4. worker start-up across runs: record RUNS one-epoch runs (other seeds), add
    the weight_norm probe and `hindsight replay rec.py --runs all -j 2`, with
    workers forked from the zygote that imported torch (the default) and with
@@ -58,6 +64,9 @@ LOG_CALLS = 200_000
 # 125 steps of ~40 ms: >= 5 s per epoch on the 2-core reference machine (the setting).
 SAMPLES, BATCH, D_IN, HIDDEN, CLASSES = 8000, 64, 1024, 2048, 10
 RECORD_TARGET = 1.02  # rec loop / plain loop
+ITER_RECORD_TARGET = 1.067  # the adaptive policy's bound (1 + 1/15), process CPU of an iteration loop
+ITER_REPLAY_TARGET = 1 / 3  # an epoch-level probe on a 200-iteration loop: at least 3x faster
+ITER_ARGS = ["--max_iters=199", "--eval_interval=50", "--batch_size=16", "--n_embd=64", "--block_size=64"]
 REPLAY_TARGET = 0.10  # replay wall / record wall: at least 10x faster
 
 WEIGHT_PROBE = (
@@ -552,11 +561,97 @@ def part_runs(tab: Table, raw: dict[str, Any]) -> None:
     raw["runs"] = {"forked_s": walls["1"], "fresh_s": walls["0"]}
 
 
+def part_iterations(tab: Table, raw: dict[str, Any]) -> None:
+    sys.path.insert(0, str(REPO / "tests" / "zoo"))
+    import driver  # the zoo's script preparation (hook, probes) and its no-op hindsight shim
+
+    spec = driver.SCRIPTS["nanogpt"]
+    d = OUT / "iters"
+    shim = driver.shim_dir(d)
+    plain_dir, rec_dir = d / "plain", d / "rec"
+    driver.prepare(plain_dir, spec)
+    script = driver.prepare(rec_dir, spec)
+    one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    cmd = [PY, script.name, *ITER_ARGS]
+    plain_env = child_env(**one)
+    plain_env["PYTHONPATH"] = str(shim) + os.pathsep + plain_env["PYTHONPATH"]
+    walls: dict[str, list[float]] = {"plain": [], "rec": []}
+    cpus: dict[str, list[float]] = {"plain": [], "rec": []}
+
+    def timed(kind: str, k: int) -> dict[str, Any]:
+        home = rec_dir / ".hindsight"
+        shutil.rmtree(home, ignore_errors=True)
+        env = plain_env if kind == "plain" else child_env(HINDSIGHT_HOME=str(home), **one)
+        c0 = os.times()
+        r = run(cmd, plain_dir if kind == "plain" else rec_dir, env, f"{kind} #{k + 1}")
+        c1 = os.times()
+        cpu = (c1.children_user - c0.children_user) + (c1.children_system - c0.children_system)
+        walls[kind].append(r["wall_s"])
+        cpus[kind].append(cpu)
+        print(f"  iteration loop {r['what']}: whole {r['wall_s']:.2f} s, CPU {cpu:.2f} s", file=sys.stderr, flush=True)
+        return r
+
+    for k in range(2):
+        timed("plain", k)
+        timed("rec", k)  # the last one stays for the replay
+    db = _native.LogDb(str(rec_dir / ".hindsight" / "logs.db"))
+    run_id = db.latest_run()["id"]
+    iters = db.iterations(run_id, "iter")
+    ck = sum(1 for it in iters if it.checkpoint is not None)
+    store = dir_bytes(rec_dir / ".hindsight")
+    script.write_text(driver.with_probes(script.read_text(), ("epoch",)))
+    env = child_env(HINDSIGHT_HOME=str(rec_dir / ".hindsight"), **one)
+    c0 = os.times()
+    r = run(
+        [PY, "-m", "hindsight", "replay", script.name, "-q", "--strict"], rec_dir, env, "iteration replay", ok=(0, 1, 3)
+    )
+    c1 = os.times()
+    replay_cpu = (c1.children_user - c0.children_user) + (c1.children_system - c0.children_system)
+    got = replay_values(db, run_id, "zoo_epoch")
+    print(f"  iteration loop replay: whole {r['wall_s']:.2f} s: {replay_summary(r['stdout'])}", file=sys.stderr)
+    pw, rw = statistics.median(walls["plain"]), statistics.median(walls["rec"])
+    pc, rc = statistics.median(cpus["plain"]), statistics.median(cpus["rec"])
+    tab.section(
+        f"5. an iteration loop: zoo nanoGPT, {len(iters)} iterations x 3 micro-steps, adaptive policy, "
+        "epoch probe replayed"
+    )
+    tab.add(
+        "record: process CPU (vs plain, hindsight shimmed out)", rc, pc, target=ITER_RECORD_TARGET, note="median of 2"
+    )
+    tab.add(
+        "record: whole command", rw, pw, note=f"{ck} checkpoints in {len(iters)} iterations, {store / 2**20:.0f} MiB"
+    )
+    tab.add(
+        "epoch-probe replay: whole command (vs the recording)",
+        r["wall_s"],
+        walls["rec"][-1],
+        target=ITER_REPLAY_TARGET,
+        note=f"{walls['rec'][-1] / r['wall_s']:.1f}x faster; exit {r['rc']}, {len(got)}/{len(iters)} values",
+    )
+    tab.add("epoch-probe replay: process CPU (vs the recording)", replay_cpu, cpus["rec"][-1])
+    raw["iterations"] = {
+        "plain_wall_s": walls["plain"],
+        "rec_wall_s": walls["rec"],
+        "plain_cpu_s": cpus["plain"],
+        "rec_cpu_s": cpus["rec"],
+        "checkpoints": ck,
+        "iterations": len(iters),
+        "store_bytes": store,
+        "replay_wall_s": r["wall_s"],
+        "replay_cpu_s": replay_cpu,
+        "replay_rc": r["rc"],
+        "replay_summary": replay_summary(r["stdout"]),
+    }
+    if r["rc"] != 0 or len(got) != len(iters):
+        raw.setdefault("problems", []).append(f"iteration replay exited {r['rc']}: {r['stderr'][-2000:]}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--keep", action="store_true", help="leave bench-out/replay/ in place")
     ap.add_argument("--epochs", type=int, default=20, help="epochs of the recorded training (default 20)")
+    ap.add_argument("--only-iterations", action="store_true", help="part 5 only (the iteration loop)")
     args = ap.parse_args()
 
     shutil.rmtree(OUT, ignore_errors=True)
@@ -589,6 +684,10 @@ def main() -> int:
         tab = Table()
         raw: dict[str, Any] = {}
         t0 = now()
+        if args.only_iterations:
+            part_iterations(tab, raw)
+            print(tab.render())
+            return 0
         proj = part_record(tab, raw, args.epochs)
         print(f"  (part 1 took {now() - t0:.0f} s)", file=sys.stderr, flush=True)
         t0 = now()
@@ -598,6 +697,9 @@ def main() -> int:
         t0 = now()
         part_runs(tab, raw)
         print(f"  (part 4 took {now() - t0:.0f} s)", file=sys.stderr, flush=True)
+        t0 = now()
+        part_iterations(tab, raw)
+        print(f"  (part 5 took {now() - t0:.0f} s)", file=sys.stderr, flush=True)
         raw.pop("_last_rec", None)
 
         print(tab.render())

@@ -201,3 +201,15 @@ def test_one_time_setup_is_reported_apart_from_the_steady_cost(tmp_path: Path) -
     assert second.setup_seconds == 0.0 and store.last_setup_seconds == 0.0
     stats = second.wait()
     assert stats is not None and stats["setup_seconds"] == 0.0 and stats["bytes_staged"] == 4 << 20
+
+
+def test_the_background_cpu_of_saves_is_counted(tmp_path: Path) -> None:
+    # What the adaptive policy adds to a checkpoint's price beside the
+    # caller's time: the writer threads' hashing and writing.
+    store = hs.Store(tmp_path / "s")
+    assert store.background_cpu_seconds == 0.0
+    store.save("a", {"w": torch.randn(4 << 20)}).wait()
+    after_one = store.background_cpu_seconds
+    assert after_one > 0.0
+    store.save("b", {"w": torch.randn(4 << 20)}).wait()
+    assert store.background_cpu_seconds > after_one

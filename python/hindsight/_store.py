@@ -108,6 +108,11 @@ class Store:
         """Most bytes of copied-but-unwritten data held at once; save waits beyond it."""
         return self._native.staging_bytes
 
+    @property
+    def background_cpu_seconds(self) -> float:
+        """CPU seconds the background threads have spent on saves so far."""
+        return self._native.background_cpu_seconds
+
     def __repr__(self) -> str:
         return f"hindsight.Store({self.path!r})"
 

@@ -207,6 +207,13 @@ impl Store {
         self.replica.primary().options().chunk_size
     }
 
+    /// CPU seconds this store's background threads have spent on saves so
+    /// far (a running total; what checkpoints cost beside the caller's time).
+    #[getter]
+    fn background_cpu_seconds(&self) -> PyResult<f64> {
+        Ok(self.writer()?.background_cpu_seconds())
+    }
+
     #[getter]
     fn staging_bytes(&self) -> PyResult<usize> {
         Ok(self.writer()?.staging_limit())

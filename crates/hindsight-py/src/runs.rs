@@ -787,6 +787,10 @@ impl AdaptivePolicy {
         self.inner.observe_materialize(actual_secs)
     }
 
+    fn observe_background(&mut self, secs: f64) {
+        self.inner.observe_background(secs)
+    }
+
     fn observe_restore(&mut self, restore_secs: f64, materialize_secs: f64) {
         self.inner.observe_restore(restore_secs, materialize_secs)
     }

@@ -55,6 +55,12 @@ class RecordRun(Run):
         self.iter_checkpoint: str | None = None
         self.iter_materialize: float | None = None
         self.last_blocked: float | None = None
+        # Background CPU of saves (the writer's running total), as last read,
+        # and its mean per checkpoint: the part of a checkpoint's price that
+        # the training thread does not see.
+        self.background_seen = 0.0
+        self.background_per_checkpoint = 0.0
+        self.checkpoints_unpriced = 0
         # Preemption: a signal is noted by the handler and acted on at the next step boundary.
         self.signals = _preemption.StopSignals(os.environ.get("HINDSIGHT_CATCH_SIGINT") == "1")
         self.requeue = _preemption.requeue_default()
@@ -224,12 +230,14 @@ class RecordRun(Run):
         return _native.CheckpointId(self.run_id, self.outer_name or "loop", i, kind, step)
 
     def _save_now(self, ck: _native.CheckpointId, extra: dict[str, Any], wait: bool) -> None:
+        # The training thread's whole price: capturing the state too.
+        t0 = time.perf_counter()
         state = self.capture()
         state.update(extra)
         if self.start_rng is not None:
             state["start_rng"] = self.start_rng  # the same bytes every time: stored once
-        t0 = time.perf_counter()
         h = self.store.save(ck.name, state, meta={**ck.meta(), "run": self.run_id})
+        self.checkpoints_unpriced += 1
         # The steady-state price: one-time set-up of the first saves (fresh
         # staging, pinned buffers) is not what later checkpoints cost.
         self.last_blocked = max(0.0, time.perf_counter() - t0 - self.store.last_setup_seconds)
@@ -237,6 +245,19 @@ class RecordRun(Run):
         if wait:
             h.wait()
             self.store.flush()
+
+    def _price_background(self) -> None:
+        """Charge the policy with the CPU the writer's threads spent since
+        the last look: recording's overhead bound is on the machine's CPU."""
+        if self._store is None:
+            return
+        total = self.store.background_cpu_seconds
+        spent, self.background_seen = total - self.background_seen, total
+        if spent > 0:
+            self.policy.observe_background(spent)
+            if self.checkpoints_unpriced:
+                self.background_per_checkpoint = spent / self.checkpoints_unpriced
+        self.checkpoints_unpriced = 0
 
     def _estimate_materialize(self) -> float:
         nbytes = 0
@@ -255,7 +276,9 @@ class RecordRun(Run):
             self.vars_checked += 1
             self.capture()
         compute = time.perf_counter() - self.iter_start
+        self._price_background()
         expected = self.last_blocked if self.last_blocked is not None else self._estimate_materialize()
+        expected += self.background_per_checkpoint
         if self.every is not None:
             if i % self.every != 0:
                 return

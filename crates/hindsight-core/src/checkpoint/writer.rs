@@ -293,6 +293,9 @@ struct Shared {
     building: Mutex<()>,
     /// Local-first mode: committed checkpoints are handed to it for upload.
     uploader: Option<Arc<Uploader>>,
+    /// CPU nanoseconds the background threads spent on saves: part of what
+    /// a checkpoint costs the machine (the adaptive policy prices it).
+    cpu_ns: AtomicU64,
 }
 
 type Task = (
@@ -344,6 +347,7 @@ impl Writer {
             next_id: AtomicU64::new(1),
             building: Mutex::new(()),
             uploader,
+            cpu_ns: AtomicU64::new(0),
         });
         let (task_tx, task_rx) = mpsc::channel::<Task>();
         let task_rx = Arc::new(Mutex::new(task_rx));
@@ -526,6 +530,50 @@ impl Writer {
 
     pub fn staging_limit(&self) -> usize {
         self.shared.budget.limit
+    }
+
+    /// CPU seconds the background threads have spent on saves so far
+    /// (hashing, compressing, writing, committing), a running total.
+    pub fn background_cpu_seconds(&self) -> f64 {
+        self.shared.cpu_ns.load(Ordering::Relaxed) as f64 * 1e-9
+    }
+}
+
+/// CPU time of the calling thread, in nanoseconds (0 where unavailable).
+fn thread_cpu_ns() -> u64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: writes one timespec owned by this frame.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+    if rc != 0 {
+        return 0;
+    }
+    (t.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(t.tv_nsec as u64)
+}
+
+/// Adds the calling thread's CPU time from now until it is dropped.
+struct CpuMeter<'a> {
+    total: &'a AtomicU64,
+    start: u64,
+}
+
+impl<'a> CpuMeter<'a> {
+    fn start(total: &'a AtomicU64) -> Self {
+        CpuMeter {
+            total,
+            start: thread_cpu_ns(),
+        }
+    }
+}
+
+impl Drop for CpuMeter<'_> {
+    fn drop(&mut self) {
+        let spent = thread_cpu_ns().saturating_sub(self.start);
+        self.total.fetch_add(spent, Ordering::Relaxed);
     }
 }
 
@@ -855,6 +903,7 @@ fn worker_loop(shared: &Shared, rx: &Mutex<mpsc::Receiver<Task>>, nice: i32) {
         let Ok((staged, job, done)) = task else {
             return;
         };
+        let meter = CpuMeter::start(&shared.cpu_ns);
         let aborted = lock(&job.state).aborted;
         let r = if aborted {
             Err(Error::Abandoned {
@@ -882,6 +931,7 @@ fn worker_loop(shared: &Shared, rx: &Mutex<mpsc::Receiver<Task>>, nice: i32) {
         if let Data::Owned(v) = staged.data {
             shared.budget.release(v);
         }
+        drop(meter);
         let _ = done.send((staged.index, r));
     }
 }
@@ -901,7 +951,10 @@ fn dispatcher_loop(shared: &Shared, tasks: &mpsc::Sender<Task>) {
                 q = shared.queue_cv.wait(q).unwrap_or_else(|p| p.into_inner());
             }
         };
-        let result = run_job(shared, &job, tasks);
+        let result = {
+            let _meter = CpuMeter::start(&shared.cpu_ns);
+            run_job(shared, &job, tasks)
+        };
         if result.is_err() {
             job.chunks.failed.store(true, Ordering::Release);
         }
