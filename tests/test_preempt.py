@@ -119,6 +119,38 @@ def test_signal_checkpoint_exit_85_and_exact_resume(tmp_path, reference, sig):
         assert stdout.count("step ") <= TOTAL_STEPS - at + 1
 
 
+def test_a_moved_project_resumes_its_interrupted_run(tmp_path, reference):
+    """The resume key takes the script relative to the project root: a
+    project moved after a preemption (another scratch directory, a renamed
+    checkout) resumes its run from its own store, exactly."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    shutil.copy(SCRIPT, proj / "train.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HINDSIGHT_")}  # home: proj/.hindsight
+    cmd = [sys.executable, "train.py", "--delay", "0.02", "--out", "final.pt"]
+    p = subprocess.Popen(cmd, cwd=proj, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    seen = 0
+    while seen < 30:
+        line = p.stdout.readline()
+        assert line, p.stderr.read() if p.stderr else ""
+        seen += line.startswith("step ")
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 85, err
+    moved = tmp_path / "moved"
+    proj.rename(moved)
+    r = subprocess.run(cmd, cwd=moved, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "resuming run" in r.stderr, r.stderr
+    ref_weights, ref_series = reference
+    weights = torch.load(moved / "final.pt")
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+    got = series(moved / ".hindsight")
+    assert got["status"] == "completed"
+    assert got["logs"] == ref_series["logs"]
+
+
 def test_kill_9_resumes_from_newest_complete_checkpoint(tmp_path, reference):
     ref_weights, ref_series = reference
     rng = random.Random(9)

@@ -201,17 +201,19 @@ impl LogDb {
     }
 
     /// The run a process started with `resume_key` here continues, if any
-    /// (the engine's rule: interrupted, or running but certainly gone).
-    #[pyo3(signature = (resume_key, explicit=false))]
+    /// (the engine's rule: interrupted, or running but certainly gone), with
+    /// its paths where they are now that the project root is `root`.
+    #[pyo3(signature = (resume_key, root, explicit=false))]
     fn run_to_resume<'py>(
         &self,
         py: Python<'py>,
         resume_key: String,
+        root: PathBuf,
         explicit: bool,
     ) -> PyResult<Option<Bound<'py, PyDict>>> {
         let here = hindsight_core::runs::resume::Here::current();
         let r = self.with(py, |db| db.run_to_resume(&resume_key, explicit, &here))?;
-        r.map(|r| run_dict(py, &r)).transpose()
+        r.map(|r| run_dict(py, &r.relocated(&root))).transpose()
     }
 
     fn put_source(&self, py: Python<'_>, files: BTreeMap<String, String>) -> PyResult<String> {
@@ -817,8 +819,16 @@ fn parse_date(text: &str) -> PyResult<u64> {
     hindsight_core::runs::dates::parse_utc(text).map_err(crate::errors::to_py)
 }
 
+/// The key a starting script finds the run it continues by
+/// (`runs::resume::resume_key`).
+#[pyfunction]
+fn resume_key(script: PathBuf, root: PathBuf, args: Vec<String>) -> String {
+    hindsight_core::runs::resume::resume_key(&script, &root, &args)
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_date, m)?)?;
+    m.add_function(wrap_pyfunction!(resume_key, m)?)?;
     m.add_function(wrap_pyfunction!(batch_digest, m)?)?;
     m.add_class::<ReplayCheck>()?;
     m.add_class::<LogDb>()?;

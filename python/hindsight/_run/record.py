@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import hashlib
 import json
 import os
 import platform
@@ -97,10 +96,10 @@ class RecordRun(Run):
 
     def _start(self) -> None:
         explicit = os.environ.get(ENV_RUN_NAME)
-        key = explicit or hashlib.sha256(json.dumps([str(self.script), sys.argv[1:]]).encode()).hexdigest()[:32]
+        key = explicit or _native.resume_key(str(self.script), str(self.root), sys.argv[1:])
         prev = None
         if os.environ.get(ENV_RESUME, "1") != "0":
-            prev = self.db.run_to_resume(key, explicit is not None)
+            prev = self.db.run_to_resume(key, str(self.root), explicit is not None)
         if prev is not None:
             self.run_id = prev["id"]
             self.args = json.loads(prev["args_json"] or "{}")

@@ -8,6 +8,9 @@
 //! same command is left alone and the new process starts a new run. A run
 //! that failed (crashed) resumes only when `hindsight run` restarts it.
 
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
 use crate::runs::db::{LogDb, RunRow, RunStatus};
 use crate::runs::json::{self, J};
 use crate::Result;
@@ -74,6 +77,24 @@ fn recorded_slurm_job(run: &RunRow) -> Option<String> {
     }
 }
 
+/// The key a starting process finds the run it continues by (unless the
+/// user names it): the same script with the same arguments. The script is
+/// taken relative to the project root when it lies inside it, so a project
+/// moved or copied elsewhere still resumes its own runs; absolute otherwise,
+/// so two projects sharing one home never resume each other's.
+pub fn resume_key(script_abs: &Path, root: &Path, args: &[String]) -> String {
+    let script = script_abs.strip_prefix(root).unwrap_or(script_abs);
+    let mut h = blake3::Hasher::new();
+    h.update(b"hindsight resume key 2\0");
+    h.update(script.as_os_str().as_bytes());
+    for a in args {
+        // Length-prefixed: ["a b"] and ["a", "b"] differ.
+        h.update(&(a.len() as u64).to_le_bytes());
+        h.update(a.as_bytes());
+    }
+    h.finalize().to_hex()[..32].to_owned()
+}
+
 /// Whether `run` may be continued by a process at `here` (see the module
 /// docs). `explicit`: the user named the run to continue.
 pub fn resumable(run: &RunRow, explicit: bool, here: &Here) -> bool {
@@ -121,6 +142,61 @@ impl LogDb {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_resume_key_survives_a_moved_project_and_tells_scripts_and_arguments_apart() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let k = resume_key(
+            Path::new("/a/proj/train.py"),
+            Path::new("/a/proj"),
+            &args(&["--lr", "1"]),
+        );
+        assert_eq!(k.len(), 32);
+        // Moved: the same key.
+        assert_eq!(
+            k,
+            resume_key(
+                Path::new("/b/p2/train.py"),
+                Path::new("/b/p2"),
+                &args(&["--lr", "1"])
+            )
+        );
+        // Another script, other arguments, other splits of them: other keys.
+        let other = [
+            resume_key(
+                Path::new("/a/proj/eval.py"),
+                Path::new("/a/proj"),
+                &args(&["--lr", "1"]),
+            ),
+            resume_key(
+                Path::new("/a/proj/train.py"),
+                Path::new("/a/proj"),
+                &args(&["--lr", "2"]),
+            ),
+            resume_key(
+                Path::new("/a/proj/train.py"),
+                Path::new("/a/proj"),
+                &args(&["--lr 1"]),
+            ),
+            // Outside the project root (a shared home): the absolute path counts.
+            resume_key(
+                Path::new("/a/proj/train.py"),
+                Path::new("/x"),
+                &args(&["--lr", "1"]),
+            ),
+        ];
+        for o in &other {
+            assert_ne!(&k, o);
+        }
+        assert_ne!(
+            other[3],
+            resume_key(
+                Path::new("/b/proj/train.py"),
+                Path::new("/x"),
+                &args(&["--lr", "1"])
+            )
+        );
+    }
 
     fn row(status: RunStatus, host: &str, pid: u32, versions: &str) -> RunRow {
         RunRow {
