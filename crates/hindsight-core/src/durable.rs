@@ -5,7 +5,11 @@
 //!
 //! Writers that commit many files at once (the chunks of one checkpoint) may
 //! defer the directory fsync and do it once per directory with [`sync_dirs`]
-//! before anything that refers to those files is committed.
+//! before anything that refers to those files is committed; or stage the
+//! files with [`write_staged`] and publish them together with
+//! [`publish_staged`]: the same guarantee, for two file-system syncs instead
+//! of an fsync per file and per directory (a checkpoint of many small
+//! tensors has hundreds of chunk files).
 
 use std::collections::BTreeSet;
 use std::fs::{self, File, OpenOptions};
@@ -82,6 +86,79 @@ pub fn write_durable(
             Ok(())
         }
     }
+}
+
+/// Write `parts` (concatenated) to a new staging file in `tmp_dir`, not yet
+/// durable and under no final name: the first half of [`publish_staged`].
+/// `dest` names the file in errors (that is what the user knows about).
+pub fn write_staged(tmp_dir: &Path, parts: &[&[u8]], dest: &Path) -> Result<PathBuf> {
+    let staging = tmp_dir.join(staging_name());
+    let result = (|| {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&staging)
+            .map_err(|e| Error::io(&staging, e))?;
+        for p in parts {
+            f.write_all(p).map_err(|e| Error::io(dest, e))?;
+        }
+        Ok(())
+    })();
+    if let Err(e) = result {
+        let _ = fs::remove_file(&staging);
+        return Err(e);
+    }
+    Ok(staging)
+}
+
+/// Batches smaller than this are published file by file (an fsync each): a
+/// whole-file-system sync also flushes what other programs wrote.
+const SYNCFS_FROM: usize = 8;
+
+/// Publish files staged by [`write_staged`] (pairs of staging file and
+/// destination, all on the file system of `root`): make their bytes durable,
+/// rename each over its destination, make the new names durable. A crash at
+/// any instant leaves every destination absent or complete. Published pairs
+/// are drained from `files`; on an error the rest stay, to be retried.
+pub fn publish_staged(root: &Path, files: &mut Vec<(PathBuf, PathBuf)>) -> Result<()> {
+    if files.is_empty() {
+        return Ok(());
+    }
+    let batch = files.len() >= SYNCFS_FROM;
+    if batch {
+        sync_filesystem(root)?;
+    } else {
+        for (staging, dest) in files.iter() {
+            let f = File::open(staging).map_err(|e| Error::io(dest, e))?;
+            f.sync_all().map_err(|e| Error::io(dest, e))?;
+        }
+    }
+    let mut dirs = BTreeSet::new();
+    while let Some((staging, dest)) = files.last().cloned() {
+        if let Some(parent) = dest.parent() {
+            dirs.extend(create_dirs(parent)?);
+            dirs.insert(parent.to_path_buf());
+        }
+        fs::rename(&staging, &dest).map_err(|e| Error::io(&dest, e))?;
+        files.pop();
+    }
+    if batch {
+        sync_filesystem(root)
+    } else {
+        sync_dirs(&dirs)
+    }
+}
+
+/// `syncfs(2)` on the file system holding `path`: every dirty page and
+/// inode of it reaches the disk.
+fn sync_filesystem(path: &Path) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let f = File::open(path).map_err(|e| Error::io(path, e))?;
+    // SAFETY: a plain syscall on a descriptor this frame owns.
+    if unsafe { libc::syncfs(f.as_raw_fd()) } != 0 {
+        return Err(Error::io(path, std::io::Error::last_os_error()));
+    }
+    Ok(())
 }
 
 /// Create `dir` and its missing ancestors; returns the directories whose

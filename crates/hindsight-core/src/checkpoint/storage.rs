@@ -10,7 +10,7 @@
 //! gc.lock               writers hold it shared, gc exclusive
 //! ```
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io::Read;
@@ -22,6 +22,7 @@ use crate::checkpoint::format::ChunkId;
 use crate::checkpoint::layout;
 use crate::durable::{self, DirSync};
 use crate::error::{Error, Result};
+use crate::sync::lock;
 
 /// Name of the store options file at the root of every store.
 pub const CONFIG_FILE: &str = "HINDSIGHT.json";
@@ -93,8 +94,13 @@ pub trait Storage: Send + Sync + fmt::Debug {
 pub struct LocalStorage {
     root: PathBuf,
     tmp: PathBuf,
-    /// Directories that received chunk names since the last sync.
+    /// Directories that lost chunk names since the last sync.
     dirty_dirs: std::sync::Mutex<BTreeSet<PathBuf>>,
+    /// Chunks put since the last sync: written to a staging file, published
+    /// under their names by `sync` (`durable::publish_staged`). This process
+    /// reads them from there meanwhile; others do not see them yet, and no
+    /// manifest refers to them before `sync` returns.
+    pending: std::sync::Mutex<BTreeMap<ChunkId, (PathBuf, PathBuf)>>,
 }
 
 impl LocalStorage {
@@ -109,6 +115,7 @@ impl LocalStorage {
             root: root.to_path_buf(),
             tmp: root.join(layout::TMP),
             dirty_dirs: Default::default(),
+            pending: Default::default(),
         })
     }
 
@@ -188,6 +195,9 @@ impl Storage for LocalStorage {
     }
 
     fn has_chunk(&self, id: &ChunkId) -> Result<bool> {
+        if lock(&self.pending).contains_key(id) {
+            return Ok(true);
+        }
         let p = self.own_chunk_path(id)?;
         match fs::symlink_metadata(&p) {
             Ok(_) => Ok(true),
@@ -197,22 +207,23 @@ impl Storage for LocalStorage {
     }
 
     fn put_chunk(&self, id: &ChunkId, parts: &[&[u8]]) -> Result<()> {
-        let mut dirs = BTreeSet::new();
-        durable::write_durable(
-            &self.own_chunk_path(id)?,
-            &self.tmp,
-            parts,
-            DirSync::Deferred(&mut dirs),
-        )?;
-        self.dirty_dirs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend(dirs);
+        if lock(&self.pending).contains_key(id) {
+            return Ok(());
+        }
+        let dest = self.own_chunk_path(id)?;
+        let staging = durable::write_staged(&self.tmp, parts, &dest)?;
+        if let Some((old, _)) = lock(&self.pending).insert(*id, (staging, dest)) {
+            let _ = fs::remove_file(old); // put twice at once: the same bytes
+        }
         Ok(())
     }
 
     fn open_chunk(&self, id: &ChunkId) -> Result<Box<dyn Read + Send>> {
-        let p = self.own_chunk_path(id)?;
+        let staged = lock(&self.pending).get(id).map(|(s, _)| s.clone());
+        let p = match staged {
+            Some(staging) => staging,
+            None => self.own_chunk_path(id)?,
+        };
         match OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_NOFOLLOW)
@@ -227,6 +238,10 @@ impl Storage for LocalStorage {
     }
 
     fn quarantine_chunk(&self, id: &ChunkId) -> Result<()> {
+        if let Some((staging, _)) = lock(&self.pending).remove(id) {
+            let _ = fs::remove_file(staging); // never published: nothing refers to it
+            return Ok(());
+        }
         let from = self.own_chunk_path(id)?;
         let dir = self.root.join(layout::QUARANTINE);
         refuse_symlink(&dir)?;
@@ -266,11 +281,22 @@ impl Storage for LocalStorage {
                 }
             }
         }
+        // Put by this process and not yet published: chunks it can read.
+        for (id, (staging, _)) in lock(&self.pending).iter() {
+            let len = fs::metadata(staging)
+                .map_err(|e| Error::io(staging, e))?
+                .len();
+            out.push((*id, len));
+        }
         out.sort();
+        out.dedup_by_key(|(id, _)| *id);
         Ok(out)
     }
 
     fn delete_chunk(&self, id: &ChunkId) -> Result<()> {
+        if let Some((staging, _)) = lock(&self.pending).remove(id) {
+            let _ = fs::remove_file(staging);
+        }
         let p = self.own_chunk_path(id)?;
         match fs::remove_file(&p) {
             Ok(()) => {
@@ -286,6 +312,20 @@ impl Storage for LocalStorage {
     }
 
     fn sync(&self) -> Result<()> {
+        // Taken out while publishing (other saves go on putting chunks);
+        // what fails to publish goes back, to be retried by the next sync.
+        let (ids, mut staged): (Vec<ChunkId>, Vec<(PathBuf, PathBuf)>) =
+            std::mem::take(&mut *lock(&self.pending))
+                .into_iter()
+                .unzip();
+        let published = durable::publish_staged(&self.root, &mut staged);
+        // `publish_staged` publishes from the end: the rest are the first ones.
+        let mut pending = lock(&self.pending);
+        for (id, files) in ids.into_iter().zip(staged) {
+            pending.entry(id).or_insert(files);
+        }
+        drop(pending);
+        published?;
         let dirs = std::mem::take(&mut *self.dirty_dirs.lock().unwrap_or_else(|p| p.into_inner()));
         let r = durable::sync_dirs(&dirs);
         if r.is_err() {
@@ -375,6 +415,9 @@ impl Storage for LocalStorage {
 
     fn clean_staging(&self) -> Result<u64> {
         refuse_symlink(&self.tmp)?; // replaced since open: still not ours to empty
+                                    // Under the exclusive lock no save is in flight: what is still
+                                    // pending here belongs to a save that failed before its commit.
+        lock(&self.pending).clear();
         let mut n = 0;
         for e in fs::read_dir(&self.tmp).map_err(|e| Error::io(&self.tmp, e))? {
             let e = e.map_err(|e| Error::io(&self.tmp, e))?;
@@ -383,5 +426,83 @@ impl Storage for LocalStorage {
             }
         }
         Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names_under(dir: &Path) -> usize {
+        fs::read_dir(dir)
+            .map(|d| {
+                d.flatten()
+                    .map(|e| {
+                        if e.path().is_dir() {
+                            names_under(&e.path())
+                        } else {
+                            1
+                        }
+                    })
+                    .sum()
+            })
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn chunks_are_published_together_and_never_under_their_name_before_they_are_durable() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = LocalStorage::open(dir.path()).unwrap();
+        let ids: Vec<ChunkId> = (0..20u8)
+            .map(|i| {
+                let raw = vec![i; 100 + i as usize];
+                let id = ChunkId::of(&raw);
+                s.put_chunk(&id, &[&raw]).unwrap();
+                id
+            })
+            .collect();
+        // Readable here at once; under no final name yet.
+        assert!(s.has_chunk(&ids[3]).unwrap());
+        let mut got = Vec::new();
+        s.open_chunk(&ids[3])
+            .unwrap()
+            .read_to_end(&mut got)
+            .unwrap();
+        assert_eq!(got, vec![3u8; 103]);
+        assert_eq!(s.list_chunks().unwrap().len(), 20);
+        assert_eq!(names_under(&dir.path().join(layout::CHUNKS)), 0);
+        let other = LocalStorage::open(dir.path()).unwrap();
+        assert!(!other.has_chunk(&ids[3]).unwrap());
+        // A crash now (nothing synced) leaves only staging files, which gc removes.
+        s.sync().unwrap();
+        assert_eq!(names_under(&dir.path().join(layout::CHUNKS)), 20);
+        assert_eq!(names_under(&dir.path().join(layout::TMP)), 0);
+        for id in &ids {
+            assert!(other.has_chunk(id).unwrap());
+        }
+        // A small batch goes file by file, with the same result.
+        let raw = b"one more".to_vec();
+        let id = ChunkId::of(&raw);
+        s.put_chunk(&id, &[&raw]).unwrap();
+        s.sync().unwrap();
+        assert!(other.has_chunk(&id).unwrap());
+        assert_eq!(names_under(&dir.path().join(layout::TMP)), 0);
+    }
+
+    #[test]
+    fn a_save_that_never_synced_leaves_nothing_gc_keeps() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = LocalStorage::open(dir.path()).unwrap();
+        let raw = vec![7u8; 4096];
+        let id = ChunkId::of(&raw);
+        s.put_chunk(&id, &[&raw]).unwrap();
+        let _g = s.lock_exclusive().unwrap();
+        assert_eq!(s.clean_staging().unwrap(), 1);
+        assert!(
+            !s.has_chunk(&id).unwrap(),
+            "a cleaned staging file is not a chunk"
+        );
+        s.sync().unwrap();
+        assert_eq!(names_under(&dir.path().join(layout::CHUNKS)), 0);
     }
 }
