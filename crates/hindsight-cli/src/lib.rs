@@ -157,6 +157,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Show the project home this directory uses, and why: its run database and store
+    Where,
     /// Run a training command; restart it after a crash or hang (it resumes
     /// from its last checkpoint); pass signals through to it
     Run {
@@ -306,6 +308,7 @@ fn execute(cli: Cli, out: &mut String, err: &mut dyn Write) -> Result<i32, Failu
         Command::Gc { store_dir } => cmd_gc(&places.open_store(store_dir)?, out, err),
         Command::Du { store_dir, json } => cmd_du(&places.open_store(store_dir)?, json, out, err),
         Command::Runs { limit, json } => runcmds::cmd_runs(&places.open_db()?, limit, json, out),
+        Command::Where => cmd_where(&places, out),
         Command::Logs {
             run,
             names,
@@ -409,6 +412,46 @@ impl Places {
         }
         Ok(LogDb::open_checked(&path)?)
     }
+}
+
+/// `hindsight where`: the project home rule, applied here and said.
+fn cmd_where(places: &Places, out: &mut String) -> Result<i32, Failure> {
+    let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
+    let (home, why) = match non_empty(places.home.clone()) {
+        Some(h) => (h, "--home names it".to_string()),
+        None => {
+            let (h, source) = home::locate_home(std::env::var_os(home::HOME_ENV), &cwd);
+            (h, source.to_string())
+        }
+    };
+    let state = |p: &Path, what: &str| {
+        if p.exists() {
+            String::new()
+        } else {
+            format!(" (none yet: the first {what} creates it)")
+        }
+    };
+    let db = home::db_path(&home);
+    outln!(out, "home   {}   ({why})", home.display());
+    outln!(out, "runs   {}{}", db.display(), state(&db, "recording"));
+    match non_empty(places.store.clone()) {
+        Some(s) => outln!(
+            out,
+            "store  {}   (--store or $HINDSIGHT_STORE)",
+            s.display()
+        ),
+        None => {
+            let s = home::store_path(&home);
+            outln!(out, "store  {}{}", s.display(), state(&s, "checkpoint"));
+        }
+    }
+    outln!(
+        out,
+        "A training script finds its home the same way, from the script's directory; \
+         set ${} to put it elsewhere.",
+        home::HOME_ENV
+    );
+    Ok(EXIT_OK)
 }
 
 fn no_project(home: &Path) -> Failure {

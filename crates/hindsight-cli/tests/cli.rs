@@ -648,3 +648,42 @@ fn a_duration_out_of_range_is_a_usage_error_not_a_panic() {
         assert!(!o.stderr.contains("panicked"), "{}", o.stderr);
     }
 }
+
+#[test]
+fn where_names_the_home_and_the_rule_that_chose_it() {
+    const NOTE: &str = "A training script finds its home the same way, from the script's \
+                        directory; set $HINDSIGHT_HOME to put it elsewhere.\n";
+    let o = hindsight_env(&["where"], None, None);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    assert_eq!(
+        o.stdout,
+        format!(
+            "home   {NO_HOME}   ($HINDSIGHT_HOME names it)\n\
+             runs   {NO_HOME}/logs.db (none yet: the first recording creates it)\n\
+             store  {NO_HOME}/store (none yet: the first checkpoint creates it)\n{NOTE}"
+        )
+    );
+    // Without $HINDSIGHT_HOME: the enclosing git work tree, from a subdirectory.
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    std::fs::create_dir_all(root.join(".git")).unwrap();
+    std::fs::create_dir_all(root.join("a/b")).unwrap();
+    std::fs::create_dir_all(root.join(".hindsight/store")).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_hindsight"))
+        .arg("where")
+        .current_dir(root.join("a/b"))
+        .env_remove("HINDSIGHT_HOME")
+        .env_remove("HINDSIGHT_STORE")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0));
+    let r = root.display();
+    assert_eq!(
+        String::from_utf8(o.stdout).unwrap(),
+        format!(
+            "home   {r}/.hindsight   (.hindsight in the git work tree {r})\n\
+             runs   {r}/.hindsight/logs.db (none yet: the first recording creates it)\n\
+             store  {r}/.hindsight/store\n{NOTE}"
+        )
+    );
+}

@@ -34,18 +34,47 @@ pub fn project_home(start: &Path) -> PathBuf {
 /// Python's `Path.resolve()` does), so the walk up follows the real
 /// directory tree. The value of `$HINDSIGHT_HOME` is used as given.
 pub fn resolve_home(env: Option<OsString>, start: &Path) -> PathBuf {
+    locate_home(env, start).0
+}
+
+/// Which part of the rule chose a project home.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HomeSource {
+    /// `$HINDSIGHT_HOME` names it.
+    Env,
+    /// `.hindsight` in this enclosing git work tree.
+    GitRoot(PathBuf),
+    /// `.hindsight` in the start directory: no git work tree encloses it.
+    Start(PathBuf),
+}
+
+impl std::fmt::Display for HomeSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HomeSource::Env => write!(f, "${HOME_ENV} names it"),
+            HomeSource::GitRoot(d) => write!(f, "{HOME_DIR} in the git work tree {}", d.display()),
+            HomeSource::Start(d) => write!(
+                f,
+                "{HOME_DIR} in {}, which no git work tree encloses",
+                d.display()
+            ),
+        }
+    }
+}
+
+/// The project home for `start` and why it is that one (see the module docs).
+pub fn locate_home(env: Option<OsString>, start: &Path) -> (PathBuf, HomeSource) {
     if let Some(home) = env.filter(|h| !h.is_empty()) {
-        return PathBuf::from(home);
+        return (PathBuf::from(home), HomeSource::Env);
     }
     let start = start
         .canonicalize()
         .or_else(|_| std::path::absolute(start))
         .unwrap_or_else(|_| start.to_path_buf());
-    start
-        .ancestors()
-        .find(|dir| dir.join(".git").exists())
-        .unwrap_or(&start)
-        .join(HOME_DIR)
+    match start.ancestors().find(|dir| dir.join(".git").exists()) {
+        Some(root) => (root.join(HOME_DIR), HomeSource::GitRoot(root.to_path_buf())),
+        None => (start.join(HOME_DIR), HomeSource::Start(start.clone())),
+    }
 }
 
 /// Refuse a home that exists and is not a directory (a file named
