@@ -13,11 +13,11 @@ __all__ = [
     "DEFAULT_STAGING_BYTES",
     "FORMAT_VERSION",
     "TORCH_DTYPES",
-    "AdaptivePolicy",
     "ArrayView",
     "Buffer",
     "CheckpointId",
     "CheckpointPolicy",
+    "CheckpointSchedule",
     "DataClient",
     "DataDispatcher",
     "DataUnit",
@@ -47,6 +47,7 @@ __all__ = [
     "data_latest_checkpoint",
     "parse_date",
     "project_paths",
+    "resume_key",
     "run_cli",
     "run_data_dispatcher",
     "serve_data_worker",
@@ -263,19 +264,20 @@ class LogDb:
     ) -> ReplayPlan: ...
 
 @final
-class AdaptivePolicy:
-    """Flor's adaptive checkpoint period (the Joint Invariant)."""
+class CheckpointSchedule:
+    """When a recording checkpoints: a fixed period or the adaptive policy, priced in full."""
 
-    def __new__(cls, epsilon: float = ...) -> Self: ...
-    def observe_iteration(self, compute_secs: float, expected_materialize_secs: float) -> bool: ...
-    def observe_materialize(self, actual_secs: float) -> None: ...
-    def observe_background(self, secs: float) -> None: ...
-    def observe_restore(self, restore_secs: float, materialize_secs: float) -> None: ...
-    def overhead(self) -> float: ...
+    @staticmethod
+    def from_env() -> CheckpointSchedule: ...
+    def set_every(self, every: int) -> None: ...
     @property
-    def c(self) -> float: ...
+    def every(self) -> int | None: ...
     @property
     def epsilon(self) -> float: ...
+    def block_ended(
+        self, i: int, compute_secs: float, background_total: float | None, first_estimate: float
+    ) -> bool: ...
+    def saved(self, blocked_secs: float) -> None: ...
 
 @final
 class LogRecord:

@@ -7,12 +7,12 @@ use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use hindsight_core::runs::adaptive::{self, AdaptivePolicy as CorePolicy};
 use hindsight_core::runs::dates::now_ms;
 use hindsight_core::runs::db::{
     BatchDigest, IterationRow, LogDb as CoreDb, LogRow, NewRun, Phase, RunRow, RunStatus, Trust,
 };
 use hindsight_core::runs::replay;
+use hindsight_core::runs::schedule;
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -762,53 +762,54 @@ impl WorkerPlan {
     }
 }
 
-/// The Joint Invariant of Flor (seed 001): checkpoint only while it keeps
-/// recording overhead under epsilon and replay latency bounded.
+/// When a recording checkpoints (`runs::schedule`): a fixed period, or
+/// Flor's adaptive policy with each checkpoint priced in full.
 #[pyclass(module = "hindsight._native")]
 #[derive(Debug)]
-pub struct AdaptivePolicy {
-    inner: CorePolicy,
+pub struct CheckpointSchedule {
+    inner: schedule::CheckpointSchedule,
 }
 
 #[pymethods]
-impl AdaptivePolicy {
-    #[new]
-    #[pyo3(signature = (epsilon=adaptive::DEFAULT_EPSILON))]
-    fn new(epsilon: f64) -> Self {
-        AdaptivePolicy {
-            inner: CorePolicy::new(epsilon),
-        }
+impl CheckpointSchedule {
+    /// From $HINDSIGHT_CHECKPOINT_EVERY and $HINDSIGHT_EPSILON.
+    #[staticmethod]
+    fn from_env() -> PyResult<Self> {
+        schedule::CheckpointSchedule::from_env()
+            .map(|inner| CheckpointSchedule { inner })
+            .py_err()
     }
 
-    fn observe_iteration(&mut self, compute_secs: f64, expected_materialize_secs: f64) -> bool {
-        self.inner
-            .observe_iteration(compute_secs, expected_materialize_secs)
-    }
-
-    fn observe_materialize(&mut self, actual_secs: f64) {
-        self.inner.observe_materialize(actual_secs)
-    }
-
-    fn observe_background(&mut self, secs: f64) {
-        self.inner.observe_background(secs)
-    }
-
-    fn observe_restore(&mut self, restore_secs: f64, materialize_secs: f64) {
-        self.inner.observe_restore(restore_secs, materialize_secs)
-    }
-
-    fn overhead(&self) -> f64 {
-        self.inner.overhead()
+    fn set_every(&mut self, every: u64) -> PyResult<()> {
+        self.inner.set_every(every).py_err()
     }
 
     #[getter]
-    fn c(&self) -> f64 {
-        self.inner.c
+    fn every(&self) -> Option<u64> {
+        self.inner.every()
     }
 
     #[getter]
     fn epsilon(&self) -> f64 {
-        self.inner.epsilon
+        self.inner.policy().epsilon
+    }
+
+    /// Whether to checkpoint at the end of outer iteration `i`'s steps.
+    #[pyo3(signature = (i, compute_secs, background_total, first_estimate))]
+    fn block_ended(
+        &mut self,
+        i: u64,
+        compute_secs: f64,
+        background_total: Option<f64>,
+        first_estimate: f64,
+    ) -> bool {
+        self.inner
+            .block_ended(i, compute_secs, background_total, first_estimate)
+    }
+
+    /// A checkpoint was handed over, holding the training thread `blocked_secs`.
+    fn saved(&mut self, blocked_secs: f64) {
+        self.inner.saved(blocked_secs)
     }
 }
 
@@ -832,7 +833,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(batch_digest, m)?)?;
     m.add_class::<ReplayCheck>()?;
     m.add_class::<LogDb>()?;
-    m.add_class::<AdaptivePolicy>()?;
+    m.add_class::<CheckpointSchedule>()?;
     m.add_class::<Iteration>()?;
     m.add_class::<LogRecord>()?;
     m.add_class::<LogValue>()?;

@@ -189,7 +189,7 @@ def checkpointing(
     # No objects: hands-free, they are found when the outer loop starts.
     run.hands_free = not objects
     if every is not None:
-        run.every = every
+        run.set_every(every)
     if safety_minutes is not None:
         run.safety_seconds = safety_minutes * 60.0
     if exit_code is not None:

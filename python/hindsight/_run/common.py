@@ -29,8 +29,6 @@ T = TypeVar("T")
 
 ENV_HOME = "HINDSIGHT_HOME"
 ENV_REPLAY = "HINDSIGHT_REPLAY"
-ENV_EPSILON = "HINDSIGHT_EPSILON"
-ENV_EVERY = "HINDSIGHT_CHECKPOINT_EVERY"
 ENV_RUN_NAME = "HINDSIGHT_RUN_NAME"
 ENV_RESUME = "HINDSIGHT_RESUME"
 ENV_STORE = "HINDSIGHT_STORE"
@@ -264,10 +262,12 @@ class Run:
         # Set by hs.checkpointing; only recording acts on them.
         self.exit_code: int | None = None
         self.requeue = False
-        self.every: int | None = None
         self.safety_seconds: float | None = None
         self.retention: dict[str, Any] = {}
         self._beat_fd, self._next_beat = _heartbeat_fd(), 0.0
+
+    def set_every(self, every: int) -> None:
+        """hs.checkpointing(every=N): only recording acts on it."""
 
     def _log_db_path(self) -> str:
         return str(self.paths.db)

@@ -21,8 +21,6 @@ from typing import Any
 from hindsight import _native, _preemption
 from hindsight._run import batches, cmdline
 from hindsight._run.common import (
-    ENV_EPSILON,
-    ENV_EVERY,
     ENV_RESUME,
     ENV_RUN_NAME,
     Run,
@@ -54,12 +52,6 @@ class RecordRun(Run):
         self.iter_checkpoint: str | None = None
         self.iter_materialize: float | None = None
         self.last_blocked: float | None = None
-        # Background CPU of saves (the writer's running total), as last read,
-        # and its mean per checkpoint: the part of a checkpoint's price that
-        # the training thread does not see.
-        self.background_seen = 0.0
-        self.background_per_checkpoint = 0.0
-        self.checkpoints_unpriced = 0
         # Preemption: a signal is noted by the handler and acted on at the next step boundary.
         self.signals = _preemption.StopSignals(os.environ.get("HINDSIGHT_CATCH_SIGINT") == "1")
         self.requeue = _preemption.requeue_default()
@@ -80,10 +72,8 @@ class RecordRun(Run):
         # Fingerprints of the current iteration's batches, until written.
         self.batch_rows: list[tuple[int, int, str]] = []
         self.vars_checked = 0
-        eps = os.environ.get(ENV_EPSILON)  # unset: the engine's default (adaptive::DEFAULT_EPSILON)
-        self.policy = _native.AdaptivePolicy(float(eps)) if eps else _native.AdaptivePolicy()
-        every = os.environ.get(ENV_EVERY)
-        self.every = int(every) if every else None
+        # When to checkpoint ($HINDSIGHT_CHECKPOINT_EVERY, $HINDSIGHT_EPSILON): the engine's rule.
+        self.schedule = _native.CheckpointSchedule.from_env()
         self.files = Written(Path.cwd(), [self.home])
         self._start()
         self._wrap_excepthook()
@@ -236,27 +226,17 @@ class RecordRun(Run):
         if self.start_rng is not None:
             state["start_rng"] = self.start_rng  # the same bytes every time: stored once
         h = self.store.save(ck.name, state, meta={**ck.meta(), "run": self.run_id})
-        self.checkpoints_unpriced += 1
         # The steady-state price: one-time set-up of the first saves (fresh
         # staging, pinned buffers) is not what later checkpoints cost.
         self.last_blocked = max(0.0, time.perf_counter() - t0 - self.store.last_setup_seconds)
+        self.schedule.saved(self.last_blocked)
         self.last_checkpoint_time = time.monotonic()
         if wait:
             h.wait()
             self.store.flush()
 
-    def _price_background(self) -> None:
-        """Charge the policy with the CPU the writer's threads spent since
-        the last look: recording's overhead bound is on the machine's CPU."""
-        if self._store is None:
-            return
-        total = self.store.background_cpu_seconds
-        spent, self.background_seen = total - self.background_seen, total
-        if spent > 0:
-            self.policy.observe_background(spent)
-            if self.checkpoints_unpriced:
-                self.background_per_checkpoint = spent / self.checkpoints_unpriced
-        self.checkpoints_unpriced = 0
+    def set_every(self, every: int) -> None:
+        self.schedule.set_every(every)
 
     def _estimate_materialize(self) -> float:
         nbytes = 0
@@ -275,13 +255,9 @@ class RecordRun(Run):
             self.vars_checked += 1
             self.capture()
         compute = time.perf_counter() - self.iter_start
-        self._price_background()
-        expected = self.last_blocked if self.last_blocked is not None else self._estimate_materialize()
-        expected += self.background_per_checkpoint
-        if self.every is not None:
-            if i % self.every != 0:
-                return
-        elif not self.policy.observe_iteration(compute, expected):
+        background = self.store.background_cpu_seconds if self._store is not None else None
+        first = self._estimate_materialize() if self.last_blocked is None else 0.0
+        if not self.schedule.block_ended(i, compute, background, first):
             return
         ck = self._checkpoint_id(i)
         # The values of the steps are in the database before the checkpoint
@@ -294,7 +270,6 @@ class RecordRun(Run):
         if grads is not None:
             extra["grads"] = grads
         self._save_now(ck, extra, wait=False)
-        self.policy.observe_materialize(self.last_blocked or 0.0)
         self.iter_checkpoint = ck.name
         self.iter_materialize = self.last_blocked
 

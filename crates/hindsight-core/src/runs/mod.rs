@@ -12,4 +12,5 @@ pub mod relocate;
 pub mod remove;
 pub mod replay;
 pub mod resume;
+pub mod schedule;
 pub mod supervise;

@@ -1,0 +1,249 @@
+//! When a recording checkpoints: every N outer iterations, or when the
+//! adaptive policy says it is worth it, with a checkpoint priced in full.
+//! The front ends (the Python run, and later other integrations) report
+//! what they measured and ask; the rule, its settings and its prices live
+//! here.
+
+use std::ffi::OsString;
+
+use crate::error::{Error, Result};
+use crate::runs::adaptive::{AdaptivePolicy, DEFAULT_EPSILON};
+
+/// The environment variable fixing the period (in outer iterations).
+pub const EVERY_ENV: &str = "HINDSIGHT_CHECKPOINT_EVERY";
+/// The environment variable setting the adaptive policy's overhead bound ε.
+pub const EPSILON_ENV: &str = "HINDSIGHT_EPSILON";
+
+/// The checkpoint decisions of one recording.
+#[derive(Debug, Clone)]
+pub struct CheckpointSchedule {
+    every: Option<u64>,
+    policy: AdaptivePolicy,
+    /// The training thread's steady-state price of the last checkpoint
+    /// handed over (capture and save call), once one was.
+    last_blocked: Option<f64>,
+    /// The writer's running total of background CPU, as last read.
+    background_seen: f64,
+    /// Its mean per checkpoint, over the checkpoints priced at the last read.
+    background_per_checkpoint: f64,
+    /// Checkpoints handed over since the last read.
+    unpriced: u32,
+}
+
+fn invalid(what: &str, detail: String) -> Error {
+    Error::invalid(what, detail)
+}
+
+impl CheckpointSchedule {
+    /// `every`: a fixed period (at least 1); `None`: adaptive, with overhead
+    /// bound `epsilon` (in (0, 1]).
+    pub fn new(every: Option<u64>, epsilon: f64) -> Result<Self> {
+        if every == Some(0) {
+            return Err(invalid(
+                "checkpoint period",
+                "every must be at least 1".into(),
+            ));
+        }
+        if !(epsilon > 0.0 && epsilon <= 1.0) {
+            return Err(invalid(
+                "adaptive checkpoint bound",
+                format!(
+                    "epsilon {epsilon}: give a fraction of training time in (0, 1], e.g. 0.0667"
+                ),
+            ));
+        }
+        Ok(CheckpointSchedule {
+            every,
+            policy: AdaptivePolicy::new(epsilon),
+            last_blocked: None,
+            background_seen: 0.0,
+            background_per_checkpoint: 0.0,
+            unpriced: 0,
+        })
+    }
+
+    /// From `$HINDSIGHT_CHECKPOINT_EVERY` and `$HINDSIGHT_EPSILON` (either
+    /// unset or empty: adaptive, ε = 1/15); a bad value is an error naming
+    /// the variable.
+    pub fn from_env() -> Result<Self> {
+        Self::from_values(std::env::var_os(EVERY_ENV), std::env::var_os(EPSILON_ENV))
+    }
+
+    /// [`from_env`](Self::from_env) with the two values given.
+    pub fn from_values(every: Option<OsString>, epsilon: Option<OsString>) -> Result<Self> {
+        let text = |v: Option<OsString>| {
+            v.map(|s| s.to_string_lossy().trim().to_owned())
+                .filter(|s| !s.is_empty())
+        };
+        let every = match text(every) {
+            None => None,
+            Some(s) => match s.parse::<u64>() {
+                Ok(n) if n >= 1 => Some(n),
+                _ => {
+                    return Err(invalid(
+                        EVERY_ENV,
+                        format!("{s:?}: give a whole number of outer iterations, at least 1"),
+                    ))
+                }
+            },
+        };
+        let epsilon = match text(epsilon) {
+            None => DEFAULT_EPSILON,
+            Some(s) => match s.parse::<f64>() {
+                Ok(e) if e > 0.0 && e <= 1.0 => e,
+                _ => {
+                    return Err(invalid(
+                        EPSILON_ENV,
+                        format!("{s:?}: give a fraction of training time in (0, 1], e.g. 0.0667"),
+                    ))
+                }
+            },
+        };
+        Self::new(every, epsilon)
+    }
+
+    /// Fix the period (`hs.checkpointing(every=N)`), overriding the environment.
+    pub fn set_every(&mut self, every: u64) -> Result<()> {
+        if every == 0 {
+            return Err(invalid("every", "0: must be at least 1".into()));
+        }
+        self.every = Some(every);
+        Ok(())
+    }
+
+    pub fn every(&self) -> Option<u64> {
+        self.every
+    }
+
+    /// The steps of outer iteration `i` ended after `compute_secs`; decide
+    /// whether to checkpoint now. `background_total`: the store writer's
+    /// running total of background CPU seconds (`None`: no store yet);
+    /// `first_estimate`: the price to assume before any checkpoint was
+    /// measured (e.g. the state's bytes over a copy bandwidth).
+    ///
+    /// A checkpoint's price is what it costs the machine: the training
+    /// thread's time to capture and hand it over, plus the CPU the writer's
+    /// threads then spend hashing and writing it.
+    pub fn block_ended(
+        &mut self,
+        i: u64,
+        compute_secs: f64,
+        background_total: Option<f64>,
+        first_estimate: f64,
+    ) -> bool {
+        if let Some(total) = background_total {
+            let spent = total - self.background_seen;
+            self.background_seen = total;
+            if spent > 0.0 {
+                self.policy.observe_background(spent);
+                if self.unpriced > 0 {
+                    self.background_per_checkpoint = spent / f64::from(self.unpriced);
+                }
+            }
+            self.unpriced = 0;
+        }
+        if let Some(n) = self.every {
+            return i.is_multiple_of(n);
+        }
+        let expected = self.last_blocked.unwrap_or(first_estimate) + self.background_per_checkpoint;
+        self.policy.observe_iteration(compute_secs, expected)
+    }
+
+    /// A checkpoint was handed to the writer; it held the training thread
+    /// for `blocked_secs` (steady state: one-time set-up excluded).
+    pub fn saved(&mut self, blocked_secs: f64) {
+        let blocked = if blocked_secs.is_finite() {
+            blocked_secs.max(0.0)
+        } else {
+            0.0
+        };
+        self.last_blocked = Some(blocked);
+        self.unpriced = self.unpriced.saturating_add(1);
+        self.policy.observe_materialize(blocked);
+    }
+
+    /// The policy's state (its totals), for reports and tests.
+    pub fn policy(&self) -> &AdaptivePolicy {
+        &self.policy
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn os(s: &str) -> Option<OsString> {
+        Some(s.into())
+    }
+
+    #[test]
+    fn settings_come_from_the_environment_and_bad_ones_are_named() {
+        let s = CheckpointSchedule::from_values(None, None).unwrap();
+        assert_eq!(s.every(), None);
+        assert_eq!(s.policy().epsilon, DEFAULT_EPSILON);
+        let s = CheckpointSchedule::from_values(os("3"), os("0.1")).unwrap();
+        assert_eq!(s.every(), Some(3));
+        assert_eq!(s.policy().epsilon, 0.1);
+        assert_eq!(
+            CheckpointSchedule::from_values(os(""), os(" "))
+                .unwrap()
+                .every(),
+            None
+        );
+        for (every, eps, named) in [
+            (os("0"), None, EVERY_ENV),
+            (os("two"), None, EVERY_ENV),
+            (os("-1"), None, EVERY_ENV),
+            (None, os("0"), EPSILON_ENV),
+            (None, os("1.5"), EPSILON_ENV),
+            (None, os("nan"), EPSILON_ENV),
+        ] {
+            let e = CheckpointSchedule::from_values(every, eps).unwrap_err();
+            assert!(e.to_string().contains(named), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_fixed_period_checkpoints_every_nth_iteration() {
+        let mut s = CheckpointSchedule::new(None, DEFAULT_EPSILON).unwrap();
+        s.set_every(3).unwrap();
+        let got: Vec<bool> = (0..7).map(|i| s.block_ended(i, 1.0, None, 0.0)).collect();
+        assert_eq!(got, [true, false, false, true, false, false, true]);
+        assert!(s.set_every(0).is_err());
+    }
+
+    #[test]
+    fn the_writers_background_cpu_is_part_of_the_price() {
+        // 1 s iterations; each checkpoint holds the training thread 10 ms and
+        // then costs the writer 300 ms of CPU.
+        let mut s = CheckpointSchedule::new(None, 1.0 / 15.0).unwrap();
+        let mut background = 0.0;
+        let mut taken = 0;
+        for i in 0..300 {
+            if s.block_ended(i, 1.0, Some(background), 0.01) {
+                taken += 1;
+                s.saved(0.01);
+                background += 0.3;
+            }
+        }
+        // Within ε of the compute, all of it counted: about 300 / 15 / 0.31.
+        let p = s.policy();
+        assert!(
+            p.total_materialize_secs <= p.total_compute_secs / 15.0 + 0.31,
+            "{p:?}"
+        );
+        assert!((55..=70).contains(&taken), "{taken}");
+        // Priced on the training thread only, every iteration would have fit.
+        let mut blind = CheckpointSchedule::new(None, 1.0 / 15.0).unwrap();
+        let blind_taken = (0..300)
+            .filter(|&i| {
+                let t = blind.block_ended(i, 1.0, None, 0.01);
+                if t {
+                    blind.saved(0.01);
+                }
+                t
+            })
+            .count();
+        assert_eq!(blind_taken, 300);
+    }
+}
