@@ -208,19 +208,21 @@ impl LogDb {
     /// are discarded. Returns the number of values that joined.
     pub fn finish_replay(&self, replay_id: i64, keep: Option<Trust>) -> Result<usize> {
         let (run_id, _) = self.replay_row(replay_id)?;
-        let created = to_i64(now_ms());
+        let finished = to_i64(now_ms());
         self.write(|tx| {
             let mut kept = 0;
             if let Some(trust) = keep {
-                let staged: Vec<(String, String, u32, String)> = {
+                // Each value keeps the time its worker computed it.
+                let staged: Vec<(String, String, u32, String, i64)> = {
                     let mut st = tx
                         .prepare_cached(
-                            "SELECT name, ctx, rep, value FROM replay_logs WHERE replay_id = ?1 ORDER BY seq",
+                            "SELECT name, ctx, rep, value, created_ms FROM replay_logs \
+                             WHERE replay_id = ?1 ORDER BY seq",
                         )
                         .db(&self.path)?;
                     let rows = st
                         .query_map([replay_id], |r| {
-                            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+                            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
                         })
                         .db(&self.path)?;
                     rows.collect::<rusqlite::Result<_>>().db(&self.path)?
@@ -244,7 +246,7 @@ impl LogDb {
                          created_ms = excluded.created_ms, flag = excluded.flag",
                     )
                     .db(&self.path)?;
-                for (name, ctx, rep, value) in &staged {
+                for (name, ctx, rep, value, created) in &staged {
                     let before: Option<Option<String>> = existing
                         .query_row(params![run_id, name, ctx, rep], |r| r.get(0))
                         .map(Some)
@@ -268,7 +270,7 @@ impl LogDb {
             let status = keep.map_or("discarded", Trust::as_str);
             tx.execute(
                 "UPDATE replays SET status = ?2, ended_ms = ?3 WHERE id = ?1",
-                params![replay_id, status, created],
+                params![replay_id, status, finished],
             )
             .db(&self.path)?;
             Ok(kept)
