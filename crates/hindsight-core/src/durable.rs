@@ -48,17 +48,9 @@ pub fn write_durable(
     parts: &[&[u8]],
     dir_sync: DirSync<'_>,
 ) -> Result<()> {
-    let staging = tmp_dir.join(staging_name());
+    let staging = write_staged(tmp_dir, parts, dest)?;
     let result = (|| {
-        let mut f = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&staging)
-            .map_err(|e| Error::io(&staging, e))?;
-        // Name the destination: that is what the user knows about.
-        for p in parts {
-            f.write_all(p).map_err(|e| Error::io(dest, e))?;
-        }
+        let f = File::open(&staging).map_err(|e| Error::io(dest, e))?;
         f.sync_all().map_err(|e| Error::io(dest, e))?;
         drop(f);
         let created = match dest.parent() {
@@ -99,6 +91,7 @@ pub fn write_staged(tmp_dir: &Path, parts: &[&[u8]], dest: &Path) -> Result<Path
             .create_new(true)
             .open(&staging)
             .map_err(|e| Error::io(&staging, e))?;
+        // Name the destination: that is what the user knows about.
         for p in parts {
             f.write_all(p).map_err(|e| Error::io(dest, e))?;
         }
