@@ -195,8 +195,16 @@ impl Storage for LocalStorage {
     }
 
     fn has_chunk(&self, id: &ChunkId) -> Result<bool> {
-        if lock(&self.pending).contains_key(id) {
-            return Ok(true);
+        {
+            let mut pending = lock(&self.pending);
+            if let Some((staging, _)) = pending.get(id) {
+                // Left pending by a failed save, its staging file may since
+                // have been removed by another process's gc: not a chunk then.
+                if staging.exists() {
+                    return Ok(true);
+                }
+                pending.remove(id);
+            }
         }
         let p = self.own_chunk_path(id)?;
         match fs::symlink_metadata(&p) {
@@ -322,7 +330,11 @@ impl Storage for LocalStorage {
         // `publish_staged` publishes from the end: the rest are the first ones.
         let mut pending = lock(&self.pending);
         for (id, files) in ids.into_iter().zip(staged) {
-            pending.entry(id).or_insert(files);
+            // One whose staging file is gone (another process's gc) is
+            // dropped: the next save writes it again instead of failing too.
+            if files.0.exists() {
+                pending.entry(id).or_insert(files);
+            }
         }
         drop(pending);
         published?;
@@ -487,6 +499,31 @@ mod tests {
         s.sync().unwrap();
         assert!(other.has_chunk(&id).unwrap());
         assert_eq!(names_under(&dir.path().join(layout::TMP)), 0);
+    }
+
+    #[test]
+    fn a_pending_chunk_whose_staging_file_another_gc_removed_is_written_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = LocalStorage::open(dir.path()).unwrap();
+        let raw = vec![9u8; 512];
+        let id = ChunkId::of(&raw);
+        s.put_chunk(&id, &[&raw]).unwrap();
+        // Another process's gc (this save failed and let go of the lock).
+        let other = LocalStorage::open(dir.path()).unwrap();
+        assert_eq!(other.clean_staging().unwrap(), 1);
+        // Not taken for present: the next save writes it, and it is published.
+        assert!(!s.has_chunk(&id).unwrap());
+        s.put_chunk(&id, &[&raw]).unwrap();
+        s.sync().unwrap();
+        assert!(other.has_chunk(&id).unwrap());
+        // A sync that finds a staging file gone fails once, then goes on.
+        let raw2 = vec![8u8; 512];
+        let id2 = ChunkId::of(&raw2);
+        s.put_chunk(&id2, &[&raw2]).unwrap();
+        assert_eq!(other.clean_staging().unwrap(), 1);
+        assert!(s.sync().is_err());
+        s.sync().unwrap();
+        assert!(!s.has_chunk(&id2).unwrap());
     }
 
     #[test]
