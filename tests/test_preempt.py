@@ -315,7 +315,8 @@ def test_sigusr1_after_the_loop_is_noted_not_fatal(tmp_path):
     """A batch system's time warning (`--signal=B:USR1@90`) landing after
     training, in the final save or while the run's checkpoints are flushed at
     exit, must not kill the process (it did, on the Slurm cluster): it is
-    noted, and a training loop started later honours it."""
+    noted, and a training loop started later honours it. Also in Python's
+    finalization, which puts the default (fatal) action back."""
     code = """
 import os, signal, sys
 import torch
@@ -335,6 +336,12 @@ later = _preemption.StopSignals(False)
 later.install()
 print("later loop sees", later.received, flush=True)
 later.restore()
+
+class Last:  # collected in interpreter finalization, after the atexit hooks
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        import time; time.sleep(0.2)
+last = Last()
 """
     final = tmp_path / "final.pt"
     r = run_py(code, str(final), env={"HINDSIGHT_HOME": str(tmp_path / "home")})

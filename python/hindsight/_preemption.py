@@ -6,6 +6,7 @@ drift."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -41,6 +42,17 @@ def _outside(signum: int, frame: Any) -> None:
             flush=True,
         )
     _noted_outside.append(signum)
+
+
+def _ignore_usr1_at_exit() -> None:
+    """From here on the process is leaving anyway. Python's finalization puts
+    SIG_DFL back for every signal with a Python handler, so a batch system's
+    SIGUSR1 landing in that last window would kill a process whose training
+    had completed (the Slurm job then ends FAILED). Ours become SIG_IGN, which
+    finalization keeps; a user's own handler is left alone."""
+    current = signal.getsignal(signal.SIGUSR1)
+    if current is _outside or isinstance(getattr(current, "__self__", None), StopSignals):
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 class StopSignals:
@@ -105,6 +117,10 @@ class StopSignals:
         if prev in (signal.SIG_DFL, None):
             return _outside if sig == signal.SIGUSR1 else signal.SIG_DFL
         return prev
+
+
+if threading.current_thread() is threading.main_thread():
+    atexit.register(_ignore_usr1_at_exit)
 
 
 def exit_code(explicit: int | None = None) -> int:
