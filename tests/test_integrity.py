@@ -186,3 +186,18 @@ def test_dataframe_refuses_a_damaged_log_database_as_the_cli_does(tmp_path: Path
     assert "CorruptError" in bad.stderr and "logs.db" in bad.stderr, bad.stderr
     cli = subprocess.run([*hindsight_cmd(), "logs", "loss"], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert cli.returncode != 0 and "belong to no run" in cli.stderr, cli.stderr
+
+    # A changed digit inside a value: valid SQLite, so only the row's
+    # checksum sees it; both read paths refuse, naming the row.
+    con = sqlite3.connect(tmp_path / ".hindsight" / "logs.db")
+    con.execute("PRAGMA foreign_keys = OFF")
+    con.execute("DELETE FROM logs WHERE run_id = 'no-such-run'")
+    con.execute("""UPDATE logs SET value = '0.3' WHERE ctx = '{"epoch":2}'""")
+    con.commit()
+    con.close()
+    bad = subprocess.run(read, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0
+    assert "CorruptError" in bad.stderr and "'loss' at {\"epoch\":2}" in bad.stderr, bad.stderr
+    assert "checksum" in bad.stderr, bad.stderr
+    cli = subprocess.run([*hindsight_cmd(), "logs", "loss"], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert cli.returncode != 0 and "fails its checksum" in cli.stderr, cli.stderr

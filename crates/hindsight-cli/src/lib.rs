@@ -293,7 +293,17 @@ fn execute(cli: Cli, out: &mut String, err: &mut dyn Write) -> Result<i32, Failu
         Command::Ls { store_dir, json } => cmd_ls(&places.open_store(store_dir)?, json, out, err),
         Command::Show { name } => cmd_show_any(&places, &name, out, err),
         Command::Verify { store_dir, names } => {
-            cmd_verify(&places.open_store(store_dir)?, names, out)
+            // The project's own store: its run database is checked with it.
+            let db = (store_dir.is_none()
+                && names.is_empty()
+                && non_empty(places.store.clone()).is_none())
+            .then(|| home::db_path(&places.home()))
+            .filter(|p| p.is_file());
+            let code = cmd_verify(&places.open_store(store_dir)?, names, out)?;
+            Ok(match db {
+                Some(path) => code.max(cmd_verify_db(&path, out)),
+                None => code,
+            })
         }
         Command::Rm { names, runs } => {
             let mut code = EXIT_OK;
@@ -623,6 +633,21 @@ fn cmd_show(store: &Store, name: &str, out: &mut String) -> Result<i32, Failure>
         plural(count_arrays(&manifest.root) as u64, "array")
     );
     Ok(EXIT_OK)
+}
+
+/// `hindsight verify` of the run database: SQLite's full check, rows of no
+/// run, and every value row's checksum.
+fn cmd_verify_db(path: &Path, out: &mut String) -> i32 {
+    match LogDb::open(path).and_then(|db| db.verify()) {
+        Ok(()) => {
+            outln!(out, "ok   {}: run database intact", path.display());
+            EXIT_OK
+        }
+        Err(e) => {
+            outln!(out, "FAIL {}: {e}", path.display());
+            EXIT_FAILURE
+        }
+    }
 }
 
 fn cmd_verify(store: &Store, names: Vec<String>, out: &mut String) -> Result<i32, Failure> {

@@ -687,3 +687,83 @@ fn where_names_the_home_and_the_rule_that_chose_it() {
         )
     );
 }
+
+/// Issue 22: `hindsight verify` of a project checks its run database too,
+/// and a changed digit inside a logged value (which SQLite's own checks do
+/// not see) is named.
+#[test]
+fn verify_of_a_project_checks_its_run_database() {
+    use hindsight_core::runs::db::{LogDb, LogRow, NewRun, Phase};
+    let s = TestStore::new();
+    let home = s.root.parent().unwrap().to_path_buf();
+    let db_path = home.join("logs.db");
+    {
+        let db = LogDb::open(&db_path).unwrap();
+        let run = db
+            .create_run(&NewRun {
+                script: "t.py".into(),
+                script_abs: "/p/t.py".into(),
+                project_root: "/p".into(),
+                source_hash: "h".into(),
+                args_json: "{}".into(),
+                host: "h".into(),
+                versions_json: "{}".into(),
+                ..NewRun::default()
+            })
+            .unwrap();
+        let row = |e: i64, v: &str| LogRow {
+            name: "loss".into(),
+            ctx: vec![("epoch".into(), e)],
+            rep: 0,
+            value_json: v.into(),
+        };
+        db.append_logs(
+            &run,
+            Phase::Record,
+            &[row(0, "0.123456"), row(1, "0.654321")],
+        )
+        .unwrap();
+    }
+    let verify = || {
+        let o = Command::new(env!("CARGO_BIN_EXE_hindsight"))
+            .arg("verify")
+            .env_remove("HINDSIGHT_STORE")
+            .env("HINDSIGHT_HOME", &home)
+            .output()
+            .unwrap();
+        let text = String::from_utf8(o.stdout).unwrap();
+        (
+            o.status.code().unwrap(),
+            text.replace(home.to_str().unwrap(), "<HOME>"),
+        )
+    };
+    assert_eq!(
+        verify(),
+        (
+            0,
+            "verified 0 checkpoints: all intact\nok   <HOME>/logs.db: run database intact\n".into()
+        )
+    );
+    // One digit of a value, changed in the file: the page stays valid SQLite.
+    let mut bytes = std::fs::read(&db_path).unwrap();
+    let at = bytes
+        .windows(8)
+        .position(|w| w == b"0.654321")
+        .expect("the value is in the main database file after close");
+    bytes[at + 2] = b'7';
+    std::fs::write(&db_path, bytes).unwrap();
+    let (code, out) = verify();
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("FAIL <HOME>/logs.db: ")
+            && out.contains("1 value row(s) of table logs fail their checksum")
+            && out.contains("loss at {\"epoch\":1}"),
+        "{out}"
+    );
+    // Naming a store: only the store is verified.
+    let o = hindsight(&["verify", s.path()], &s);
+    assert_eq!(
+        (o.code, o.stdout.as_str()),
+        (0, "verified 0 checkpoints: all intact\n")
+    );
+}

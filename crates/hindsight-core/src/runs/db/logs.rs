@@ -216,10 +216,11 @@ impl LogDb {
                 .db(&self.path)?;
             let mut st = tx
                 .prepare_cached(
-                    "INSERT INTO logs (run_id, name, ctx, rep, value, phase, seq, created_ms) \
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) \
+                    "INSERT INTO logs (run_id, name, ctx, rep, value, phase, seq, created_ms, sum) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, hs_row_sum(?1, ?2, ?3, ?4, ?5, ?6, NULL)) \
                      ON CONFLICT (run_id, name, ctx, rep, phase) DO UPDATE SET \
-                     value = excluded.value, seq = excluded.seq, created_ms = excluded.created_ms",
+                     value = excluded.value, seq = excluded.seq, created_ms = excluded.created_ms, \
+                     sum = hs_row_sum(run_id, name, ctx, rep, excluded.value, phase, flag)",
                 )
                 .db(&self.path)?;
             for (name, ctx, rep, value) in &prepared {
@@ -253,11 +254,12 @@ impl LogDb {
         };
         let mut st = self
             .conn
-            .prepare_cached(
-                "SELECT name, ctx, value, phase, seq, created_ms, rep, flag FROM logs \
+            .prepare_cached(&format!(
+                "SELECT name, ctx, value, phase, seq, created_ms, rep, flag, sum IS {} FROM logs \
                  WHERE run_id = ?1 AND (?2 IS NULL OR name IN (SELECT value FROM json_each(?2))) \
                  ORDER BY seq",
-            )
+                super::logs_sum("")
+            ))
             .db(&self.path)?;
         let rows = st
             .query_map(params![run_id, filter], |r| {
@@ -270,12 +272,17 @@ impl LogDb {
                     r.get::<_, i64>(5)?,
                     r.get::<_, u32>(6)?,
                     r.get::<_, Option<String>>(7)?,
+                    r.get::<_, bool>(8)?,
                 ))
             })
             .db(&self.path)?;
         let mut out = Vec::new();
         for row in rows {
-            let (name, ctx_text, value_json, phase, seq, created, rep, flag) = row.db(&self.path)?;
+            let (name, ctx_text, value_json, phase, seq, created, rep, flag, intact) =
+                row.db(&self.path)?;
+            if !intact {
+                return Err(self.bad_sum(run_id, &name, &ctx_text));
+            }
             out.push(LogRecord {
                 ctx: self.decode_ctx(run_id, &name, &ctx_text)?,
                 phase: phase
@@ -342,6 +349,17 @@ impl LogDb {
             .collect())
     }
 
+    /// A value row that fails its checksum ([`super::row_sum`]).
+    pub(super) fn bad_sum(&self, run_id: &str, name: &str, ctx: &str) -> Error {
+        Error::corrupt(
+            &self.path,
+            format!(
+                "log '{name}' at {ctx} of run {run_id} fails its checksum: the file was changed \
+                 outside hindsight or damaged (hindsight verify checks the whole database)"
+            ),
+        )
+    }
+
     fn bad_row(&self, run_id: &str, name: &str, what: &str) -> Error {
         Error::corrupt(
             &self.path,
@@ -399,12 +417,15 @@ impl LogDb {
         self.require_run(&self.conn, run_id)?;
         let mut st = self
             .conn
-            .prepare_cached(
-                "SELECT r.name, r.ctx, r.value, p.value, r.seq, r.rep FROM logs r \
+            .prepare_cached(&format!(
+                "SELECT r.name, r.ctx, r.value, p.value, r.seq, r.rep, \
+                        r.sum IS {} AND p.sum IS {} FROM logs r \
                  JOIN logs p ON p.run_id = r.run_id AND p.name = r.name AND p.ctx = r.ctx \
                       AND p.rep = r.rep AND p.phase = 'replay' AND (?2 IS NULL OR p.seq > ?2) \
                  WHERE r.run_id = ?1 AND r.phase = 'record' ORDER BY r.seq",
-            )
+                super::logs_sum("r."),
+                super::logs_sum("p.")
+            ))
             .db(&self.path)?;
         let rows = st
             .query_map(params![run_id, after], |r| {
@@ -415,13 +436,17 @@ impl LogDb {
                     r.get::<_, String>(3)?,
                     r.get::<_, i64>(4)?,
                     r.get::<_, u32>(5)?,
+                    r.get::<_, bool>(6)?,
                 ))
             })
             .db(&self.path)?;
         let mut out = Vec::new();
         for row in rows {
-            let (name, ctx_text, record_value, replay_value, record_seq, rep) =
+            let (name, ctx_text, record_value, replay_value, record_seq, rep, intact) =
                 row.db(&self.path)?;
+            if !intact {
+                return Err(self.bad_sum(run_id, &name, &ctx_text));
+            }
             if json::values_equal(&record_value, &replay_value) {
                 continue;
             }

@@ -5,7 +5,7 @@
 //! replay that went wrong never shows its values as results, and a less
 //! exact replay never overwrites what a more exact one wrote.
 
-use rusqlite::params;
+use rusqlite::{params, Transaction};
 
 use super::logs::prepare_rows;
 use super::{to_i64, DbResult, Divergence, LogDb, LogRow};
@@ -81,6 +81,15 @@ pub struct ReplayCheck {
     pub last_seq: i64,
 }
 
+/// One value a replay worker staged (`replay_logs`).
+struct StagedValue {
+    name: String,
+    ctx: String,
+    rep: u32,
+    value: String,
+    created_ms: i64,
+}
+
 impl LogDb {
     /// Start a replay of `run_id`: its id, for the workers' plans.
     /// `exact`: it runs as the recording did (same thread count).
@@ -114,10 +123,11 @@ impl LogDb {
                 .db(&self.path)?;
             let mut st = tx
                 .prepare_cached(
-                    "INSERT INTO replay_logs (replay_id, run_id, name, ctx, rep, value, seq, created_ms) \
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) \
+                    "INSERT INTO replay_logs (replay_id, run_id, name, ctx, rep, value, seq, created_ms, sum) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, hs_row_sum(?2, ?3, ?4, ?5, ?6, 'staged:' || ?1, NULL)) \
                      ON CONFLICT (replay_id, name, ctx, rep) DO UPDATE SET \
-                     value = excluded.value, seq = excluded.seq, created_ms = excluded.created_ms",
+                     value = excluded.value, seq = excluded.seq, created_ms = excluded.created_ms, \
+                     sum = excluded.sum",
                 )
                 .db(&self.path)?;
             for (name, ctx, rep, value) in &prepared {
@@ -152,12 +162,15 @@ impl LogDb {
         let rtol = if exact { 0.0 } else { INEXACT_RTOL };
         let mut st = self
             .conn
-            .prepare_cached(
-                "SELECT r.name, r.ctx, r.value, p.value, r.seq, r.rep, p.seq FROM replay_logs p \
+            .prepare_cached(&format!(
+                "SELECT r.name, r.ctx, r.value, p.value, r.seq, r.rep, \
+                        r.sum IS {} AND p.sum IS {} FROM replay_logs p \
                  JOIN logs r ON r.run_id = p.run_id AND r.name = p.name AND r.ctx = p.ctx \
                       AND r.rep = p.rep AND r.phase = 'record' \
                  WHERE p.replay_id = ?1 AND p.seq > ?2 ORDER BY r.seq",
-            )
+                super::logs_sum("r."),
+                super::staged_sum("p.")
+            ))
             .db(&self.path)?;
         let rows = st
             .query_map(params![replay_id, after], |r| {
@@ -168,13 +181,17 @@ impl LogDb {
                     r.get::<_, String>(3)?,
                     r.get::<_, i64>(4)?,
                     r.get::<_, u32>(5)?,
+                    r.get::<_, bool>(6)?,
                 ))
             })
             .db(&self.path)?;
         let mut divergences = Vec::new();
         for row in rows {
-            let (name, ctx_text, record_value, replay_value, record_seq, rep) =
+            let (name, ctx_text, record_value, replay_value, record_seq, rep, intact) =
                 row.db(&self.path)?;
+            if !intact {
+                return Err(self.bad_sum(&run_id, &name, &ctx_text));
+            }
             if json::values_close(&record_value, &replay_value, rtol) {
                 continue;
             }
@@ -213,20 +230,7 @@ impl LogDb {
             let mut kept = 0;
             if let Some(trust) = keep {
                 // Each value keeps the time its worker computed it.
-                let staged: Vec<(String, String, u32, String, i64)> = {
-                    let mut st = tx
-                        .prepare_cached(
-                            "SELECT name, ctx, rep, value, created_ms FROM replay_logs \
-                             WHERE replay_id = ?1 ORDER BY seq",
-                        )
-                        .db(&self.path)?;
-                    let rows = st
-                        .query_map([replay_id], |r| {
-                            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
-                        })
-                        .db(&self.path)?;
-                    rows.collect::<rusqlite::Result<_>>().db(&self.path)?
-                };
+                let staged = self.staged_values(tx, replay_id, &run_id)?;
                 let mut seq: i64 = tx
                     .prepare_cached("SELECT COALESCE(MAX(seq), 0) FROM logs WHERE run_id = ?1")
                     .and_then(|mut st| st.query_row([&run_id], |r| r.get(0)))
@@ -239,14 +243,22 @@ impl LogDb {
                     .db(&self.path)?;
                 let mut upsert = tx
                     .prepare_cached(
-                        "INSERT INTO logs (run_id, name, ctx, rep, value, phase, seq, created_ms, flag) \
-                         VALUES (?1, ?2, ?3, ?4, ?5, 'replay', ?6, ?7, ?8) \
+                        "INSERT INTO logs (run_id, name, ctx, rep, value, phase, seq, created_ms, flag, sum) \
+                         VALUES (?1, ?2, ?3, ?4, ?5, 'replay', ?6, ?7, ?8, \
+                                 hs_row_sum(?1, ?2, ?3, ?4, ?5, 'replay', ?8)) \
                          ON CONFLICT (run_id, name, ctx, rep, phase) DO UPDATE SET \
                          value = excluded.value, seq = excluded.seq, \
-                         created_ms = excluded.created_ms, flag = excluded.flag",
+                         created_ms = excluded.created_ms, flag = excluded.flag, sum = excluded.sum",
                     )
                     .db(&self.path)?;
-                for (name, ctx, rep, value, created) in &staged {
+                for StagedValue {
+                    name,
+                    ctx,
+                    rep,
+                    value,
+                    created_ms: created,
+                } in &staged
+                {
                     let before: Option<Option<String>> = existing
                         .query_row(params![run_id, name, ctx, rep], |r| r.get(0))
                         .map(Some)
@@ -277,14 +289,55 @@ impl LogDb {
         })
     }
 
+    /// The values replay `replay_id` staged, in the order written, each
+    /// checked against its checksum.
+    fn staged_values(
+        &self,
+        tx: &Transaction<'_>,
+        replay_id: i64,
+        run_id: &str,
+    ) -> Result<Vec<StagedValue>> {
+        let mut st = tx
+            .prepare_cached(&format!(
+                "SELECT name, ctx, rep, value, created_ms, sum IS {} FROM replay_logs \
+                 WHERE replay_id = ?1 ORDER BY seq",
+                super::staged_sum("")
+            ))
+            .db(&self.path)?;
+        let rows = st
+            .query_map([replay_id], |r| {
+                Ok((
+                    StagedValue {
+                        name: r.get(0)?,
+                        ctx: r.get(1)?,
+                        rep: r.get(2)?,
+                        value: r.get(3)?,
+                        created_ms: r.get(4)?,
+                    },
+                    r.get::<_, bool>(5)?,
+                ))
+            })
+            .db(&self.path)?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (v, intact) = row.db(&self.path)?;
+            if !intact {
+                return Err(self.bad_sum(run_id, &v.name, &v.ctx));
+            }
+            out.push(v);
+        }
+        Ok(out)
+    }
+
     /// The values staged by replay `replay_id` (a Slurm task's own database:
     /// what [`LogDb::import_replay`] merges).
     pub(super) fn staged_rows(&self, replay_id: i64, run_id: &str) -> Result<Vec<LogRow>> {
         let mut st = self
             .conn
-            .prepare_cached(
-                "SELECT name, ctx, rep, value FROM replay_logs WHERE replay_id = ?1 ORDER BY seq",
-            )
+            .prepare_cached(&format!(
+                "SELECT name, ctx, rep, value, sum IS {} FROM replay_logs WHERE replay_id = ?1 ORDER BY seq",
+                super::staged_sum("")
+            ))
             .db(&self.path)?;
         let rows = st
             .query_map([replay_id], |r| {
@@ -293,12 +346,16 @@ impl LogDb {
                     r.get::<_, String>(1)?,
                     r.get::<_, u32>(2)?,
                     r.get::<_, String>(3)?,
+                    r.get::<_, bool>(4)?,
                 ))
             })
             .db(&self.path)?;
         let mut out = Vec::new();
         for row in rows {
-            let (name, ctx, rep, value_json) = row.db(&self.path)?;
+            let (name, ctx, rep, value_json, intact) = row.db(&self.path)?;
+            if !intact {
+                return Err(self.bad_sum(run_id, &name, &ctx));
+            }
             out.push(LogRow {
                 ctx: self.decode_ctx(run_id, &name, &ctx)?,
                 name,

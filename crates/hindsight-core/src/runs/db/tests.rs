@@ -1223,3 +1223,84 @@ fn batch_fingerprints_are_kept_per_step_and_replaced_by_a_resumed_run() {
     assert_eq!(digest(&[b"ab", b"c"]), digest(&[b"ab", b"c"]));
     assert_eq!(digest(&[]).len(), 32);
 }
+
+/// Issue 22: a changed digit inside a value is invisible to SQLite's own
+/// checks; every value row carries a checksum, checked where values are read.
+#[test]
+fn a_value_changed_outside_hindsight_fails_its_checksum_wherever_it_is_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("logs.db");
+    let db = LogDb::open(&path).unwrap();
+    let id = db.create_run(&new_run("train.py")).unwrap();
+    let rows = [
+        row("loss", &[("epoch", 0)], "0.5"),
+        row("loss", &[("epoch", 1)], "0.25"),
+    ];
+    db.append_logs(&id, Phase::Record, &rows).unwrap();
+    // Rewritten by hindsight itself (an upsert): still intact.
+    db.append_logs(&id, Phase::Record, &[row("loss", &[("epoch", 1)], "0.125")])
+        .unwrap();
+    let replay = db.begin_replay(&id, true).unwrap();
+    db.append_replay_logs(replay, &id, &[row("loss", &[("epoch", 0)], "0.5")])
+        .unwrap();
+    db.verify().unwrap();
+    assert_eq!(db.values(&id, &[]).unwrap().len(), 2);
+    assert!(db
+        .replay_divergences(replay, 0)
+        .unwrap()
+        .divergences
+        .is_empty());
+
+    // A staged replay value changed: judging or keeping the replay fails.
+    let raw = Connection::open(&path).unwrap();
+    raw.execute("UPDATE replay_logs SET value = '0.6'", [])
+        .unwrap();
+    let e = db.replay_divergences(replay, 0).unwrap_err();
+    assert!(matches!(e, Error::Corrupt { .. }), "{e}");
+    let e = db.finish_replay(replay, Some(Trust::Exact)).unwrap_err();
+    assert!(e.to_string().contains("fails its checksum"), "{e}");
+    raw.execute("DELETE FROM replay_logs", []).unwrap();
+
+    // One digit of a recorded value: every read path names the row.
+    raw.execute(
+        "UPDATE logs SET value = '0.3' WHERE ctx = '{\"epoch\":1}'",
+        [],
+    )
+    .unwrap();
+    for e in [
+        db.values(&id, &[]).unwrap_err(),
+        db.logs(&id, &["loss".to_string()]).unwrap_err(),
+        db.verify().unwrap_err(),
+    ] {
+        let msg = e.to_string();
+        assert!(matches!(e, Error::Corrupt { .. }), "{msg}");
+        assert!(msg.contains("logs.db") && msg.contains("checksum"), "{msg}");
+        assert!(msg.contains("loss") && msg.contains("epoch"), "{msg}");
+    }
+    // A flag flipped (a diverged replay value shown as exact) is caught too.
+    raw.execute(
+        "UPDATE logs SET value = '0.125' WHERE ctx = '{\"epoch\":1}'",
+        [],
+    )
+    .unwrap();
+    db.verify().unwrap();
+    db.append_logs(&id, Phase::Replay, &[row("loss", &[("epoch", 1)], "0.2")])
+        .unwrap();
+    raw.execute(
+        "UPDATE logs SET flag = 'diverged' WHERE phase = 'replay'",
+        [],
+    )
+    .unwrap();
+    assert!(db.divergences(&id).is_err());
+    assert!(db.check_row_sums().is_err());
+}
+
+#[test]
+fn row_sums_tell_fields_apart() {
+    let a = row_sum("r", "loss", "{}", 0, "1", "record", None);
+    assert_ne!(a, row_sum("r", "loss", "{}", 0, "1", "replay", None));
+    assert_ne!(a, row_sum("r", "los", "s{}", 0, "1", "record", None));
+    assert_ne!(a, row_sum("r", "loss", "{}", 1, "1", "record", None));
+    assert_ne!(a, row_sum("r", "loss", "{}", 0, "1", "record", Some("")));
+    assert!(a >= 0);
+}
