@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use clap::builder::TypedValueParser as _;
 use clap::{Parser, Subcommand};
+use hindsight_core::runs::db::Repair;
 use hindsight_core::runs::supervise;
 use hindsight_core::{LogDb, Manifest, Node, Store};
 use serde_json::json;
@@ -159,6 +160,10 @@ enum Command {
     },
     /// Show the project home this directory uses, and why: its run database and store
     Where,
+    /// Check the project's run database (logs.db) and, if it is damaged,
+    /// rebuild it from every row still readable; the damaged file is kept
+    /// beside it. Run it while no recording or replay is running
+    Repair,
     /// Run a training command; restart it after a crash or hang (it resumes
     /// from its last checkpoint); pass signals through to it
     Run {
@@ -319,6 +324,7 @@ fn execute(cli: Cli, out: &mut String, err: &mut dyn Write) -> Result<i32, Failu
         Command::Du { store_dir, json } => cmd_du(&places.open_store(store_dir)?, json, out, err),
         Command::Runs { limit, json } => runcmds::cmd_runs(&places.open_db()?, limit, json, out),
         Command::Where => cmd_where(&places, out),
+        Command::Repair => cmd_repair(&places, out),
         Command::Logs {
             run,
             names,
@@ -422,6 +428,42 @@ impl Places {
         }
         Ok(LogDb::open_checked(&path)?)
     }
+}
+
+/// `hindsight repair`: the run database checked, rebuilt if damaged.
+fn cmd_repair(places: &Places, out: &mut String) -> Result<i32, Failure> {
+    let home = places.home();
+    home::check_home(&home)?;
+    let path = home::db_path(&home);
+    if !path.is_file() {
+        return Err(no_project(&home));
+    }
+    match hindsight_core::runs::db::repair(&path)? {
+        Repair::Intact => outln!(out, "{}: intact, nothing to repair", path.display()),
+        Repair::Rebuilt { damaged, tables } => {
+            outln!(out, "{}: rebuilt from its readable rows", path.display());
+            for t in &tables {
+                let mut lost = Vec::new();
+                if t.unreadable > 0 {
+                    lost.push(format!("{} unreadable", t.unreadable));
+                }
+                if t.bad_sum > 0 {
+                    lost.push(format!("{} failed their checksum", t.bad_sum));
+                }
+                if t.orphaned > 0 {
+                    lost.push(format!("{} of a lost run", t.orphaned));
+                }
+                let lost = if lost.is_empty() {
+                    String::new()
+                } else {
+                    format!("; dropped: {}", lost.join(", "))
+                };
+                outln!(out, "  {:<10} {} kept{lost}", t.table, t.kept);
+            }
+            outln!(out, "the damaged file is kept as {}", damaged.display());
+        }
+    }
+    Ok(EXIT_OK)
 }
 
 /// `hindsight where`: the project home rule, applied here and said.

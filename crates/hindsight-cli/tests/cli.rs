@@ -767,3 +767,91 @@ fn verify_of_a_project_checks_its_run_database() {
         (0, "verified 0 checkpoints: all intact\n")
     );
 }
+
+/// Issue 22: a damaged run database names the way forward, and `hindsight
+/// repair` takes it: every intact row kept, the damaged file kept beside.
+#[test]
+fn repair_rebuilds_a_damaged_run_database() {
+    use hindsight_core::runs::db::{LogDb, LogRow, NewRun, Phase};
+    let dir = tempfile::tempdir().unwrap();
+    let home = dir.path().canonicalize().unwrap();
+    let db_path = home.join("logs.db");
+    let repair = || {
+        let o = Command::new(env!("CARGO_BIN_EXE_hindsight"))
+            .arg("repair")
+            .env_remove("HINDSIGHT_STORE")
+            .env("HINDSIGHT_HOME", &home)
+            .output()
+            .unwrap();
+        let clean = |b: Vec<u8>| {
+            String::from_utf8(b)
+                .unwrap()
+                .replace(home.to_str().unwrap(), "<HOME>")
+        };
+        (o.status.code().unwrap(), clean(o.stdout), clean(o.stderr))
+    };
+    let (code, _, err) = repair();
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("no hindsight project"), "{err}");
+    {
+        let db = LogDb::open(&db_path).unwrap();
+        let run = db
+            .create_run(&NewRun {
+                script: "t.py".into(),
+                script_abs: "/p/t.py".into(),
+                project_root: "/p".into(),
+                source_hash: "h".into(),
+                args_json: "{}".into(),
+                host: "h".into(),
+                versions_json: "{}".into(),
+                ..NewRun::default()
+            })
+            .unwrap();
+        let rows: Vec<LogRow> = (0..3)
+            .map(|i| LogRow {
+                name: "loss".into(),
+                ctx: vec![("epoch".into(), i)],
+                rep: 0,
+                value_json: format!("0.{i}23456"),
+            })
+            .collect();
+        db.append_logs(&run, Phase::Record, &rows).unwrap();
+    }
+    assert_eq!(
+        repair(),
+        (
+            0,
+            "<HOME>/logs.db: intact, nothing to repair\n".into(),
+            String::new()
+        )
+    );
+    let mut bytes = std::fs::read(&db_path).unwrap();
+    let at = bytes.windows(8).position(|w| w == b"0.123456").unwrap();
+    bytes[at + 3] = b'9';
+    std::fs::write(&db_path, bytes).unwrap();
+    let (code, out, err) = repair();
+    assert_eq!(code, 0, "{err}");
+    let damaged = out
+        .lines()
+        .last()
+        .unwrap()
+        .strip_prefix("the damaged file is kept as <HOME>/")
+        .unwrap()
+        .to_string();
+    assert!(damaged.starts_with("logs.db-damaged-"), "{out}");
+    assert_eq!(
+        out,
+        format!(
+            "<HOME>/logs.db: rebuilt from its readable rows\n  \
+             runs       1 kept\n  \
+             sources    0 kept\n  \
+             iterations 0 kept\n  \
+             batches    0 kept\n  \
+             logs       2 kept; dropped: 1 failed their checksum\n\
+             the damaged file is kept as <HOME>/{damaged}\n"
+        )
+    );
+    assert!(home.join(&damaged).is_file());
+    let db = LogDb::open_checked(&db_path).unwrap();
+    db.verify().unwrap();
+}

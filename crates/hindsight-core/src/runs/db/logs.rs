@@ -355,7 +355,8 @@ impl LogDb {
             &self.path,
             format!(
                 "log '{name}' at {ctx} of run {run_id} fails its checksum: the file was changed \
-                 outside hindsight or damaged (hindsight verify checks the whole database)"
+                 outside hindsight or damaged; {}",
+                super::REPAIR_HINT
             ),
         )
     }

@@ -22,6 +22,10 @@ use rusqlite::{Connection, ErrorCode, Transaction, TransactionBehavior};
 
 use crate::error::{Error, Result};
 
+/// The way forward named by every error about a damaged run database.
+pub const REPAIR_HINT: &str = "`hindsight repair` rebuilds it from what is still readable \
+     (the damaged file is kept beside it)";
+
 /// Schema version this build writes (`PRAGMA user_version`).
 pub const SCHEMA_VERSION: i64 = 6;
 
@@ -249,6 +253,7 @@ const RUN_COLUMNS: &str =
 mod batches;
 mod iterations;
 mod logs;
+mod repair;
 mod replays;
 mod runs;
 mod spool;
@@ -258,6 +263,7 @@ mod tests;
 pub use batches::BatchDigest;
 pub use iterations::IterationRow;
 pub use logs::{ctx_json, Divergence, LogRecord, LogRow, LogValue, Phase};
+pub use repair::{repair, Repair, TableRepair};
 pub use replays::{ReplayCheck, Trust, INEXACT_RTOL};
 pub use runs::{NewRun, RunRow, RunStatus};
 
@@ -273,7 +279,10 @@ fn db_err(path: &Path, e: rusqlite::Error) -> Error {
     if let rusqlite::Error::SqliteFailure(f, _) = &e {
         match f.code {
             ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase => {
-                return Error::corrupt(path, format!("not a usable log database: {e}"))
+                return Error::corrupt(
+                    path,
+                    format!("not a usable log database: {e}; {REPAIR_HINT}"),
+                )
             }
             ErrorCode::DiskFull => {
                 return Error::StorageFull {
@@ -398,7 +407,10 @@ impl LogDb {
         if found.len() != 1 || found[0] != "ok" {
             return Err(Error::corrupt(
                 &self.path,
-                format!("log database fails SQLite's check: {}", found.join("; ")),
+                format!(
+                    "log database fails SQLite's check: {}; {REPAIR_HINT}",
+                    found.join("; ")
+                ),
             ));
         }
         let orphans: i64 = self
@@ -415,7 +427,7 @@ impl LogDb {
         if orphans > 0 {
             return Err(Error::corrupt(
                 &self.path,
-                format!("{orphans} log or iteration rows belong to no run"),
+                format!("{orphans} log or iteration rows belong to no run; {REPAIR_HINT}"),
             ));
         }
         Ok(())
@@ -437,7 +449,7 @@ impl LogDb {
                     &self.path,
                     format!(
                         "{bad} value row(s) of table {table} fail their checksum (first: {}): \
-                         the file was changed outside hindsight or damaged",
+                         the file was changed outside hindsight or damaged; {REPAIR_HINT}",
                         first.unwrap_or_default()
                     ),
                 ));

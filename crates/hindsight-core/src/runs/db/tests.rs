@@ -1304,3 +1304,99 @@ fn row_sums_tell_fields_apart() {
     assert_ne!(a, row_sum("r", "loss", "{}", 0, "1", "record", Some("")));
     assert!(a >= 0);
 }
+
+/// Issue 22: a damaged database refused every recording with no way
+/// forward; `repair` keeps every row that still reads back intact.
+#[test]
+fn repair_keeps_every_intact_row_and_the_damaged_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("logs.db");
+    let id;
+    {
+        let db = LogDb::open(&path).unwrap();
+        id = db.create_run(&new_run("train.py")).unwrap();
+        let rows: Vec<LogRow> = (0..2000)
+            .map(|i| row("loss", &[("step", i)], &format!("{}.5", i)))
+            .collect();
+        db.append_logs(&id, Phase::Record, &rows).unwrap();
+    }
+    assert_eq!(repair(&path).unwrap(), Repair::Intact);
+    // One value changed outside hindsight, one row of no run.
+    {
+        let raw = Connection::open(&path).unwrap();
+        raw.execute(
+            "UPDATE logs SET value = '7.5' WHERE ctx = '{\"step\":3}'",
+            [],
+        )
+        .unwrap();
+        raw.execute_batch("PRAGMA foreign_keys = OFF").unwrap();
+        raw.execute(
+            "INSERT INTO logs (run_id, name, ctx, rep, value, phase, seq, created_ms, sum) \
+             VALUES ('gone', 'loss', '{}', 0, '1', 'record', 9999, 0, ?1)",
+            [row_sum("gone", "loss", "{}", 0, "1", "record", None)],
+        )
+        .unwrap();
+    }
+    assert!(LogDb::open_checked(&path).is_err());
+    let Repair::Rebuilt { damaged, tables } = repair(&path).unwrap() else {
+        panic!("not rebuilt")
+    };
+    assert!(damaged.is_file(), "the damaged file is kept");
+    let logs = tables.iter().find(|t| t.table == "logs").unwrap();
+    assert_eq!(
+        (logs.kept, logs.bad_sum, logs.orphaned, logs.unreadable),
+        (1999, 1, 1, 0)
+    );
+    let db = LogDb::open_checked(&path).unwrap();
+    db.verify().unwrap();
+    let values = db.values(&id, &[]).unwrap();
+    assert_eq!(values.len(), 1999);
+    assert!(values.iter().all(|v| v.ctx_json != "{\"step\":3}"));
+    assert_eq!(db.run(&id).unwrap().script, "train.py");
+    // The rebuilt database takes new values.
+    db.append_logs(&id, Phase::Record, &[row("loss", &[("step", 3)], "3.5")])
+        .unwrap();
+}
+
+#[test]
+fn repair_of_a_damaged_page_loses_only_that_page() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("logs.db");
+    let id;
+    {
+        let db = LogDb::open(&path).unwrap();
+        id = db.create_run(&new_run("train.py")).unwrap();
+        let rows: Vec<LogRow> = (0..5000)
+            .map(|i| row("loss", &[("step", i)], &format!("{}.25", i)))
+            .collect();
+        db.append_logs(&id, Phase::Record, &rows).unwrap();
+    }
+    // Garbage over one page in the middle of the file (pages are 4 KiB).
+    let mut bytes = std::fs::read(&path).unwrap();
+    let pages = bytes.len() / 4096;
+    let victim = pages / 2;
+    for b in &mut bytes[victim * 4096..(victim + 1) * 4096] {
+        *b = 0xa5;
+    }
+    std::fs::write(&path, bytes).unwrap();
+    let e = LogDb::open_checked(&path).unwrap_err();
+    assert!(e.to_string().contains("hindsight repair"), "{e}");
+    let Repair::Rebuilt { tables, .. } = repair(&path).unwrap() else {
+        panic!("not rebuilt")
+    };
+    let logs = tables.iter().find(|t| t.table == "logs").unwrap();
+    let db = LogDb::open_checked(&path).unwrap();
+    let kept = db.values(&id, &[]).unwrap();
+    assert_eq!(kept.len() as u64, logs.kept);
+    // One page holds at most a few hundred of these rows.
+    assert!(logs.kept >= 4000, "{logs:?}");
+    assert!(logs.kept < 5000 || logs.unreadable == 0, "{logs:?}");
+    for v in &kept {
+        let step = v.ctx[0].1;
+        assert_eq!(
+            v.value(),
+            format!("{step}.25"),
+            "a kept value is the one written"
+        );
+    }
+}
