@@ -1169,3 +1169,77 @@ fn a_failed_device_copy_fails_the_save_and_is_reported() {
     save_wait(&w, "good", &[("x", b"1")]);
     assert_eq!(store.list().unwrap(), vec!["good".to_string()]);
 }
+
+/// Small blobs staged together share pack chunks (one file for many: chunk
+/// files were most of a small model's checkpoint cost); each reads back
+/// alone, verified; its fingerprint is the one the unchanged-tensor proof
+/// computes from the live bytes; a damaged pack fails the keys in it by name.
+#[test]
+fn small_blobs_staged_together_share_packs_and_read_back_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = new_store(dir.path()); // chunk size 4 KiB: blobs up to 1 KiB are packed
+    let w = Writer::new(store.clone(), writer_options()).unwrap();
+    let smalls: Vec<Vec<u8>> = (0..40)
+        .map(|i| rand_bytes(100 + i * 20, i as u64))
+        .collect();
+    let big = rand_bytes(3 * CS + 5, 99);
+    let mut srcs: Vec<&[u8]> = smalls.iter().map(Vec::as_slice).collect();
+    srcs.insert(7, &big);
+    let mut b = w.begin("packed").unwrap();
+    let staged = b.stage_many(&srcs, 2, &|| false).unwrap();
+    let want = hindsight_core::fingerprint_many(&srcs, CS, 1);
+    assert_eq!(
+        staged.iter().map(|s| s.fingerprint).collect::<Vec<_>>(),
+        want,
+        "fingerprints of packed blobs are those of their bytes"
+    );
+    let keys: Vec<String> = (0..srcs.len()).map(|i| format!("k{i:02}")).collect();
+    let entries: Vec<(&str, Node)> = keys
+        .iter()
+        .zip(staged)
+        .map(|(k, s)| (k.as_str(), Node::Bytes(s.blob)))
+        .collect();
+    b.commit(dict(entries), BTreeMap::new()).wait().unwrap();
+    // 19,600 bytes of small blobs in packs of up to 4 KiB, and the big one's 4 chunks.
+    let ids = chunk_ids(&store, "packed");
+    assert!(ids.len() <= 4 + 6, "{} chunk files for 41 blobs", ids.len());
+    let got = load(&store, "packed");
+    for (k, src) in keys.iter().zip(&srcs) {
+        assert_eq!(got[k].as_slice(), *src, "{k}");
+    }
+    let (_, problems) = store.verify(&[], |_| {}).unwrap();
+    assert!(problems.is_empty(), "{problems:?}");
+    // Saved again unchanged: every pack deduplicated.
+    let mut b = w.begin("again").unwrap();
+    let staged = b.stage_many(&srcs, 1, &|| false).unwrap();
+    let entries: Vec<(&str, Node)> = keys
+        .iter()
+        .zip(staged)
+        .map(|(k, s)| (k.as_str(), Node::Bytes(s.blob)))
+        .collect();
+    let stats = b.commit(dict(entries), BTreeMap::new()).wait().unwrap();
+    assert_eq!(stats.chunks_written, 0, "{stats:?}");
+
+    // Damage the pack holding k00: its keys fail by name, the others read.
+    let m = store.manifest("packed").unwrap();
+    let first = m.root.select(&["k00".to_string()]).unwrap();
+    let mut pack = None;
+    first.for_each_blob(&mut Vec::new(), &mut |_, b| {
+        pack = Some(b.chunks[0].clone())
+    });
+    let pack = pack.unwrap();
+    assert!(pack.pack.is_some(), "k00 is in a pack");
+    let path = store.storage().chunk_path(&pack.id);
+    let mut bytes = fs::read(&path).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    fs::write(&path, bytes).unwrap();
+    let e = read_key(&store, "packed", "k00").unwrap_err();
+    assert!(
+        matches!(e, Error::Corrupt { .. }) && e.to_string().contains("k00"),
+        "{e}"
+    );
+    assert_eq!(read_key(&store, "packed", "k07").unwrap(), big);
+    let (_, problems) = store.verify(&["packed".to_string()], |_| {}).unwrap();
+    assert!(!problems.is_empty());
+}

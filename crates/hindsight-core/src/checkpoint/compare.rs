@@ -128,7 +128,7 @@ impl Walk<'_> {
             let Some(seg) = live.get(off..off + c.len as usize) else {
                 return false;
             };
-            if ChunkId::of(seg) != c.id {
+            if ChunkId::of(seg) != c.content_id() {
                 return false;
             }
             off += c.len as usize;
@@ -261,10 +261,7 @@ mod tests {
     fn recorded_array(bytes: &[u8], chunk: usize) -> Node {
         let chunks = bytes
             .chunks(chunk)
-            .map(|c| ChunkRef {
-                id: ChunkId::of(c),
-                len: c.len() as u64,
-            })
+            .map(|c| ChunkRef::whole(ChunkId::of(c), c.len() as u64))
             .collect();
         array(Blob {
             nbytes: bytes.len() as u64,

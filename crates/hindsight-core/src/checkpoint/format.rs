@@ -120,11 +120,56 @@ pub fn parse_chunk_header(h: &[u8], path: &Path) -> Result<(Codec, u64)> {
     Ok((codec, u64::from_le_bytes(len)))
 }
 
-/// A reference to one chunk and the number of raw bytes it holds.
+/// A reference to one chunk and the number of raw bytes taken from it: the
+/// whole chunk, or a slice of a pack (a chunk holding several small blobs).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChunkRef {
     pub id: ChunkId,
     pub len: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pack: Option<PackSlice>,
+}
+
+/// Where a ref's bytes lie in a pack chunk. A reader verifies the whole pack
+/// (its id) and the slice (`own`, the BLAKE3 of these bytes alone: what a
+/// state check compares a live tensor with).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PackSlice {
+    /// Offset of the slice in the pack's raw bytes.
+    pub at: u64,
+    /// The pack's raw length.
+    pub of: u64,
+    pub own: ChunkId,
+}
+
+impl ChunkRef {
+    /// A whole chunk.
+    pub fn whole(id: ChunkId, len: u64) -> Self {
+        ChunkRef {
+            id,
+            len,
+            pack: None,
+        }
+    }
+
+    /// `len` bytes at `at` of the pack `id` (raw length `of`), whose own hash is `own`.
+    pub fn packed(id: ChunkId, of: u64, at: u64, len: u64, own: ChunkId) -> Self {
+        ChunkRef {
+            id,
+            len,
+            pack: Some(PackSlice { at, of, own }),
+        }
+    }
+
+    /// The raw length of the chunk file this ref reads.
+    pub fn chunk_len(&self) -> u64 {
+        self.pack.map_or(self.len, |p| p.of)
+    }
+
+    /// The id of these bytes alone (a pack slice's own hash).
+    pub fn content_id(&self) -> ChunkId {
+        self.pack.map_or(self.id, |p| p.own)
+    }
 }
 
 /// A byte string stored as a sequence of chunks.
@@ -450,6 +495,17 @@ fn validate_blob(b: &Blob, path: &[String]) -> Result<(), String> {
                 c.len
             ));
         }
+        if let Some(p) = c.pack {
+            if p.of > MAX_CHUNK_LEN || p.at.checked_add(c.len).is_none_or(|end| end > p.of) {
+                return Err(format!(
+                    "blob at '{}' takes bytes {}..+{} of a pack of {} bytes",
+                    path.join("/"),
+                    p.at,
+                    c.len,
+                    p.of
+                ));
+            }
+        }
         sum = sum
             .checked_add(c.len)
             .ok_or_else(|| format!("chunk lengths of '{}' overflow", path.join("/")))?;
@@ -655,12 +711,23 @@ mod tests {
     }
 
     fn arb_blob() -> impl Strategy<Value = Blob> {
-        prop::collection::vec((any::<[u8; 32]>(), 1u64..=MAX_CHUNK_LEN), 0..4).prop_map(|cs| {
+        prop::collection::vec(
+            (
+                any::<[u8; 32]>(),
+                1u64..=MAX_CHUNK_LEN,
+                any::<Option<(u64, [u8; 32])>>(),
+            ),
+            0..4,
+        )
+        .prop_map(|cs| {
             let chunks: Vec<ChunkRef> = cs
                 .into_iter()
-                .map(|(id, len)| ChunkRef {
-                    id: ChunkId(id),
-                    len,
+                .map(|(id, len, pack)| match pack {
+                    None => ChunkRef::whole(ChunkId(id), len),
+                    Some((at, own)) => {
+                        let at = at % (MAX_CHUNK_LEN - len + 1);
+                        ChunkRef::packed(ChunkId(id), at + len, at, len, ChunkId(own))
+                    }
                 })
                 .collect();
             Blob {
@@ -691,10 +758,7 @@ mod tests {
                     let chunks = if n == 0 {
                         vec![]
                     } else {
-                        vec![ChunkRef {
-                            id: ChunkId([7; 32]),
-                            len: n,
-                        }]
+                        vec![ChunkRef::whole(ChunkId([7; 32]), n)]
                     };
                     Node::Array(Box::new(Array {
                         lib: ArrayLib::Torch,
@@ -768,10 +832,7 @@ mod tests {
             device: None,
             data: Blob {
                 nbytes: 8,
-                chunks: vec![ChunkRef {
-                    id: ChunkId([0; 32]),
-                    len: 8,
-                }],
+                chunks: vec![ChunkRef::whole(ChunkId([0; 32]), 8)],
                 pending: None,
             },
         }));

@@ -42,6 +42,17 @@ impl Default for StoreOptions {
     }
 }
 
+/// What one load reads: (destination, chunk, key) or (pack, its raw
+/// length, the slices wanted from it with their destinations and keys).
+enum LoadUnit<'a> {
+    Whole(&'a mut [u8], ChunkId, &'a str),
+    Pack(
+        ChunkId,
+        u64,
+        Vec<(&'a mut [u8], format::PackSlice, &'a str)>,
+    ),
+}
+
 #[derive(Debug)]
 pub struct Store {
     storage: Arc<dyn Storage>,
@@ -412,7 +423,9 @@ impl Store {
                 })?;
             buffers.push(buf);
         }
-        let mut work = Vec::new();
+        let mut work: Vec<LoadUnit<'_>> = Vec::new();
+        // A pack is read (and verified) once for all the slices wanted from it.
+        let mut packs: HashMap<ChunkId, usize> = HashMap::new();
         for ((key, blob), buf) in blobs.iter().zip(buffers.iter_mut()) {
             let mut rest: &mut [u8] = buf;
             for c in &blob.chunks {
@@ -423,7 +436,27 @@ impl Store {
                     ));
                 }
                 let (head, tail) = std::mem::take(&mut rest).split_at_mut(c.len as usize);
-                work.push((head, c.id, key.as_str()));
+                match c.pack {
+                    None => work.push(LoadUnit::Whole(head, c.id, key.as_str())),
+                    Some(p) => {
+                        let i = *packs.entry(c.id).or_insert_with(|| {
+                            work.push(LoadUnit::Pack(c.id, p.of, Vec::new()));
+                            work.len() - 1
+                        });
+                        if let LoadUnit::Pack(_, of, slices) = &mut work[i] {
+                            if *of != p.of {
+                                return Err(Error::corrupt(
+                                    self.storage.manifest_path(checkpoint),
+                                    format!(
+                                        "key '{key}' gives pack {} another length",
+                                        c.id.to_hex()
+                                    ),
+                                ));
+                            }
+                            slices.push((head, p, key.as_str()));
+                        }
+                    }
+                }
                 rest = tail;
             }
         }
@@ -439,9 +472,9 @@ impl Store {
                 return;
             }
             let item = lock(&queue).next();
-            let Some((dest, id, key)) = item else { return };
-            if let Err(e) = self.read_chunk_into(&id, dest) {
-                lock(&failed).get_or_insert(e.in_checkpoint(checkpoint, key));
+            let Some(item) = item else { return };
+            if let Err(e) = self.read_into(item, checkpoint) {
+                lock(&failed).get_or_insert(e);
                 return;
             }
         };
@@ -455,6 +488,44 @@ impl Store {
         match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
             Some(e) => Err(e),
             None => Ok(buffers),
+        }
+    }
+
+    /// One unit of a load's work: a chunk into its place, or a pack into the
+    /// places of the slices wanted from it.
+    fn read_into(&self, item: LoadUnit<'_>, checkpoint: &str) -> Result<()> {
+        match item {
+            LoadUnit::Whole(dest, id, key) => self
+                .read_chunk_into(&id, dest)
+                .map_err(|e| e.in_checkpoint(checkpoint, key)),
+            LoadUnit::Pack(id, of, slices) => {
+                let key = slices.first().map_or("", |s| s.2);
+                let mut pack = usize::try_from(of)
+                    .ok()
+                    .and_then(crate::staging::try_zeroed)
+                    .ok_or_else(|| {
+                        Error::corrupt(
+                            self.storage.manifest_path(checkpoint),
+                            format!("key '{key}' claims a pack of {of} bytes, more than can be allocated here"),
+                        )
+                        .in_checkpoint(checkpoint, key)
+                    })?;
+                self.read_chunk_into(&id, &mut pack)
+                    .map_err(|e| e.in_checkpoint(checkpoint, key))?;
+                for (dest, p, key) in slices {
+                    let at = p.at as usize;
+                    let seg = &pack[at..at + dest.len()];
+                    if ChunkId::of(seg) != p.own {
+                        return Err(Error::corrupt(
+                            self.storage.chunk_path(&id),
+                            format!("the slice at {at} of this pack does not match its hash"),
+                        )
+                        .in_checkpoint(checkpoint, key));
+                    }
+                    dest.copy_from_slice(seg);
+                }
+                Ok(())
+            }
         }
     }
 
@@ -544,7 +615,7 @@ impl Store {
             m.root.for_each_blob(&mut Vec::new(), &mut |_, b| {
                 r.logical += b.nbytes;
                 for c in &b.chunks {
-                    r.refs.insert(c.id, c.len);
+                    r.refs.insert(c.id, c.chunk_len());
                 }
             });
         }
@@ -656,7 +727,7 @@ impl Store {
             for (key, blob) in blobs {
                 for c in &blob.chunks {
                     let result = checked.entry(c.id).or_insert_with(|| {
-                        buf.resize(c.len as usize, 0);
+                        buf.resize(c.chunk_len() as usize, 0);
                         match self.read_chunk_into(&c.id, &mut buf) {
                             Ok(()) => None,
                             Err(Error::Corrupt { path, detail, .. }) => Some((path, detail)),

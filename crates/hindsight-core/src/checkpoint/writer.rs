@@ -244,15 +244,35 @@ enum Data {
 
 #[derive(Debug)]
 struct Staged {
+    /// The slot of this chunk's ref.
     index: usize,
     data: Data,
+    /// A pack: the small blobs it holds, each with a slot of its own.
+    slices: Vec<Slice>,
+}
+
+/// One small blob inside a pack chunk.
+#[derive(Debug, Clone, Copy)]
+struct Slice {
+    slot: usize,
+    at: usize,
+    len: usize,
+}
+
+/// Set by commit: the tree, metadata, the number of ref slots and of
+/// staged chunks (a pack is one chunk with a slot per blob it holds).
+#[derive(Debug)]
+struct Sealed {
+    root: Node,
+    meta: BTreeMap<String, String>,
+    slots: usize,
+    items: usize,
 }
 
 #[derive(Debug, Default)]
 struct JobState {
     staged: VecDeque<Staged>,
-    /// Set by commit: the tree, metadata and the number of staged chunks.
-    sealed: Option<(Node, BTreeMap<String, String>, usize)>,
+    sealed: Option<Sealed>,
     aborted: bool,
 }
 
@@ -298,11 +318,10 @@ struct Shared {
     cpu_ns: AtomicU64,
 }
 
-type Task = (
-    Staged,
-    Arc<Job>,
-    mpsc::Sender<(usize, Result<(ChunkId, u64, u64)>)>,
-);
+/// A chunk's refs by slot (its own, and one per blob a pack holds), and
+/// the bytes written (0: deduplicated).
+type Done = Result<(Vec<(usize, ChunkRef)>, u64)>;
+type Task = (Staged, Arc<Job>, mpsc::Sender<Done>);
 
 /// Owns the background threads of one store.
 #[derive(Debug)]
@@ -463,6 +482,7 @@ impl Writer {
             writer: self,
             job,
             next_index: 0,
+            next_item: 0,
             committed: false,
             _guard: guard,
         })
@@ -601,6 +621,12 @@ impl Drop for Writer {
     }
 }
 
+/// Sources up to this size are packed together into chunks of up to the
+/// store's chunk size ([`SaveBuilder::stage_packs`]).
+fn pack_limit(block: usize) -> usize {
+    (256 << 10).min(block / 4)
+}
+
 /// Builds one save: stage bytes, then commit the tree that refers to them.
 /// Dropping it without commit abandons the save (nothing becomes visible).
 #[derive(Debug)]
@@ -608,6 +634,8 @@ pub struct SaveBuilder<'w> {
     writer: &'w Writer,
     job: Arc<Job>,
     next_index: usize,
+    /// Chunks staged so far (a pack is one chunk and several slots).
+    next_item: usize,
     committed: bool,
     _guard: MutexGuard<'w, ()>,
 }
@@ -684,13 +712,19 @@ impl SaveBuilder<'_> {
     ) -> Result<Vec<StagedBlob>> {
         let block = self.writer.shared.store.options().chunk_size;
         let start = self.next_index;
-        // Plan: (source, offset, len, index) for every chunk.
+        let items_before = self.next_item;
+        // Plan: (source, offset, len, index) for every chunk of a large
+        // source; the small ones are packed afterwards.
         let mut plan = Vec::new();
+        let mut small = Vec::new();
         let mut blobs = Vec::with_capacity(sources.len());
         for (s, src) in sources.iter().enumerate() {
             let first = self.next_index;
+            if !src.is_empty() && src.len() <= pack_limit(block) {
+                small.push(s);
+            }
             let mut off = 0;
-            while off < src.len() {
+            while off < src.len() && small.last() != Some(&s) {
                 let len = block.min(src.len() - off);
                 plan.push((s, off, len, self.next_index));
                 self.next_index += 1;
@@ -742,6 +776,7 @@ impl SaveBuilder<'_> {
                 lock(&job.state).staged.push_back(Staged {
                     index,
                     data: Data::Owned(data),
+                    slices: Vec::new(),
                 });
                 job.cv.notify_one();
             }
@@ -777,25 +812,101 @@ impl SaveBuilder<'_> {
             // ones (it would wait forever, and every later save and flush with it).
             let taken = (next.load(Ordering::Relaxed) as usize).min(plan.len());
             self.next_index = start + taken;
+            self.next_item = items_before + taken;
             let staged: u64 = plan[..taken].iter().map(|p| p.2 as u64).sum();
             lock(&job.stats).bytes_staged += staged;
             return Err(e);
         }
-        lock(&job.stats).bytes_staged += total;
-        let hashes = segment_hashes
-            .into_iter()
-            .map(|h| h.into_inner())
-            .collect::<Option<Vec<u128>>>()
-            .ok_or_else(|| Error::internal("a staged segment was not fingerprinted"))?;
-        let mut hashes = hashes.into_iter();
+        self.next_item += plan.len();
+        let mut per_source: Vec<Vec<u128>> = vec![Vec::new(); sources.len()];
+        for (p, h) in plan.iter().zip(segment_hashes) {
+            let h = h
+                .into_inner()
+                .ok_or_else(|| Error::internal("a staged segment was not fingerprinted"))?;
+            per_source[p.0].push(h);
+        }
+        let packed = self.stage_packs(sources, &small, block, cancel)?;
+        for (s, slot, h) in packed {
+            per_source[s].push(h);
+            if let Some(p) = blobs[s].pending.as_mut() {
+                p.range = slot..slot + 1;
+            }
+        }
+        lock(&self.job.stats).bytes_staged += total;
         Ok(blobs
             .into_iter()
-            .map(|blob| {
-                let n = (blob.nbytes as usize).div_ceil(block);
-                let fingerprint = fingerprint::fold(hashes.by_ref().take(n), blob.nbytes);
+            .zip(per_source)
+            .map(|(blob, hashes)| {
+                let fingerprint = fingerprint::fold(hashes, blob.nbytes);
                 StagedBlob { blob, fingerprint }
             })
             .collect())
+    }
+
+    /// Copy the small sources into pack chunks of up to `block` bytes: one
+    /// chunk file for many small tensors (a checkpoint of a small model had
+    /// ~90 chunk files, and creating them was most of its writer's CPU).
+    /// Returns (source, slot of its ref, segment fingerprint) for each.
+    fn stage_packs(
+        &mut self,
+        sources: &[&[u8]],
+        small: &[usize],
+        block: usize,
+        cancel: Cancel<'_>,
+    ) -> Result<Vec<(usize, usize, u128)>> {
+        let mut out = Vec::with_capacity(small.len());
+        let mut rest = small;
+        while !rest.is_empty() {
+            if cancel() {
+                return Err(Error::interrupted("save (while copying)"));
+            }
+            let mut size = 0;
+            let mut n = 0;
+            while n < rest.len() && (n == 0 || size + sources[rest[n]].len() <= block) {
+                size += sources[rest[n]].len();
+                n += 1;
+            }
+            let (group, tail) = rest.split_at(n);
+            rest = tail;
+            let shared = &self.writer.shared;
+            let (mut data, first_use) = shared.budget.acquire(size);
+            if first_use {
+                let t = Instant::now();
+                crate::staging::prefault(&mut data);
+                lock(&self.job.stats).setup_seconds += t.elapsed().as_secs_f64();
+            }
+            let index = self.next_index;
+            self.next_index += 1;
+            let mut slices = Vec::with_capacity(group.len());
+            let mut at = 0;
+            for &s in group {
+                let src = sources[s];
+                let mut hasher = SegmentHasher::default();
+                for (to, from) in data[at..at + src.len()]
+                    .chunks_mut(COPY_STEP)
+                    .zip(src.chunks(COPY_STEP))
+                {
+                    to.copy_from_slice(from);
+                    hasher.update(to);
+                }
+                slices.push(Slice {
+                    slot: self.next_index,
+                    at,
+                    len: src.len(),
+                });
+                out.push((s, self.next_index, hasher.finish()));
+                self.next_index += 1;
+                at += src.len();
+            }
+            lock(&self.job.state).staged.push_back(Staged {
+                index,
+                data: Data::Owned(data),
+                slices,
+            });
+            self.next_item += 1;
+            self.job.cv.notify_one();
+        }
+        Ok(out)
     }
 
     /// Add lent buffers to the save, one pending blob each, without copying
@@ -815,8 +926,10 @@ impl SaveBuilder<'_> {
                 st.staged.push_back(Staged {
                     index: self.next_index,
                     data: Data::Lent(buf.clone(), off..off + n),
+                    slices: Vec::new(),
                 });
                 self.next_index += 1;
+                self.next_item += 1;
                 off += n;
             }
             total += len as u64;
@@ -852,7 +965,12 @@ impl SaveBuilder<'_> {
 
     /// Seal the save: it commits in the background once its chunks are durable.
     pub fn commit(mut self, root: Node, meta: BTreeMap<String, String>) -> SaveHandle {
-        lock(&self.job.state).sealed = Some((root, meta, self.next_index));
+        lock(&self.job.state).sealed = Some(Sealed {
+            root,
+            meta,
+            slots: self.next_index,
+            items: self.next_item,
+        });
         self.job.cv.notify_all();
         self.committed = true;
         SaveHandle {
@@ -869,7 +987,12 @@ impl Drop for SaveBuilder<'_> {
         if !self.committed {
             let mut st = lock(&self.job.state);
             st.aborted = true;
-            st.sealed = Some((Node::None, BTreeMap::new(), self.next_index));
+            st.sealed = Some(Sealed {
+                root: Node::None,
+                meta: BTreeMap::new(),
+                slots: self.next_index,
+                items: self.next_item,
+            });
             drop(st);
             self.job.cv.notify_all();
         }
@@ -922,17 +1045,23 @@ fn worker_loop(shared: &Shared, rx: &Mutex<mpsc::Receiver<Task>>, nice: i32) {
             };
             bytes.and_then(|b| {
                 let id = ChunkId::of(b);
-                shared
-                    .store
-                    .put_chunk(b, &id)
-                    .map(|written| (id, b.len() as u64, written))
+                let written = shared.store.put_chunk(b, &id)?;
+                let mut refs = vec![(staged.index, ChunkRef::whole(id, b.len() as u64))];
+                for s in &staged.slices {
+                    let own = ChunkId::of(&b[s.at..s.at + s.len]);
+                    refs.push((
+                        s.slot,
+                        ChunkRef::packed(id, b.len() as u64, s.at as u64, s.len as u64, own),
+                    ));
+                }
+                Ok((refs, written))
             })
         };
         if let Data::Owned(v) = staged.data {
             shared.budget.release(v);
         }
         drop(meter);
-        let _ = done.send((staged.index, r));
+        let _ = done.send(r);
     }
 }
 
@@ -992,7 +1121,12 @@ fn run_job(
     };
     let (done_tx, done_rx) = mpsc::channel();
     let mut sent = 0usize;
-    let (root, meta, n) = loop {
+    let Sealed {
+        root,
+        meta,
+        slots: n,
+        ..
+    } = loop {
         let mut st = lock(&job.state);
         // Leave the CPU to the copy while the caller is blocked in `save`:
         // start hashing and writing once the save is sealed, or earlier only
@@ -1006,9 +1140,11 @@ fn run_job(
             sent += 1;
             continue;
         }
-        if let Some((_, _, n)) = &st.sealed {
-            if sent >= *n {
-                break st.sealed.take().unwrap_or((Node::None, BTreeMap::new(), 0));
+        if let Some(items) = st.sealed.as_ref().map(|s| s.items) {
+            if sent >= items {
+                if let Some(sealed) = st.sealed.take() {
+                    break sealed;
+                }
             }
         }
         drop(job.cv.wait(st).unwrap_or_else(|p| p.into_inner()));
@@ -1017,17 +1153,19 @@ fn run_job(
     let mut refs: Vec<Option<ChunkRef>> = vec![None; n];
     let mut first_err: Option<Error> = None;
     let mut stats = lock(&job.stats).clone();
-    for (index, r) in done_rx.iter() {
+    for r in done_rx.iter() {
         match r {
-            Ok((id, len, written)) => {
+            Ok((chunk_refs, written)) => {
                 if written > 0 {
                     stats.chunks_written += 1;
                     stats.bytes_written += written;
                 } else {
                     stats.chunks_deduplicated += 1;
                 }
-                if let Some(slot) = refs.get_mut(index) {
-                    *slot = Some(ChunkRef { id, len });
+                for (index, c) in chunk_refs {
+                    if let Some(slot) = refs.get_mut(index) {
+                        *slot = Some(c);
+                    }
                 }
             }
             Err(e) => {
