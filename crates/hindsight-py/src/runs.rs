@@ -811,6 +811,11 @@ impl CheckpointSchedule {
     fn saved(&mut self, blocked_secs: f64) {
         self.inner.saved(blocked_secs)
     }
+
+    /// The running total of the recording's own work outside checkpoints.
+    fn overhead(&mut self, total_secs: f64) {
+        self.inner.overhead(total_secs)
+    }
 }
 
 /// Milliseconds since the epoch of a date typed by the user (UTC), as

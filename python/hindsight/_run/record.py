@@ -52,6 +52,11 @@ class RecordRun(Run):
         self.iter_checkpoint: str | None = None
         self.iter_materialize: float | None = None
         self.last_blocked: float | None = None
+        # The training thread's time in this class's loop hooks, and the part
+        # of it spent saving checkpoints: the rest is the recording's own
+        # overhead, charged to the adaptive policy's budget too.
+        self.own_seconds = 0.0
+        self.save_seconds = 0.0
         # Preemption: a signal is noted by the handler and acted on at the next step boundary.
         self.signals = _preemption.StopSignals(os.environ.get("HINDSIGHT_CATCH_SIGINT") == "1")
         self.requeue = _preemption.requeue_default()
@@ -219,8 +224,14 @@ class RecordRun(Run):
         return _native.CheckpointId(self.run_id, self.outer_name or "loop", i, kind, step)
 
     def _save_now(self, ck: _native.CheckpointId, extra: dict[str, Any], wait: bool) -> None:
-        # The training thread's whole price: capturing the state too.
         t0 = time.perf_counter()
+        try:
+            self._save(ck, extra, wait, t0)
+        finally:
+            self.save_seconds += time.perf_counter() - t0
+
+    def _save(self, ck: _native.CheckpointId, extra: dict[str, Any], wait: bool, t0: float) -> None:
+        # The training thread's whole price: capturing the state too.
         state = self.capture()
         state.update(extra)
         if self.start_rng is not None:
@@ -245,6 +256,13 @@ class RecordRun(Run):
         return nbytes / 2e9  # a first guess: a memory copy; refined by the first save
 
     def _end_block(self, i: int, at: str = "block") -> None:
+        t0 = time.perf_counter()
+        try:
+            self._end_block_timed(i, at, t0)
+        finally:
+            self.own_seconds += time.perf_counter() - t0
+
+    def _end_block_timed(self, i: int, at: str, t0: float) -> None:
         self.block_done = True
         if not self.objects:
             return
@@ -257,6 +275,7 @@ class RecordRun(Run):
         compute = time.perf_counter() - self.iter_start
         background = self.store.background_cpu_seconds if self._store is not None else None
         first = self._estimate_materialize() if self.last_blocked is None else 0.0
+        self.schedule.overhead(self.own_seconds + time.perf_counter() - t0 - self.save_seconds)
         if not self.schedule.block_ended(i, compute, background, first):
             return
         ck = self._checkpoint_id(i)
@@ -419,10 +438,12 @@ class RecordRun(Run):
         return r is not None and r["epoch"] == i and r["kind"] in ("step", "block")
 
     def _iteration_starts(self, i: int) -> None:
+        t0 = time.perf_counter()
         super()._iteration_starts(i)
         self.iter_rng = rng_state()
         if i == 0:
             self.start_rng = self.iter_rng
+        self.own_seconds += time.perf_counter() - t0
 
     def _skip_block(self, i: int) -> bool:
         resume = self.resume
@@ -496,7 +517,9 @@ class RecordRun(Run):
         self.block_iterable = None
 
     def _step_starts(self, i: int, j: int, batch: Any) -> None:
+        t0 = time.perf_counter()
         self.batch_rows.append((i, j, batches.digest(batch)))
+        self.own_seconds += time.perf_counter() - t0
 
     def _flush_buffers(self) -> None:
         super()._flush_buffers()
@@ -508,6 +531,13 @@ class RecordRun(Run):
 
     def _step_boundary(self, i: int, j: int) -> None:
         """Between two training steps: act on a signal or a due safety checkpoint."""
+        t0 = time.perf_counter()
+        try:
+            self._step_boundary_timed(i, j)
+        finally:
+            self.own_seconds += time.perf_counter() - t0
+
+    def _step_boundary_timed(self, i: int, j: int) -> None:
         if not self.objects:
             if self.stop_signal is not None:
                 self._exit_for_signal()
@@ -536,6 +566,13 @@ class RecordRun(Run):
             self._exit_for_signal()
 
     def _end_iteration(self, i: int, closing: bool = False) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._end_iteration_timed(i, closing)
+        finally:
+            self.own_seconds += time.perf_counter() - t0
+
+    def _end_iteration_timed(self, i: int, closing: bool) -> None:
         self.db.record_iteration(
             self.run_id,
             self.outer_name or "",

@@ -139,6 +139,17 @@ impl AdaptivePolicy {
         }
     }
 
+    /// The recording's own work outside checkpoints (its loop hooks: RNG
+    /// states, loop variables, batch fingerprints, log flushes) took `secs`
+    /// more: it comes out of the same ε budget, so the bound holds for
+    /// everything recording adds, not only for the checkpoints. Ignored
+    /// unless finite and positive.
+    pub fn observe_overhead(&mut self, secs: f64) {
+        if secs.is_finite() && secs > 0.0 {
+            self.total_materialize_secs += secs;
+        }
+    }
+
     /// Checkpoints already decided cost `secs` more than their time on the
     /// training thread: CPU the background threads spent hashing and writing
     /// them, measured as it is spent. Added to ΣM, so the record-overhead
