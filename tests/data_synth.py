@@ -14,8 +14,8 @@ import torch
 
 
 class Draws(torch.utils.data.Dataset[torch.Tensor]):
-    def __init__(self, n: int, sleep_ms: float, fail_at: int | None):
-        self.n, self.sleep, self.fail_at = n, sleep_ms / 1000, fail_at
+    def __init__(self, n: int, sleep_ms: float, fail_at: int | None, hang_at: int | None = None):
+        self.n, self.sleep, self.fail_at, self.hang_at = n, sleep_ms / 1000, fail_at, hang_at
 
     def __len__(self) -> int:
         return self.n
@@ -23,6 +23,8 @@ class Draws(torch.utils.data.Dataset[torch.Tensor]):
     def __getitem__(self, i: int) -> torch.Tensor:
         if i == self.fail_at:
             raise ValueError(f"example {i} is broken")
+        if i == self.hang_at:
+            time.sleep(3600)  # never returns (the worker process is killed at close)
         if self.sleep:
             time.sleep(self.sleep)
         return torch.tensor(
@@ -30,8 +32,8 @@ class Draws(torch.utils.data.Dataset[torch.Tensor]):
         )
 
 
-def make(n: int = 200, sleep_ms: float = 0.0, fail_at: int | None = None) -> Draws:
-    return Draws(n, sleep_ms, fail_at)
+def make(n: int = 200, sleep_ms: float = 0.0, fail_at: int | None = None, hang_at: int | None = None) -> Draws:
+    return Draws(n, sleep_ms, fail_at, hang_at)
 
 
 def expected(spec: object, epoch: int, rank: int = 0, world: int = 1) -> list[torch.Tensor]:

@@ -200,6 +200,28 @@ def test_a_dataset_that_raises_reaches_the_trainer_with_its_traceback():
             read(loader, 0)
 
 
+def test_an_item_that_never_returns_ends_the_epoch_naming_its_index():
+    """Issue 22: a `__getitem__` that never returns stalled the loader
+    forever (its worker still answers health checks). Past the unit deadline
+    the unit goes to another worker; when it hangs every worker, the epoch
+    fails naming the example."""
+    with hs.data.Loader(
+        data_synth.make,
+        batch_size=4,
+        workers="local:2",
+        dataset_args={"n": 40, "hang_at": 13},
+        shuffle=False,
+        unit_deadline=1.0,
+    ) as loader:
+        t0 = time.monotonic()
+        with pytest.raises(hs.HindsightError) as e:
+            read(loader, 0)
+    msg = str(e.value)
+    assert "unit deadline" in msg and "dataset indices [12, 13, 14, 15]" in msg, msg
+    assert "batch 3 of epoch 0" in msg, msg
+    assert time.monotonic() - t0 < 60
+
+
 def test_a_factory_workers_cannot_import_is_refused_naming_it():
     with pytest.raises(InvalidArgumentError, match="cannot be imported by a worker"):
         hs.data.Loader(lambda: data_synth.make(10), batch_size=2)

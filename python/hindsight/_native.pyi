@@ -520,6 +520,7 @@ class DataClient:
         expect_job_id: str | None = None,
         window_splits: int = 4,
         stall_timeout: float = 0.5,
+        unit_deadline: float | None = None,
         no_worker_wait: float = 60.0,
         connect_timeout: float = 3.0,
         warn_nondeterministic: bool = False,

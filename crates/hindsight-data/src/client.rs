@@ -39,6 +39,11 @@ pub struct ClientOptions {
     /// A split with nothing new for this long is reported as stalled (the
     /// dispatcher then probes its worker).
     pub stall_timeout: Duration,
+    /// A split whose worker, alive and answering, has not delivered its next
+    /// unit for this long is taken from it and given to another (a dataset
+    /// item that never returns). None: 20 times the slowest unit so far, at
+    /// least [`UNIT_DEADLINE_FLOOR`].
+    pub unit_deadline: Option<Duration>,
     /// How long to wait for some live worker (or for the dispatcher)
     /// before giving up.
     pub no_worker_wait: Duration,
@@ -58,6 +63,7 @@ impl Default for ClientOptions {
             units_per_split: 4,
             max_buffer_bytes: 512 << 20,
             stall_timeout: Duration::from_millis(500),
+            unit_deadline: None,
             no_worker_wait: Duration::from_secs(60),
             connect_timeout: Duration::from_secs(3),
             progress_every: Duration::from_millis(250),
@@ -99,6 +105,10 @@ type Item = Result<Option<Delivered>>;
 /// Broken streams of one split, without a unit in between, before the
 /// epoch fails (each on a different worker when there is one).
 const MAX_FAILURES: u32 = 3;
+
+/// The least time a worker gets for one unit when the deadline is derived
+/// from measured unit times (the first unit also builds the dataset).
+pub const UNIT_DEADLINE_FLOOR: Duration = Duration::from_secs(60);
 
 /// Digests carried by one progress report.
 const DIGESTS_PER_REPORT: usize = 20_000;
@@ -377,6 +387,9 @@ struct SplitRun {
     room: Arc<Semaphore>,
     stream: Option<JoinHandle<()>>,
     last_activity: Instant,
+    /// Since when the split has been waiting for its next unit from the
+    /// current stream (a stall answered "keep waiting" does not reset it).
+    waiting_since: Instant,
     reporting: bool,
     retry_at: Option<Instant>,
     failing_since: Option<Instant>,
@@ -419,6 +432,9 @@ struct EpochRun {
     channels: HashMap<String, Channel>,
     buffered_bytes: usize,
     failure_noticed: HashMap<u64, Instant>,
+    /// The longest a unit took to arrive so far (from the dataset's code to
+    /// this client), for the derived unit deadline.
+    slowest_unit: Duration,
 }
 
 impl EpochRun {
@@ -444,6 +460,7 @@ impl EpochRun {
             channels: HashMap::new(),
             buffered_bytes: 0,
             failure_noticed: HashMap::new(),
+            slowest_unit: Duration::ZERO,
         }
     }
 
@@ -536,6 +553,7 @@ impl EpochRun {
                 // The stall clock starts when the split has nothing to give,
                 // not when it last received (its buffer may have been full).
                 run.last_activity = Instant::now();
+                run.waiting_since = Instant::now();
             }
             unit
         };
@@ -651,6 +669,7 @@ impl EpochRun {
         }
         run.room = room.clone();
         run.last_activity = Instant::now();
+        run.waiting_since = Instant::now();
         run.reporting = false;
         let mut a = run.a.clone();
         a.from_batch = run.next;
@@ -728,6 +747,7 @@ impl EpochRun {
                             room: Arc::new(Semaphore::new(0)),
                             stream: None,
                             last_activity: Instant::now(),
+                            waiting_since: Instant::now(),
                             reporting: false,
                             retry_at: None,
                             failing_since: None,
@@ -920,7 +940,10 @@ impl EpochRun {
                 .store(t.elapsed().as_micros() as u64, Ordering::Relaxed);
         }
         run.next += 1;
+        let took = run.waiting_since.elapsed();
+        self.slowest_unit = self.slowest_unit.max(took);
         run.last_activity = Instant::now();
+        run.waiting_since = Instant::now();
         let unit = Received { unit, mapped };
         self.buffered_bytes += unit.payload().len();
         self.digests
@@ -1068,12 +1091,21 @@ impl EpochRun {
         let stall = self.ctx.opts.stall_timeout;
         let mut stalled = Vec::new();
         let mut retry = Vec::new();
+        let mut overdue = Vec::new();
+        let deadline = self.unit_deadline();
         for (split, run) in &self.splits {
             if run.reporting {
                 continue;
             }
             if run.retry_at.is_some_and(|t| t <= now) {
                 retry.push(*split);
+            } else if run.retry_at.is_none()
+                && run.next < run.end
+                && run.buf.is_empty()
+                && run.stream.is_some()
+                && run.waiting_since.elapsed() > deadline
+            {
+                overdue.push((*split, run.next, run.waiting_since.elapsed()));
             } else if run.retry_at.is_none()
                 && run.next < run.end
                 && run.buf.is_empty()
@@ -1089,11 +1121,54 @@ impl EpochRun {
         for split in stalled {
             self.report(split, false, "no unit within the stall timeout".into())?;
         }
+        for (split, batch, waited) in overdue {
+            let detail = format!(
+                "its worker, still answering, delivered no unit for {:.1} s (the unit deadline: \
+                 {:.1} s; the slowest unit so far took {:.1} s): it may be stuck computing the \
+                 examples of batch {batch} of epoch {}: {}",
+                waited.as_secs_f64(),
+                deadline.as_secs_f64(),
+                self.slowest_unit.as_secs_f64(),
+                self.epoch,
+                self.examples_of(batch)
+            );
+            self.report(split, true, detail)?;
+        }
         if !self.progress_in_flight && self.last_progress.elapsed() >= self.ctx.opts.progress_every
         {
             self.spawn_progress();
         }
         Ok(())
+    }
+
+    /// How long a live worker may take for one unit before its split is
+    /// given to another.
+    fn unit_deadline(&self) -> Duration {
+        self.ctx
+            .opts
+            .unit_deadline
+            .unwrap_or_else(|| UNIT_DEADLINE_FLOOR.max(self.slowest_unit * 20))
+    }
+
+    /// The dataset indices of this rank's unit of `batch`, for messages.
+    fn examples_of(&self, batch: u64) -> String {
+        let order = self.ctx.spec.order(self.epoch);
+        match crate::worker::unit_indices(
+            &self.ctx.spec,
+            &order,
+            self.epoch,
+            batch,
+            self.ctx.rank,
+            self.ctx.world,
+        ) {
+            Ok(u) if u.indices.len() <= 16 => format!("dataset indices {:?}", u.indices),
+            Ok(u) => format!(
+                "dataset indices {:?} ... ({} in all)",
+                &u.indices[..16],
+                u.indices.len()
+            ),
+            Err(e) => format!("(its indices: {e})"),
+        }
     }
 
     fn progress_request(&mut self) -> proto::ProgressRequest {

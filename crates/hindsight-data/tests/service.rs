@@ -506,3 +506,104 @@ mod random_failures {
         }
     }
 }
+
+/// Computes like [`Synthetic`], but never returns (until released) a unit
+/// holding `hang_on` (or any unit, with `None`).
+struct Hangs {
+    inner: Arc<Synthetic>,
+    hang_on: Option<u64>,
+    release: Arc<std::sync::atomic::AtomicBool>,
+    hung: AtomicU64,
+}
+
+impl Pipeline for Hangs {
+    fn dataset(&self) -> &str {
+        self.inner.dataset()
+    }
+    fn dataset_args(&self) -> &str {
+        self.inner.dataset_args()
+    }
+    fn code_version(&self) -> &str {
+        self.inner.code_version()
+    }
+    fn produce(&self, req: &UnitRequest<'_>) -> Result<Produced, PipelineFailure> {
+        if self.hang_on.is_none_or(|k| req.indices.contains(&k)) {
+            self.hung.fetch_add(1, Ordering::Relaxed);
+            while !self.release.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        self.inner.produce(req)
+    }
+}
+
+fn hangs(hang_on: Option<u64>, release: &Arc<std::sync::atomic::AtomicBool>) -> Arc<Hangs> {
+    Arc::new(Hangs {
+        inner: Synthetic::new(0),
+        hang_on,
+        release: release.clone(),
+        hung: AtomicU64::new(0),
+    })
+}
+
+/// Issue 22: a dataset item whose code never returns stalled the loader
+/// forever (its worker still answers). Past the unit deadline the split goes
+/// to another worker; the epoch is still exactly the permutation.
+#[test]
+fn a_worker_stuck_in_a_unit_loses_its_split_past_the_unit_deadline() {
+    let (rt, _dir, _d, addr) = cluster();
+    let release = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stuck = hangs(None, &release);
+    let _a = rt
+        .block_on(worker::spawn(stuck.clone(), WorkerOptions::new(&addr)))
+        .unwrap();
+    let _b = rt
+        .block_on(worker::spawn(Synthetic::new(0), WorkerOptions::new(&addr)))
+        .unwrap();
+    let s = spec(120);
+    let opts = ClientOptions {
+        unit_deadline: Some(Duration::from_millis(800)),
+        ..client_options()
+    };
+    let mut c = Client::connect(&addr, s.clone(), 0, 1, None, opts).unwrap();
+    let got = read_epoch(&mut c, 0, |_| {});
+    release.store(true, Ordering::Relaxed);
+    assert_eq!(got.unwrap(), expected(&s, 0));
+    assert!(
+        stuck.hung.load(Ordering::Relaxed) > 0,
+        "the stuck worker got no split"
+    );
+    assert!(c.stats().failovers.load(Ordering::Relaxed) > 0);
+}
+
+/// ... and an example that hangs every worker ends the epoch with an error
+/// naming its dataset index, instead of moving from worker to worker.
+#[test]
+fn an_example_that_hangs_every_worker_is_named() {
+    let (rt, _dir, _d, addr) = cluster();
+    let release = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let s = spec(64);
+    let bad = s.permutation(0).index(20); // in batch 2
+    let _workers: Vec<_> = (0..2)
+        .map(|_| {
+            rt.block_on(worker::spawn(
+                hangs(Some(bad), &release),
+                WorkerOptions::new(&addr),
+            ))
+            .unwrap()
+        })
+        .collect();
+    let opts = ClientOptions {
+        unit_deadline: Some(Duration::from_millis(500)),
+        ..client_options()
+    };
+    let mut c = Client::connect(&addr, s, 0, 1, None, opts).unwrap();
+    let e = read_epoch(&mut c, 0, |_| {}).unwrap_err();
+    release.store(true, Ordering::Relaxed);
+    let msg = e.to_string();
+    assert!(msg.contains("unit deadline"), "{msg}");
+    assert!(
+        msg.contains(&format!("{bad}")) && msg.contains("batch 2 of epoch 0"),
+        "{msg}"
+    );
+}

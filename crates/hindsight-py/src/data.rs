@@ -159,7 +159,7 @@ pub(crate) struct DataClient {
 #[pymethods]
 impl DataClient {
     #[new]
-    #[pyo3(signature = (dispatcher, spec, *, rank=0, world=1, expect_job_id=None, window_splits=4, stall_timeout=0.5, no_worker_wait=60.0, connect_timeout=3.0, warn_nondeterministic=false, shared_dir=None))]
+    #[pyo3(signature = (dispatcher, spec, *, rank=0, world=1, expect_job_id=None, window_splits=4, stall_timeout=0.5, unit_deadline=None, no_worker_wait=60.0, connect_timeout=3.0, warn_nondeterministic=false, shared_dir=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -170,6 +170,7 @@ impl DataClient {
         expect_job_id: Option<String>,
         window_splits: usize,
         stall_timeout: f64,
+        unit_deadline: Option<f64>,
         no_worker_wait: f64,
         connect_timeout: f64,
         warn_nondeterministic: bool,
@@ -178,6 +179,9 @@ impl DataClient {
         let opts = ClientOptions {
             window_splits,
             stall_timeout: seconds(stall_timeout, "stall_timeout")?,
+            unit_deadline: unit_deadline
+                .map(|d| seconds(d, "unit_deadline"))
+                .transpose()?,
             no_worker_wait: seconds(no_worker_wait, "no_worker_wait")?,
             connect_timeout: seconds(connect_timeout, "connect_timeout")?,
             warn_nondeterministic,

@@ -201,6 +201,11 @@ class Loader:
     ``checkpoint_overhead``: local workers of a sharded dataset checkpoint a
     split's read state when a failure would otherwise redo costly reading,
     keeping the stalls under this share of their time (0: never).
+    ``unit_deadline``: seconds a worker, alive and answering, may take for
+    one unit before its split is given to another (a dataset item that never
+    returns); after four workers in a row the epoch fails naming the
+    unit's dataset indices. None: 20 times the slowest unit so far, at least
+    60 s.
     """
 
     def __init__(
@@ -222,6 +227,7 @@ class Loader:
         nondeterministic: str = "error",
         wait: float = 60.0,
         checkpoint_overhead: float = 0.05,
+        unit_deadline: float | None = None,
     ) -> None:
         if not callable(dataset):
             raise InvalidArgumentError("Loader(dataset=...) must be a factory returning a dataset")
@@ -276,6 +282,7 @@ class Loader:
             "world": world,
             "window_splits": window,
             "no_worker_wait": wait,
+            "unit_deadline": unit_deadline,
             "warn_nondeterministic": nondeterministic == "warn",
             "shared_dir": self._local.shared_dir if self._local is not None else None,
         }
