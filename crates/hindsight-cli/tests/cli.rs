@@ -688,42 +688,45 @@ fn where_names_the_home_and_the_rule_that_chose_it() {
     );
 }
 
+/// A run database at `path` holding one run that logged `values` as
+/// `loss` at epochs 0, 1, ...
+fn project_db(path: &Path, values: &[&str]) {
+    use hindsight_core::runs::db::{LogDb, LogRow, NewRun, Phase};
+    let db = LogDb::open(path).unwrap();
+    let run = db
+        .create_run(&NewRun {
+            script: "t.py".into(),
+            script_abs: "/p/t.py".into(),
+            project_root: "/p".into(),
+            source_hash: "h".into(),
+            args_json: "{}".into(),
+            host: "h".into(),
+            versions_json: "{}".into(),
+            ..NewRun::default()
+        })
+        .unwrap();
+    let rows: Vec<LogRow> = values
+        .iter()
+        .enumerate()
+        .map(|(e, v)| LogRow {
+            name: "loss".into(),
+            ctx: vec![("epoch".into(), e as i64)],
+            rep: 0,
+            value_json: (*v).into(),
+        })
+        .collect();
+    db.append_logs(&run, Phase::Record, &rows).unwrap();
+}
+
 /// Issue 22: `hindsight verify` of a project checks its run database too,
 /// and a changed digit inside a logged value (which SQLite's own checks do
 /// not see) is named.
 #[test]
 fn verify_of_a_project_checks_its_run_database() {
-    use hindsight_core::runs::db::{LogDb, LogRow, NewRun, Phase};
     let s = TestStore::new();
     let home = s.root.parent().unwrap().to_path_buf();
     let db_path = home.join("logs.db");
-    {
-        let db = LogDb::open(&db_path).unwrap();
-        let run = db
-            .create_run(&NewRun {
-                script: "t.py".into(),
-                script_abs: "/p/t.py".into(),
-                project_root: "/p".into(),
-                source_hash: "h".into(),
-                args_json: "{}".into(),
-                host: "h".into(),
-                versions_json: "{}".into(),
-                ..NewRun::default()
-            })
-            .unwrap();
-        let row = |e: i64, v: &str| LogRow {
-            name: "loss".into(),
-            ctx: vec![("epoch".into(), e)],
-            rep: 0,
-            value_json: v.into(),
-        };
-        db.append_logs(
-            &run,
-            Phase::Record,
-            &[row(0, "0.123456"), row(1, "0.654321")],
-        )
-        .unwrap();
-    }
+    project_db(&db_path, &["0.123456", "0.654321"]);
     let verify = || {
         let o = Command::new(env!("CARGO_BIN_EXE_hindsight"))
             .arg("verify")
@@ -772,7 +775,7 @@ fn verify_of_a_project_checks_its_run_database() {
 /// repair` takes it: every intact row kept, the damaged file kept beside.
 #[test]
 fn repair_rebuilds_a_damaged_run_database() {
-    use hindsight_core::runs::db::{LogDb, LogRow, NewRun, Phase};
+    use hindsight_core::runs::db::LogDb;
     let dir = tempfile::tempdir().unwrap();
     let home = dir.path().canonicalize().unwrap();
     let db_path = home.join("logs.db");
@@ -793,30 +796,7 @@ fn repair_rebuilds_a_damaged_run_database() {
     let (code, _, err) = repair();
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("no hindsight project"), "{err}");
-    {
-        let db = LogDb::open(&db_path).unwrap();
-        let run = db
-            .create_run(&NewRun {
-                script: "t.py".into(),
-                script_abs: "/p/t.py".into(),
-                project_root: "/p".into(),
-                source_hash: "h".into(),
-                args_json: "{}".into(),
-                host: "h".into(),
-                versions_json: "{}".into(),
-                ..NewRun::default()
-            })
-            .unwrap();
-        let rows: Vec<LogRow> = (0..3)
-            .map(|i| LogRow {
-                name: "loss".into(),
-                ctx: vec![("epoch".into(), i)],
-                rep: 0,
-                value_json: format!("0.{i}23456"),
-            })
-            .collect();
-        db.append_logs(&run, Phase::Record, &rows).unwrap();
-    }
+    project_db(&db_path, &["0.023456", "0.123456", "0.223456"]);
     assert_eq!(
         repair(),
         (
