@@ -14,8 +14,10 @@ import torch
 
 
 class Draws(torch.utils.data.Dataset[torch.Tensor]):
-    def __init__(self, n: int, sleep_ms: float, fail_at: int | None, hang_at: int | None = None):
-        self.n, self.sleep, self.fail_at, self.hang_at = n, sleep_ms / 1000, fail_at, hang_at
+    def __init__(
+        self, n: int, sleep_ms: float, fail_at: int | None, hang_at: int | None = None, crash_at: int | None = None
+    ):
+        self.n, self.sleep, self.fail_at, self.hang_at, self.crash_at = n, sleep_ms / 1000, fail_at, hang_at, crash_at
 
     def __len__(self) -> int:
         return self.n
@@ -25,6 +27,10 @@ class Draws(torch.utils.data.Dataset[torch.Tensor]):
             raise ValueError(f"example {i} is broken")
         if i == self.hang_at:
             time.sleep(3600)  # never returns (the worker process is killed at close)
+        if i == self.crash_at:
+            import ctypes
+
+            ctypes.string_at(0)  # a segmentation fault: the worker process dies
         if self.sleep:
             time.sleep(self.sleep)
         return torch.tensor(
@@ -32,8 +38,14 @@ class Draws(torch.utils.data.Dataset[torch.Tensor]):
         )
 
 
-def make(n: int = 200, sleep_ms: float = 0.0, fail_at: int | None = None, hang_at: int | None = None) -> Draws:
-    return Draws(n, sleep_ms, fail_at, hang_at)
+def make(
+    n: int = 200,
+    sleep_ms: float = 0.0,
+    fail_at: int | None = None,
+    hang_at: int | None = None,
+    crash_at: int | None = None,
+) -> Draws:
+    return Draws(n, sleep_ms, fail_at, hang_at, crash_at)
 
 
 def expected(spec: object, epoch: int, rank: int = 0, world: int = 1) -> list[torch.Tensor]:

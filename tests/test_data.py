@@ -28,6 +28,7 @@ from hindsight.errors import (
     DataPipelineError,
     DataUnreachableError,
     InvalidArgumentError,
+    NoDataWorkersError,
 )
 
 from conftest import hindsight_cmd
@@ -220,6 +221,28 @@ def test_an_item_that_never_returns_ends_the_epoch_naming_its_index():
     assert "unit deadline" in msg and "dataset indices [12, 13, 14, 15]" in msg, msg
     assert "batch 3 of epoch 0" in msg, msg
     assert time.monotonic() - t0 < 60
+
+
+def test_an_item_that_crashes_every_worker_is_named_with_the_workers_deaths():
+    """Issue 22: an item that segfaults its worker surfaced as "h2 protocol
+    error". The error now names the unit (batch, dataset indices) and the
+    local workers' deaths (the signal)."""
+    with hs.data.Loader(
+        data_synth.make,
+        batch_size=4,
+        workers="local:2",
+        dataset_args={"n": 40, "crash_at": 13},
+        shuffle=False,
+    ) as loader:
+        with pytest.raises(hs.HindsightError) as e:
+            read(loader, 0)
+    text = "\n".join([str(e.value), *getattr(e.value, "__notes__", [])])
+    if isinstance(e.value, NoDataWorkersError):
+        # Replacements died right after starting, before the split gave up.
+        assert "last exit code -11" in text, text
+    else:
+        assert "batch 3, dataset indices [12, 13, 14, 15]" in text, text
+    assert "killed by SIGSEGV" in text, text
 
 
 def test_a_factory_workers_cannot_import_is_refused_naming_it():

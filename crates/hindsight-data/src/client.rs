@@ -981,6 +981,13 @@ impl EpochRun {
     /// Tell the dispatcher; it probes the worker and answers with the
     /// assignment to follow.
     fn report(&mut self, split: u64, broken: bool, detail: String) -> Result<()> {
+        // What the failing unit holds, for the error that ends the epoch.
+        let unit = match self.splits.get(&split) {
+            Some(run) if broken && detail != RETRY && run.failures >= MAX_FAILURES => {
+                format!("batch {}, {}", run.next, self.examples_of(run.next))
+            }
+            _ => String::new(),
+        };
         let Some(run) = self.splits.get_mut(&split) else {
             return Ok(());
         };
@@ -995,7 +1002,8 @@ impl EpochRun {
                     op: "stream units",
                     detail: format!(
                         "split {split} of epoch {} failed {} times in a row without \
-                         delivering a unit, on every worker it was given to; last: {detail}",
+                         delivering a unit, on every worker it was given to (the unit: {unit}); \
+                         last: {detail}",
                         self.epoch, run.failures
                     ),
                 });

@@ -11,6 +11,7 @@ import inspect
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,7 +23,7 @@ from typing import Any
 from hindsight import _native
 from hindsight.data._codec import decode
 from hindsight.data._worker import is_sharded
-from hindsight.errors import DataMismatchError, InvalidArgumentError, NoDataWorkersError
+from hindsight.errors import DataMismatchError, HindsightError, InvalidArgumentError, NoDataWorkersError
 
 
 def code_version(*objs: Any) -> str:
@@ -103,6 +104,10 @@ class _LocalWorkers:
         self.replaced = 0
         self.quick_deaths = 0
         self.last_exit: int | None = None
+        # (pid, exit code) of every worker that died: named in the error
+        # that ends an epoch (a dataset item that crashes its worker).
+        self.deaths: list[tuple[int, int]] = []
+        self._dead: set[subprocess.Popen[bytes]] = set()
         self._closing = threading.Event()
         try:
             for _ in range(n):
@@ -126,9 +131,12 @@ class _LocalWorkers:
         while not self._closing.wait(0.1):
             for i, p in enumerate(self.procs):
                 code = p.poll()
-                if code is None or self._closing.is_set():
+                if code is None or self._closing.is_set() or p in self._dead:
                     continue
+                # Counted once (a slot that is not restarted keeps its dead process).
+                self._dead.add(p)
                 self.last_exit = code
+                self.deaths.append((p.pid, code))
                 if time.monotonic() - self._started[i] < 3.0:
                     self._quick[i] += 1
                     self.quick_deaths += 1
@@ -159,6 +167,22 @@ class _LocalWorkers:
         shutil.rmtree(self._dir, ignore_errors=True)
         if self.shared_dir:
             shutil.rmtree(self.shared_dir, ignore_errors=True)
+
+
+def _deaths(deaths: list[tuple[int, int]]) -> str:
+    """'pid 12 killed by SIGSEGV, pid 14 exited with 1' (the last few)."""
+    out = []
+    for pid, code in deaths[-4:]:
+        if code < 0:
+            try:
+                how = f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"killed by signal {-code}"
+        else:
+            how = f"exited with {code}"
+        out.append(f"pid {pid} {how}")
+    more = f" ({len(deaths)} in all)" if len(deaths) > 4 else ""
+    return ", ".join(out) + more
 
 
 def _importable(obj: Callable[..., Any], what: str) -> str:
@@ -333,13 +357,20 @@ class Loader:
         while True:
             try:
                 unit = self._client.next()
-            except NoDataWorkersError as e:
-                if self._local is not None and self._local.quick_deaths:
-                    raise NoDataWorkersError(
-                        f"{e}; local workers exited right after starting ({self._local.quick_deaths} times, "
-                        f"last exit code {self._local.last_exit}; their errors are on stderr)"
-                    ) from e
-                raise
+            except HindsightError as e:
+                local = self._local
+                err = e
+                if isinstance(e, NoDataWorkersError) and local is not None and local.quick_deaths:
+                    err = NoDataWorkersError(
+                        f"{e}; local workers exited right after starting ({local.quick_deaths} times, "
+                        f"last exit code {local.last_exit}; their errors are on stderr)"
+                    )
+                if local is not None and local.deaths:
+                    # A dataset item that crashes its worker: say how they died.
+                    err.add_note("hindsight: local data workers died while it ran: " + _deaths(local.deaths))
+                if err is e:
+                    raise
+                raise err from e
             if unit is None:
                 return
             self._position = unit.batch + 1
