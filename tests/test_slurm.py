@@ -111,11 +111,18 @@ def test_scancel_usr1_requeues_and_resumes_exactly(slurm, tmp_path, reference):
 
 @pytest.mark.slow
 def test_time_limit_signal_requeues_until_done(slurm, tmp_path, reference):
-    """`sbatch --time=1 --signal=B:USR1@50`: Slurm itself warns the job before
-    its time limit (within its 30 s check period); each attempt checkpoints,
-    requeues and resumes, until the training is done."""
-    # 80 steps of 0.6 s outlast the warning; a resumed attempt may be warned again.
-    job = _sbatch(tmp_path, "--time=1", "--signal=B:USR1@50", delay=0.6)
+    """`sbatch --time=3 --signal=B:USR1@100`: Slurm itself warns the job before
+    its time limit; each attempt checkpoints, requeues and resumes, until the
+    training is done.
+
+    Slurm sends the warning at its first periodic check (every 30 s) from
+    which the next would be too late: up to 30 s early. With `--time=1
+    --signal=B:USR1@50` that is any time from the job's start, and a warning
+    in the first second killed Python before any handler existed (the job
+    ended FAILED with an empty log). Here it comes 50-80 s in."""
+    # 80 steps of 1.2 s outlast the warning; the resumed attempt finishes
+    # (at most ~45 s of steps left) before a second one would come.
+    job = _sbatch(tmp_path, "--time=3", "--signal=B:USR1@100", delay=1.2)
     info = _follow(job, tmp_path, 420)
     _check_exact(tmp_path, info, reference)
 
