@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -47,7 +48,12 @@ def run_py(
 
 
 def hindsight_cmd() -> list[str]:
-    """The `hindsight` console script installed next to this interpreter."""
+    """The `hindsight` console script installed next to this interpreter,
+    else the one on PATH (a wheel installed with `pip --target`, as on the
+    GPU machines, puts it in the target's bin/)."""
     exe = Path(sys.executable).parent / "hindsight"
-    assert exe.exists(), f"console script missing: {exe}"
+    if not exe.exists():
+        found = shutil.which("hindsight")
+        assert found, f"console script missing: {exe}, and none on PATH"
+        exe = Path(found)
     return [str(exe)]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import hindsight as hs
-from hindsight import _staging
+from hindsight import _native, _staging
 
 N = 256 * 1024  # 1 MiB of float32: well above the size below which tensors are always copied
 
@@ -158,6 +158,56 @@ def test_every_save_is_proven_not_only_the_next(store):
     assert store.load("b")["p"][3] != 123.0
 
 
+# -- the device path, run on CPU tensors ------------------------------------------
+
+
+class _AsDevice:
+    """hindsight._store's view of `_native`, with every tensor described as
+    device memory: its copy is lent to the writer, which sums its device
+    fingerprint; an unchanged one is fingerprinted "on the device" (torch's
+    CPU kernels) and compared. The logic CUDA runs, on any machine."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(_native, name)
+
+    @staticmethod
+    def ArrayView(**kw: object) -> object:  # the class it stands in for
+        return _native.ArrayView(**{**kw, "host": False})
+
+
+@pytest.fixture
+def device_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hindsight import _store
+
+    monkeypatch.setattr(_store, "_native", _AsDevice())
+
+
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_device_path_proves_unchanged_tensors_from_the_writers_sums(store_dir, device_path, pattern):
+    store = hs.Store(store_dir, chunk_size=1 << 16)  # a tensor spans many chunks, summed apart
+    p = torch.nn.Parameter(torch.randn(N))
+    frozen = torch.randn(N + 3)  # bytes not a multiple of 8 words: a tail
+    first = store.save("a", {"p": p, "frozen": frozen}).wait()
+    assert first["bytes_reused"] == 0
+    before = p.detach().clone()
+    PATTERNS[pattern](p)  # bypasses the version counter
+    stats = store.save("b", {"p": p, "frozen": frozen}).wait()
+    assert stats["bytes_reused"] == frozen.numel() * 4, "the untouched tensor is proven unchanged"
+    got = store.load("b")
+    assert torch.equal(got["p"], p.detach()), "the checkpoint holds stale weights"
+    assert torch.equal(got["frozen"], frozen)
+    assert torch.equal(store.load("a")["p"], before)
+    # Nothing touched since: both reused, and a changed one is copied again.
+    again = store.save("c", {"p": p, "frozen": frozen}).wait()
+    assert again["bytes_reused"] == (p.numel() + frozen.numel()) * 4
+    with torch.no_grad():
+        p.mul_(2.0)  # through the counter
+    last = store.save("d", {"p": p, "frozen": frozen}).wait()
+    assert last["bytes_reused"] == frozen.numel() * 4
+    assert torch.equal(store.load("d")["p"], p.detach())
+    store.close()
+
+
 # -- the device fingerprint, exercised on the CPU (same code on CUDA) ----------
 
 
@@ -184,10 +234,31 @@ def test_device_fingerprint_sees_swaps_and_spans_blocks():
     v = t.clone()
     v[_staging._BLOCK_WORDS :] = t[: 2 * _staging._BLOCK_WORDS].clone()  # a block moved
     assert not torch.equal(fp, _staging.fingerprint(v))
-    same, fp2 = _staging.device_fingerprint(t, fp)
-    assert same and torch.equal(fp, fp2)
-    same, _ = _staging.device_fingerprint(u, fp)
-    assert not same
+    assert _staging.device_fingerprint(t) == fp.tolist()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "numel", "offset"),
+    [
+        (torch.float32, 0, 0),
+        (torch.uint8, 5, 0),  # only trailing bytes
+        (torch.float32, 4099, 0),  # a tail of 4 bytes
+        (torch.bfloat16, 1 << 16, 3),  # a view at an odd byte offset
+        (torch.float64, 2 * _staging._BLOCK_WORDS + 17, 0),  # three blocks, the last short
+        (torch.int8, 8 * _staging._BLOCK_WORDS + 3, 1),  # one full block and a tail, unaligned
+    ],
+)
+def test_the_engine_computes_the_device_fingerprint_from_the_host_copy(dtype, numel, offset):
+    """A save proves a device tensor unchanged by comparing what the device
+    computes now with what a writer thread computed from the copy of the
+    last save: the two must be one function, bit for bit."""
+    g = torch.Generator().manual_seed(numel)
+    base = torch.randint(-100, 100, (numel + offset,), generator=g).to(dtype)
+    t = base[offset:]
+    on_device = _staging.device_fingerprint(t)  # the torch reductions (here on the CPU)
+    host = _native.device_fingerprint_of(t.contiguous().view(torch.uint8).numpy())
+    assert list(host) == on_device
+    assert on_device[3] == numel * t.element_size()
 
 
 def test_one_time_setup_is_reported_apart_from_the_steady_cost(tmp_path: Path) -> None:

@@ -8,9 +8,11 @@ from typing import Any, Literal, Self, TypeAlias, final
 FORMAT_VERSION: int
 TORCH_DTYPES: list[str]
 DEFAULT_STAGING_BYTES: int
+DEVICE_FP_BLOCK_WORDS: int
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",
+    "DEVICE_FP_BLOCK_WORDS",
     "FORMAT_VERSION",
     "TORCH_DTYPES",
     "ArrayView",
@@ -45,6 +47,8 @@ __all__ = [
     "data_checkpoint_name",
     "data_example_seed",
     "data_latest_checkpoint",
+    "device_fingerprint_of",
+    "device_fingerprint_table",
     "parse_date",
     "project_paths",
     "resume_key",
@@ -131,7 +135,7 @@ class Store:
         describe: Callable[[Any, str], Any],
         materialize: Callable[[Any], tuple[int, Any, Callable[[], object] | None]],
         before_copy: Callable[[], None],
-        device_fingerprint: Callable[[Any, Any | None], tuple[bool, Any]],
+        device_fingerprint: Callable[[Any], list[int]],
         meta: dict[str, str] | None = None,
         skip_unchanged: bool = True,
         copy_threads: int | None = None,
@@ -174,6 +178,8 @@ class Store:
     ) -> builtins.list[str]: ...
 
 def run_cli(args: list[str]) -> tuple[int, str, str]: ...
+def device_fingerprint_table() -> Buffer: ...
+def device_fingerprint_of(data: Any) -> list[int]: ...
 
 @final
 class ProjectPaths:
@@ -277,6 +283,8 @@ class CheckpointSchedule:
     def block_ended(
         self, i: int, compute_secs: float, background_total: float | None, first_estimate: float
     ) -> bool: ...
+    @property
+    def contention(self) -> float: ...
     def saved(self, blocked_secs: float) -> None: ...
     def overhead(self, total_secs: float) -> None: ...
 

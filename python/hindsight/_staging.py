@@ -7,8 +7,11 @@ A skipped tensor must be an unchanged tensor. Torch's version counter misses
 changed"; "unchanged" needs the whole content. For host memory the engine
 fingerprints the bytes (xxh3, in Rust). For device memory, copying to the
 host to hash would cost the very transfer a skip is meant to save, so the
-fingerprint is a bandwidth-bound reduction computed on the device, and the
-comparison too: only one boolean crosses to the host.
+fingerprint is a bandwidth-bound reduction computed on the device: only its
+4 integers cross to the host. The engine (core ``device_fp``) computes the
+same function from the host copy a save makes of a changed tensor, on a
+writer thread; so a tensor is fingerprinted on the device only when its
+counter says unchanged, at the save after the one that copied it.
 """
 
 from __future__ import annotations
@@ -22,14 +25,16 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from hindsight import _native
 from hindsight._state import tensor_bytes
 
 # Words per block of the reduction: bounds the temporaries (2 x 8 bytes per
-# word) whatever the tensor's size.
-_BLOCK_WORDS = 1 << 22
-_MASK64 = (1 << 64) - 1
-# Per-device multiplier tables, built once.
+# word) whatever the tensor's size. The engine owns it and the multipliers.
+_BLOCK_WORDS = _native.DEVICE_FP_BLOCK_WORDS
+# Per-device multiplier tables, uploaded once.
 _multipliers: dict[Any, Any] = {}
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # the engine's block weights: (2b + 1) x this
 
 
 def _to_i64(u: int) -> int:
@@ -38,25 +43,22 @@ def _to_i64(u: int) -> int:
 
 
 def _table(torch: Any, device: Any) -> Any:
-    """Two lanes of odd 64-bit multipliers, one per word position in a block.
-
-    Odd multipliers make every single-word change visible (an odd number times
-    a non-zero difference is non-zero mod 2**64); pseudo-random ones make
-    structured multi-word changes (swaps, shifts) collide only by chance.
-    """
+    """The engine's two lanes of odd 64-bit multipliers, one per word
+    position in a block, on ``device``."""
     t = _multipliers.get(device)
     if t is None:
-        g = torch.Generator(device="cpu").manual_seed(0x68696E6473696768)
-        lanes = torch.randint(-(1 << 62), 1 << 62, (2, _BLOCK_WORDS), generator=g, dtype=torch.int64)
-        t = (lanes * 4 + 1).to(device)  # odd, and wraps like the sums
+        host = torch.frombuffer(_native.device_fingerprint_table(), dtype=torch.int64)
+        t = host.view(2, _BLOCK_WORDS).to(device)
         _multipliers[device] = t
     return t
 
 
 def fingerprint(t: Any) -> Any:
     """A 4-element int64 tensor on ``t``'s device that changes whenever any
-    byte of ``t`` (contiguous) changes. Nothing is copied to the host and the
-    host does not wait: the reduction is queued on the current stream."""
+    byte of ``t`` (contiguous) changes: core ``device_fp``'s function, equal
+    to ``_native.device_fingerprint_of`` over the same bytes. Nothing is
+    copied to the host and the host does not wait: the reduction is queued
+    on the current stream."""
     import torch
 
     flat = t.reshape(-1).view(torch.uint8)
@@ -74,7 +76,7 @@ def fingerprint(t: Any) -> Any:
         # first, so a change that cancels in one lane does not in the other.
         s0 = (w * m[0]).sum()
         s1 = ((w ^ (w >> 29)) * m[1]).sum()
-        k = _to_i64((b * 2 + 1) * 0x9E3779B97F4A7C15)  # block position, odd
+        k = _to_i64((b * 2 + 1) * _GOLDEN)  # block position, odd
         acc[0] += s0 * k
         acc[1] += s1 * k
     if head < n:
@@ -84,18 +86,11 @@ def fingerprint(t: Any) -> Any:
     return acc
 
 
-def device_fingerprint(t: Any, old: Any | None) -> tuple[bool, Any]:
-    """(whether ``t`` still matches fingerprint ``old``, its fingerprint now).
-
-    The comparison runs on the device; reading its one boolean waits for the
-    queued work to reach it (only for tensors whose version counter says
-    unchanged, which is when ``old`` is given)."""
-    import torch
-
-    fp = fingerprint(t)
-    if old is None:
-        return False, fp
-    return bool(torch.equal(fp, old)), fp
+def device_fingerprint(t: Any) -> list[int]:
+    """``t``'s fingerprint, read back to the host (waits for the queued work
+    to reach it): asked only for a tensor whose version counter says
+    unchanged, to compare with the fingerprint of its last saved copy."""
+    return [int(v) for v in fingerprint(t).tolist()]
 
 
 # -- device-to-host copies of a save ---------------------------------------

@@ -15,6 +15,7 @@ pub mod staging;
 pub mod sync;
 
 pub use checkpoint::compare::{check_state, Difference, StateCheck};
+pub use checkpoint::device_fp::{device_fingerprint, DeviceFingerprint, DeviceFpSum};
 pub use checkpoint::fingerprint::{fingerprint, fingerprint_many, Fingerprint};
 pub use checkpoint::format::{Array, ArrayLib, Blob, ChunkId, Codec, Manifest, Node};
 pub use checkpoint::location::Location;
@@ -26,7 +27,8 @@ pub use checkpoint::storage::{LocalStorage, Storage};
 pub use checkpoint::store::{GcReport, Store, StoreOptions, Usage};
 pub use checkpoint::upload::{copy_checkpoint, CopyStats, Uploader};
 pub use checkpoint::writer::{
-    Lent, ReuseLock, SaveBuilder, SaveHandle, SaveStats, StagedBlob, Writer, WriterOptions,
+    Lent, ReuseCheck, ReuseLock, SaveBuilder, SaveHandle, SaveStats, StagedBlob, Writer,
+    WriterOptions,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use runs::adaptive::AdaptivePolicy;

@@ -258,20 +258,12 @@ impl Store {
             HashMap::new()
         };
         // Reuse only blobs whose chunks are still there (a gc after a remove,
-        // or quarantine, may have taken them) and whose save did not fail;
-        // the lock this is checked under is held until this save commits.
-        let mut reuse_lock = None;
+        // or quarantine, may have taken them) and whose save did not fail:
+        // confirmed under the store's shared lock, held until this save
+        // commits, for the tensors the walk finds unchanged.
+        let mut reuse = None;
         if !cache.is_empty() {
-            let entries: Vec<(tree::CacheKey, tree::CacheEntry)> = cache.drain().collect();
-            let blobs: Vec<&core::Blob> = entries.iter().map(|(_, e)| &e.blob).collect();
-            let (guard, ok) = interrupt::run(py, |_| writer.confirm_reuse(&blobs))?;
-            drop(blobs);
-            cache = entries
-                .into_iter()
-                .zip(ok)
-                .filter_map(|(kv, ok)| ok.then_some(kv))
-                .collect();
-            reuse_lock = Some(guard);
+            reuse = Some(interrupt::run(py, |_| writer.reuse_check())?);
         }
         let mut walk = tree::SaveWalk::new(
             describe,
@@ -279,6 +271,7 @@ impl Store {
             device_fingerprint,
             &mut cache,
             skip_unchanged,
+            reuse.as_mut(),
         );
         let root = walk.node(state, &mut Vec::new())?;
         let tree::SaveWalk {
@@ -290,6 +283,7 @@ impl Store {
             any_materialized,
             ..
         } = walk;
+        let reuse_lock = reuse.map(core::ReuseCheck::into_lock);
         if any_materialized {
             before_copy.call0()?;
         }
@@ -353,7 +347,7 @@ impl Store {
     ) -> PyResult<state_check::PyStateCheck> {
         let none = py.None().into_bound(py);
         let mut cache = HashMap::new();
-        let mut walk = tree::SaveWalk::new(describe, materialize, &none, &mut cache, false);
+        let mut walk = tree::SaveWalk::new(describe, materialize, &none, &mut cache, false, None);
         let live = walk.node(state, &mut Vec::new())?;
         let tree::SaveWalk {
             slots,
@@ -572,6 +566,35 @@ fn run_cli(py: Python<'_>, args: Vec<String>) -> (i32, String, String) {
     })
 }
 
+/// The multipliers of the device fingerprint (core `device_fp`): `2 x
+/// DEVICE_FP_BLOCK_WORDS` little-endian int64, lane-major. The device side
+/// uploads this table once per device, so both sides compute one function.
+#[pyfunction]
+fn device_fingerprint_table(py: Python<'_>) -> buffer::Buffer {
+    py.detach(|| {
+        let table = core::checkpoint::device_fp::multipliers();
+        buffer::Buffer::new(table.iter().flat_map(|m| m.to_le_bytes()).collect())
+    })
+}
+
+/// The device fingerprint of a C-contiguous buffer's bytes, computed here
+/// (what a writer thread computes from a save's copy).
+#[pyfunction]
+fn device_fingerprint_of(py: Python<'_>, data: pyo3::buffer::PyBuffer<u8>) -> PyResult<[i64; 4]> {
+    if !data.is_c_contiguous() {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "device_fingerprint_of: the buffer must be C-contiguous",
+        ));
+    }
+    let (ptr, len) = (data.buf_ptr() as usize, data.len_bytes());
+    // The buffer stays exported (held by `data`) while the GIL is released.
+    Ok(py.detach(move || {
+        // SAFETY: ptr/len describe the exported, contiguous buffer.
+        let bytes = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
+        core::device_fingerprint(bytes)
+    }))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Store>()?;
@@ -585,6 +608,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<naming::PyFitChoice>()?;
     m.add_function(wrap_pyfunction!(naming::choose_fit, m)?)?;
     m.add_function(wrap_pyfunction!(run_cli, m)?)?;
+    m.add_function(wrap_pyfunction!(device_fingerprint_table, m)?)?;
+    m.add_function(wrap_pyfunction!(device_fingerprint_of, m)?)?;
+    m.add(
+        "DEVICE_FP_BLOCK_WORDS",
+        core::checkpoint::device_fp::BLOCK_WORDS,
+    )?;
     m.add_class::<data::PyJobSpec>()?;
     m.add_class::<data::DataUnit>()?;
     m.add_class::<data::DataClient>()?;

@@ -803,8 +803,16 @@ impl CheckpointSchedule {
         background_total: Option<f64>,
         first_estimate: f64,
     ) -> bool {
+        // The machine's CPU totals: how much of the writer's CPU displaced work.
+        let cpu = hindsight_core::runs::cpu::CpuSample::now();
         self.inner
-            .block_ended(i, compute_secs, background_total, first_estimate)
+            .block_ended(i, compute_secs, background_total, cpu, first_estimate)
+    }
+
+    /// The share of the writer's background CPU charged to the recording.
+    #[getter]
+    fn contention(&self) -> f64 {
+        self.inner.contention()
     }
 
     /// A checkpoint was handed over, holding the training thread `blocked_secs`.

@@ -34,9 +34,22 @@ pub(crate) struct CacheKey {
 pub(crate) enum Content {
     /// Host memory: the engine's full-content fingerprint.
     Host(Fingerprint),
-    /// Device memory: a fingerprint the Python layer computed on the device
-    /// (a small device tensor, compared there: no copy to the host).
-    Device(Py<PyAny>),
+    /// Device memory: the device fingerprint of the bytes the save copied
+    /// to the host, summed by the writer's threads as they write them
+    /// (incomplete until then: the tensor is not proven, so it is copied again).
+    Device(DeviceFp),
+}
+
+/// The device fingerprint of a saved copy, summed in the background.
+pub(crate) type DeviceFp = Arc<core::DeviceFpSum>;
+
+/// How a tracked tensor's content will be proven at the next save.
+#[derive(Debug)]
+enum Proof {
+    /// By the fingerprint staging computes (host memory).
+    Host,
+    /// By the device fingerprint of the copy (or of the proven old copy).
+    Device(DeviceFp),
 }
 
 /// What the last save recorded about one tensor.
@@ -55,8 +68,7 @@ pub(crate) struct CacheEntry {
 pub(crate) struct Tracked {
     key: CacheKey,
     version: i64,
-    /// Device fingerprint; host ones come from staging or verification.
-    device: Option<Py<PyAny>>,
+    proof: Proof,
     keep: Py<PyAny>,
     slot: usize,
 }
@@ -108,6 +120,8 @@ pub(crate) struct PyLent {
     /// Keeps the buffer's owner alive until the writer is done with it.
     _keep: Py<PyAny>,
     gate: Option<Arc<Gate>>,
+    /// Where the writer sums the copy's device fingerprint.
+    fingerprint: Option<DeviceFp>,
 }
 
 impl Lent for PyLent {
@@ -116,6 +130,9 @@ impl Lent for PyLent {
     }
     fn ready(&self) -> Result<(), String> {
         self.gate.as_ref().map_or(Ok(()), |g| g.wait())
+    }
+    fn device_fp(&self) -> Option<&core::DeviceFpSum> {
+        self.fingerprint.as_deref()
     }
     fn bytes(&self) -> &[u8] {
         if self.len == 0 {
@@ -144,12 +161,14 @@ pub(crate) enum Slot {
     },
 }
 
-pub(crate) struct SaveWalk<'a, 'py> {
+pub(crate) struct SaveWalk<'a, 'w, 'py> {
     describe: &'a Bound<'py, PyAny>,
     materialize: &'a Bound<'py, PyAny>,
     device_fingerprint: &'a Bound<'py, PyAny>,
     old: &'a mut HashMap<CacheKey, CacheEntry>,
     skip: bool,
+    /// Confirms that an old entry's blob may still be reused (None: no cache).
+    reuse: Option<&'a mut core::ReuseCheck<'w>>,
     pub slots: Vec<Slot>,
     pub sources: Vec<Source>,
     pub tracked: Vec<Tracked>,
@@ -168,13 +187,14 @@ fn unsupported(path: &[String], type_name: String, hint: &str) -> PyErr {
     })
 }
 
-impl<'a, 'py> SaveWalk<'a, 'py> {
+impl<'a, 'w, 'py> SaveWalk<'a, 'w, 'py> {
     pub(crate) fn new(
         describe: &'a Bound<'py, PyAny>,
         materialize: &'a Bound<'py, PyAny>,
         device_fingerprint: &'a Bound<'py, PyAny>,
         old: &'a mut HashMap<CacheKey, CacheEntry>,
         skip: bool,
+        reuse: Option<&'a mut core::ReuseCheck<'w>>,
     ) -> Self {
         SaveWalk {
             describe,
@@ -182,6 +202,7 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
             device_fingerprint,
             old,
             skip,
+            reuse,
             slots: Vec::new(),
             sources: Vec::new(),
             tracked: Vec::new(),
@@ -189,6 +210,14 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
             lent: Vec::new(),
             gates: HashMap::new(),
             any_materialized: false,
+        }
+    }
+
+    /// Whether an unchanged tensor's old blob is still in the store.
+    fn reusable(&mut self, blob: &Blob) -> PyResult<bool> {
+        match self.reuse.as_deref_mut() {
+            Some(check) => check.confirm(blob).map_err(to_py),
+            None => Ok(false),
         }
     }
 
@@ -225,6 +254,7 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
                 self.device_fingerprint,
                 &mut dummy,
                 false,
+                None,
             );
             return w.node(k, &mut path.to_vec());
         }
@@ -373,10 +403,14 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
         // The version counter only says "it changed" for sure; "unchanged"
         // is proven by a full-content fingerprint (host: below, without the
         // GIL; device: on the device, by the Python layer).
-        let old = self.old.remove(&key).filter(|o| o.version == version);
+        let old = match self.old.remove(&key) {
+            Some(o) if o.version == version && self.reusable(&o.blob)? => Some(o),
+            _ => None,
+        };
         let slot;
-        let mut device_fp = None;
+        let proof;
         if host {
+            proof = Proof::Host;
             match old {
                 Some(CacheEntry {
                     content: Content::Host(fingerprint),
@@ -394,29 +428,43 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
                 _ => slot = self.stage_array(ptr, nbytes, &keep, true)?,
             }
         } else {
-            let (old_fp, old_blob) = match old {
+            // Only a tensor whose counter says unchanged, with the proof of
+            // its last copy in hand, is fingerprinted on the device (the
+            // Python layer reads 4 integers back); a changed one is copied
+            // and proven later from the copy, with no device work here.
+            let proven = match old {
                 Some(CacheEntry {
                     content: Content::Device(fp),
                     blob,
                     ..
-                }) => (Some(fp), Some(blob)),
-                _ => (None, None),
+                }) => match fp.get() {
+                    Some(want) => {
+                        let now: core::DeviceFingerprint =
+                            self.device_fingerprint.call1((&keep,))?.extract()?;
+                        (now == want).then_some((blob, fp))
+                    }
+                    None => None,
+                },
+                _ => None,
             };
-            let r = self.device_fingerprint.call1((&keep, old_fp))?;
-            let same: bool = r.get_item(0)?.extract()?;
-            device_fp = Some(r.get_item(1)?.unbind());
-            match old_blob {
-                Some(blob) if same => {
+            let fp = match proven {
+                Some((blob, fp)) => {
                     self.slots.push(Slot::Reuse(blob));
                     slot = self.slots.len() - 1;
+                    fp
                 }
-                _ => slot = self.stage_array(ptr, nbytes, &keep, false)?,
-            }
+                None => {
+                    let fp = Arc::new(core::DeviceFpSum::new(nbytes));
+                    slot = self.lend_copy(&keep, nbytes, Some(fp.clone()))?;
+                    fp
+                }
+            };
+            proof = Proof::Device(fp);
         }
         self.tracked.push(Tracked {
             key,
             version,
-            device: device_fp,
+            proof,
             keep: keep.unbind(),
             slot,
         });
@@ -433,9 +481,18 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
         if host {
             return Ok(self.stage(ptr, nbytes, keep.clone().unbind()));
         }
-        // Device memory: the Python layer enqueues a copy into host memory
-        // it owns and lends it, with the waiter (or None) that says when the
-        // copy is final. `before_copy` then orders the device's streams.
+        self.lend_copy(keep, nbytes, None)
+    }
+
+    /// Device memory: the Python layer enqueues a copy into host memory it
+    /// owns and lends it, with the waiter (or None) that says when the copy
+    /// is final. `before_copy` then orders the device's streams.
+    fn lend_copy(
+        &mut self,
+        keep: &Bound<'py, PyAny>,
+        nbytes: usize,
+        fingerprint: Option<DeviceFp>,
+    ) -> PyResult<usize> {
         let r = self.materialize.call1((keep,))?;
         let hptr: usize = r.get_item(0)?.extract()?;
         let owner = r.get_item(1)?.unbind();
@@ -462,6 +519,7 @@ impl<'a, 'py> SaveWalk<'a, 'py> {
             len: nbytes,
             _keep: owner,
             gate,
+            fingerprint,
         }));
         self.slots.push(Slot::Lend);
         Ok(self.slots.len() - 1)
@@ -583,9 +641,9 @@ fn internal(what: &str) -> Error {
 impl Tracked {
     /// The cache entry for the next save, or None when nothing proves the content.
     pub(crate) fn into_entry(self, filled: &Filled) -> Option<(CacheKey, CacheEntry)> {
-        let content = match self.device {
-            Some(fp) => Content::Device(fp),
-            None => Content::Host((*filled.fingerprints.get(self.slot)?)?),
+        let content = match self.proof {
+            Proof::Device(fp) => Content::Device(fp),
+            Proof::Host => Content::Host((*filled.fingerprints.get(self.slot)?)?),
         };
         let entry = CacheEntry {
             version: self.version,

@@ -250,10 +250,14 @@ class RecordRun(Run):
         self.schedule.set_every(every)
 
     def _estimate_materialize(self) -> float:
+        # A first guess, refined by the first save: host tensors are copied
+        # while the training thread waits; a device tensor's copy is only
+        # enqueued (the writer waits for it).
         nbytes = 0
         for obj in self.objects.values():
-            nbytes += tensor_bytes(obj.state_dict() if hasattr(obj, "state_dict") else {"t": obj})
-        return nbytes / 2e9  # a first guess: a memory copy; refined by the first save
+            state = obj.state_dict() if hasattr(obj, "state_dict") else {"t": obj}
+            nbytes += tensor_bytes(state) - tensor_bytes(state, "cuda")
+        return nbytes / 2e9
 
     def _end_block(self, i: int, at: str = "block") -> None:
         t0 = time.perf_counter()

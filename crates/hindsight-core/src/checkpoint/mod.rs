@@ -1,9 +1,11 @@
-//! Checkpoints: the on-disk format and tree visitor, content fingerprints,
+//! Checkpoints: the on-disk format and tree visitor, content fingerprints
+//! (host and device),
 //! live-state comparison,
 //! names, storage backends, the store (read, gc, verify), the background
 //! writer, the local-first replica, retention and upload.
 
 pub mod compare;
+pub mod device_fp;
 pub mod fingerprint;
 pub mod format;
 pub mod layout;

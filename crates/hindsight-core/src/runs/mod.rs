@@ -2,6 +2,7 @@
 //! dates, the adaptive checkpoint policy, replay plans and resume selection.
 
 pub mod adaptive;
+pub mod cpu;
 pub mod dates;
 pub mod db;
 pub mod ids;

@@ -8,6 +8,7 @@ use std::ffi::OsString;
 
 use crate::error::{Error, Result};
 use crate::runs::adaptive::{AdaptivePolicy, DEFAULT_EPSILON};
+use crate::runs::cpu::{contention, CpuSample};
 
 /// The environment variable fixing the period (in outer iterations).
 pub const EVERY_ENV: &str = "HINDSIGHT_CHECKPOINT_EVERY";
@@ -24,8 +25,13 @@ pub struct CheckpointSchedule {
     last_blocked: Option<f64>,
     /// The writer's running total of background CPU, as last read.
     background_seen: f64,
-    /// Its mean per checkpoint, over the checkpoints priced at the last read.
+    /// Its mean charged per checkpoint, over the checkpoints priced at the last read.
     background_per_checkpoint: f64,
+    /// The machine's CPU totals where the last contention estimate started.
+    cpu_seen: Option<CpuSample>,
+    /// The share of the writer's CPU that displaces other work (1: all of
+    /// it, until measured).
+    contention: f64,
     /// Checkpoints handed over since the last read.
     unpriced: u32,
     /// The recording's own work outside checkpoints, as last read.
@@ -60,6 +66,8 @@ impl CheckpointSchedule {
             last_blocked: None,
             background_seen: 0.0,
             background_per_checkpoint: 0.0,
+            cpu_seen: None,
+            contention: 1.0,
             unpriced: 0,
             overhead_seen: 0.0,
         })
@@ -121,26 +129,32 @@ impl CheckpointSchedule {
     /// The steps of outer iteration `i` ended after `compute_secs`; decide
     /// whether to checkpoint now. `background_total`: the store writer's
     /// running total of background CPU seconds (`None`: no store yet);
+    /// `cpu`: the machine's CPU totals now (`None`: unknown);
     /// `first_estimate`: the price to assume before any checkpoint was
     /// measured (e.g. the state's bytes over a copy bandwidth).
     ///
-    /// A checkpoint's price is what it costs the machine: the training
+    /// A checkpoint's price is what it costs the training: the training
     /// thread's time to capture and hand it over, plus the CPU the writer's
-    /// threads then spend hashing and writing it.
+    /// threads then spend hashing and writing it, as far as that CPU was
+    /// taken from work that wanted it (`runs::cpu`; in full while unknown).
     pub fn block_ended(
         &mut self,
         i: u64,
         compute_secs: f64,
         background_total: Option<f64>,
+        cpu: Option<CpuSample>,
         first_estimate: f64,
     ) -> bool {
         if let Some(total) = background_total {
             let spent = total - self.background_seen;
             self.background_seen = total;
+            let spent = if spent > 0.0 { spent } else { 0.0 };
+            self.measure_contention(cpu, spent);
             if spent > 0.0 {
-                self.policy.observe_background(spent);
+                let charged = spent * self.contention;
+                self.policy.observe_background(charged);
                 if self.unpriced > 0 {
-                    self.background_per_checkpoint = spent / f64::from(self.unpriced);
+                    self.background_per_checkpoint = charged / f64::from(self.unpriced);
                 }
             }
             self.unpriced = 0;
@@ -150,6 +164,26 @@ impl CheckpointSchedule {
         }
         let expected = self.last_blocked.unwrap_or(first_estimate) + self.background_per_checkpoint;
         self.policy.observe_iteration(compute_secs, expected)
+    }
+
+    /// Update the contention estimate from the interval since the last
+    /// sample, in which the writer spent `spent` seconds.
+    fn measure_contention(&mut self, cpu: Option<CpuSample>, spent: f64) {
+        let Some(now) = cpu else { return };
+        match self.cpu_seen {
+            None => self.cpu_seen = Some(now),
+            Some(before) => {
+                if let Some(share) = contention(&before, &now, spent) {
+                    self.contention = share;
+                    self.cpu_seen = Some(now);
+                }
+            }
+        }
+    }
+
+    /// The share of background CPU currently charged (1.0 until measured).
+    pub fn contention(&self) -> f64 {
+        self.contention
     }
 
     /// The running total of the training thread's time in the recording's
@@ -222,7 +256,9 @@ mod tests {
     fn a_fixed_period_checkpoints_every_nth_iteration() {
         let mut s = CheckpointSchedule::new(None, DEFAULT_EPSILON).unwrap();
         s.set_every(3).unwrap();
-        let got: Vec<bool> = (0..7).map(|i| s.block_ended(i, 1.0, None, 0.0)).collect();
+        let got: Vec<bool> = (0..7)
+            .map(|i| s.block_ended(i, 1.0, None, None, 0.0))
+            .collect();
         assert_eq!(got, [true, false, false, true, false, false, true]);
         assert!(s.set_every(0).is_err());
     }
@@ -235,7 +271,7 @@ mod tests {
         let mut background = 0.0;
         let mut taken = 0;
         for i in 0..300 {
-            if s.block_ended(i, 1.0, Some(background), 0.01) {
+            if s.block_ended(i, 1.0, Some(background), None, 0.01) {
                 taken += 1;
                 s.saved(0.01);
                 background += 0.3;
@@ -252,7 +288,7 @@ mod tests {
         let mut blind = CheckpointSchedule::new(None, 1.0 / 15.0).unwrap();
         let blind_taken = (0..300)
             .filter(|&i| {
-                let t = blind.block_ended(i, 1.0, None, 0.01);
+                let t = blind.block_ended(i, 1.0, None, None, 0.01);
                 if t {
                     blind.saved(0.01);
                 }
@@ -260,6 +296,41 @@ mod tests {
             })
             .count();
         assert_eq!(blind_taken, 300);
+    }
+
+    /// 1.24 s epochs of a GPU job; each checkpoint holds the training
+    /// thread 5 ms and costs the writer 0.4 s of CPU; the training keeps
+    /// `training_cores` of the machine's `cpus` busy.
+    fn gpu_like(cpus: u32, training_cores: f64) -> (usize, f64) {
+        let mut s = CheckpointSchedule::new(None, 1.0 / 15.0).unwrap();
+        let (mut background, mut wall, mut taken) = (0.0, 0.0, 0);
+        for i in 0..40 {
+            wall += 1.24;
+            let cpu = CpuSample {
+                busy: wall * training_cores + background,
+                total: wall * f64::from(cpus),
+                cpus,
+                usable: cpus,
+            };
+            if s.block_ended(i, 1.24, Some(background), Some(cpu), 0.005) {
+                taken += 1;
+                s.saved(0.005);
+                background += 0.4;
+            }
+        }
+        (taken, s.contention())
+    }
+
+    #[test]
+    fn background_cpu_on_idle_cores_costs_little_and_on_busy_ones_in_full() {
+        // One busy core of 16: a checkpoint every epoch fits the budget.
+        let (taken, share) = gpu_like(16, 1.0);
+        assert_eq!(taken, 40);
+        assert!(share > 0.06 && share < 0.07, "{share}");
+        // Every core busy: the writer's CPU is the training's, priced in full.
+        let (taken, share) = gpu_like(2, 2.0);
+        assert_eq!(share, 1.0);
+        assert!((4..=8).contains(&taken), "{taken}");
     }
 
     #[test]
@@ -272,7 +343,7 @@ mod tests {
         for i in 0..300 {
             own += 0.055;
             s.overhead(own);
-            if s.block_ended(i, 1.0, None, 0.02) {
+            if s.block_ended(i, 1.0, None, None, 0.02) {
                 taken += 1;
                 s.saved(0.02);
             }
