@@ -1209,6 +1209,42 @@ fn small_blobs_staged_together_share_packs_and_read_back_alone() {
     }
     let (_, problems) = store.verify(&[], |_| {}).unwrap();
     assert!(problems.is_empty(), "{problems:?}");
+    // A manifest (checksum intact) whose slices point at each other's bytes
+    // in an intact pack: verify reports both keys, as a load refuses them.
+    let mut swapped = store.manifest("packed").unwrap();
+    swapped.name = "swapped".into();
+    let mut owns = Vec::new();
+    swapped.root.for_each_blob(&mut Vec::new(), &mut |p, b| {
+        if let Some(s) = b.chunks.first().and_then(|c| c.pack.as_ref()) {
+            owns.push((p.join("/"), s.own));
+        }
+    });
+    let (a, b) = (owns[0].clone(), owns[1].clone());
+    swapped.root.for_each_blob_mut(&mut |blob| {
+        if let Some(s) = blob.chunks.first_mut().and_then(|c| c.pack.as_mut()) {
+            if s.own == a.1 {
+                s.own = b.1;
+            } else if s.own == b.1 {
+                s.own = a.1;
+            }
+        }
+    });
+    store
+        .storage()
+        .put_manifest("swapped", &swapped.encode().unwrap())
+        .unwrap();
+    let (_, problems) = store.verify(&["swapped".to_string()], |_| {}).unwrap();
+    let text: Vec<String> = problems.iter().map(|p| p.error.to_string()).collect();
+    assert_eq!(problems.len(), 2, "{text:?}");
+    for key in [&a.0, &b.0] {
+        assert!(
+            text.iter()
+                .any(|t| t.contains(key.as_str()) && t.contains("does not match its hash")),
+            "{key}: {text:?}"
+        );
+        assert!(read_key(&store, "swapped", key).is_err());
+    }
+    store.storage().delete_manifest("swapped").unwrap();
     // Saved again unchanged: every pack deduplicated.
     let mut b = w.begin("again").unwrap();
     let staged = b.stage_many(&srcs, 1, &|| false).unwrap();

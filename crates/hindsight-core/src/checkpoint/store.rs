@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::format::{
-    self, Blob, ChunkId, Codec, Manifest, Node, CHUNK_HEADER_LEN, FORMAT_VERSION,
+    self, Blob, ChunkId, Codec, Manifest, Node, PackSlice, CHUNK_HEADER_LEN, FORMAT_VERSION,
 };
 use crate::checkpoint::location::Location;
 use crate::checkpoint::storage::{LocalStorage, Storage, CONFIG_FILE};
@@ -513,20 +513,36 @@ impl Store {
                 self.read_chunk_into(&id, &mut pack)
                     .map_err(|e| e.in_checkpoint(checkpoint, key))?;
                 for (dest, p, key) in slices {
-                    let at = p.at as usize;
-                    let seg = &pack[at..at + dest.len()];
-                    if ChunkId::of(seg) != p.own {
-                        return Err(Error::corrupt(
-                            self.storage.chunk_path(&id),
-                            format!("the slice at {at} of this pack does not match its hash"),
-                        )
-                        .in_checkpoint(checkpoint, key));
-                    }
+                    let seg = self
+                        .pack_slice(&id, &pack, &p, dest.len())
+                        .map_err(|e| e.in_checkpoint(checkpoint, key))?;
                     dest.copy_from_slice(seg);
                 }
                 Ok(())
             }
         }
+    }
+
+    /// The slice `p` (`len` bytes) of pack `id`, whose verified bytes are
+    /// `pack`, once it matches its own hash (loads and `verify` alike).
+    fn pack_slice<'p>(
+        &self,
+        id: &ChunkId,
+        pack: &'p [u8],
+        p: &PackSlice,
+        len: usize,
+    ) -> Result<&'p [u8]> {
+        let at = p.at as usize;
+        let seg = at
+            .checked_add(len)
+            .and_then(|end| pack.get(at..end))
+            .filter(|seg| ChunkId::of(seg) == p.own);
+        seg.ok_or_else(|| {
+            Error::corrupt(
+                self.storage.chunk_path(id),
+                format!("the slice at {at} of this pack does not match its hash"),
+            )
+        })
     }
 
     /// Encode and store one chunk unless an identical one is already there.
@@ -707,6 +723,9 @@ impl Store {
         // read quarantines a damaged chunk, so it is read once).
         let mut checked: HashMap<ChunkId, Option<(std::path::PathBuf, String)>> = HashMap::new();
         let mut buf = Vec::new();
+        // The chunk whose verified bytes `buf` holds (a pack's slices are
+        // checked against it, as a load checks them).
+        let mut held: Option<ChunkId> = None;
         for name in &names {
             progress(name);
             let m = match self.manifest(name) {
@@ -726,22 +745,50 @@ impl Store {
             let mut reported = HashSet::new();
             for (key, blob) in blobs {
                 for c in &blob.chunks {
-                    let result = checked.entry(c.id).or_insert_with(|| {
+                    let read = |buf: &mut Vec<u8>, held: &mut Option<ChunkId>| {
                         buf.resize(c.chunk_len() as usize, 0);
-                        match self.read_chunk_into(&c.id, &mut buf) {
-                            Ok(()) => None,
+                        *held = None;
+                        match self.read_chunk_into(&c.id, buf) {
+                            Ok(()) => {
+                                *held = Some(c.id);
+                                None
+                            }
                             Err(Error::Corrupt { path, detail, .. }) => Some((path, detail)),
                             Err(e) => Some((self.storage.chunk_path(&c.id), e.to_string())),
                         }
-                    });
+                    };
+                    let result = match checked.get(&c.id) {
+                        Some(r) => r.clone(),
+                        None => {
+                            let r = read(&mut buf, &mut held);
+                            checked.insert(c.id, r.clone());
+                            r
+                        }
+                    };
                     if let Some((path, detail)) = result {
                         if reported.insert(c.id) {
                             problems.push(Problem {
                                 checkpoint: Some(name.clone()),
-                                error: Error::corrupt(path.clone(), detail.clone())
-                                    .in_checkpoint(name, &key),
+                                error: Error::corrupt(path, detail).in_checkpoint(name, &key),
                             });
                         }
+                        continue;
+                    }
+                    let Some(p) = &c.pack else { continue };
+                    if held != Some(c.id) {
+                        if let Some((path, detail)) = read(&mut buf, &mut held) {
+                            problems.push(Problem {
+                                checkpoint: Some(name.clone()),
+                                error: Error::corrupt(path, detail).in_checkpoint(name, &key),
+                            });
+                            continue;
+                        }
+                    }
+                    if let Err(e) = self.pack_slice(&c.id, &buf, p, c.len as usize) {
+                        problems.push(Problem {
+                            checkpoint: Some(name.clone()),
+                            error: e.in_checkpoint(name, &key),
+                        });
                     }
                 }
             }
