@@ -13,7 +13,14 @@ through tests/test_chaos.py).
    saved values or raise CorruptError / NotFoundError: never wrong values.
 4. manifest fuzzer: the proptest in crates/hindsight-core/tests/manifests.rs
    with many cases (mutated, re-signed manifests must be Corrupt, never a panic).
-5. input-service workers: each trial reads one epoch from `hs.data.Loader`
+5. store-wide hazards: a manifest gc cannot read (random bytes, another
+   format version, a tree deeper than the reader takes) planted beside good
+   checkpoints; a chunk fan-out directory or tmp/ replaced by a symlink to a
+   directory outside the store. Saves, loads, verify, usage and gc must
+   answer (or refuse with a named error), never lose a good checkpoint, never
+   let gc remove a chunk an unreadable manifest may name, and never create,
+   move or delete anything outside the store.
+6. input-service workers: each trial reads one epoch from `hs.data.Loader`
    (3 worker processes) while a random worker is SIGKILLed or SIGSTOPped
    (and SIGCONTed 1.5 s later) at a random batch. The epoch must hold every
    example once, with the batches and random draws of a run without
@@ -209,6 +216,92 @@ def fuzz(cases: int) -> tuple[int, collections.Counter[str]]:
     return cases, kinds
 
 
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def store_hazards(trials: int, base: Path, rng: random.Random) -> tuple[int, collections.Counter[str]]:
+    kinds: collections.Counter[str] = collections.Counter()
+    good = {"w": torch.arange(1 << 14, dtype=torch.float32), "i": 7}
+
+    def intact(s: hs.Store, how: str) -> None:
+        got = s.load("good")
+        if not torch.equal(got["w"], good["w"]) or got["i"] != 7:
+            kinds[f"good checkpoint changed ({how})"] += 1
+
+    for t in range(trials):
+        root = base / f"h{t}"
+        store_dir, outside = root / "store", root / "outside"
+        outside.mkdir(parents=True)
+        (outside / "sentinel").write_bytes(b"keep me")
+        s = hs.Store(store_dir, chunk_size=4096)
+        s.save("good", good).wait()
+        s.save("gone", {"x": torch.randn(4096)}).wait()
+        s.remove("gone")  # its chunks: what gc may remove
+        how = rng.choice(["random bytes", "format version", "too deep", "symlinked fan-out", "symlinked tmp"])
+        try:
+            if how in ("random bytes", "format version"):
+                m = store_dir / "manifests" / "good.hsm"
+                planted = bytearray(m.read_bytes()) if how == "format version" else bytearray(rng.randbytes(200))
+                if how == "format version":
+                    planted[4:8] = (99).to_bytes(4, "little")
+                (store_dir / "manifests" / "planted.hsm").write_bytes(bytes(planted))
+                chunks = sorted((store_dir / "chunks").rglob("*"))
+                try:
+                    s.usage()
+                    if s.gc()["chunks_removed"]:
+                        kinds[f"gc removed chunks beside an unreadable manifest ({how})"] += 1
+                except hs.HindsightError:
+                    kinds[f"one manifest stopped usage or gc for the whole store ({how})"] += 1
+                if sorted((store_dir / "chunks").rglob("*")) != chunks:
+                    kinds[f"chunk files changed ({how})"] += 1
+                intact(s, how)
+            elif how == "too deep":
+                deep: dict[str, object] = {}
+                cur = deep
+                for _ in range(rng.randrange(33, 200)):
+                    cur["k"] = {}
+                    cur = cur["k"]  # type: ignore[assignment]
+                try:
+                    s.save("deep", deep).wait()
+                    kinds["a tree deeper than the reader takes was saved"] += 1
+                except hs.HindsightError:
+                    pass
+                s.usage()
+                s.gc()
+                intact(s, how)
+                if "deep" in s.list():
+                    kinds["a refused save is listed"] += 1
+            else:
+                sub = "tmp" if how == "symlinked tmp" else "chunks/" + rng.choice(
+                    [p.name for p in (store_dir / "chunks").iterdir()]
+                )
+                target = store_dir / sub
+                moved = root / "moved"
+                shutil.move(str(target), moved)
+                os.symlink(outside, target)
+                before = _tree(outside)
+                for op in (
+                    lambda: s.save("more", {"y": torch.randn(8192)}).wait(),
+                    lambda: s.load("good"),
+                    s.verify,
+                    s.gc,
+                    s.usage,
+                ):
+                    with contextlib.suppress(hs.HindsightError):
+                        op()
+                if _tree(outside) != before:
+                    kinds[f"wrote, moved or deleted outside the store ({how})"] += 1
+        except hs.HindsightError:
+            pass  # refused with a named error: what is asked
+        except Exception as e:  # anything else is a finding
+            kinds[f"{type(e).__name__} ({how})"] += 1
+        finally:
+            s.close()
+            shutil.rmtree(root, ignore_errors=True)
+    return trials, kinds
+
+
 def _resume(pid: int) -> None:
     """SIGCONT a stopped worker, unless it is gone by now."""
     with contextlib.suppress(ProcessLookupError):
@@ -282,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("flip / truncate / delete one file", *corruption(30 if q else 400, base, rng)))
         if not args.no_fuzz:
             rows.append(("mutated, re-signed manifests", *fuzz(200 if q else 5000)))
+        rows.append(("unreadable manifests, symlinked dirs", *store_hazards(10 if q else 200, base, rng)))
         rows.append(("input service: kill/stop workers", *data_workers(4 if q else 1000, rng)))
     print(f"\n{'experiment':<36} {'trials':>7} {'failures':>9}  failure kinds")
     failed = 0

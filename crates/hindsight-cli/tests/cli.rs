@@ -591,10 +591,20 @@ fn an_unreadable_manifest_is_reported_without_hiding_the_others() {
         "error: corrupt data: not a hindsight manifest (bad magic or truncated) \
          (file <STORE>/manifests/bad.hsm)\n"
     );
-    // gc refuses to delete anything on partial knowledge.
+    // gc deletes nothing on partial knowledge, and says so, naming the file
+    // and the way out.
     let o = hindsight(&["gc", s.path()], &s);
-    assert_eq!((o.code, o.stdout.as_str()), (1, ""));
+    assert_eq!(
+        (o.code, o.stdout.as_str()),
+        (1, "removed 0 unreferenced chunks (0 B), 0 staging files\n")
+    );
     assert!(o.stderr.contains("manifests/bad.hsm"), "{}", o.stderr);
+    assert!(
+        o.stderr.contains("gc removes no chunk while it is there")
+            && o.stderr.contains("`hindsight rm bad`"),
+        "{}",
+        o.stderr
+    );
     let o = hindsight(&["verify", s.path()], &s);
     assert_eq!(o.code, 1);
     assert!(

@@ -333,10 +333,38 @@ fn store_wide_operations_skip_and_name_a_manifest_that_does_not_decode() {
     assert_eq!(store.usage().unwrap().unreadable.len(), 1);
     std::fs::remove_file(&stray).unwrap();
 
-    // Another format version: nothing can be known of it; gc refuses.
+    // Another format version, or bytes that are no manifest at all: what
+    // they reference cannot be known. Usage and gc still answer, naming
+    // them, and gc removes no chunk while one is there.
+    base_manifest(&store);
+    store.remove("base").unwrap(); // its chunks: what a gc would remove
+    let unreferenced = store.storage().list_chunks().unwrap().len();
+    assert!(unreferenced >= 2);
     let mut other = sign(&body);
     other[4..8].copy_from_slice(&99u32.to_le_bytes());
-    store.storage().put_manifest("future", &other).unwrap();
-    let e = store.gc().unwrap_err().to_string();
-    assert!(e.contains("format version 99"), "{e}");
+    for (name, bytes) in [("future", other), ("garbage", b"not a manifest".to_vec())] {
+        store.storage().put_manifest(name, &bytes).unwrap();
+        let u = store.usage().unwrap();
+        assert!(
+            u.unreadable.iter().any(|(n, _)| n == name),
+            "{:?}",
+            u.unreadable
+        );
+        let r = store.gc().unwrap();
+        assert_eq!(
+            r.chunks_removed, 0,
+            "{name}: gc removed a chunk it cannot vouch for"
+        );
+        let why = &r.unreadable.iter().find(|(n, _)| n == name).unwrap().1;
+        assert!(
+            why.contains("gc removes no chunk") && why.contains(&format!("hindsight rm {name}")),
+            "{why}"
+        );
+        if name == "future" {
+            assert!(why.contains("format version 99"), "{why}");
+        }
+        assert_eq!(store.storage().list_chunks().unwrap().len(), unreferenced);
+        store.remove(name).unwrap();
+    }
+    assert_eq!(store.gc().unwrap().chunks_removed, unreferenced);
 }

@@ -97,6 +97,9 @@ struct Referenced {
     refs: HashMap<ChunkId, u64>,
     /// (name, why) of manifests that do not decode.
     unreadable: Vec<(String, String)>,
+    /// Some manifest names chunks nobody can tell (not even a scan finds
+    /// its chunk ids): gc may not delete any chunk while it is there.
+    unscannable: bool,
     /// Digest of each manifest's bytes as read.
     digests: HashMap<String, blake3::Hash>,
 }
@@ -615,7 +618,18 @@ impl Store {
                 Ok(m) => m,
                 Err(e) => {
                     let Some(ids) = Manifest::scan_chunk_ids(&bytes) else {
-                        return Err(e);
+                        // Its chunks cannot be told: skipped and named, and
+                        // gc keeps every chunk while it is there.
+                        r.unscannable = true;
+                        r.unreadable.push((
+                            name.clone(),
+                            format!(
+                                "{e}; gc removes no chunk while it is there: `hindsight rm {name}` \
+                                 removes it, or move {} aside",
+                                self.storage.manifest_path(name).display()
+                            ),
+                        ));
+                        continue;
                     };
                     for id in ids {
                         r.refs.entry(id).or_insert(0);
@@ -694,6 +708,11 @@ impl Store {
             ..GcReport::default()
         };
         report.unreadable.extend(since.unreadable);
+        let candidates = if first.unscannable || since.unscannable {
+            Vec::new()
+        } else {
+            candidates
+        };
         for (id, len) in candidates {
             if !since.refs.contains_key(&id) {
                 self.storage.delete_chunk(&id)?;
