@@ -459,9 +459,7 @@ def part_record(tab: Table, raw: dict[str, Any], epochs: int, steps: int, width:
         f"GPU training script: {epochs} epochs x {steps} steps, width {width} "
         f"(epoch {statistics.median(epoch_s):.2f} s)"
     )
-    tab.add(
-        f"record overhead: loop vs no-op stand-ins (mean of {len(plains)})", rec_loop, plain_loop, target=1.01
-    )
+    tab.add(f"record overhead: loop vs no-op stand-ins (mean of {len(plains)})", rec_loop, plain_loop, target=1.01)
     tab.add(
         "checkpoints taken (adaptive) / epochs",
         None,

@@ -273,23 +273,26 @@ def store_hazards(trials: int, base: Path, rng: random.Random) -> tuple[int, col
                 if "deep" in s.list():
                     kinds["a refused save is listed"] += 1
             else:
-                sub = "tmp" if how == "symlinked tmp" else "chunks/" + rng.choice(
-                    [p.name for p in (store_dir / "chunks").iterdir()]
+                sub = (
+                    "tmp"
+                    if how == "symlinked tmp"
+                    else "chunks/" + rng.choice([p.name for p in (store_dir / "chunks").iterdir()])
                 )
                 target = store_dir / sub
                 moved = root / "moved"
                 shutil.move(str(target), moved)
                 os.symlink(outside, target)
                 before = _tree(outside)
-                for op in (
-                    lambda: s.save("more", {"y": torch.randn(8192)}).wait(),
-                    lambda: s.load("good"),
-                    s.verify,
-                    s.gc,
-                    s.usage,
-                ):
+                ops = (
+                    ("save", lambda st: st.save("more", {"y": torch.randn(8192)}).wait()),
+                    ("load", lambda st: st.load("good")),
+                    ("verify", lambda st: st.verify()),
+                    ("gc", lambda st: st.gc()),
+                    ("usage", lambda st: st.usage()),
+                )
+                for _, op in ops:
                     with contextlib.suppress(hs.HindsightError):
-                        op()
+                        op(s)
                 if _tree(outside) != before:
                     kinds[f"wrote, moved or deleted outside the store ({how})"] += 1
         except hs.HindsightError:

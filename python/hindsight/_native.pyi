@@ -47,6 +47,7 @@ __all__ = [
     "data_checkpoint_name",
     "data_example_seed",
     "data_latest_checkpoint",
+    "default_retention_spread",
     "device_fingerprint_of",
     "device_fingerprint_table",
     "parse_date",
@@ -175,8 +176,10 @@ class Store:
         keep_every: int | None = None,
         metrics: dict[int, float] | None = None,
         monitor: str | None = None,
+        keep_spread: int | None = None,
     ) -> builtins.list[str]: ...
 
+def default_retention_spread(len: int | None) -> int | None: ...
 def run_cli(args: list[str]) -> tuple[int, str, str]: ...
 def device_fingerprint_table() -> Buffer: ...
 def device_fingerprint_of(data: Any) -> list[int]: ...

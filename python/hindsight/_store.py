@@ -331,13 +331,15 @@ class Store:
         keep_every: int | None = None,
         metrics: Mapping[int, float] | None = None,
         monitor: str | None = None,
+        keep_spread: int | None = None,
     ) -> builtins.list[str]:
         """Remove the checkpoints of ``prefix`` that the policy does not keep;
         returns their names. The policies combine as a union and the newest
         checkpoint always stays; interim (mid-iteration) checkpoints go once a
         newer epoch checkpoint exists. ``keep_best`` ranks by ``metrics``
         (outer index -> value) or by the metric saved in each checkpoint's
-        metadata under ``monitor``."""
+        metadata under ``monitor``; ``keep_spread=N`` keeps at most N spread
+        over the run (indices that are multiples of a power-of-two stride)."""
         return self._native.apply_retention(
             prefix,
             keep_last,
@@ -346,6 +348,7 @@ class Store:
             keep_every,
             None if metrics is None else dict(metrics),
             monitor,
+            keep_spread,
         )
 
     def info(self, name: str) -> dict[str, Any]:

@@ -175,6 +175,7 @@ fn retention_by_id_with_metrics_from_meta_or_caller() {
         keep_last: Some(1),
         keep_best: Some((1, BestMode::Min)),
         keep_every: None,
+        keep_spread: None,
     };
     let removed = r
         .apply_retention("run", &policy, MetricSource::Meta { monitor: "val" })
@@ -202,6 +203,7 @@ fn retention_by_id_with_metrics_from_meta_or_caller() {
         keep_last: None,
         keep_best: Some((1, BestMode::Min)),
         keep_every: None,
+        keep_spread: None,
     };
     let removed = r
         .apply_retention("run", &policy, MetricSource::ByIndex(&by_index))

@@ -517,7 +517,7 @@ impl Store {
     /// Apply a retention policy to the checkpoints of `prefix`; returns the
     /// names removed. Metrics for `keep_best` come from `metrics` (outer
     /// index -> value) or, with `monitor`, from each checkpoint's metadata.
-    #[pyo3(signature = (prefix, keep_last=None, keep_best=None, best_mode="min", keep_every=None, metrics=None, monitor=None))]
+    #[pyo3(signature = (prefix, keep_last=None, keep_best=None, best_mode="min", keep_every=None, metrics=None, monitor=None, keep_spread=None))]
     #[allow(clippy::too_many_arguments)]
     fn apply_retention(
         &self,
@@ -529,12 +529,14 @@ impl Store {
         keep_every: Option<u64>,
         metrics: Option<HashMap<u64, f64>>,
         monitor: Option<String>,
+        keep_spread: Option<usize>,
     ) -> PyResult<Vec<String>> {
         let mode: core::checkpoint::retention::BestMode = best_mode.parse().py_err()?;
         let policy = core::checkpoint::retention::Retention {
             keep_last,
             keep_best: keep_best.map(|k| (k, mode)),
             keep_every,
+            keep_spread,
         };
         interrupt::run(py, |_| {
             let source = match (&metrics, &monitor) {
@@ -550,6 +552,15 @@ impl Store {
     fn forget_unchanged(&self) {
         lock(&self.cache).clear();
     }
+}
+
+/// How many checkpoints a recording keeps by default (spread over the run)
+/// for an outer loop of `len` iterations (`None`: unknown); `None`: all
+/// (`checkpoint::retention::Retention::default_for_loop`).
+#[pyfunction]
+#[pyo3(signature = (len))]
+fn default_retention_spread(len: Option<u64>) -> Option<usize> {
+    core::checkpoint::retention::Retention::default_for_loop(len).keep_spread
 }
 
 /// Run the `hindsight` command line in-process; returns (exit code, stdout, stderr).
@@ -609,6 +620,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(naming::choose_fit, m)?)?;
     m.add_function(wrap_pyfunction!(run_cli, m)?)?;
     m.add_function(wrap_pyfunction!(device_fingerprint_table, m)?)?;
+    m.add_function(wrap_pyfunction!(default_retention_spread, m)?)?;
     m.add_function(wrap_pyfunction!(device_fingerprint_of, m)?)?;
     m.add(
         "DEVICE_FP_BLOCK_WORDS",

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -500,6 +500,13 @@ class Run:
         entry: list[Any] = [name, -1]
         self.stack.append(entry)
         self.outer_name = name
+        if not self.retention:
+            # None chosen: an iteration loop (long, or of unknown length)
+            # keeps a bounded set spread over the run (core's default).
+            length = len(iterable) if isinstance(iterable, Sized) else None
+            spread = _native.default_retention_spread(length)
+            if spread is not None:
+                self.retention = {"keep_spread": spread}
         self._outer_starts()
         try:
             for i, x in enumerate(iterable):

@@ -308,6 +308,7 @@ class RecordRun(Run):
             keep_best=self.retention.get("keep_best"),
             best_mode=self.retention.get("best_mode", "min"),
             keep_every=self.retention.get("keep_every"),
+            keep_spread=self.retention.get("keep_spread"),
             metrics=self._epoch_metric(metric) if metric else None,
         )
         if final:

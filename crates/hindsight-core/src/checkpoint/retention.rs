@@ -36,12 +36,52 @@ pub struct Retention {
     pub keep_best: Option<(usize, BestMode)>,
     /// Keep every checkpoint whose index is a multiple of N.
     pub keep_every: Option<u64>,
+    /// Keep at most N, spread over the run: those whose index is a multiple
+    /// of the smallest power-of-two stride that leaves at most N. The stride
+    /// only grows as the run does, so a checkpoint removed is never one a
+    /// later pass would have kept.
+    pub keep_spread: Option<usize>,
 }
+
+/// Checkpoints a long loop keeps by default ([`Retention::default_for_loop`]).
+pub const DEFAULT_SPREAD: usize = 256;
+/// An outer loop longer than this (or of unknown length: an iteration
+/// loop over `itertools.count()`) gets the default retention.
+pub const LONG_LOOP: u64 = 1000;
 
 impl Retention {
     pub fn is_empty(&self) -> bool {
-        self.keep_last.is_none() && self.keep_best.is_none() && self.keep_every.is_none()
+        self.keep_last.is_none()
+            && self.keep_best.is_none()
+            && self.keep_every.is_none()
+            && self.keep_spread.is_none()
     }
+
+    /// The retention of a recording whose user chose none, for an outer
+    /// loop of `len` iterations (`None`: unknown). Epoch loops keep every
+    /// checkpoint; an iteration loop (long or unbounded, where the adaptive
+    /// policy may checkpoint most iterations) keeps [`DEFAULT_SPREAD`] spread
+    /// over the run, so its store stays bounded and a replay still restores
+    /// near every iteration.
+    pub fn default_for_loop(len: Option<u64>) -> Retention {
+        match len {
+            Some(n) if n <= LONG_LOOP => Retention::default(),
+            _ => Retention {
+                keep_spread: Some(DEFAULT_SPREAD),
+                ..Retention::default()
+            },
+        }
+    }
+}
+
+/// The stride [`Retention::keep_spread`] keeps at: the smallest power of two
+/// leaving at most `n` of `indices`.
+fn spread_stride(indices: &[u64], n: usize) -> u64 {
+    let mut stride = 1u64;
+    while stride < 1 << 62 && indices.iter().filter(|&&i| i % stride == 0).count() > n {
+        stride *= 2;
+    }
+    stride
 }
 
 /// One complete checkpoint: its position (e.g. epoch) and, if known, its metric.
@@ -66,6 +106,15 @@ pub fn select(candidates: &[Candidate], policy: &Retention) -> Vec<bool> {
     if let Some(every) = policy.keep_every.filter(|&e| e > 0) {
         for (i, c) in candidates.iter().enumerate() {
             if c.index % every == 0 {
+                keep[i] = true;
+            }
+        }
+    }
+    if let Some(n) = policy.keep_spread.filter(|&n| n > 0) {
+        let indices: Vec<u64> = candidates.iter().map(|c| c.index).collect();
+        let stride = spread_stride(&indices, n);
+        for (i, c) in candidates.iter().enumerate() {
+            if c.index % stride == 0 {
                 keep[i] = true;
             }
         }
@@ -163,6 +212,59 @@ mod tests {
     }
 
     #[test]
+    fn keep_spread_bounds_a_long_run_and_never_wants_back_what_it_removed() {
+        let p = Retention {
+            keep_spread: Some(8),
+            ..Default::default()
+        };
+        let mut alive: Vec<u64> = Vec::new();
+        let mut removed = std::collections::HashSet::new();
+        for i in 0..1000u64 {
+            if i % 3 == 1 {
+                continue; // the adaptive policy skipped this one
+            }
+            alive.push(i);
+            let cs: Vec<Candidate> = alive
+                .iter()
+                .map(|&index| Candidate {
+                    index,
+                    metric: None,
+                })
+                .collect();
+            let keep = select(&cs, &p);
+            assert!(keep.iter().filter(|&&k| k).count() <= 8 + 1, "at {i}");
+            assert!(*keep.last().unwrap(), "the newest is kept");
+            let kept: Vec<u64> = alive
+                .iter()
+                .zip(&keep)
+                .filter(|(_, k)| **k)
+                .map(|(i, _)| *i)
+                .collect();
+            for (idx, k) in alive.iter().zip(&keep) {
+                if !k {
+                    removed.insert(*idx);
+                }
+            }
+            assert!(
+                kept.iter().all(|k| !removed.contains(k)),
+                "a removed one is wanted back at {i}"
+            );
+            alive = kept;
+        }
+        // Spread over the run, not bunched at its end.
+        assert!(alive[0] == 0 && alive.len() >= 4, "{alive:?}");
+        assert_eq!(Retention::default_for_loop(Some(100)), Retention::default());
+        assert_eq!(
+            Retention::default_for_loop(None).keep_spread,
+            Some(DEFAULT_SPREAD)
+        );
+        assert_eq!(
+            Retention::default_for_loop(Some(LONG_LOOP + 1)).keep_spread,
+            Some(DEFAULT_SPREAD)
+        );
+    }
+
+    #[test]
     fn interim_checkpoints_are_superseded_by_a_newer_block() {
         let es = entries(&[
             (0, Kind::Block, None),
@@ -210,6 +312,7 @@ mod tests {
             keep_last: Some(1),
             keep_best: Some((1, BestMode::Min)),
             keep_every: None,
+            keep_spread: None,
         };
         assert_eq!(
             names(removals(&es, "run", &p)),
@@ -232,6 +335,7 @@ mod tests {
             keep_last: Some(2),
             keep_best: Some((1, BestMode::Min)),
             keep_every: None,
+            keep_spread: None,
         };
         assert_eq!(select(&cs, &p), vec![false, true, false, true, true]);
         let p = Retention {
@@ -282,7 +386,7 @@ mod tests {
             n in 0usize..5, k in 0usize..4, every in 0u64..5,
         ) {
             let cs: Vec<_> = idx.iter().map(|&i| c(i, Some((i * 7919 % 101) as f64))).collect();
-            let p = Retention { keep_last: Some(n), keep_best: Some((k, BestMode::Min)), keep_every: Some(every) };
+            let p = Retention { keep_last: Some(n), keep_best: Some((k, BestMode::Min)), keep_every: Some(every), keep_spread: None };
             let keep = select(&cs, &p);
             let newest = cs.iter().enumerate().max_by_key(|(_, c)| c.index).map(|(i, _)| i).unwrap();
             prop_assert!(keep[newest]);
