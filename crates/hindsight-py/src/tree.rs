@@ -402,7 +402,8 @@ impl<'a, 'w, 'py> SaveWalk<'a, 'w, 'py> {
         };
         // The version counter only says "it changed" for sure; "unchanged"
         // is proven by a full-content fingerprint (host: below, without the
-        // GIL; device: on the device, by the Python layer).
+        // GIL; device: computed on the device now, compared with the sum the
+        // writer made of the last copy).
         let old = match self.old.remove(&key) {
             Some(o) if o.version == version && self.reusable(&o.blob)? => Some(o),
             _ => None,
