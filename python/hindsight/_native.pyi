@@ -9,11 +9,13 @@ FORMAT_VERSION: int
 TORCH_DTYPES: list[str]
 DEFAULT_STAGING_BYTES: int
 DEVICE_FP_BLOCK_WORDS: int
+STATE_ORIGIN_KEY: str
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",
     "DEVICE_FP_BLOCK_WORDS",
     "FORMAT_VERSION",
+    "STATE_ORIGIN_KEY",
     "TORCH_DTYPES",
     "ArrayView",
     "Buffer",

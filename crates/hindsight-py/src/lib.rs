@@ -626,6 +626,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "DEVICE_FP_BLOCK_WORDS",
         core::checkpoint::device_fp::BLOCK_WORDS,
     )?;
+    m.add("STATE_ORIGIN_KEY", core::checkpoint::compare::ORIGIN)?;
     m.add_class::<data::PyJobSpec>()?;
     m.add_class::<data::DataUnit>()?;
     m.add_class::<data::DataClient>()?;

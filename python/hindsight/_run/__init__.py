@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from hindsight._run import dataiter
 from hindsight._run.common import ENV_HOME, ENV_REPLAY, Run, T, _script_path
 from hindsight._run.record import RecordRun
 from hindsight._run.replay import ReplayRun
@@ -41,6 +42,7 @@ _FRAMEWORK_DROP = False
 def current() -> Run:
     global _RUN
     if _RUN is None or _RUN.finished:
+        dataiter.install()
         plan = os.environ.get(ENV_REPLAY)
         _RUN = ReplayRun(plan) if plan else RecordRun()
         _RUN.framework_ctx, _RUN.framework_drop = _FRAMEWORK_CTX, _FRAMEWORK_DROP
@@ -73,6 +75,9 @@ def _after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork)
+# DataLoader iterators made before the first hs.* call (minGPT makes its
+# `data_iter` before the loop) can be checkpointed too.
+dataiter.install()
 
 
 # -- public API -------------------------------------------------------------------

@@ -51,18 +51,6 @@ def _env_float(name: str, scale: float) -> float | None:
     return float(v) * scale if v else None
 
 
-def _advance(it: Iterator[Any], n: int) -> None:
-    """Skip n items. For a single-process DataLoader, skip indices without loading the samples."""
-    sampler_iter = getattr(it, "_sampler_iter", None)
-    if sampler_iter is not None and getattr(it, "_num_workers", 1) == 0 and hasattr(it, "_num_yielded"):
-        for _ in range(n):
-            next(sampler_iter)
-        it._num_yielded += n
-        return
-    for _ in range(n):
-        next(it)
-
-
 LOG_BATCH = 1024
 MAX_LOGGED_ELEMENTS = 10_000
 _SKIP_DIRS = {".git", ".hindsight", "__pycache__", "node_modules", "site-packages", ".venv", "venv", "build", "target"}

@@ -87,23 +87,38 @@ def _loop_at(scope: ast.AST, line: int) -> ast.For | ast.AsyncFor | None:
     return best
 
 
-def _changed(loop: ast.For | ast.AsyncFor) -> tuple[dict[str, int], set[str]]:
-    """Names the loop assigns, calls a method on or passes to a function
-    (which may change the object: `train_one_epoch(epoch, env, meter)`), with
-    a line where it does; and the names it only passes."""
+def _target_base(n: ast.AST) -> str | None:
+    """`x` of a store into `x.a`, `x[i]`, `x.a.b[i]`: the object changed."""
+    while isinstance(n, (ast.Attribute, ast.Subscript)):
+        n = n.value
+    return n.id if isinstance(n, ast.Name) else None
+
+
+def _changed(loop: ast.For | ast.AsyncFor) -> tuple[dict[str, int], set[str], set[str]]:
+    """Names the loop assigns, stores into (`self.iter_num += 1`, `d[k] = v`),
+    calls a method on or passes to a function (which may change the object:
+    `train_one_epoch(epoch, env, meter)`), with a line where it does; the
+    names it only passes; and those it stores into (changed for certain, as
+    an assignment is)."""
     stored: dict[str, int] = {}
+    into: dict[str, int] = {}
     called: dict[str, int] = {}
     passed: dict[str, int] = {}
     for n in _own_nodes(loop):
         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
             stored[n.id] = min(stored.get(n.id, n.lineno), n.lineno)
+        elif isinstance(n, (ast.Attribute, ast.Subscript)) and isinstance(n.ctx, ast.Store):
+            base = _target_base(n)
+            if base is not None:
+                into[base] = min(into.get(base, n.lineno), n.lineno)
         elif isinstance(n, ast.Call):
             if isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name):
                 called[n.func.value.id] = -n.lineno  # negative: changed through a method, maybe
             for a in [*n.args, *(k.value for k in n.keywords)]:
                 if isinstance(a, ast.Name):
                     passed[a.id] = -n.lineno
-    return {**passed, **called, **stored}, set(passed) - set(called) - set(stored)
+    changed = set(called) | set(stored) | set(into)
+    return {**passed, **called, **into, **stored}, set(passed) - changed, set(into) - set(stored)
 
 
 def keep(v: Any, skip: set[int], shared: set[int]) -> Any:
@@ -128,6 +143,13 @@ def _code(v: Any) -> bool:
     return isinstance(v, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType))
 
 
+def _data_source(v: Any) -> bool:
+    """A DataLoader, Dataset or Sampler: `iter(loader)` passes it, and what it
+    yields is checked (batch fingerprints, a kept iterator's draws)."""
+    data = sys.modules.get("torch.utils.data")
+    return data is not None and isinstance(v, (data.DataLoader, data.Dataset, data.Sampler))
+
+
 def _is_data(v: Any) -> bool:
     """A tensor or array: a function it is passed to reads it (changing one
     in place is done through a method, which marks the name changed)."""
@@ -135,10 +157,12 @@ def _is_data(v: Any) -> bool:
     return (torch is not None and isinstance(v, torch.Tensor)) or (np is not None and isinstance(v, np.ndarray))
 
 
-def _live(scope: ast.AST, loop: ast.For | ast.AsyncFor) -> set[str]:
+def _live(scope: ast.AST, loop: ast.For | ast.AsyncFor, into: set[str]) -> set[str]:
     """Names the recorded program reads after a change by the loop: outside
     the loop (nested functions included), or in the loop before its first
-    assignment there (carried to the next iteration)."""
+    assignment there (carried to the next iteration); an object the loop
+    stores into (``into``), wherever it is read (the next iteration reads
+    the changed object)."""
     inside = {id(n) for n in ast.walk(loop)}
     live = {
         n.id for n in ast.walk(scope) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in inside
@@ -154,6 +178,7 @@ def _live(scope: ast.AST, loop: ast.For | ast.AsyncFor) -> set[str]:
     for n in loads:
         if n.id in first and (n.lineno, n.col_offset) < first[n.id]:
             live.add(n.id)
+    live.update(n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and n.id in into)
     # x += 1 reads x before it stores it.
     live.update(n.target.id for n in ast.walk(loop) if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name))
     return live
@@ -280,11 +305,13 @@ _UNSET = object()
 # The analysis of one loop, by (file, its mtime, function, loop line): it runs
 # when every block starts, and walking a long module's tree each time cost
 # nanoGPT's 50 ms iterations 4 ms each.
-_analysed: dict[tuple[str, float, str, int, int], tuple[dict[str, int], frozenset[str], frozenset[str]] | None] = {}
+_Found = tuple[dict[str, int], frozenset[str], frozenset[str], frozenset[str]]
+_analysed: dict[tuple[str, float, str, int, int], _Found | None] = {}
 
 
-def _analysis(code: Any, line: int) -> tuple[dict[str, int], frozenset[str], frozenset[str]] | None:
-    """(changed names with a line, names only passed, live names) of the
+def _analysis(code: Any, line: int) -> _Found | None:
+    """(changed names with a line, names only passed, live names, names only
+    stored into) of the
     `for` at `line` of `code`; None when its source cannot be read (an
     interactive session, exec)."""
     tree = _tree(code.co_filename)
@@ -302,8 +329,8 @@ def _analysis(code: Any, line: int) -> tuple[dict[str, int], frozenset[str], fro
         else:
             # Every changed variable is kept, not only those the recorded code
             # reads later: a probe added for replay may read any of them.
-            names, passed = _changed(loop)
-            _analysed[key] = (names, frozenset(passed), frozenset(_live(scope, loop)))
+            names, passed, into = _changed(loop)
+            _analysed[key] = (names, frozenset(passed), frozenset(_live(scope, loop, into)), frozenset(into))
     return _analysed[key]
 
 
@@ -318,8 +345,10 @@ class LoopVars:
         live: set[str],
         skip: set[int],
         passed: set[str] = frozenset(),  # type: ignore[assignment]
+        into: set[str] = frozenset(),  # type: ignore[assignment]
     ):
         self.frame, self.loop_name, self.live, self.skip, self.passed = frame, loop_name, live, skip, passed
+        self.into = into
         # Variables the loop changes through methods (maybe) that cannot be
         # kept (a progress bar, a summary writer): name -> type and why. Not
         # refused (most are), but named in the run's closing note.
@@ -330,7 +359,7 @@ class LoopVars:
         own = frame.f_locals is frame.f_globals or frame.f_code.co_name == "<module>"
         code = frame.f_code
         local = {*code.co_varnames, *code.co_cellvars, *code.co_freevars}
-        self.globals = {n: line for n, line in names.items() if not own and line < 0 and n not in local}
+        self.globals = {n: line for n, line in names.items() if not own and (line < 0 or n in into) and n not in local}
         self.names = {n: line for n, line in names.items() if n not in self.globals}
 
     @classmethod
@@ -340,8 +369,8 @@ class LoopVars:
         found = _analysis(frame.f_code, frame.f_lineno)
         if found is None:
             return None
-        names, passed, live = found
-        return cls(frame, loop_name, dict(names), set(live), skip, set(passed))
+        names, passed, live, into = found
+        return cls(frame, loop_name, dict(names), set(live), skip, set(passed), set(into))
 
     def without(self, other: LoopVars | None) -> dict[str, int]:
         if other is None or other.frame is not self.frame:
@@ -417,6 +446,7 @@ class LoopVars:
                 and name not in transient
                 and not _closed_file(v)
                 and not _code(v)
+                and not _data_source(v)
             ):
                 self.unkept.setdefault(name, f"{type(v).__qualname__}: {why}")
             if at is None and line > 0 and name in self.live and name not in transient and not _closed_file(v):
@@ -426,7 +456,8 @@ class LoopVars:
                     else f"if it has state_dict/load_state_dict, pass it: hs.checkpointing({name}=...)"
                 )
                 raise UnsupportedTypeError(
-                    f"variable '{name}' (line {line}) is assigned by loop '{self.loop_name}' and read later, but "
+                    f"variable '{name}' (line {line}) is {'stored into' if name in self.into else 'assigned'} by loop "
+                    f"'{self.loop_name}' and read later, but "
                     f"{why}: a resume or a replay would go on with another value than this run's. Fix: {fix}; "
                     f"or, if its value need not survive a resume (a progress bar, an open file), name it: "
                     f'hs.checkpointing(..., transient=["{name}"])'

@@ -19,9 +19,10 @@ import enum
 import random
 import sys
 import types
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from typing import Any
 
+from hindsight._run import dataiter
 from hindsight.errors import ReplayError
 
 #: The key of a marker dict (an encoded object); never a user's key in practice.
@@ -32,6 +33,38 @@ MAX_NODES = 200_000
 #: Nesting of containers and objects kept.
 MAX_DEPTH = 8
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python
+
+
+_CODE = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+
+
+def _code_name(v: Any) -> str:
+    if isinstance(v, types.ModuleType):
+        return v.__name__
+    if isinstance(v, types.MethodType):
+        return f"{_code_name(v.__func__)} of {type(v.__self__).__qualname__}"
+    return f"{getattr(v, '__module__', None) or 'builtins'}.{getattr(v, '__qualname__', repr(v))}"
+
+
+def _code_ref(v: Any) -> dict[str, Any]:
+    return {MARK: "code", "name": _code_name(v)}
+
+
+def _find_code(name: str) -> Any:
+    """The module, class or function `name` names, among those loaded (never an import)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    module, _, qual = name.rpartition(".")
+    while module:
+        mod = sys.modules.get(module)
+        if mod is not None:
+            obj: Any = mod
+            for part in qual.split("."):
+                obj = getattr(obj, part, None)
+            return obj if isinstance(obj, _CODE) else None
+        module, _, head = module.rpartition(".")
+        qual = f"{head}.{qual}"
+    return None
 
 
 class NotKept(Exception):
@@ -127,9 +160,26 @@ class _Encoder:
             return {MARK: "random.Random", "type": _qualname(t), "state": self(v.getstate(), depth)}
         if isinstance(v, enum.Enum):
             return {MARK: "enum", "type": _qualname(t), "name": v.name}  # a singleton: named, not copied
-        if isinstance(v, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
-            raise NotKept(f"a {t.__name__} has no state of its own to keep")
+        if isinstance(v, _CODE):
+            if depth <= 1:
+                raise NotKept(f"a {t.__name__} has no state of its own to keep")
+            # Inside a kept object (minGPT's Trainer.callbacks): code, not
+            # state; the resumed program holds the same one, by name.
+            return _code_ref(v)
+        if t is defaultdict:
+            f = v.default_factory
+            return {
+                MARK: "defaultdict",
+                "factory": None if f is None else _code_ref(f),
+                "keys": [self(k, depth) for k in v],
+                "values": [self(x, depth) for x in v.values()],
+            }
         data = sys.modules.get("torch.utils.data")
+        if dataiter.is_loader_iter(v):
+            try:
+                return {MARK: "data_iter", **dataiter.encode(v, lambda x: self(x, depth))}
+            except ValueError as e:
+                raise NotKept(str(e)) from None
         if depth > 1 and data is not None and isinstance(v, (data.DataLoader, data.Dataset, data.Sampler)):
             # An attribute of a kept object (the DDP tutorial's Trainer holds
             # its DataLoader): the data source the code made stays. What it
@@ -186,6 +236,25 @@ def restore(current: Any, saved: Any, name: str) -> Any:
                 f"'{name}' referred to a checkpointed object that the resumed program does not hold there"
             )
         return current
+    if kind == "code":
+        if isinstance(current, _CODE) and _code_name(current) == saved["name"]:
+            return current
+        found = _find_code(saved["name"])
+        if found is None:
+            raise ReplayError(f"'{name}' held {saved['name']}, which this program does not define")
+        return found
+    if kind == "defaultdict":
+        factory = None if saved["factory"] is None else restore(MISSING, saved["factory"], name)
+        keys = [restore(MISSING, k, name) for k in saved["keys"]]
+        cur = current if isinstance(current, defaultdict) else defaultdict(factory)
+        items = {
+            k: restore(cur.get(k, MISSING), x, f"{name}[{k!r}]") for k, x in zip(keys, saved["values"], strict=True)
+        }
+        cur.clear()
+        cur.update(items)
+        return cur
+    if kind == "data_iter":
+        return dataiter.restore(current, saved, name, lambda s: restore(MISSING, s, name))
     if kind == "numpy.scalar":
         return saved["v"][()]
     if kind == "ordered":

@@ -19,13 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from hindsight import _native, _preemption
-from hindsight._run import batches, cmdline
+from hindsight._run import batches, cmdline, dataiter
 from hindsight._run.common import (
     ENV_RESUME,
     ENV_RUN_NAME,
     Run,
     T,
-    _advance,
     _env_float,
     _git,
     _package_version,
@@ -496,18 +495,13 @@ class RecordRun(Run):
     def _advance_checked(self, it: Iterator[Any], i: int, n: int) -> None:
         recorded = self.db.batch_digests(self.run_id, i)
         if not recorded or n == 0:
-            _advance(it, n)  # recorded before fingerprints existed
+            dataiter.advance(it, n)  # recorded before fingerprints existed
             return
-        sampler_iter = getattr(it, "_sampler_iter", None)
-        if sampler_iter is not None and getattr(it, "_num_workers", 1) == 0 and hasattr(it, "_num_yielded"):
-            # Skip the indices without loading, as before the fingerprints: loading
-            # one here would draw from the RNGs at another state than recorded
-            # (a Dataset drawing from `random`), a false mismatch (zoo: siamese).
-            _advance(it, n)
+        if dataiter.skips_loading(it):
+            # Nothing loaded, nothing to compare: the steps that follow are.
+            dataiter.advance(it, n)
             return
-        else:
-            first = 0
-        for j in range(first, n):
+        for j in range(n):
             batch = next(it)
             if j in recorded and batches.digest(batch) != recorded[j]:
                 raise DivergenceError(

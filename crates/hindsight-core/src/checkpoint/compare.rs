@@ -18,6 +18,12 @@
 //!   failure: wall-clock readings (`end = time.time()`, a meter of batch
 //!   times) differ on every run, while a float a computation produced
 //!   follows from the state compared strictly around it;
+//! - an entry named [`ORIGIN`], at any depth, says how a live object was
+//!   made, not what it computes (a DataLoader iterator's creation RNG
+//!   states: a worker's own unseeded Python RNG differs from the
+//!   recording's and draws nothing the iterator yields); it is not
+//!   compared, the entries beside it (the iterator's position and its last
+//!   draw) are;
 //! - everything else compares exactly: same kind, same value bits, same
 //!   dtype, shape and bytes.
 
@@ -25,6 +31,8 @@ use super::format::{ChunkId, Node};
 
 /// Top-level keys of a run's checkpoint that a replay must reproduce.
 pub const COMPARED: [&str; 5] = ["objects", "rng", "grads", "loop", "vars"];
+/// A dict entry that records how an object was made: kept, never compared.
+pub const ORIGIN: &str = "__hindsight_origin__";
 /// The top-level key under which float differences are only notes.
 const LENIENT: &str = "vars";
 
@@ -144,6 +152,7 @@ impl Walk<'_> {
             (Node::Dict(r), Node::Dict(l)) => {
                 for (k, v) in l {
                     match r.iter().find(|(rk, _)| rk == k) {
+                        Some(_) if k.key_label() == ORIGIN => self.skip(v),
                         Some((_, rv)) => {
                             path.push(k.key_label());
                             self.node(rv, v, path);
@@ -352,6 +361,58 @@ mod tests {
         let live = Node::Dict(vec![(s("loop"), Node::List(vec![Node::Int(3)]))]);
         let d = check_state(&rec, &live, &[]).first.unwrap();
         assert_eq!(d.path, "objects");
+    }
+
+    #[test]
+    fn how_an_object_was_made_is_not_compared_but_what_it_holds_is() {
+        // A kept DataLoader iterator: its creation RNG states (with a blob)
+        // under ORIGIN, its position beside them, then a tensor.
+        let it = |origin: i64, pos: i64, rng: Node| {
+            Node::Dict(vec![(
+                s("vars"),
+                Node::Dict(vec![
+                    (
+                        s("data_iter"),
+                        Node::Dict(vec![
+                            (
+                                s(ORIGIN),
+                                Node::Dict(vec![(s("seed"), Node::Int(origin)), (s("torch"), rng)]),
+                            ),
+                            (s("yielded"), Node::Int(pos)),
+                        ]),
+                    ),
+                    (s("w"), array(Blob::default())),
+                ]),
+            )])
+        };
+        let rec = |origin: i64, pos: i64| {
+            let Node::Dict(mut top) = it(origin, pos, recorded_array(b"rng-a", 5)) else {
+                unreachable!()
+            };
+            let Node::Dict(vars) = &mut top[0].1 else {
+                unreachable!()
+            };
+            vars[1].1 = recorded_array(&W, 8);
+            Node::Dict(top)
+        };
+        let live = |pos: i64| it(2, pos, array(Blob::default()));
+        // Another origin (and other origin bytes) passes; the tensor after it
+        // is still compared against its own bytes.
+        assert_eq!(
+            check_state(&rec(1, 5), &live(5), &[b"rng-b", &W]).first,
+            None
+        );
+        let mut other = W;
+        other[0] ^= 1;
+        let d = check_state(&rec(1, 5), &live(5), &[b"rng-b", &other])
+            .first
+            .unwrap();
+        assert_eq!(d.path, "vars/w");
+        // The position beside the origin is compared.
+        let d = check_state(&rec(1, 5), &live(6), &[b"rng-a", &W])
+            .first
+            .unwrap();
+        assert_eq!(d.path, "vars/data_iter/yielded");
     }
 
     #[test]
