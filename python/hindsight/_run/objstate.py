@@ -246,13 +246,13 @@ def restore(current: Any, saved: Any, name: str) -> Any:
     if kind == "defaultdict":
         factory = None if saved["factory"] is None else restore(MISSING, saved["factory"], name)
         keys = [restore(MISSING, k, name) for k in saved["keys"]]
-        cur = current if isinstance(current, defaultdict) else defaultdict(factory)
-        items = {
-            k: restore(cur.get(k, MISSING), x, f"{name}[{k!r}]") for k, x in zip(keys, saved["values"], strict=True)
+        into: defaultdict[Any, Any] = current if isinstance(current, defaultdict) else defaultdict(factory)
+        entries = {
+            k: restore(into.get(k, MISSING), x, f"{name}[{k!r}]") for k, x in zip(keys, saved["values"], strict=True)
         }
-        cur.clear()
-        cur.update(items)
-        return cur
+        into.clear()
+        into.update(entries)
+        return into
     if kind == "data_iter":
         return dataiter.restore(current, saved, name, lambda s: restore(MISSING, s, name))
     if kind == "numpy.scalar":
