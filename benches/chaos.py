@@ -20,7 +20,15 @@ through tests/test_chaos.py).
    answer (or refuse with a named error), never lose a good checkpoint, never
    let gc remove a chunk an unreadable manifest may name, and never create,
    move or delete anything outside the store.
-6. input-service workers: each trial reads one epoch from `hs.data.Loader`
+6. another user's store: a store owned by another user (uid 65534), whole
+   or with its chunks, one manifest or one chunk unreadable, opened by a
+   process that may not override file permissions (root without
+   CAP_DAC_OVERRIDE/CAP_DAC_READ_SEARCH/CAP_FOWNER, via `setpriv`). Every
+   operation (open, list, load, save, remove, gc, usage, verify) must answer
+   or refuse with a named hindsight error, and leave the store unchanged;
+   a readable store's checkpoint must still load exactly. Skipped, and
+   said, where this process is not root or has no `setpriv`.
+7. input-service workers: each trial reads one epoch from `hs.data.Loader`
    (3 worker processes) while a random worker is SIGKILLed or SIGSTOPped
    (and SIGCONTed 1.5 s later) at a random batch. The epoch must hold every
    example once, with the batches and random draws of a run without
@@ -34,6 +42,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -305,6 +314,83 @@ def store_hazards(trials: int, base: Path, rng: random.Random) -> tuple[int, col
     return trials, kinds
 
 
+OTHER_USER = textwrap.dedent(
+    """
+    import json, sys, torch, hindsight as hs
+    out = {}
+    try:
+        s = hs.Store(sys.argv[1])
+    except hs.HindsightError as e:
+        print(json.dumps({"open": type(e).__name__}))
+        raise SystemExit
+    ops = {
+        "list": lambda: s.list(),
+        "load": lambda: float(s.load("good")["w"].sum()),
+        "save": lambda: s.save("more", {"y": torch.randn(4096)}).wait(),
+        "remove": lambda: s.remove("good"),
+        "gc": lambda: s.gc(),
+        "usage": lambda: s.usage(),
+        "verify": lambda: s.verify(),
+    }
+    for name, op in ops.items():
+        try:
+            r = op()
+            out[name] = r if name in ("list", "load") else "ok"
+        except hs.HindsightError as e:
+            out[name] = type(e).__name__
+        except Exception as e:
+            out[name] = "UNNAMED " + type(e).__name__ + ": " + str(e)[:200]
+    print(json.dumps(out))
+    """
+)
+_NO_DAC = "dac_override,-dac_read_search,-fowner,-chown"
+
+
+def other_users_store(trials: int, base: Path, rng: random.Random) -> tuple[int, collections.Counter[str]]:
+    kinds: collections.Counter[str] = collections.Counter()
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        print("  another user's store: skipped (needs root and setpriv)", file=sys.stderr)
+        return 0, kinds
+    good = torch.arange(1 << 14, dtype=torch.float32)
+    for t in range(trials):
+        store_dir = base / f"u{t}" / "store"
+        s = hs.Store(store_dir, chunk_size=4096)
+        s.save("good", {"w": good}).wait()
+        s.close()
+        how = rng.choice(["readable", "unreadable", "chunks dir", "one manifest", "one chunk"])
+        for p in [store_dir, *store_dir.rglob("*")]:
+            os.chown(p, 65534, 65534, follow_symlinks=False)
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        if how == "unreadable":
+            store_dir.chmod(0o700)
+        elif how == "chunks dir":
+            (store_dir / "chunks").chmod(0o700)
+        elif how == "one manifest":
+            (store_dir / "manifests" / "good.hsm").chmod(0o600)
+        elif how == "one chunk":
+            rng.choice([p for p in (store_dir / "chunks").rglob("*") if p.is_file()]).chmod(0o600)
+        before = _tree(store_dir)
+        cmd = [setpriv, f"--inh-caps=-{_NO_DAC}", f"--bounding-set=-{_NO_DAC}", sys.executable, "-c", OTHER_USER]
+        r = subprocess.run([*cmd, str(store_dir)], capture_output=True, text=True, timeout=120)
+        try:
+            got = json.loads(r.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            kinds[f"crashed ({how}): {r.stderr.strip().splitlines()[-1:] or r.returncode}"] += 1
+            continue
+        for name, v in got.items():
+            if isinstance(v, str) and v.startswith("UNNAMED"):
+                kinds[f"{name}: {v} ({how})"] += 1
+        if how == "readable" and got.get("load") != float(good.sum()):
+            kinds[f"a readable store's checkpoint did not load ({got.get('load')})"] += 1
+        if _tree(store_dir) != before:
+            kinds[f"the store changed ({how})"] += 1
+        if got.get("save") == "ok" or got.get("remove") == "ok":
+            kinds[f"a write succeeded without permission ({how})"] += 1
+        shutil.rmtree(store_dir.parent, ignore_errors=True)
+    return trials, kinds
+
+
 def _resume(pid: int) -> None:
     """SIGCONT a stopped worker, unless it is gone by now."""
     with contextlib.suppress(ProcessLookupError):
@@ -379,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_fuzz:
             rows.append(("mutated, re-signed manifests", *fuzz(200 if q else 5000)))
         rows.append(("unreadable manifests, symlinked dirs", *store_hazards(10 if q else 200, base, rng)))
+        rows.append(("another user's store", *other_users_store(5 if q else 100, base, rng)))
         rows.append(("input service: kill/stop workers", *data_workers(4 if q else 1000, rng)))
     print(f"\n{'experiment':<36} {'trials':>7} {'failures':>9}  failure kinds")
     failed = 0

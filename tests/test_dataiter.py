@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import hindsight_cmd
+
 pytestmark = pytest.mark.timeout(300)
 
 SCRIPT = """
@@ -177,3 +179,97 @@ def test_an_object_the_loop_stores_into_must_be_kept_or_declared_transient(tmp_p
         assert r.returncode == 1
         assert "variable 'self' (line 16) is stored into by loop 'iter'" in r.stderr, r.stderr[-2000:]
         assert "lock cannot be checkpointed" in r.stderr
+
+
+SEEDED = """
+import os, signal, time
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+import hindsight as hs
+
+torch.manual_seed(0)
+g = torch.Generator()
+g.manual_seed(7)  # PyTorch's recipe for a reproducible loading order
+data = TensorDataset(torch.arange(16, dtype=torch.float32).unsqueeze(1))
+loader = DataLoader(data, shuffle=True, batch_size=4, generator=g, num_workers=int(os.environ["WORKERS"]))
+model = torch.nn.Linear(1, 1)
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+stop, flag = os.environ.get("STOP", ""), os.environ.get("FLAG", "")
+with hs.checkpointing(model=model, optimizer=opt):
+    for epoch in hs.loop("epoch", range(4)):
+        for step, (x,) in enumerate(hs.loop("step", loader)):
+            loss = (model(x) - x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            hs.log("x", x.flatten().tolist())
+            time.sleep(0.05)  # the writer finishes the epoch's checkpoint before a kill
+            if stop.startswith(f"{epoch}:{step}:") and flag and not os.path.exists(flag):
+                open(flag, "w").close()
+                os.kill(os.getpid(), getattr(signal, stop.split(":")[2]))
+        # probe
+print("final", repr(model.weight.item()), repr(model.bias.item()))
+"""
+
+
+def seeded_run(tmp: Path, home: str, workers: int, probe: bool = False, **extra: str):
+    script = tmp / ("probed.py" if probe else "seeded.py")
+    if not script.exists():
+        src = SEEDED if not probe else SEEDED.replace("# probe", 'hs.log("w", model.weight.item())')
+        script.write_text(src)
+    env = {
+        **os.environ,
+        "HINDSIGHT_HOME": str(tmp / home),
+        "HINDSIGHT_CHECKPOINT_EVERY": "1",
+        "WORKERS": str(workers),
+        **extra,
+    }
+    return subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240, cwd=tmp)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_with_its_own_seeded_generator_resumes_and_replays_in_the_recorded_order(
+    tmp_path: Path, workers: int
+) -> None:
+    """`DataLoader(shuffle=True, generator=g)`: each epoch's order comes from
+    g, which the program seeds once. A resumed process seeds it afresh, so
+    without g's state in the checkpoint the epochs after the resume repeat
+    another order: exit 0 and other weights (seen before this test). Killed
+    at an epoch's first step (resumed from the epoch boundary) and stopped by
+    SIGTERM inside an epoch, the runs end as the uninterrupted one; a replay
+    of an epoch probe gives the probed run's values."""
+    want = final(seeded_run(tmp_path, "ref", workers))
+    for stop in ("2:0:SIGKILL", "1:2:SIGTERM"):
+        home = stop.replace(":", "-")
+        first = seeded_run(tmp_path, home, workers, STOP=stop, FLAG=str(tmp_path / f"{home}.flag"))
+        assert first.returncode in (-9, 85), first.stderr[-2000:]
+        again = seeded_run(tmp_path, home, workers)
+        assert "continues from checkpoint" in again.stderr, again.stderr[-2000:]
+        assert final(again) == want, stop
+
+    probed = seeded_run(tmp_path, "probed", workers, probe=True)
+    assert final(probed) == want
+    (tmp_path / "seeded.py").write_text((tmp_path / "probed.py").read_text())
+    r = subprocess.run(
+        [*hindsight_cmd(), "replay", str(tmp_path / "seeded.py"), "-q", "-j", "2"],
+        env={**os.environ, "HINDSIGHT_HOME": str(tmp_path / "ref"), "WORKERS": str(workers)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    code = "import hindsight as hs\nprint(hs.dataframe('w').to_json(orient='records'))\n"
+    got = {}
+    for home in ("ref", "probed"):
+        q = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "HINDSIGHT_HOME": str(tmp_path / home)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert q.returncode == 0, q.stderr
+        got[home] = sorted((row["epoch"], row["w"]) for row in json.loads(q.stdout) if row.get("w") is not None)
+    assert len(got["probed"]) == 4
+    assert got["ref"] == got["probed"]

@@ -6,14 +6,41 @@ from __future__ import annotations
 
 import random
 import sys
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 from hindsight.errors import InvalidArgumentError, ReplayError
 
+# The generators DataLoaders draw from besides the global ones
+# (`DataLoader(generator=g)`, PyTorch's recipe for reproducible loading): the
+# next epoch's order comes from them, so they are RNG state too. Each is
+# keyed by its device, its seed and how many such were seen before it, the
+# same in a resumed process that makes its loaders in the same order.
+_LOADER_GENS: list[tuple[str, weakref.ReferenceType[Any]]] = []
+# States a restore found no such generator for yet: applied when a loader
+# first draws from it (the resumed program makes its loader after the restore).
+_PENDING: dict[str, Any] = {}
+
+
+def note_loader_generators(gens: list[Any]) -> None:
+    """`gens` are about to give a DataLoader iterator its order: from now on
+    they are part of `rng_state`, and a state a restore left for one is set."""
+    import torch
+
+    for g in gens:
+        if g is torch.default_generator or any(ref() is g for _, ref in _LOADER_GENS):
+            continue
+        base = f"{g.device}/{g.initial_seed()}"
+        key = f"{base}/{sum(1 for k, _ in _LOADER_GENS if k.rpartition('/')[0] == base)}"
+        _LOADER_GENS.append((key, weakref.ref(g)))
+        if key in _PENDING:
+            g.set_state(_PENDING.pop(key))
+
 
 def rng_state() -> dict[str, Any]:
-    """Python's, NumPy's (if imported), torch's and CUDA's (if initialized) RNG states."""
+    """Python's, NumPy's (if imported), torch's and CUDA's (if initialized)
+    RNG states, and those of the generators DataLoaders drew from."""
     state: dict[str, Any] = {"python": random.getstate()}
     np = sys.modules.get("numpy")
     if np is not None:
@@ -23,6 +50,9 @@ def rng_state() -> dict[str, Any]:
         state["torch"] = torch.get_rng_state()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda"] = torch.cuda.get_rng_state_all()
+    loaders = {key: g.get_state() for key, ref in _LOADER_GENS if (g := ref()) is not None}
+    if loaders:
+        state["loaders"] = loaders
     return state
 
 
@@ -41,6 +71,14 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(list(state["cuda"]))
+    if "loaders" in state:
+        live = {key: g for key, ref in _LOADER_GENS if (g := ref()) is not None}
+        _PENDING.clear()
+        for key, st in state["loaders"].items():
+            if key in live:
+                live[key].set_state(st)
+            else:
+                _PENDING[key] = st
 
 
 def capture(objects: Mapping[str, Any], loop: list[tuple[str, int]]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from typing import Any
 
 from hindsight import _native
 from hindsight._run import batches
-from hindsight._state import rng_state, set_rng_state
+from hindsight._state import note_loader_generators, rng_state, set_rng_state
 from hindsight.errors import DivergenceError, ReplayError
 
 _ORIGINAL_ITER: Any = None
@@ -87,20 +87,9 @@ def _generators(loader: Any) -> list[Any]:
 
 
 def _states(loader: Any) -> dict[str, Any]:
-    return {"rng": rng_state(), "generators": [g.get_state() for g in _generators(loader)]}
-
-
-def _set_states(loader: Any, states: dict[str, Any], name: str) -> None:
-    gens = _generators(loader)
-    saved = states.get("generators", [])
-    if len(gens) != len(saved):
-        raise ReplayError(
-            f"'{name}': the DataLoader iterator was made from a loader drawing from {len(saved)} generator(s) of "
-            f"its own; this program's loader draws from {len(gens)}"
-        )
-    set_rng_state(states["rng"])
-    for g, s in zip(gens, saved, strict=True):
-        g.set_state(s)
+    """The RNG states now, the loader's own generators included (`_state.rng_state`)."""
+    note_loader_generators(_generators(loader))
+    return rng_state()
 
 
 def _tracked_iter(loader: Any) -> Any:
@@ -180,10 +169,10 @@ def restore(current: Any, saved: dict[str, Any], name: str, dec: Any) -> Any:
     made = saved[_native.STATE_ORIGIN_KEY]
     now = rng_state()
     try:
-        _set_states(loader, dec(made["created"]), name)
+        set_rng_state(dec(made["created"]))
         it = iter(loader)
         if made["first"] is not None and it._num_workers == 0:
-            _set_states(loader, dec(made["first"]), name)
+            set_rng_state(dec(made["first"]))
         advance(it, int(saved["yielded"]))
         tap = _ORIGINS[it].tap
         last = None if tap is None or tap.last is None else batches.digest(tap.last)
@@ -194,8 +183,6 @@ def restore(current: Any, saved: dict[str, Any], name: str, dec: Any) -> Any:
                 "does not checkpoint (seed one and pass it: DataLoader(generator=g))"
             )
     finally:
-        # The loader's own generators stay as the re-creation left them: as
-        # the recording's were after the same draws.
         set_rng_state(now)
     if current is not it and getattr(current, "_num_workers", 0) > 0:
         current._shutdown_workers()
