@@ -136,7 +136,6 @@ pub enum JournalError {
 
 /// Take the directory's lock file exclusively, without waiting.
 fn lock_dir(dir: &Path, journal: &Path) -> Result<File, JournalError> {
-    use std::os::fd::AsRawFd;
     let path = dir.join(LOCK_NAME);
     let f = OpenOptions::new()
         .read(true)
@@ -145,18 +144,13 @@ fn lock_dir(dir: &Path, journal: &Path) -> Result<File, JournalError> {
         .truncate(false)
         .open(&path)
         .map_err(io_at(&path))?;
-    // SAFETY: flock on a descriptor we own; no memory is involved.
-    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if rc != 0 {
-        let e = io::Error::last_os_error();
-        if e.kind() == io::ErrorKind::WouldBlock {
-            return Err(JournalError::Locked {
-                path: journal.to_path_buf(),
-            });
-        }
-        return Err(io_at(&path)(e));
+    match f.try_lock() {
+        Ok(()) => Ok(f),
+        Err(std::fs::TryLockError::WouldBlock) => Err(JournalError::Locked {
+            path: journal.to_path_buf(),
+        }),
+        Err(std::fs::TryLockError::Error(e)) => Err(io_at(&path)(e)),
     }
-    Ok(f)
 }
 
 /// Maps an I/O error to [`JournalError::Io`] naming the file involved.

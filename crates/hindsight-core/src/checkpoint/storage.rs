@@ -15,7 +15,6 @@ use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io::Read;
 use std::os::unix::fs::OpenOptionsExt;
-use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use crate::checkpoint::format::ChunkId;
@@ -133,7 +132,7 @@ impl LocalStorage {
         Ok(p)
     }
 
-    fn lock(&self, op: libc::c_int) -> Result<Box<dyn LockGuard>> {
+    fn lock(&self, exclusive: bool) -> Result<Box<dyn LockGuard>> {
         let path = self.root.join("gc.lock");
         let f = OpenOptions::new()
             .create(true)
@@ -144,14 +143,12 @@ impl LocalStorage {
             .open(&path)
             .map_err(|e| Error::io(&path, e))?;
         loop {
-            // SAFETY: flock on a file descriptor we own; no memory is involved.
-            let rc = unsafe { libc::flock(f.as_raw_fd(), op) };
-            if rc == 0 {
-                return Ok(Box::new(FlockGuard(f)));
-            }
-            let err = std::io::Error::last_os_error();
-            if err.kind() != std::io::ErrorKind::Interrupted {
-                return Err(Error::io(&path, err));
+            // std's file locks are flock(2) on Linux: released when the file closes.
+            let locked = if exclusive { f.lock() } else { f.lock_shared() };
+            match locked {
+                Ok(()) => return Ok(Box::new(FlockGuard(f))),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(Error::io(&path, e)),
             }
         }
     }
@@ -401,11 +398,11 @@ impl Storage for LocalStorage {
     }
 
     fn lock_shared(&self) -> Result<Box<dyn LockGuard>> {
-        self.lock(libc::LOCK_SH)
+        self.lock(false)
     }
 
     fn lock_exclusive(&self) -> Result<Box<dyn LockGuard>> {
-        self.lock(libc::LOCK_EX)
+        self.lock(true)
     }
 
     fn config_path(&self) -> PathBuf {
