@@ -10,6 +10,8 @@ use std::sync::Arc;
 
 use hindsight_core::{Array, ArrayLib, Node, Store, Writer, WriterOptions};
 
+mod common;
+
 /// A fresh store in a temporary directory.
 struct TestStore {
     _dir: tempfile::TempDir,
@@ -132,30 +134,6 @@ fn hindsight(args: &[&str], store: &TestStore) -> Output {
     hindsight_env(args, Some(&store.root), None)
 }
 
-/// Replace every `YYYY-MM-DD HH:MM:SS` timestamp with a placeholder of the same width.
-fn mask_times(s: &str) -> String {
-    const PATTERN: &[u8] = b"dddd-dd-dd dd:dd:dd";
-    let b = s.as_bytes();
-    let mut out = String::new();
-    let mut i = 0;
-    while i < b.len() {
-        let here = b.len() - i >= PATTERN.len()
-            && PATTERN.iter().zip(&b[i..]).all(|(p, c)| match p {
-                b'd' => c.is_ascii_digit(),
-                p => p == c,
-            });
-        if here {
-            out.push_str("YYYY-MM-DD hh:mm:ss");
-            i += PATTERN.len();
-        } else {
-            let ch = s[i..].chars().next().unwrap();
-            out.push(ch);
-            i += ch.len_utf8();
-        }
-    }
-    out
-}
-
 #[test]
 fn ls_lists_checkpoints_in_aligned_columns() {
     let s = TestStore::new();
@@ -168,14 +146,13 @@ fn ls_lists_checkpoints_in_aligned_columns() {
     let o = hindsight(&["ls", "--store", s.path()], &s);
     assert_eq!(o.code, 0, "{}", o.stderr);
     assert_eq!(o.stderr, "");
-    assert_eq!(
-        mask_times(&o.stdout),
-        "\
-NAME      CREATED                 SIZE  ARRAYS
-ckpt-1    YYYY-MM-DD hh:mm:ss  4.0 KiB       1
-epoch-10  YYYY-MM-DD hh:mm:ss  1.1 MiB       2
-"
-    );
+    common::masked(|| {
+        insta::assert_snapshot!(o.stdout, @r"
+        NAME      CREATED                 SIZE  ARRAYS
+        ckpt-1    YYYY-MM-DD hh:mm:ss  4.0 KiB       1
+        epoch-10  YYYY-MM-DD hh:mm:ss  1.1 MiB       2
+        ");
+    });
 
     // The store can also be given positionally or through the environment.
     let positional = hindsight(&["ls", s.path()], &s);
@@ -275,23 +252,22 @@ fn show_prints_header_rows_and_total() {
     let o = hindsight(&["show", "ckpt-1", "--store", s.path()], &s);
     assert_eq!(o.code, 0, "{}", o.stderr);
     assert_eq!(o.stderr, "");
-    assert_eq!(
-        mask_times(&o.stdout),
-        "\
-checkpoint  ckpt-1
-created     YYYY-MM-DD hh:mm:ss UTC
-format      1
-meta        epoch=3
-meta        loss=0.25
+    common::masked(|| {
+        insta::assert_snapshot!(o.stdout, @r#"
+        checkpoint  ckpt-1
+        created     YYYY-MM-DD hh:mm:ss UTC
+        format      1
+        meta        epoch=3
+        meta        loss=0.25
 
-KEY   TYPE                      SIZE
-w     tensor float32[4096]  16.0 KiB
-b     tensor float32[4]         16 B
-step  int 300                      -
-name  str \"resnet\"                 -
-total: 16.0 KiB (16400 bytes), 2 arrays
-"
-    );
+        KEY   TYPE                      SIZE
+        w     tensor float32[4096]  16.0 KiB
+        b     tensor float32[4]         16 B
+        step  int 300                      -
+        name  str "resnet"                 -
+        total: 16.0 KiB (16400 bytes), 2 arrays
+        "#);
+    });
 }
 
 #[test]
@@ -582,10 +558,12 @@ fn an_unreadable_manifest_is_reported_without_hiding_the_others() {
     std::fs::write(s.root.join("manifests/bad.hsm"), b"garbage").unwrap();
     let o = hindsight(&["ls", s.path()], &s);
     assert_eq!(o.code, 1);
-    assert_eq!(
-        mask_times(&o.stdout),
-        "NAME  CREATED              SIZE  ARRAYS\ngood  YYYY-MM-DD hh:mm:ss  64 B       1\n"
-    );
+    common::masked(|| {
+        insta::assert_snapshot!(o.stdout, @r"
+        NAME  CREATED              SIZE  ARRAYS
+        good  YYYY-MM-DD hh:mm:ss  64 B       1
+        ");
+    });
     assert_eq!(
         o.stderr,
         "error: corrupt data: not a hindsight manifest (bad magic or truncated) \

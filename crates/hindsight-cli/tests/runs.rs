@@ -13,6 +13,8 @@ use std::sync::Arc;
 use hindsight_core::runs::db::{IterationRow, LogDb, LogRow, NewRun, Phase, RunStatus};
 use hindsight_core::{Array, ArrayLib, Node, Store, Writer, WriterOptions};
 
+mod common;
+
 /// 2024-03-01 12:00:00 UTC.
 const T0: u64 = 1_709_294_400_000;
 const HOUR: u64 = 3_600_000;
@@ -595,55 +597,23 @@ fn save_checkpoint(home: &Path, name: &str) {
     b.commit(root, BTreeMap::new()).wait().unwrap();
 }
 
-/// Replace `YYYY-MM-DD HH:MM:SS` timestamps (the checkpoints' creation
-/// times) with a placeholder of the same width.
-fn mask_times(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = String::new();
-    let mut i = 0;
-    while i < b.len() {
-        let here = b.len() - i >= 19
-            && b"dddd-dd-dd dd:dd:dd".iter().zip(&b[i..]).all(|(p, c)| {
-                if *p == b'd' {
-                    c.is_ascii_digit()
-                } else {
-                    p == c
-                }
-            });
-        if here {
-            out.push_str("YYYY-MM-DD hh:mm:ss");
-            i += 19;
-        } else {
-            let ch = s[i..].chars().next().unwrap();
-            out.push(ch);
-            i += ch.len_utf8();
-        }
-    }
-    out
-}
-
 #[test]
 fn show_of_a_checkpoint_uses_the_project_store() {
     let p = project();
     save_checkpoint(&p.home, "ck-epoch-0");
     let o = p.hs(&["show", "ck-epoch-0"]);
-    assert_eq!(
-        (o.code, mask_times(&o.stdout), o.stderr),
-        (
-            0,
-            "\
-checkpoint  ck-epoch-0
-created     YYYY-MM-DD hh:mm:ss UTC
-format      1
+    assert_eq!((o.code, o.stderr.as_str()), (0, ""));
+    common::masked(|| {
+        insta::assert_snapshot!(o.stdout, @r"
+        checkpoint  ck-epoch-0
+        created     YYYY-MM-DD hh:mm:ss UTC
+        format      1
 
-KEY  TYPE                SIZE
-w    tensor float32[16]  64 B
-total: 64 B (64 bytes), 1 array
-"
-            .to_string(),
-            String::new()
-        )
-    );
+        KEY  TYPE                SIZE
+        w    tensor float32[16]  64 B
+        total: 64 B (64 bytes), 1 array
+        ");
+    });
     // Neither a run nor a checkpoint.
     assert_eq!(
         p.hs(&["show", "nope"]),
@@ -660,15 +630,13 @@ fn store_commands_default_to_the_project_store() {
     let p = Project::empty();
     save_checkpoint(&p.home, "a");
     let o = p.hs(&["ls"]);
-    assert_eq!(
-        (o.code, mask_times(&o.stdout), o.stderr.as_str()),
-        (
-            0,
-            "NAME  CREATED              SIZE  ARRAYS\na     YYYY-MM-DD hh:mm:ss  64 B       1\n"
-                .to_string(),
-            ""
-        )
-    );
+    assert_eq!((o.code, o.stderr.as_str()), (0, ""));
+    common::masked(|| {
+        insta::assert_snapshot!(o.stdout, @r"
+        NAME  CREATED              SIZE  ARRAYS
+        a     YYYY-MM-DD hh:mm:ss  64 B       1
+        ");
+    });
     assert_eq!(
         p.hs(&["verify"]),
         expect(0, "ok   a\nverified 1 checkpoint: all intact\n", "")
