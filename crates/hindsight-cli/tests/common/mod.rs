@@ -2,7 +2,7 @@
 
 /// Run `f` (insta snapshot assertions) with what differs from run to run
 /// masked: `YYYY-MM-DD HH:MM:SS` timestamps (a checkpoint's creation time).
-pub fn masked<R>(f: impl FnOnce() -> R) -> R {
+pub(crate) fn masked<R>(f: impl FnOnce() -> R) -> R {
     let mut settings = insta::Settings::clone_current();
     settings.add_filter(
         r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}",
