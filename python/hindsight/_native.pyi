@@ -37,6 +37,7 @@ __all__ = [
     "ReplayCheck",
     "ReplayPlan",
     "SaveHandle",
+    "Setting",
     "StateCheck",
     "StateDifference",
     "Store",
@@ -58,6 +59,8 @@ __all__ = [
     "run_cli",
     "run_data_dispatcher",
     "serve_data_worker",
+    "setting_value",
+    "settings",
     "store_location",
 ]
 
@@ -201,6 +204,24 @@ def project_paths(start: str, home: str | None = None) -> ProjectPaths: ...
 def checkpoint_names(location: str) -> list[str]: ...
 def store_location(location: str, what: str, local: bool = False) -> str: ...
 def checkpoint_exit_code(explicit: int | None = None) -> int: ...
+
+@final
+class Setting:
+    """One HINDSIGHT_* environment variable (the engine's table)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def kind(self) -> Literal["path", "location", "flag", "int", "float", "text"]: ...
+    @property
+    def default(self) -> str: ...
+    @property
+    def doc(self) -> str: ...
+    @property
+    def internal(self) -> bool: ...
+
+def settings() -> list[Setting]: ...
+def setting_value(name: str) -> bool | int | float | str | None: ...
 
 _Ctx: TypeAlias = list[tuple[str, int]]
 

@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import Any, NoReturn
 
-from hindsight import _native
+from hindsight import _native, _settings
 
 
 def signals(catch_sigint: bool) -> list[int]:
@@ -131,7 +131,7 @@ def exit_code(explicit: int | None = None) -> int:
 
 
 def requeue_default() -> bool:
-    return os.environ.get("HINDSIGHT_SLURM_REQUEUE") == "1"
+    return _settings.flag(_settings.SLURM_REQUEUE, False)
 
 
 def leave(signum: int | None, checkpointed: str, code: int | None, *, requeue: bool, announce: bool = True) -> NoReturn:

@@ -143,7 +143,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from hindsight import _native
+from hindsight import _native, _settings
 from hindsight._run.common import ENV_REPLAY
 from hindsight._store import Store
 from hindsight.errors import InvalidArgumentError, NotFoundError
@@ -177,7 +177,7 @@ def _import_lightning() -> Any:
     global _PL
     if _PL is not None:
         return _PL
-    forced = os.environ.get("HINDSIGHT_LIGHTNING")
+    forced = _settings.text(_settings.LIGHTNING)
     if forced:
         candidates = [{"lightning": "lightning.pytorch"}.get(forced, forced)]
     else:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hindsight import _native
+from hindsight import _native, _settings
 from hindsight._analysis import Analysis, analyze, transplant
 from hindsight._run import ENV_HOME, ENV_REPLAY, files
 from hindsight._run.replay import EXIT_DIVERGED
@@ -612,7 +612,7 @@ def _start_zygote(workers: list[Worker], env: dict[str, str]) -> Zygote | None:
     """The process the workers are forked from (`hindsight._zygote`), having
     imported the heavy libraries their scripts import; None where it cannot
     run (no fork, or $HINDSIGHT_REPLAY_FORK=0): workers then start afresh."""
-    if os.environ.get("HINDSIGHT_REPLAY_FORK", "1") == "0" or not hasattr(os, "fork"):
+    if not _settings.flag(_settings.REPLAY_FORK, True) or not hasattr(os, "fork"):
         return None
     modules: list[str] = []
     for script in {w.argv[1] for w in workers if len(w.argv) > 1}:

@@ -62,7 +62,7 @@ struct Cli {
         short = 's',
         long = "store",
         value_name = "PATH",
-        env = "HINDSIGHT_STORE",
+        env = hindsight_core::settings::STORE.name,
         global = true,
         // Accept an empty value (`HINDSIGHT_STORE=`) and treat it as unset.
         value_parser = clap::builder::OsStringValueParser::new().map(PathBuf::from)
@@ -160,6 +160,12 @@ enum Command {
     },
     /// Show the project home this directory uses, and why: its run database and store
     Where,
+    /// List the HINDSIGHT_* environment variables: value here, default, what each does
+    Settings {
+        /// Also those hindsight sets for the processes it starts
+        #[arg(long)]
+        all: bool,
+    },
     /// Check the project's run database (logs.db) and, if it is damaged,
     /// rebuild it from every row still readable; the damaged file is kept
     /// beside it. Run it while no recording or replay is running
@@ -324,6 +330,7 @@ fn execute(cli: Cli, out: &mut String, err: &mut dyn Write) -> Result<i32, Failu
         Command::Du { store_dir, json } => cmd_du(&places.open_store(store_dir)?, json, out, err),
         Command::Runs { limit, json } => runcmds::cmd_runs(&places.open_db()?, limit, json, out),
         Command::Where => cmd_where(&places, out),
+        Command::Settings { all } => cmd_settings(all, out),
         Command::Repair => cmd_repair(&places, out),
         Command::Logs {
             run,
@@ -504,6 +511,28 @@ fn cmd_where(places: &Places, out: &mut String) -> Result<i32, Failure> {
         home::HOME_ENV
     );
     Ok(EXIT_OK)
+}
+
+/// `settings`: the engine's table of variables, each with its value here
+/// (a value that does not parse is named, and the exit code is 1).
+fn cmd_settings(all: bool, out: &mut String) -> Result<i32, Failure> {
+    let mut code = EXIT_OK;
+    for s in hindsight_core::settings::ALL
+        .iter()
+        .filter(|s| all || !s.internal)
+    {
+        let value = match (s.raw(), s.get()) {
+            (None, _) => "unset".to_string(),
+            (Some(raw), Ok(_)) => format!("= {}", raw.to_string_lossy()),
+            (Some(_), Err(e)) => {
+                code = EXIT_FAILURE;
+                format!("INVALID: {e}")
+            }
+        };
+        outln!(out, "{} ({}): {value}", s.name, s.kind.as_str());
+        outln!(out, "    {}; default: {}", s.doc, s.default);
+    }
+    Ok(code)
 }
 
 fn no_project(home: &Path) -> Failure {

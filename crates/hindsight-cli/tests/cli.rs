@@ -823,3 +823,36 @@ fn repair_rebuilds_a_damaged_run_database() {
     let db = LogDb::open_checked(&db_path).unwrap();
     db.verify().unwrap();
 }
+
+#[test]
+fn settings_lists_each_variable_with_its_value_and_names_a_bad_one() {
+    let run = |env: &[(&str, &str)]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_hindsight"));
+        cmd.arg("settings");
+        for s in hindsight_core::settings::ALL {
+            cmd.env_remove(s.name);
+        }
+        cmd.envs(env.iter().copied());
+        let o = cmd.output().unwrap();
+        (
+            o.status.code().unwrap(),
+            String::from_utf8(o.stdout).unwrap(),
+        )
+    };
+    let (code, out) = run(&[("HINDSIGHT_EPSILON", "0.1")]);
+    assert_eq!(code, 0);
+    // Users' variables only, each once, the value set here shown.
+    for s in hindsight_core::settings::ALL {
+        let listed = out.matches(&format!("{} (", s.name)).count();
+        assert_eq!(listed, usize::from(!s.internal), "{}", s.name);
+    }
+    assert!(out.contains("HINDSIGHT_EPSILON (float): = 0.1\n"), "{out}");
+    assert!(out.contains("HINDSIGHT_HOME (path): unset\n"), "{out}");
+    // A value that does not parse is named, with why, and the exit code says so.
+    let (code, out) = run(&[("HINDSIGHT_RESUME", "maybe")]);
+    assert_eq!(code, 1);
+    insta::assert_snapshot!(
+        out.lines().find(|l| l.starts_with("HINDSIGHT_RESUME")).unwrap(),
+        @r#"HINDSIGHT_RESUME (flag): INVALID: invalid $HINDSIGHT_RESUME: "maybe" is not a flag: give 1 or 0"#
+    );
+}

@@ -11,6 +11,7 @@ pub mod checkpoint;
 pub mod durable;
 pub mod error;
 pub mod runs;
+pub mod settings;
 pub mod staging;
 pub mod sync;
 

@@ -10,6 +10,7 @@ mod interrupt;
 mod naming;
 mod project;
 mod runs;
+mod settings;
 mod state_check;
 mod tree;
 
@@ -640,6 +641,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(data::run_data_dispatcher, m)?)?;
     runs::register(m)?;
     project::register(m)?;
+    settings::register(m)?;
     m.add("FORMAT_VERSION", core::checkpoint::format::FORMAT_VERSION)?;
     m.add(
         "TORCH_DTYPES",

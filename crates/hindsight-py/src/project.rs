@@ -72,8 +72,8 @@ pub(crate) fn store_location(location: &str, what: &str, local: bool) -> PyResul
 /// `$HINDSIGHT_EXIT_CODE`, else 85 (the engine's one rule).
 #[pyfunction]
 #[pyo3(signature = (explicit=None))]
-pub(crate) fn checkpoint_exit_code(explicit: Option<i32>) -> i32 {
-    hindsight_core::runs::preempt::exit_code(explicit)
+pub(crate) fn checkpoint_exit_code(explicit: Option<i32>) -> PyResult<i32> {
+    hindsight_core::runs::preempt::exit_code(explicit).map_err(crate::errors::to_py)
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Sized
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hindsight import _native
+from hindsight import _native, _settings
 from hindsight._run.counters import shift_enumerates
 from hindsight._run.files import Written, put_back
 from hindsight._run.loopvars import LoopVars, ModuleVars, _storages, stateful_objects
@@ -27,13 +27,13 @@ from hindsight.errors import InvalidArgumentError
 
 T = TypeVar("T")
 
-ENV_HOME = "HINDSIGHT_HOME"
-ENV_REPLAY = "HINDSIGHT_REPLAY"
-ENV_RUN_NAME = "HINDSIGHT_RUN_NAME"
-ENV_RESUME = "HINDSIGHT_RESUME"
-ENV_STORE = "HINDSIGHT_STORE"
-ENV_LOCAL_FIRST = "HINDSIGHT_LOCAL_FIRST"
-ENV_EXPLAIN = "HINDSIGHT_EXPLAIN"  # set by `hindsight record --explain`
+ENV_HOME = _settings.HOME
+ENV_REPLAY = _settings.REPLAY
+ENV_RUN_NAME = _settings.RUN_NAME
+ENV_RESUME = _settings.RESUME
+ENV_STORE = _settings.STORE
+ENV_LOCAL_FIRST = _settings.LOCAL_FIRST
+ENV_EXPLAIN = _settings.EXPLAIN  # set by `hindsight record --explain`
 _INF = float("inf")
 
 
@@ -47,8 +47,8 @@ def _package_version() -> str:
 
 
 def _env_float(name: str, scale: float) -> float | None:
-    v = os.environ.get(name)
-    return float(v) * scale if v else None
+    v = _settings.number(name)
+    return None if v is None else v * scale
 
 
 LOG_BATCH = 1024
@@ -150,13 +150,12 @@ def _heartbeat_fd() -> int | None:
     """The pipe `hindsight run` watches for hangs, if this process has one.
     Also arranges that SIGUSR2 (sent before a hung process is killed) dumps
     every thread's Python stack to stderr."""
-    text = os.environ.get("HINDSIGHT_HEARTBEAT_FD")
-    if not text:
-        return None
     try:
-        fd = int(text)
+        fd = _native.setting_value(_settings.HEARTBEAT_FD)
+        if not isinstance(fd, int):
+            return None
         os.fstat(fd)
-    except (ValueError, OSError):
+    except (InvalidArgumentError, OSError):
         return None  # not ours (inherited env var without the descriptor)
     import faulthandler
     import signal
@@ -293,12 +292,13 @@ class Run:
             self.local_first = local
 
     def _configured_store(self) -> str | None:
-        env = os.environ.get(ENV_STORE) or None
+        env = _settings.text(ENV_STORE)
         return self.store_location or (None if env is None else _native.store_location(env, ENV_STORE))
 
     def _configured_local_first(self) -> str | None:
-        if self.local_first is None and os.environ.get(ENV_LOCAL_FIRST):
-            return str(_native.store_location(os.environ[ENV_LOCAL_FIRST], ENV_LOCAL_FIRST, True))
+        local = _settings.text(ENV_LOCAL_FIRST)
+        if self.local_first is None and local is not None:
+            return str(_native.store_location(local, ENV_LOCAL_FIRST, True))
         return self.local_first
 
     def _open_store(self) -> tuple[str, str | None]:
@@ -483,7 +483,7 @@ class Run:
             self.objects.update({k: v for k, (v, _) in self.discovered.items()})
         self.outer_vars = LoopVars.of(frame, name, self._object_ids())
         self.module_vars.add(self.outer_vars)
-        if os.environ.get(ENV_EXPLAIN) == "1":
+        if _settings.flag(ENV_EXPLAIN, False):
             self._explain(name, frame)
         entry: list[Any] = [name, -1]
         self.stack.append(entry)

@@ -29,12 +29,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hindsight import _settings
 from hindsight.errors import ReplayError
 
 #: Set in a replay worker: the recorded working directory its own mirrors.
-ENV_RECORDED_CWD = "HINDSIGHT_RECORDED_CWD"
+ENV_RECORDED_CWD = _settings.RECORDED_CWD
 #: "1" when other workers of the same replay may run at the same time.
-ENV_CONCURRENT = "HINDSIGHT_REPLAY_CONCURRENT"
+ENV_CONCURRENT = _settings.REPLAY_CONCURRENT
 
 #: A file larger than this is not kept (a framework's own checkpoint files
 #: would double the store and its hashing at every checkpoint): it is named

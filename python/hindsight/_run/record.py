@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hindsight import _native, _preemption
+from hindsight import _native, _preemption, _settings
 from hindsight._run import batches, cmdline, dataiter
 from hindsight._run.common import (
     ENV_RESUME,
@@ -57,9 +57,10 @@ class RecordRun(Run):
         self.own_seconds = 0.0
         self.save_seconds = 0.0
         # Preemption: a signal is noted by the handler and acted on at the next step boundary.
-        self.signals = _preemption.StopSignals(os.environ.get("HINDSIGHT_CATCH_SIGINT") == "1")
+        self.signals = _preemption.StopSignals(_settings.flag(_settings.CATCH_SIGINT, False))
         self.requeue = _preemption.requeue_default()
-        self.safety_seconds = _env_float("HINDSIGHT_SAFETY_MINUTES", 60.0)
+        self.safety_seconds = _env_float(_settings.SAFETY_MINUTES, 60.0)
+        _preemption.exit_code()  # a bad $HINDSIGHT_EXIT_CODE stops the run now, not at its preemption
         self.last_checkpoint_time = time.monotonic()
         self.resume: dict[str, Any] | None = None
         self.block_rng: dict[str, Any] | None = None
@@ -89,10 +90,10 @@ class RecordRun(Run):
         return self.signals.received
 
     def _start(self) -> None:
-        explicit = os.environ.get(ENV_RUN_NAME)
+        explicit = _settings.text(ENV_RUN_NAME)
         key = explicit or _native.resume_key(str(self.script), str(self.root), sys.argv[1:])
         prev = None
-        if os.environ.get(ENV_RESUME, "1") != "0":
+        if _settings.flag(ENV_RESUME, True):
             prev = self.db.run_to_resume(key, str(self.root), explicit is not None)
         if prev is not None:
             self.run_id = prev["id"]

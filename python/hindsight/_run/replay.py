@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hindsight import _native
+from hindsight import _native, _settings
 from hindsight._run import batches, files
 from hindsight._run.common import Run
 from hindsight._state import capture_grads, set_rng_state
@@ -60,7 +60,7 @@ class ReplayRun(Run):
         recorded_cwd = os.environ.get(files.ENV_RECORDED_CWD)
         if recorded_cwd:
             # Writes go to this worker's own mirror of the recorded directory.
-            files.Mirror(Path(recorded_cwd), Path.cwd(), [self.home], os.environ.get(files.ENV_CONCURRENT) == "1")
+            files.Mirror(Path(recorded_cwd), Path.cwd(), [self.home], _settings.flag(files.ENV_CONCURRENT, False))
         atexit.register(self.finish)
 
     def _log_db_path(self) -> str:

@@ -12,7 +12,7 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 /// The environment variable naming the project home.
-pub const HOME_ENV: &str = "HINDSIGHT_HOME";
+pub const HOME_ENV: &str = crate::settings::HOME.name;
 
 /// Name of the home directory inside a project.
 pub const HOME_DIR: &str = ".hindsight";

@@ -11,9 +11,9 @@ use crate::runs::adaptive::{AdaptivePolicy, DEFAULT_EPSILON};
 use crate::runs::cpu::{contention, CpuSample};
 
 /// The environment variable fixing the period (in outer iterations).
-pub const EVERY_ENV: &str = "HINDSIGHT_CHECKPOINT_EVERY";
+pub const EVERY_ENV: &str = crate::settings::CHECKPOINT_EVERY.name;
 /// The environment variable setting the adaptive policy's overhead bound ε.
-pub const EPSILON_ENV: &str = "HINDSIGHT_EPSILON";
+pub const EPSILON_ENV: &str = crate::settings::EPSILON.name;
 
 /// The checkpoint decisions of one recording.
 #[derive(Debug, Clone)]

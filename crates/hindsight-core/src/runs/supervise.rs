@@ -28,9 +28,9 @@ use crate::error::{Error, Result};
 use crate::runs::preempt;
 
 /// Environment variable naming the heartbeat pipe's write end.
-pub const HEARTBEAT_ENV: &str = "HINDSIGHT_HEARTBEAT_FD";
+pub const HEARTBEAT_ENV: &str = crate::settings::HEARTBEAT_FD.name;
 /// Environment variable carrying the restart count (absent on the first start).
-pub const RESTART_ENV: &str = "HINDSIGHT_RESTART";
+pub const RESTART_ENV: &str = crate::settings::RESTART.name;
 
 #[derive(Clone, Debug)]
 pub struct Policy {
@@ -244,7 +244,7 @@ pub fn supervise(cmd: &[OsString], policy: &Policy, log: &mut dyn Write) -> Resu
             "no command given (hindsight run -- python train.py ...)",
         ));
     }
-    let checkpoint_code = preempt::exit_code(None);
+    let checkpoint_code = preempt::exit_code(None)?;
     let _handlers = Handlers::install();
     let mut restarts = 0u32;
     let mut wait = policy.backoff;
