@@ -54,6 +54,12 @@ def _find_code(name: str) -> Any:
     """The module, class or function `name` names, among those loaded (never an import)."""
     if name in sys.modules:
         return sys.modules[name]
+    obj = _loaded(name)
+    return obj if isinstance(obj, _CODE) else None
+
+
+def _loaded(name: str) -> Any:
+    """What the dotted `name` names in a module already loaded (never an import), or None."""
     module, _, qual = name.rpartition(".")
     while module:
         mod = sys.modules.get(module)
@@ -61,7 +67,7 @@ def _find_code(name: str) -> Any:
             obj: Any = mod
             for part in qual.split("."):
                 obj = getattr(obj, part, None)
-            return obj if isinstance(obj, _CODE) else None
+            return obj
         module, _, head = module.rpartition(".")
         qual = f"{head}.{qual}"
     return None
@@ -77,17 +83,8 @@ def _qualname(t: type) -> str:
 
 def _resolve(name: str) -> type | None:
     """The class `name` names, from modules already loaded (never an import)."""
-    module, _, qual = name.rpartition(".")
-    while module:
-        mod = sys.modules.get(module)
-        if mod is not None:
-            obj: Any = mod
-            for part in qual.split("."):
-                obj = getattr(obj, part, None)
-            return obj if isinstance(obj, type) else None
-        module, _, head = module.rpartition(".")
-        qual = f"{head}.{qual}"
-    return None
+    obj = _loaded(name)
+    return obj if isinstance(obj, type) else None
 
 
 def _plain_class(t: type) -> bool:
