@@ -214,7 +214,7 @@ def replay_summary(stdout: str) -> str:
 # the three parts
 
 
-def part_record(tab: Table, raw: dict[str, Any], epochs: int) -> Path:
+def part_record(tab: Table, raw: dict[str, Any], epochs: int, reps: int = REPS) -> Path:
     plain_dir = OUT / "plain"
     plain_dir.mkdir(parents=True)
     (plain_dir / "plain.py").write_text(training_script("plain", epochs))
@@ -237,7 +237,7 @@ def part_record(tab: Table, raw: dict[str, Any], epochs: int) -> Path:
 
     # P R P R P R P: every rec run has a plain run just before and just after it (the CPU speed of this VM
     # drifts by several percent over minutes; pairing neighbours cancels most of the drift)
-    for k in range(REPS):
+    for k in range(reps):
         plain(k)
         d = OUT / f"rec-{k + 1}"
         d.mkdir()
@@ -254,7 +254,7 @@ def part_record(tab: Table, raw: dict[str, Any], epochs: int) -> Path:
             file=sys.stderr,
             flush=True,
         )
-    plain(REPS)
+    plain(reps)
 
     pl = statistics.median(r["loop_s"] for r in plain_runs)
     rl = statistics.median(r["loop_s"] for r in rec_runs)
@@ -281,7 +281,7 @@ def part_record(tab: Table, raw: dict[str, Any], epochs: int) -> Path:
         + r["after_s"]
         for r in rec_runs
     ]
-    tab.add(f"training loop, wall: median of {REPS} rec / {REPS + 1} plain", rl, pl, target=RECORD_TARGET)
+    tab.add(f"training loop, wall: median of {reps} rec / {reps + 1} plain", rl, pl, target=RECORD_TARGET)
     tab.add(
         "training loop, wall: rec / its 2 neighbouring plain",
         None,
@@ -654,6 +654,8 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="leave bench-out/replay/ in place")
     ap.add_argument("--epochs", type=int, default=20, help="epochs of the recorded training (default 20)")
     ap.add_argument("--only-iterations", action="store_true", help="part 5 only (the iteration loop)")
+    ap.add_argument("--only-partial", action="store_true", help="parts 1 and 2 only (record overhead, partial replay)")
+    ap.add_argument("--reps", type=int, default=REPS, help=f"plain / rec alternations of part 1 (default {REPS})")
     args = ap.parse_args()
 
     shutil.rmtree(OUT, ignore_errors=True)
@@ -690,10 +692,13 @@ def main() -> int:
             part_iterations(tab, raw)
             print(tab.render())
             return 0
-        proj = part_record(tab, raw, args.epochs)
+        proj = part_record(tab, raw, args.epochs, args.reps)
         print(f"  (part 1 took {now() - t0:.0f} s)", file=sys.stderr, flush=True)
         t0 = now()
         part_partial(tab, raw, proj, args.epochs)
+        if args.only_partial:
+            print(tab.render())
+            return 0
         part_parallel(tab, raw, proj, args.epochs)
         print(f"  (parts 2-3 took {now() - t0:.0f} s)", file=sys.stderr, flush=True)
         t0 = now()
