@@ -31,6 +31,8 @@ from hindsight._state import note_loader_generators, rng_state, set_rng_state
 from hindsight.errors import DivergenceError, ReplayError
 
 _ORIGINAL_ITER: Any = None
+#: Where torch's own DataLoader iterators are defined: the only ones tagged.
+_TORCH_ITERATORS = "torch.utils.data.dataloader"
 
 
 @dataclass
@@ -95,6 +97,11 @@ def _states(loader: Any) -> dict[str, Any]:
 def _tracked_iter(loader: Any) -> Any:
     created = _states(loader)
     it = _ORIGINAL_ITER(loader)
+    if type(it).__module__ != _TORCH_ITERATORS:
+        # Another library's iterator (torchdata's StatefulDataLoader keeps
+        # its own state, reading its sampler iterator): left as it is, and
+        # refused if kept across iterations.
+        return it
     origin = _Origin(weakref.ref(loader), created)
     sampler_iter = getattr(it, "_sampler_iter", None)
     if sampler_iter is not None:
