@@ -273,3 +273,46 @@ def test_a_loader_with_its_own_seeded_generator_resumes_and_replays_in_the_recor
         got[home] = sorted((row["epoch"], row["w"]) for row in json.loads(q.stdout) if row.get("w") is not None)
     assert len(got["probed"]) == 4
     assert got["ref"] == got["probed"]
+
+
+CONFIG = """
+import os, time, torch, hindsight as hs
+net = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+cfg = {"lr": 0.1}
+with hs.checkpointing(model=net, optimizer=opt):
+    for epoch in hs.loop("epoch", range(3)):
+        torch.backends.cudnn.benchmark = True  # process-wide configuration: not state
+        os.environ["EPOCH"] = str(epoch)
+        cfg["lr"] *= 0.5  # state, changed by a store into the dict
+        opt.zero_grad()
+        net(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        time.sleep(0.3)  # the epoch's checkpoint is durable before the kill
+        if epoch == 1 and os.environ.get("FLAG") and not os.path.exists(os.environ["FLAG"]):
+            open(os.environ["FLAG"], "w").close()
+            os.kill(os.getpid(), 9)
+print("lr", cfg["lr"])
+"""
+
+
+def test_a_dict_stored_into_resumes_and_module_settings_are_not_refused(tmp_path: Path) -> None:
+    """`cfg["lr"] *= 0.5` changes `cfg` (a resume used to restart it from
+    the code before the loop); `torch.backends.cudnn.benchmark = True` and
+    `os.environ[k] = v` store into modules, configuration the code sets
+    again, and are not refused."""
+    script = tmp_path / "t.py"
+    script.write_text(CONFIG)
+    env = {**os.environ, "HINDSIGHT_HOME": str(tmp_path / "home"), "HINDSIGHT_CHECKPOINT_EVERY": "1"}
+    first = subprocess.run(
+        [sys.executable, str(script)],
+        env={**env, "FLAG": str(tmp_path / "flag")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert first.returncode == -9, first.stderr[-2000:]
+    again = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "continues from checkpoint" in again.stderr
+    assert again.stdout.strip() == "lr 0.0125"

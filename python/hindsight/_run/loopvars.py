@@ -449,7 +449,18 @@ class LoopVars:
                 and not _data_source(v)
             ):
                 self.unkept.setdefault(name, f"{type(v).__qualname__}: {why}")
-            if at is None and line > 0 and name in self.live and name not in transient and not _closed_file(v):
+            # A module or class stored into (`torch.backends.cudnn.benchmark =
+            # True`, `os.environ[k] = v`) is process-wide configuration, set
+            # again by the code that set it: not refused, as a call on it is not.
+            stored_code = name in self.into and _code(v)
+            if (
+                at is None
+                and line > 0
+                and name in self.live
+                and name not in transient
+                and not _closed_file(v)
+                and not stored_code
+            ):
                 fix = (
                     "keep what later code needs in a smaller variable (a .item(), a slice)"
                     if "MiB" in why
