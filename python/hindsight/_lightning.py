@@ -140,28 +140,18 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
     ) -> None:
         super().__init__()
         self.prefix = _check_prefix(prefix)
-        for arg, v in (
-            ("every_n_epochs", every_n_epochs),
-            ("every_n_train_steps", every_n_train_steps),
-            ("keep_last", keep_last),
-            ("keep_best", keep_best),
-            ("keep_every", keep_every),
-        ):
+        for arg, v in (("every_n_epochs", every_n_epochs), ("every_n_train_steps", every_n_train_steps)):
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise InvalidArgumentError(f"HindsightCheckpoint({arg}={v!r}): must be an int of at least 1")
-        if keep_best is not None and not monitor:
-            raise InvalidArgumentError("HindsightCheckpoint(keep_best=...) needs monitor='<logged metric>'")
-        if mode not in ("min", "max"):
-            raise InvalidArgumentError(f"HindsightCheckpoint(mode={mode!r}): use 'min' or 'max'")
+        # The retention arguments are checked by the engine's one rule.
+        self.retention = _native.Retention.checked(
+            "HindsightCheckpoint", "monitor", "mode", keep_last, keep_best, monitor, mode, keep_every
+        )
         self._store = store if isinstance(store, Store) else None
         self._store_path = store.path if isinstance(store, Store) else os.fspath(store)
         self.every_n_epochs = every_n_epochs
         self.every_n_train_steps = every_n_train_steps
-        self.keep_last = keep_last
-        self.keep_best = keep_best
         self.monitor = monitor
-        self.mode = mode
-        self.keep_every = keep_every
         self.exit_code = exit_code
         self.requeue = requeue if requeue is not None else _preemption.requeue_default()
         self.catch_sigint = catch_sigint
@@ -188,6 +178,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         # replaced for the fit.
         self._replay: ReplayRun | None = None
         self._mode: str | None = None
+        self._restoring: str | None = None
         self._pending: int | None = None
         self._hooked: Any = None
 
@@ -319,7 +310,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             return None
         value = trainer.callback_metrics.get(self.monitor)
         if value is None:
-            if self.keep_best is not None and not getattr(self, "_warned_monitor", False):
+            if self.retention.keep_best is not None and not getattr(self, "_warned_monitor", False):
                 self._warned_monitor = True
                 warnings.warn(
                     f"HindsightCheckpoint: monitor {self.monitor!r} is not among the logged metrics "
@@ -333,21 +324,25 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             return None
 
     def _apply_retention(self, final: bool = False) -> None:
-        if self.keep_last is None and self.keep_best is None and self.keep_every is None:
+        policy = self.retention
+        if policy.is_empty():
             return
         self.store.apply_retention(
             self.fit_prefix,
-            keep_last=self.keep_last,
-            keep_best=self.keep_best,
-            best_mode=self.mode,
-            keep_every=self.keep_every,
-            monitor=self.monitor if self.keep_best else None,
+            keep_last=policy.keep_last,
+            keep_best=policy.keep_best,
+            best_mode=policy.best_mode,
+            keep_every=policy.keep_every,
+            monitor=policy.metric,
         )
 
     # -- Lightning hooks -------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._replay = _replay_run() if stage == "fit" else None
         if self._replay is not None:
+            # An epoch executed instead of restored could not be compared
+            # with the checkpoint it replaces here: keep the plan's restores.
+            self._replay.session.set_cost_rule(False)
             self._replay_setup(trainer)
         self._continue_run = stage == "fit" and self._replay is None and bool(trainer.is_global_zero)
         # Teach the strategy's CheckpointIO hindsight:// paths before
@@ -396,7 +391,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self._replay is not None:
             # The fit ends after the last epoch the plan visits.
-            trainer.fit_loop.max_epochs = (self._replay.last_needed or 0) + 1
+            trainer.fit_loop.max_epochs = (self._replay.session.last_needed or 0) + 1
             return
         # Lightning registered its own SIGTERM handler after on_fit_start
         # (composed with ours); it would stop with exit status 0 and no
@@ -438,7 +433,8 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._context([("epoch", trainer.current_epoch)])
         if self._replay is not None:
-            self._replay.inner_steps_executed += 1
+            # No fingerprints recorded for Lightning's batches: counted, not compared.
+            self._replay.session.step(trainer.current_epoch, batch_idx, "")
             return
         epoch_loop = trainer.fit_loop.epoch_loop
         should_accumulate = getattr(epoch_loop, "_should_accumulate", None)
@@ -587,24 +583,29 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         assert self._replay is not None
         self._replay_progress()
         epoch = trainer.current_epoch
-        self._mode = self._replay.modes.get(epoch)
+        session = self._replay.session
+        visit = session.iteration_start(epoch)
+        self._mode = self._restoring = None
+        if visit.kind not in ("skip", "stop"):
+            block = session.block_start(epoch, {})
+            self._mode = "restore" if block.kind == "restore" else "execute"
+            self._restoring = block.checkpoint
         # The epoch starts from the state the previous one left only where the
-        # plan visited that one (or at the fit's start).
-        _drop(self._mode is None or (epoch > 0 and epoch - 1 not in self._replay.modes))
+        # plan visited that one (or at the fit's start): the session says stale.
+        _drop(self._mode is None or visit.stale)
 
     def _replay_epoch_ends(self, trainer: Any) -> None:
         assert self._replay is not None
         epoch = trainer.current_epoch
-        if self._mode == "restore":
-            name = self._replay.checkpoints.get(epoch)
-            if name is None:
-                raise ReplayError(f"replay plan has no checkpoint for epoch {epoch}")
+        name = self._restoring
+        if self._mode == "restore" and name is not None:
             t0 = time.perf_counter()
             ckpt = _unpack(self.store.load(name, allow_pickle=self.allow_pickle))
             _restore_epoch_end(trainer, ckpt, name)
-            self._replay.blocks_restored += 1
+            took = time.perf_counter() - t0
+            self._replay.session.restored_in(took)
             try:
-                self._replay.db.set_restore_seconds(self._replay.run_id, "epoch", epoch, time.perf_counter() - t0)
+                self._replay.db.set_restore_seconds(self._replay.run_id, "epoch", epoch, took)
             except HindsightError as e:  # bookkeeping only: say so, but never fail a replay for it
                 print(f"hindsight: could not record the restore time of {name}: {e}", file=sys.stderr)
             _drop(False)

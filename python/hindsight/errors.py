@@ -20,6 +20,8 @@ class HindsightError(Exception):
     key_path: str | None = None
     #: The argument an ``InvalidArgumentError`` names.
     arg: str | None = None
+    #: The run a ``ReplayError`` or ``DivergenceError`` is about.
+    run: str | None = None
 
 
 class NotFoundError(HindsightError, LookupError):

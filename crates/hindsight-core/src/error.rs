@@ -109,6 +109,25 @@ pub enum Error {
     /// fill them failed (e.g. a CUDA error). Nothing of the save became visible.
     #[error("device copy for checkpoint '{checkpoint}' failed: {detail}")]
     Device { checkpoint: String, detail: String },
+
+    /// A resume or replay of `run` that cannot be made exact (the script or
+    /// its arguments no longer match what was recorded): it stops instead.
+    #[error("{what} of run {run}: {detail}")]
+    Replay {
+        what: String,
+        run: String,
+        detail: String,
+    },
+
+    /// What a resume or replay of `run` computed differs from the recording
+    /// at `at`: every value after it would be another run's.
+    #[error("{what} of run {run} diverged from the recording: {detail}")]
+    Diverged {
+        what: String,
+        run: String,
+        at: String,
+        detail: String,
+    },
 }
 
 /// What kind of error, for front ends that map kinds to their own types
@@ -132,6 +151,8 @@ pub enum ErrorKind {
     Closed,
     Abandoned,
     Device,
+    Replay,
+    Diverged,
 }
 
 impl Error {
@@ -199,6 +220,8 @@ impl Error {
             Error::Closed { .. } => ErrorKind::Closed,
             Error::Abandoned { .. } => ErrorKind::Abandoned,
             Error::Device { .. } => ErrorKind::Device,
+            Error::Replay { .. } => ErrorKind::Replay,
+            Error::Diverged { .. } => ErrorKind::Diverged,
         }
     }
 
@@ -242,6 +265,14 @@ impl Error {
     pub fn arg(&self) -> Option<&str> {
         match self.root() {
             Error::InvalidArgument { arg, .. } => Some(arg),
+            _ => None,
+        }
+    }
+
+    /// The run a resume or replay error is about, if any.
+    pub fn run(&self) -> Option<&str> {
+        match self.root() {
+            Error::Replay { run, .. } | Error::Diverged { run, .. } => Some(run),
             _ => None,
         }
     }

@@ -32,6 +32,8 @@ fn class_name(kind: ErrorKind) -> &'static str {
         ErrorKind::Closed => "StoreClosedError",
         ErrorKind::Abandoned => "AbandonedError",
         ErrorKind::Device => "DeviceCopyError",
+        ErrorKind::Replay => "ReplayError",
+        ErrorKind::Diverged => "DivergenceError",
     }
 }
 
@@ -60,6 +62,7 @@ fn build(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
     value.setattr("checkpoint", e.checkpoint())?;
     value.setattr("key_path", e.key_path())?;
     value.setattr("arg", e.arg())?;
+    value.setattr("run", e.run())?;
     Ok(err)
 }
 

@@ -10,6 +10,7 @@ mod interrupt;
 mod naming;
 mod project;
 mod runs;
+mod session;
 mod settings;
 mod state_check;
 mod tree;
@@ -618,6 +619,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<buffer::Buffer>()?;
     m.add_class::<naming::PyCheckpointId>()?;
     m.add_class::<naming::PyFitChoice>()?;
+    session::register(m)?;
     m.add_function(wrap_pyfunction!(naming::choose_fit, m)?)?;
     m.add_function(wrap_pyfunction!(run_cli, m)?)?;
     m.add_function(wrap_pyfunction!(device_fingerprint_table, m)?)?;

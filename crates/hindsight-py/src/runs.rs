@@ -12,7 +12,6 @@ use hindsight_core::runs::db::{
     BatchDigest, IterationRow, LogDb as CoreDb, LogRow, NewRun, Phase, RunRow, RunStatus, Trust,
 };
 use hindsight_core::runs::replay;
-use hindsight_core::runs::schedule;
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -668,6 +667,12 @@ impl ReplayPlan {
 #[derive(Clone, Debug)]
 pub(crate) struct WorkerPlan(replay::WorkerPlan);
 
+impl WorkerPlan {
+    pub(crate) fn inner(&self) -> &replay::WorkerPlan {
+        &self.0
+    }
+}
+
 #[pymethods]
 impl WorkerPlan {
     #[staticmethod]
@@ -762,70 +767,6 @@ impl WorkerPlan {
     }
 }
 
-/// When a recording checkpoints (`runs::schedule`): a fixed period, or
-/// Flor's adaptive policy with each checkpoint priced in full.
-#[pyclass(module = "hindsight._native")]
-#[derive(Debug)]
-pub struct CheckpointSchedule {
-    inner: schedule::CheckpointSchedule,
-}
-
-#[pymethods]
-impl CheckpointSchedule {
-    /// From $HINDSIGHT_CHECKPOINT_EVERY and $HINDSIGHT_EPSILON.
-    #[staticmethod]
-    fn from_env() -> PyResult<Self> {
-        schedule::CheckpointSchedule::from_env()
-            .map(|inner| CheckpointSchedule { inner })
-            .py_err()
-    }
-
-    fn set_every(&mut self, every: u64) -> PyResult<()> {
-        self.inner.set_every(every).py_err()
-    }
-
-    #[getter]
-    fn every(&self) -> Option<u64> {
-        self.inner.every()
-    }
-
-    #[getter]
-    fn epsilon(&self) -> f64 {
-        self.inner.policy().epsilon
-    }
-
-    /// Whether to checkpoint at the end of outer iteration `i`'s steps.
-    #[pyo3(signature = (i, compute_secs, background_total, first_estimate))]
-    fn block_ended(
-        &mut self,
-        i: u64,
-        compute_secs: f64,
-        background_total: Option<f64>,
-        first_estimate: f64,
-    ) -> bool {
-        // The machine's CPU totals: how much of the writer's CPU displaced work.
-        let cpu = hindsight_core::runs::cpu::CpuSample::now();
-        self.inner
-            .block_ended(i, compute_secs, background_total, cpu, first_estimate)
-    }
-
-    /// The share of the writer's background CPU charged to the recording.
-    #[getter]
-    fn contention(&self) -> f64 {
-        self.inner.contention()
-    }
-
-    /// A checkpoint was handed over, holding the training thread `blocked_secs`.
-    fn saved(&mut self, blocked_secs: f64) {
-        self.inner.saved(blocked_secs)
-    }
-
-    /// The running total of the recording's own work outside checkpoints.
-    fn overhead(&mut self, total_secs: f64) {
-        self.inner.overhead(total_secs)
-    }
-}
-
 /// Milliseconds since the epoch of a date typed by the user (UTC), as
 /// `hindsight replay --since` takes it (`runs::dates::parse_utc`).
 #[pyfunction]
@@ -846,7 +787,6 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(batch_digest, m)?)?;
     m.add_class::<ReplayCheck>()?;
     m.add_class::<LogDb>()?;
-    m.add_class::<CheckpointSchedule>()?;
     m.add_class::<Iteration>()?;
     m.add_class::<LogRecord>()?;
     m.add_class::<LogValue>()?;

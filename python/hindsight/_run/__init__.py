@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from hindsight import _native
 from hindsight._run import dataiter
 from hindsight._run.common import ENV_HOME, ENV_REPLAY, Run, T, _script_path
 from hindsight._run.record import RecordRun
@@ -170,10 +171,9 @@ def checkpointing(
     """
     if every is not None and every < 1:
         raise InvalidArgumentError(f"hs.checkpointing(every={every}): must be at least 1")
-    if keep_best is not None and not best_metric:
-        raise InvalidArgumentError("hs.checkpointing(keep_best=...) needs best_metric='<logged name>'")
-    if best_mode not in ("min", "max"):
-        raise InvalidArgumentError(f"hs.checkpointing(best_mode={best_mode!r}): use 'min' or 'max'")
+    retention = _native.Retention.checked(
+        "hs.checkpointing", "best_metric", "best_mode", keep_last, keep_best, best_metric, best_mode, keep_every
+    )
     for key, obj in objects.items():
         torch = sys.modules.get("torch")
         if not hasattr(obj, "state_dict") and not (torch is not None and isinstance(obj, torch.Tensor)):
@@ -193,23 +193,9 @@ def checkpointing(
     run.transient |= added
     # No objects: hands-free, they are found when the outer loop starts.
     run.hands_free = not objects
-    if every is not None:
-        run.set_every(every)
-    if safety_minutes is not None:
-        run.safety_seconds = safety_minutes * 60.0
-    if exit_code is not None:
-        run.exit_code = exit_code
+    run.configure(every, safety_minutes, exit_code, None if retention.is_empty() else retention)
     if requeue is not None:
         run.requeue = requeue
-    policy = {
-        "keep_last": keep_last,
-        "keep_best": keep_best,
-        "best_metric": best_metric,
-        "best_mode": best_mode,
-        "keep_every": keep_every,
-    }
-    if any(v is not None for k, v in policy.items() if k != "best_mode"):
-        run.retention = policy
     try:
         yield
     finally:

@@ -46,11 +46,6 @@ def _package_version() -> str:
         return "unknown"
 
 
-def _env_float(name: str, scale: float) -> float | None:
-    v = _settings.number(name)
-    return None if v is None else v * scale
-
-
 LOG_BATCH = 1024
 MAX_LOGGED_ELEMENTS = 10_000
 _SKIP_DIRS = {".git", ".hindsight", "__pycache__", "node_modules", "site-packages", ".venv", "venv", "build", "target"}
@@ -246,15 +241,18 @@ class Run:
         # (LoopVars.unkept), for the closing note.
         self.unkept: dict[str, str] = {}
         self.finished = False
-        # Set by hs.checkpointing; only recording acts on them.
-        self.exit_code: int | None = None
+        # Set by hs.checkpointing; only recording acts on it.
         self.requeue = False
-        self.safety_seconds: float | None = None
-        self.retention: dict[str, Any] = {}
         self._beat_fd, self._next_beat = _heartbeat_fd(), 0.0
 
-    def set_every(self, every: int) -> None:
-        """hs.checkpointing(every=N): only recording acts on it."""
+    def configure(
+        self,
+        every: int | None,
+        safety_minutes: float | None,
+        exit_code: int | None,
+        retention: _native.Retention | None,
+    ) -> None:
+        """hs.checkpointing's settings for the session: only recording acts on them."""
 
     def _log_db_path(self) -> str:
         return str(self.paths.db)
@@ -488,20 +486,13 @@ class Run:
         entry: list[Any] = [name, -1]
         self.stack.append(entry)
         self.outer_name = name
-        if not self.retention:
-            # None chosen: an iteration loop (long, or of unknown length)
-            # keeps a bounded set spread over the run (core's default).
-            length = len(iterable) if isinstance(iterable, Sized) else None
-            spread = _native.default_retention_spread(length)
-            if spread is not None:
-                self.retention = {"keep_spread": spread}
-        self._outer_starts()
+        self._outer_starts(name, len(iterable) if isinstance(iterable, Sized) else None)
         try:
             for i, x in enumerate(iterable):
                 visit = self._visit(i)
-                if visit is None:
+                if visit.kind == "stop":
                     break
-                if not visit:
+                if visit.kind == "skip":
                     continue
                 entry[1] = i
                 self.outer_idx = i
@@ -513,7 +504,7 @@ class Run:
                 self.iter_start = time.perf_counter()
                 self.block_done = False
                 self.reps_outer = {k: v for k, v in self.reps_outer.items() if not k[1]}  # top level stays
-                self.stale_start = self._start_is_stale(i)
+                self.stale_start = visit.stale
                 self._iteration_starts(i)
                 try:
                     yield x
@@ -542,7 +533,8 @@ class Run:
         self.block_vars = LoopVars.of(sys._getframe(1), name, self._object_ids())
         self.module_vars.add(self.block_vars)
         self.block_live = True
-        if self._skip_block(i):
+        steps = self._block_starts(i, iterable)
+        if steps is None:  # restored: the steps do not run
             self.block_done = True
             self.block_live = False
             return
@@ -550,7 +542,7 @@ class Run:
         self.stack.append(entry)
         ok = closed = False
         try:
-            it, start = self._block_iter(i, iterable)
+            it, start = steps
             gen, self.block_gen = self.block_gen, None
             if start:
                 shift_enumerates(gen, start, f"{self.outer_name} {i}, step {start}")
@@ -580,8 +572,10 @@ class Run:
                     self._block_closed(i)
             self.block_live = False
 
-    # Hooks of the loops, defined by RecordRun and ReplayRun.
-    def _outer_starts(self) -> None:
+    # Hooks of the loops, defined by RecordRun and ReplayRun: each turns a
+    # loop event into its session's event (core `runs::session`) and carries
+    # out the action it answers.
+    def _outer_starts(self, name: str, length: int | None) -> None:
         pass
 
     def _outer_ends(self) -> None:
@@ -600,20 +594,14 @@ class Run:
     def _iteration_continues(self) -> None:
         """The body of the current outer iteration went on normally after the steps."""
 
-    def _visit(self, i: int) -> bool | None:
-        """Run outer iteration i (True), skip it (False) or stop the loop (None)."""
-        return True
+    def _visit(self, i: int) -> Any:
+        """What to do with outer iteration i: the session's `Visit` (its
+        `kind` says run, skip or stop; `stale`: see `stale_start`)."""
+        raise NotImplementedError
 
-    def _start_is_stale(self, i: int) -> bool:
-        """Whether iteration i starts from a state other than the one its
-        predecessor left (see `stale_start`)."""
-        return False
-
-    def _skip_block(self, i: int) -> bool:
-        """True when iteration i's steps are not run: their state comes from a checkpoint."""
-        return False
-
-    def _block_iter(self, i: int, iterable: Iterable[T]) -> tuple[Iterator[T], int]:
+    def _block_starts(self, i: int, iterable: Iterable[T]) -> tuple[Iterator[T], int] | None:
+        """The steps of iteration i, as (iterator, first step); None when
+        they are not run (their state came from a checkpoint)."""
         return iter(iterable), 0
 
     def _step_starts(self, i: int, j: int, batch: Any) -> None:

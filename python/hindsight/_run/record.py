@@ -25,7 +25,6 @@ from hindsight._run.common import (
     ENV_RUN_NAME,
     Run,
     T,
-    _env_float,
     _git,
     _package_version,
     _snapshot_source,
@@ -33,22 +32,20 @@ from hindsight._run.common import (
 )
 from hindsight._run.files import Written
 from hindsight._state import capture, capture_grads, rng_state, set_rng_state, tensor_bytes
-from hindsight.errors import CorruptError, DivergenceError, HindsightError, NotFoundError, ReplayError
+from hindsight.errors import CorruptError, HindsightError, NotFoundError, ReplayError
 
 
 class RecordRun(Run):
+    """The frame, iterator and state plumbing of a recording. Every decision
+    (resume point, when to save, the preemption sequence, retention) is the
+    session's (`_native.RecordSession`, core `runs::session`)."""
+
     phase = "record"
 
     def __init__(self) -> None:
         super().__init__()
         self.resume_pending = False
-        self.iterations_seen = 0
-        self._prepared = False
         self.known = cmdline.Known()
-        # A checkpoint written when the steps were closed early, until the
-        # iteration is seen to go on (see Run._block).
-        self.unconfirmed: str | None = None
-        self.iter_checkpoint: str | None = None
         self.iter_materialize: float | None = None
         self.last_blocked: float | None = None
         # The training thread's time in this class's loop hooks, and the part
@@ -59,10 +56,8 @@ class RecordRun(Run):
         # Preemption: a signal is noted by the handler and acted on at the next step boundary.
         self.signals = _preemption.StopSignals(_settings.flag(_settings.CATCH_SIGINT, False))
         self.requeue = _preemption.requeue_default()
-        self.safety_seconds = _env_float(_settings.SAFETY_MINUTES, 60.0)
-        _preemption.exit_code()  # a bad $HINDSIGHT_EXIT_CODE stops the run now, not at its preemption
-        self.last_checkpoint_time = time.monotonic()
-        self.resume: dict[str, Any] | None = None
+        # The checkpoint a resume starts from, loaded when the outer loop starts.
+        self.resume_state: dict[str, Any] | None = None
         self.block_rng: dict[str, Any] | None = None
         # The RNG state when the current outer iteration started: code before
         # the steps may create the data iterator (`enumerate(loader)` draws
@@ -77,10 +72,10 @@ class RecordRun(Run):
         # Fingerprints of the current iteration's batches, until written.
         self.batch_rows: list[tuple[int, int, str]] = []
         self.vars_checked = 0
-        # When to checkpoint ($HINDSIGHT_CHECKPOINT_EVERY, $HINDSIGHT_EPSILON): the engine's rule.
-        self.schedule = _native.CheckpointSchedule.from_env()
         self.files = Written(Path.cwd(), [self.home])
         self._start()
+        # A bad HINDSIGHT_* setting stops the run now, not at its first checkpoint or preemption.
+        self.session = _native.RecordSession.from_env(self.run_id, time.monotonic())
         self._wrap_excepthook()
         self.signals.install()
         atexit.register(self.finish)
@@ -88,6 +83,29 @@ class RecordRun(Run):
     @property
     def stop_signal(self) -> int | None:
         return self.signals.received
+
+    def _sync(self) -> None:
+        """Tell the session what changed outside its events: a signal the
+        handler noted, objects given or dropped by hs.checkpointing."""
+        if self.signals.received is not None:
+            self.session.signal(self.signals.received)
+        self.session.set_objects(bool(self.objects))
+
+    def configure(
+        self,
+        every: int | None,
+        safety_minutes: float | None,
+        exit_code: int | None,
+        retention: _native.Retention | None,
+    ) -> None:
+        if every is not None:
+            self.session.set_every(every)
+        if safety_minutes is not None:
+            self.session.set_safety_minutes(safety_minutes)
+        if exit_code is not None:
+            self.session.set_exit_code(exit_code)
+        if retention is not None:
+            self.session.set_retention(retention)
 
     def _start(self) -> None:
         explicit = _settings.text(ENV_RUN_NAME)
@@ -179,18 +197,18 @@ class RecordRun(Run):
         return location, local
 
     def _block_closed(self, i: int) -> None:
-        # Kept only if the iteration goes on (a break), not if the run fails.
-        self.unconfirmed = self.iter_checkpoint
+        self.session.block_closed(i)
 
     def _iteration_continues(self) -> None:
-        self.unconfirmed = None
+        self.session.iteration_continues()
 
     def _finish(self, status: str) -> None:
         try:
-            if status != "completed" and self.unconfirmed is not None and self._store is not None:
+            end = self.session.finish(status)
+            name = end.discard
+            if name is not None and self._store is not None:
                 # The steps were left by an exception, not a break: their state
                 # is no block end, and a resume must not start from it.
-                name, self.unconfirmed = self.unconfirmed, None
                 try:
                     self._store.remove(name)
                     print(f"hindsight: discarded checkpoint {name}: the run failed inside its steps", file=sys.stderr)
@@ -212,7 +230,7 @@ class RecordRun(Run):
                 )
             if self._store is not None:
                 self._store.flush()
-                if status == "completed":
+                if end.apply_retention:
                     self.apply_retention(final=True)
         finally:
             # Whatever went wrong above, the run's status is recorded: a
@@ -220,11 +238,10 @@ class RecordRun(Run):
             self.db.set_status(self.run_id, status)
 
     # -- checkpoints -------------------------------------------------------------
-    def _checkpoint_id(self, i: int, kind: str = "block", step: int | None = None) -> _native.CheckpointId:
-        return _native.CheckpointId(self.run_id, self.outer_name or "loop", i, kind, step)
-
-    def _save_now(self, ck: _native.CheckpointId, extra: dict[str, Any], wait: bool) -> None:
+    def _save_now(self, name: str, extra: dict[str, Any], wait: bool) -> None:
         t0 = time.perf_counter()
+        ck = _native.CheckpointId.parse(name)
+        assert ck is not None, name  # named by the session
         try:
             self._save(ck, extra, wait, t0)
         finally:
@@ -240,14 +257,10 @@ class RecordRun(Run):
         # The steady-state price: one-time set-up of the first saves (fresh
         # staging, pinned buffers) is not what later checkpoints cost.
         self.last_blocked = max(0.0, time.perf_counter() - t0 - self.store.last_setup_seconds)
-        self.schedule.saved(self.last_blocked)
-        self.last_checkpoint_time = time.monotonic()
+        self.session.saved(self.last_blocked, time.monotonic())
         if wait:
             h.wait()
             self.store.flush()
-
-    def set_every(self, every: int) -> None:
-        self.schedule.set_every(every)
 
     def _estimate_materialize(self) -> float:
         # A first guess, refined by the first save: host tensors are copied
@@ -268,6 +281,7 @@ class RecordRun(Run):
 
     def _end_block_timed(self, i: int, at: str, t0: float) -> None:
         self.block_done = True
+        self._sync()
         if not self.objects:
             return
         if self.vars_checked < 2:
@@ -279,10 +293,10 @@ class RecordRun(Run):
         compute = time.perf_counter() - self.iter_start
         background = self.store.background_cpu_seconds if self._store is not None else None
         first = self._estimate_materialize() if self.last_blocked is None else 0.0
-        self.schedule.overhead(self.own_seconds + time.perf_counter() - t0 - self.save_seconds)
-        if not self.schedule.block_ended(i, compute, background, first):
+        self.session.overhead(self.own_seconds + time.perf_counter() - t0 - self.save_seconds)
+        name = self.session.block_end(i, compute, background, first)
+        if name is None:
             return
-        ck = self._checkpoint_id(i)
         # The values of the steps are in the database before the checkpoint
         # that covers them exists: a resume from it never re-logs them.
         self.flush_logs()
@@ -292,23 +306,24 @@ class RecordRun(Run):
         grads = capture_grads(self.objects)
         if grads is not None:
             extra["grads"] = grads
-        self._save_now(ck, extra, wait=False)
-        self.iter_checkpoint = ck.name
+        self._save_now(name, extra, wait=False)
         self.iter_materialize = self.last_blocked
 
     def apply_retention(self, final: bool = False) -> None:
-        if not self.retention or self._store is None:
+        """The session's policy (the user's, or the loop's default) on this run's checkpoints."""
+        policy = self.session.retention
+        if policy.is_empty() or self._store is None:
             return
-        metric = self.retention.get("best_metric")
+        metric = policy.metric
         if metric:
             self.flush_logs()
         self.store.apply_retention(
             self.run_id,
-            keep_last=self.retention.get("keep_last"),
-            keep_best=self.retention.get("keep_best"),
-            best_mode=self.retention.get("best_mode", "min"),
-            keep_every=self.retention.get("keep_every"),
-            keep_spread=self.retention.get("keep_spread"),
+            keep_last=policy.keep_last,
+            keep_best=policy.keep_best,
+            best_mode=policy.best_mode,
+            keep_every=policy.keep_every,
+            keep_spread=policy.keep_spread,
             metrics=self._epoch_metric(metric) if metric else None,
         )
         if final:
@@ -326,8 +341,8 @@ class RecordRun(Run):
         return values
 
     # -- preemption and resume ----------------------------------------------------
-    def _latest_checkpoint(self) -> dict[str, Any] | None:
-        """The newest complete checkpoint of this run (listed = complete)."""
+    def _latest_checkpoint(self) -> tuple[str, dict[str, Any]] | None:
+        """The newest complete checkpoint of this run that reads back (listed = complete)."""
         for ck in reversed(self.store.checkpoints(self.run_id)):
             try:
                 state = self.store.load(ck.name)
@@ -340,10 +355,7 @@ class RecordRun(Run):
                     flush=True,
                 )
                 continue
-            kind = ck.kind
-            if kind == "block" and state.get("at") == "iteration":
-                kind = "end"  # taken at the end of an outer iteration without an inner hs.loop
-            return {"name": ck.name, "kind": kind, "epoch": ck.index, "step": ck.step or 0, "state": state}
+            return ck.name, state
         return None
 
     def parse_args(self, parser: Any, argv: list[str] | None) -> Any:
@@ -374,73 +386,64 @@ class RecordRun(Run):
         else:
             self.db.delete_run(self.run_id)
 
-    def _outer_starts(self) -> None:
+    def _outer_starts(self, name: str, length: int | None) -> None:
         # Arguments are declared by now: a misspelt --flag must not run silently.
         self.known.check(str(self.script.name))
+        self._sync()
+        self.session.outer_start(name, length)
         if not self.resume_pending:
             return
         self.resume_pending = False
-        self.resume = self._latest_checkpoint()
-        if self.resume is not None:
-            self.start_rng = self.resume["state"].get("start_rng")
-        where = "the start" if self.resume is None else f"checkpoint {self.resume['name']}"
+        latest = self._latest_checkpoint()
+        if latest is not None:
+            ck_name, state = latest
+            # A block checkpoint taken at the end of an iteration without an inner hs.loop holds all of it.
+            self.session.resume_from(ck_name, state.get("at") == "iteration")
+            self.resume_state = state
+            self.start_rng = state.get("start_rng")
+        where = "the start" if latest is None else f"checkpoint {latest[0]}"
         print(
             f"hindsight: run {self.run_id} continues from {where} (store {self.store.path})",
             file=sys.stderr,
             flush=True,
         )
 
-    def _visit(self, i: int) -> bool | None:
-        self.iter_checkpoint = None
+    def _resumed(self, name: str | None) -> tuple[str, dict[str, Any]]:
+        """The checkpoint the session resumes from, and its state."""
+        if self.resume_state is None or name is None:
+            raise ReplayError(f"resume of run {self.run_id}: checkpoint {name} was not loaded (a bug)")
+        return name, self.resume_state
+
+    def _visit(self, i: int) -> Any:
         self.iter_materialize = None
-        self.iterations_seen = i + 1
-        resume = self.resume
-        if resume is None:
-            return True
-        first = resume["epoch"] + 1 if resume["kind"] == "end" else resume["epoch"]
-        if i < first:
-            return False  # done before the interruption; its state is in the checkpoint
-        if resume["kind"] == "end":
-            self._apply(resume["state"], resume["name"])
-            self.resume = None
-        else:
+        visit = self.session.iteration_start(i)
+        if visit.kind == "restore":
+            name, state = self._resumed(visit.checkpoint)
+            self._apply(state, name)
+        elif visit.kind == "rerun":
             # Interrupted in (or after) the steps of iteration i: the code
             # before the steps runs again as it first ran, from the RNG
             # state and the loop's variables it started with (it may create
             # the data iterator and draw its order, or evaluate when the
-            # iteration counter says so).
-            state = resume["state"]
+            # iteration counter says so), but on the objects as the process
+            # started them (nanoGPT's estimate_loss() on initial weights):
+            # the session marks it stale, and the interrupted run logged its
+            # values already.
+            _, state = self._resumed(visit.checkpoint)
             if state.get("iter_rng") is not None:
                 set_rng_state(state["iter_rng"])
             at_start = (state.get("vars") or {}).get("iter")
             if at_start and self.outer_vars is not None:
                 self.outer_vars.restore(at_start)
-        return True
+        return visit
 
     def _outer_ends(self) -> None:
-        resume = self.resume
-        if resume is None:
-            return
-        self.resume = None
-        n = self.iterations_seen
-        if resume["kind"] == "end" and resume["epoch"] == n - 1:
+        last = self.session.outer_end()
+        if last is not None:
             # Interrupted after the last iteration: nothing is left to run,
             # but the code after the loop reads the state it ended with.
-            self._apply(resume["state"], resume["name"])
-            return
-        raise ReplayError(
-            f"resume of run {self.run_id}: checkpoint {resume['name']} is at {self.outer_name} {resume['epoch']}, "
-            f"but the loop now ends after {n} iterations: the script's arguments or data changed since the "
-            "run was interrupted (HINDSIGHT_RESUME=0 starts a new run)"
-        )
-
-    def _start_is_stale(self, i: int) -> bool:
-        # Resumed inside iteration i's steps: the code before them runs again
-        # (it may make the data iterator), but on the objects as the process
-        # started them, not as they were then (nanoGPT's estimate_loss() on
-        # initial weights). The interrupted run logged its values already.
-        r = self.resume
-        return r is not None and r["epoch"] == i and r["kind"] in ("step", "block")
+            name, state = self._resumed(last)
+            self._apply(state, name)
 
     def _iteration_starts(self, i: int) -> None:
         t0 = time.perf_counter()
@@ -450,30 +453,23 @@ class RecordRun(Run):
             self.start_rng = self.iter_rng
         self.own_seconds += time.perf_counter() - t0
 
-    def _skip_block(self, i: int) -> bool:
-        resume = self.resume
-        if resume is not None and resume["epoch"] == i and resume["kind"] == "block":
+    def _block_starts(self, i: int, iterable: Iterable[T]) -> tuple[Iterator[T], int] | None:
+        block = self.session.block_start(i)
+        if block.kind == "restore":
             # Interrupted after this block's checkpoint: restore it, skip the steps.
-            self.resume = None
-            self._apply(resume["state"], resume["name"])
-            return True
-        return False
-
-    def _block_iter(self, i: int, iterable: Iterable[T]) -> tuple[Iterator[T], int]:
+            name, state = self._resumed(block.checkpoint)
+            self._apply(state, name)
+            return None
         self.block_iterable = iterable
-        resume = self.resume
-        if resume is not None and resume["epoch"] == i and resume["kind"] == "step":
-            self.resume = None
-            return self._resume_steps(iterable, resume)
+        if block.kind == "resume_steps":
+            return self._resume_steps(iterable, block.checkpoint, i, block.step)
         self.block_rng = rng_state()  # before iter(): a DataLoader draws its order here
         return iter(iterable), 0
 
-    def _resume_steps(self, iterable: Any, resume: dict[str, Any]) -> tuple[Iterator[Any], int]:
+    def _resume_steps(self, iterable: Any, checkpoint: str | None, i: int, done: int) -> tuple[Iterator[Any], int]:
         """Continue an interrupted block exactly: same data order, no sample repeated or skipped."""
-        state = resume["state"]
-        self._apply(state, resume["name"], rng=False)
-        done = int(state["position"][1]) + 1
-        i = int(state["position"][0])
+        name, state = self._resumed(checkpoint)
+        self._apply(state, name, rng=False)
         self.iter_rng = state.get("iter_rng")
         self.block_rng = state["block_rng"]
         if "loader_state" in state and hasattr(iterable, "load_state_dict"):
@@ -503,15 +499,7 @@ class RecordRun(Run):
             dataiter.advance(it, n)
             return
         for j in range(n):
-            batch = next(it)
-            if j in recorded and batches.digest(batch) != recorded[j]:
-                raise DivergenceError(
-                    f"resume of run {self.run_id}: the batch at {self.outer_name} {i}, step {j} differs from "
-                    "the recorded one: the data loader's order or content was not restored (a sampler or "
-                    "iterator drawing from a generator hindsight does not checkpoint, or data that changed "
-                    "on disk); use hs.data.Loader, or a DataLoader with a seeded generator, or start the "
-                    "epoch afresh (HINDSIGHT_RESUME=0 starts a new run)"
-                )
+            self.session.resumed_batch(i, j, recorded.get(j), batches.digest(next(it)))
 
     def _block_ends(self) -> None:
         self.block_iterable = None
@@ -538,19 +526,19 @@ class RecordRun(Run):
             self.own_seconds += time.perf_counter() - t0
 
     def _step_boundary_timed(self, i: int, j: int) -> None:
-        if not self.objects:
-            if self.stop_signal is not None:
-                self._exit_for_signal()
-            return
-        if not self._prepared:
+        self._sync()
+        act = self.session.step_boundary(i, j, time.monotonic())
+        if act.prepare:
             # After the first step the optimizer's state exists: pin host
             # memory for the whole state now, in the background, so the
             # first checkpoint does not wait for it.
-            self._prepared = True
             self.store.prepare(capture(self.objects, []))
-        due = self.safety_seconds is not None and time.monotonic() - self.last_checkpoint_time > self.safety_seconds
-        if self.stop_signal is None and not due:
-            return
+        if act.save is not None:
+            self._save_step(i, j, act.save, act.wait)
+        if act.exit is not None:
+            self._exit_for_signal(act.exit)
+
+    def _save_step(self, i: int, j: int, name: str, wait: bool) -> None:
         mid = {"block_rng": self.block_rng, "iter_rng": self.iter_rng, "position": [i, j]}
         loader = self.block_iterable
         if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict") and not hasattr(loader, "parameters"):
@@ -561,9 +549,7 @@ class RecordRun(Run):
         if grads is not None:
             mid["grads"] = grads
         self.flush_logs()
-        self._save_now(self._checkpoint_id(i, "step", j), mid, wait=self.stop_signal is not None)
-        if self.stop_signal is not None:
-            self._exit_for_signal()
+        self._save_now(name, mid, wait=wait)
 
     def _end_iteration(self, i: int, closing: bool = False) -> None:
         t0 = time.perf_counter()
@@ -573,29 +559,31 @@ class RecordRun(Run):
             self.own_seconds += time.perf_counter() - t0
 
     def _end_iteration_timed(self, i: int, closing: bool) -> None:
+        self._sync()
+        end = self.session.iteration_end(i, closing)
         self.db.record_iteration(
             self.run_id,
             self.outer_name or "",
             i,
             time.perf_counter() - self.iter_start,
-            self.iter_checkpoint,
-            self.iter_materialize,
+            end.checkpoint,
+            self.iter_materialize if end.checkpoint is not None else None,
             None if self.outer_value is None else int(self.outer_value),
         )
-        if self.retention and self.iter_checkpoint is not None:
+        if end.apply_retention:
             self.flush_logs()
             self.apply_retention()
         self.flush_logs()
-        if self.stop_signal is not None and not closing:
+        if end.save is not None:
             # After outer iteration i: the next iteration starts afresh on resume.
-            if self.objects:
-                self._save_now(self._checkpoint_id(i, "end"), {}, wait=True)
-            self._exit_for_signal()
+            self._save_now(end.save, {}, wait=True)
+        if end.exit is not None:
+            self._exit_for_signal(end.exit)
 
-    def _exit_for_signal(self) -> None:
+    def _exit_for_signal(self, code: int) -> None:
         sig = self.stop_signal
         self.interrupted()
-        _preemption.leave(sig, f"run {self.run_id}", self.exit_code, requeue=self.requeue)
+        _preemption.leave(sig, f"run {self.run_id}", code, requeue=self.requeue)
 
     def interrupted(self) -> None:
         """Logs and checkpoints durable, the run marked `interrupted` (so the

@@ -23,13 +23,17 @@ from hindsight import _native, _settings
 from hindsight._run import batches, files
 from hindsight._run.common import Run
 from hindsight._state import capture_grads, set_rng_state
-from hindsight.errors import HindsightError, ReplayError
+from hindsight.errors import DivergenceError, HindsightError, ReplayError
 
 #: A worker's exit status when what it computed differs from the recording.
 EXIT_DIVERGED = 3
 
 
 class ReplayRun(Run):
+    """The frame and state plumbing of a replay worker; which iterations it
+    visits, restores or executes, and what it must prove, is its session's
+    (`_native.ReplaySession`, core `runs::session`)."""
+
     phase = "replay"
 
     def __init__(self, plan_path: str) -> None:
@@ -40,20 +44,9 @@ class ReplayRun(Run):
         row = self.db.run_at(self.run_id, str(self.root))  # where the project is now
         self.recorded_store = row.get("store")
         self.args = json.loads(row["args_json"] or "{}")
-        self.modes: dict[int, str] = self.plan.modes
-        self.checkpoints: dict[int, str] = self.plan.checkpoints
+        self.session = _native.ReplaySession(self.plan)
         self.progress: int | None = self.plan.progress_fd
-        self.last_needed = max(self.modes, default=-1)
-        self.inner_steps_executed = 0
-        self.blocks_restored = 0
-        self.restore_seconds: list[float] = []
-        # Iterations executed instead of restored (the engine's cost rule):
-        # iteration -> the checkpoint their state is compared with.
-        self.instead: dict[int, str] = {}
-        self.last_visited = -1
-        # The recorded fingerprints of the executed iteration's batches, and
-        # the staged values checked so far against the recording.
-        self.expected: dict[int, str] = {}
+        # The staged values checked so far against the recording.
         self.checked_seq = 0
         self.noted_clock = False
         self.replay_id: int | None = self.plan.replay_id
@@ -98,35 +91,25 @@ class ReplayRun(Run):
             self.progress = None  # the driver went away; replay still finishes
 
     def _finish(self, status: str) -> None:
-        self._progress(f"steps {self.inner_steps_executed} restored {self.blocks_restored}\n")
+        self._progress(self.session.summary())
         super()._finish(status)
 
-    def _visit(self, i: int) -> bool | None:
-        if i > self.last_needed:
-            self.past_plan = True
-            return None
-        return self.modes.get(i, "skip") != "skip"
+    def _outer_starts(self, name: str, length: int | None) -> None:
+        self.session.outer_start(name)
 
-    def _start_is_stale(self, i: int) -> bool:
-        stale = i > 0 and self.last_visited != i - 1
-        self.last_visited = i
-        if stale and self.modes.get(i) == "execute":
-            # The plan visits the predecessor of every executed iteration.
-            raise ReplayError(f"replay plan executes {self.outer_name} {i} without the state before it (a bug)")
-        return stale
-
-    def _iteration_starts(self, i: int) -> None:
-        if i == 0 and self.modes.get(0) == "execute":
+    def _visit(self, i: int) -> Any:
+        visit = self.session.iteration_start(i)
+        self.past_plan = self.session.past_plan
+        if visit.kind == "run_from_start":
             rng = self._recorded_start_rng()
             if rng is not None:
                 set_rng_state(rng)
-        super()._iteration_starts(i)
+        return visit
 
     def _recorded_start_rng(self) -> dict[str, Any] | None:
         """The RNG states the recording's first iteration began with
         (`RecordRun.start_rng`), from any checkpoint this worker knows."""
-        names = [*self.checkpoints.values(), *(self.plan.state_check(i) for i in self.modes)]
-        name = next((n for n in names if n is not None), None)
+        name = next(iter(self.session.start_state_sources()), None)
         if name is None:
             return None
         try:
@@ -135,18 +118,6 @@ class ReplayRun(Run):
             return None  # recorded before start states were kept
         return rng
 
-    def _skip_block(self, i: int) -> bool:
-        if self.modes.get(i) != "restore":
-            return False
-        measured = sum(self.restore_seconds) / len(self.restore_seconds) if self.restore_seconds else None
-        instead = self.plan.execute_instead(i, measured)
-        if instead is not None:
-            self.modes[i] = "execute"
-            self.instead[i] = instead
-            return False
-        self._restore(i)
-        return True
-
     def _write_logs(self, rows: list[tuple[str, list[tuple[str, int]], int, str]]) -> None:
         # Staged: they become results only after the driver's check.
         if self.replay_id is None:
@@ -154,31 +125,28 @@ class ReplayRun(Run):
         else:
             self.db.append_replay_logs(self.replay_id, self.run_id, rows)
 
-    def _block_iter(self, i: int, iterable: Any) -> tuple[Any, int]:
-        self.expected = self.db.batch_digests(self.run_id, i)
-        return super()._block_iter(i, iterable)
+    def _block_starts(self, i: int, iterable: Any) -> tuple[Any, int] | None:
+        block = self.session.block_start(i, self.db.batch_digests(self.run_id, i))
+        if block.kind == "restore":
+            self._restore(block.checkpoint)
+            return None
+        return iter(iterable), 0
 
     def _step_starts(self, i: int, j: int, batch: Any) -> None:
-        self.inner_steps_executed += 1
-        want = self.expected.get(j)
-        if want is not None and batches.digest(batch) != want:
-            self._diverged(
-                f"the batch at {self.outer_name} {i}, step {j} differs from the one the recording consumed: "
-                "the data order or content is not what was recorded (data changed on disk, a loader drawing "
-                "from a generator that is not checkpointed, or an iterator created before hs.loop that the "
-                "restored state does not re-create)"
-            )
+        try:
+            self.session.step(i, j, batches.digest(batch))
+        except DivergenceError as e:
+            self._diverged(e)
 
     def _end_block(self, i: int, at: str = "block") -> None:
         super()._end_block(i, at)
-        if at == "iteration" and self.modes.get(i) == "restore":
+        end = self.session.block_end(i, at == "iteration")
+        if end.kind == "restore":
             # No inner loop to skip (one step per iteration): the body ran;
             # the state after it is the checkpoint's.
-            self._restore(i)
-            return
-        name = self.plan.state_check(i) or self.instead.get(i)
-        if name is not None and self.objects:
-            self._check_state(i, name)
+            self._restore(end.checkpoint)
+        elif end.kind == "check" and end.checkpoint is not None and self.objects:
+            self._check_state(i, end.checkpoint)
 
     def _check_state(self, i: int, name: str) -> None:
         """Stop unless the state this worker computed is the one the
@@ -200,17 +168,12 @@ class ReplayRun(Run):
                 file=sys.stderr,
             )
         if check.first is not None:
-            d = check.first
-            self._diverged(
-                f"after {self.outer_name} {i}, the state differs from the recorded checkpoint {name} at "
-                f"'{d.path}': {d.detail} (what changes it in this replay and not in the recording is not "
-                "restored or not deterministic)"
-            )
+            self._diverged(self.session.state_differs(i, name, check.first.path, check.first.detail))
 
     def _end_iteration(self, i: int, closing: bool = False) -> None:
         self.flush_logs()  # the driver may read the logs as soon as it sees the line
         self._check_values()
-        self._progress(f"{i}\n")
+        self._progress(self.session.iteration_end(i))
 
     def _check_values(self) -> None:
         """Stop at the first value the recording logged that this replay computed otherwise."""
@@ -221,27 +184,25 @@ class ReplayRun(Run):
         if check.divergences:
             d = check.divergences[0]
             where = ", ".join(f"{k}={v}" for k, v in d.ctx) or "top level"
-            self._diverged(f"{d.name} at {where}: recorded {d.record_value}, replayed {d.replay_value}")
+            self._diverged(self.session.value_differs(d.name, where, d.record_value, d.replay_value))
 
-    def _diverged(self, what: str) -> None:
+    def _diverged(self, e: BaseException) -> None:
         """Leave with EXIT_DIVERGED, naming the difference: what follows would be wrong."""
-        print(f"hindsight: replay of run {self.run_id} diverged from the recording: {what}", file=sys.stderr)
+        print(f"hindsight: {e}", file=sys.stderr)
         sys.stderr.flush()
         self.finished = True  # nothing more is written for this worker
         # SystemExit, not an exception the script's own `except Exception` could swallow.
         raise SystemExit(EXIT_DIVERGED)
 
-    def _restore(self, i: int) -> None:
-        name = self.checkpoints.get(i)
+    def _restore(self, name: str | None) -> None:
         if name is None:
-            raise ReplayError(f"replay plan has no checkpoint for {self.outer_name} {i}")
+            raise ReplayError(f"replay plan has no checkpoint for {self.outer_name} {self.outer_idx} (a bug)")
         t0 = time.perf_counter()
         self._apply(self.store.load(name), name)
-        self.blocks_restored += 1
         took = time.perf_counter() - t0
-        self.restore_seconds.append(took)
+        self.session.restored_in(took)
         try:
-            self.db.set_restore_seconds(self.run_id, self.outer_name or "", i, took)
+            self.db.set_restore_seconds(self.run_id, self.outer_name or "", self.outer_idx, took)
         except HindsightError as e:  # bookkeeping only: say so, but never fail a replay for it
             print(f"hindsight: could not record the restore time of {name}: {e}", file=sys.stderr)
 

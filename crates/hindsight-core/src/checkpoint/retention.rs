@@ -49,7 +49,61 @@ pub const DEFAULT_SPREAD: usize = 256;
 /// loop over `itertools.count()`) gets the default retention.
 pub const LONG_LOOP: u64 = 1000;
 
+/// A front end's retention arguments (`hs.checkpointing`, the Lightning
+/// callback), before they are checked.
+#[derive(Clone, Debug, Default)]
+pub struct RetentionArgs<'a> {
+    pub keep_last: Option<i64>,
+    pub keep_best: Option<i64>,
+    /// The logged value keep-best ranks by.
+    pub metric: Option<&'a str>,
+    /// "min" or "max".
+    pub mode: &'a str,
+    pub keep_every: Option<i64>,
+}
+
 impl Retention {
+    /// The policy `args` ask for, checked once for every front end: errors
+    /// name the argument as the caller wrote it, `call(name=value)`, where
+    /// `metric_arg` and `mode_arg` are what that call names the ranked
+    /// metric and its direction.
+    pub fn from_args(
+        call: &str,
+        [metric_arg, mode_arg]: [&str; 2],
+        args: &RetentionArgs<'_>,
+    ) -> Result<Retention> {
+        let count = |name: &str, v: Option<i64>| -> Result<Option<u64>> {
+            match v {
+                Some(n) if n < 1 => Err(Error::invalid(
+                    format!("{call}({name}={n})"),
+                    "must be at least 1",
+                )),
+                v => Ok(v.map(|n| n as u64)),
+            }
+        };
+        let keep_last = count("keep_last", args.keep_last)?;
+        let keep_best = count("keep_best", args.keep_best)?;
+        let keep_every = count("keep_every", args.keep_every)?;
+        let mode: BestMode = args.mode.parse().map_err(|_| {
+            Error::invalid(
+                format!("{call}({mode_arg}={:?})", args.mode),
+                "use 'min' or 'max'",
+            )
+        })?;
+        if keep_best.is_some() && args.metric.is_none_or(str::is_empty) {
+            return Err(Error::invalid(
+                format!("{call}(keep_best=...)"),
+                format!("needs {metric_arg}='<logged metric>' to rank checkpoints by"),
+            ));
+        }
+        Ok(Retention {
+            keep_last: keep_last.map(|n| n as usize),
+            keep_best: keep_best.map(|n| (n as usize, mode)),
+            keep_every,
+            keep_spread: None,
+        })
+    }
+
     pub fn is_empty(&self) -> bool {
         self.keep_last.is_none()
             && self.keep_best.is_none()
@@ -189,6 +243,35 @@ pub fn removals(entries: &[Entry], prefix: &str, policy: &Retention) -> Vec<Chec
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn arguments_are_checked_naming_the_call() {
+        let args = |keep_last, keep_best, metric, mode| RetentionArgs {
+            keep_last,
+            keep_best,
+            metric,
+            mode,
+            keep_every: None,
+        };
+        let err = |a: RetentionArgs<'_>| {
+            Retention::from_args("hs.checkpointing", ["best_metric", "best_mode"], &a)
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(err(args(Some(0), None, None, "min"))
+            .contains("hs.checkpointing(keep_last=0): must be at least 1"));
+        assert!(err(args(None, Some(1), None, "min")).contains("needs best_metric="));
+        assert!(err(args(None, None, None, "best"))
+            .contains("hs.checkpointing(best_mode=\"best\"): use 'min' or 'max'"));
+        let ok = Retention::from_args(
+            "HindsightCheckpoint",
+            ["monitor", "mode"],
+            &args(Some(2), Some(1), Some("val"), "max"),
+        )
+        .unwrap();
+        assert_eq!(ok.keep_last, Some(2));
+        assert_eq!(ok.keep_best, Some((1, BestMode::Max)));
+    }
     use crate::checkpoint::naming::Kind;
     use proptest::prelude::*;
 

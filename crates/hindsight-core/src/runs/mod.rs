@@ -14,4 +14,5 @@ pub mod remove;
 pub mod replay;
 pub mod resume;
 pub mod schedule;
+pub mod session;
 pub mod supervise;

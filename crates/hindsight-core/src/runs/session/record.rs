@@ -1,0 +1,436 @@
+//! The recording's session: resume, checkpoints, preemption, retention.
+
+use super::{BlockStart, Phase, ResumePoint, Visit};
+use crate::checkpoint::naming::{CheckpointId, Kind};
+use crate::checkpoint::retention::Retention;
+use crate::error::{Error, Result};
+use crate::runs::preempt;
+use crate::runs::schedule::CheckpointSchedule;
+use crate::settings;
+
+/// What to do at a boundary between two training steps.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepAction {
+    /// Pin host memory for the state now, in the background (the first
+    /// boundary: the optimizer's state exists), so the first save does not
+    /// wait for it.
+    pub prepare: bool,
+    /// Save this step checkpoint now (a signal, or the safety timer).
+    pub save: Option<String>,
+    /// Wait until it is durable (the process is about to leave).
+    pub wait: bool,
+    /// Then leave with this exit code.
+    pub exit: Option<i32>,
+}
+
+/// What to do once an outer iteration is over.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct IterationEnd {
+    /// The checkpoint of the iteration's steps, if one was saved (the
+    /// iteration's row names it).
+    pub checkpoint: Option<String>,
+    /// Apply the retention policy now (a checkpoint was added).
+    pub apply_retention: bool,
+    /// Save the end-of-iteration checkpoint and wait until it is durable.
+    pub save: Option<String>,
+    /// Then leave with this exit code.
+    pub exit: Option<i32>,
+}
+
+/// What to do as the run finishes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Finish {
+    /// Remove this checkpoint: the steps it followed were left by an
+    /// exception, not a `break`, so it is no block end to resume from.
+    pub discard: Option<String>,
+    /// Apply the retention policy one last time, then collect garbage.
+    pub apply_retention: bool,
+}
+
+/// How the run ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Status {
+    Completed,
+    Failed,
+    Interrupted,
+}
+
+impl std::str::FromStr for Status {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Status> {
+        match s {
+            "completed" => Ok(Status::Completed),
+            "failed" => Ok(Status::Failed),
+            "interrupted" => Ok(Status::Interrupted),
+            other => Err(Error::invalid(
+                "run status",
+                format!("{other:?} is not completed, failed or interrupted"),
+            )),
+        }
+    }
+}
+
+/// One recording process's lifecycle. Times are the caller's monotonic
+/// clock in seconds, so tests drive it without sleeping.
+#[derive(Clone, Debug)]
+pub struct RecordSession {
+    run_id: String,
+    loop_name: String,
+    phase: Phase,
+    schedule: CheckpointSchedule,
+    retention: Retention,
+    retention_chosen: bool,
+    best_metric: Option<String>,
+    exit_code: i32,
+    safety_secs: Option<f64>,
+    has_objects: bool,
+    resume: Option<ResumePoint>,
+    signal: Option<i32>,
+    last_save: f64,
+    prepared: bool,
+    iterations_seen: u64,
+    iter_checkpoint: Option<String>,
+    unconfirmed: Option<String>,
+}
+
+impl RecordSession {
+    /// A session for `run_id`, started at `now`.
+    pub fn new(
+        run_id: &str,
+        schedule: CheckpointSchedule,
+        exit_code: i32,
+        safety_secs: Option<f64>,
+        now: f64,
+    ) -> RecordSession {
+        RecordSession {
+            run_id: run_id.to_string(),
+            loop_name: "loop".into(),
+            phase: Phase::Idle,
+            schedule,
+            retention: Retention::default(),
+            retention_chosen: false,
+            best_metric: None,
+            exit_code,
+            safety_secs,
+            has_objects: false,
+            resume: None,
+            signal: None,
+            last_save: now,
+            prepared: false,
+            iterations_seen: 0,
+            iter_checkpoint: None,
+            unconfirmed: None,
+        }
+    }
+
+    /// A session configured from the environment (`$HINDSIGHT_CHECKPOINT_EVERY`,
+    /// `$HINDSIGHT_EPSILON`, `$HINDSIGHT_SAFETY_MINUTES`, the exit code's
+    /// sources): a bad value stops the run now, naming the variable, not at
+    /// its first checkpoint or preemption.
+    pub fn from_env(run_id: &str, now: f64) -> Result<RecordSession> {
+        let schedule = CheckpointSchedule::from_env()?;
+        let code = preempt::exit_code(None)?;
+        let safety = settings::SAFETY_MINUTES.float()?.map(|m| m * 60.0);
+        Ok(RecordSession::new(run_id, schedule, code, safety, now))
+    }
+
+    pub fn run_id(&self) -> &str {
+        &self.run_id
+    }
+
+    pub fn phase(&self) -> Phase {
+        self.phase
+    }
+
+    pub fn schedule(&self) -> &CheckpointSchedule {
+        &self.schedule
+    }
+
+    pub fn schedule_mut(&mut self) -> &mut CheckpointSchedule {
+        &mut self.schedule
+    }
+
+    // -- configuration (hs.checkpointing) ------------------------------------------
+
+    /// Whether there is state to checkpoint (objects given or found).
+    pub fn set_objects(&mut self, any: bool) {
+        self.has_objects = any;
+    }
+
+    pub fn set_exit_code(&mut self, code: Option<i32>) -> Result<()> {
+        self.exit_code = preempt::exit_code(code)?;
+        Ok(())
+    }
+
+    pub fn exit_code(&self) -> i32 {
+        self.exit_code
+    }
+
+    /// A checkpoint at least every `minutes` of training (a kill -9 loses at most that much).
+    pub fn set_safety_minutes(&mut self, minutes: f64) -> Result<()> {
+        if !(minutes.is_finite() && minutes > 0.0) {
+            return Err(Error::invalid(
+                "safety_minutes",
+                format!("{minutes} must be a positive number of minutes"),
+            ));
+        }
+        self.safety_secs = Some(minutes * 60.0);
+        Ok(())
+    }
+
+    /// The user's retention policy, and the logged name keep-best ranks by.
+    pub fn set_retention(&mut self, retention: Retention, best_metric: Option<String>) {
+        self.retention_chosen = !retention.is_empty();
+        self.retention = retention;
+        self.best_metric = best_metric;
+    }
+
+    pub fn retention(&self) -> &Retention {
+        &self.retention
+    }
+
+    /// The outer-loop-level log keep-best ranks checkpoints by.
+    pub fn best_metric(&self) -> Option<&str> {
+        self.best_metric.as_deref()
+    }
+
+    // -- events ---------------------------------------------------------------------
+
+    /// A stop signal arrived (SIGTERM, SIGUSR1, ...): the session checkpoints
+    /// at the next boundary and exits. The first one counts.
+    pub fn signal(&mut self, signum: i32) {
+        self.signal.get_or_insert(signum);
+    }
+
+    pub fn pending_signal(&self) -> Option<i32> {
+        self.signal
+    }
+
+    /// The outer loop starts (`len`: its length if known). A loop without a
+    /// chosen retention gets the core's default for its length.
+    pub fn outer_start(&mut self, loop_name: &str, len: Option<u64>) {
+        self.loop_name = loop_name.to_string();
+        if !self.retention_chosen {
+            self.retention = Retention::default_for_loop(len);
+        }
+        self.phase = Phase::Between;
+    }
+
+    /// Resume this run from `point`, found when the outer loop starts.
+    pub fn resume_from(&mut self, point: ResumePoint) {
+        self.resume = Some(point);
+    }
+
+    pub fn resuming(&self) -> Option<&ResumePoint> {
+        self.resume.as_ref()
+    }
+
+    pub fn iteration_start(&mut self, i: u64) -> Visit {
+        self.iter_checkpoint = None;
+        self.iterations_seen = i + 1;
+        let visit = match &self.resume {
+            None => Visit::Run,
+            Some(r) if i < r.first_to_run() => Visit::Skip,
+            Some(r) if r.kind == Kind::End => {
+                let checkpoint = r.name.clone();
+                self.resume = None;
+                Visit::Restore { checkpoint }
+            }
+            // Interrupted inside (or after) the steps of iteration i: the
+            // code before them runs again as it first ran (it may make the
+            // data iterator, or evaluate when a counter says so).
+            Some(r) => Visit::Rerun {
+                checkpoint: r.name.clone(),
+            },
+        };
+        if visit != Visit::Skip {
+            self.phase = Phase::Iteration(i);
+        }
+        visit
+    }
+
+    pub fn block_start(&mut self, i: u64) -> BlockStart {
+        let action = match &self.resume {
+            Some(r) if r.index == i && r.kind == Kind::Block => BlockStart::Restore {
+                checkpoint: r.name.clone(),
+            },
+            Some(r) if r.index == i => match r.kind {
+                Kind::Step(j) => BlockStart::ResumeSteps {
+                    checkpoint: r.name.clone(),
+                    step: j + 1,
+                },
+                _ => BlockStart::Run,
+            },
+            _ => BlockStart::Run,
+        };
+        if action != BlockStart::Run {
+            self.resume = None;
+        }
+        self.phase = match action {
+            BlockStart::Restore { .. } => Phase::Iteration(i),
+            _ => Phase::Steps(i),
+        };
+        action
+    }
+
+    /// Between step `j` and the next of iteration `i`, at `now`.
+    pub fn step_boundary(&mut self, i: u64, j: u64, now: f64) -> Result<StepAction> {
+        let mut action = StepAction::default();
+        if !self.has_objects {
+            action.exit = self.signal.map(|_| self.exit_code);
+            return Ok(action);
+        }
+        if !self.prepared {
+            self.prepared = true;
+            action.prepare = true;
+        }
+        let due = self.safety_secs.is_some_and(|s| now - self.last_save > s);
+        if self.signal.is_none() && !due {
+            return Ok(action);
+        }
+        action.save = Some(self.id(i, Kind::Step(j))?);
+        action.wait = self.signal.is_some();
+        action.exit = self.signal.map(|_| self.exit_code);
+        Ok(action)
+    }
+
+    /// The recording's own time outside saves so far (charged to ε).
+    pub fn overhead(&mut self, total_secs: f64) {
+        self.schedule.overhead(total_secs);
+    }
+
+    /// The steps of iteration `i` ended (`at_iteration`: the iteration has no
+    /// inner loop, and its body ended). Returns the checkpoint to save now,
+    /// if the schedule says one is due.
+    pub fn block_end(
+        &mut self,
+        i: u64,
+        compute_secs: f64,
+        background_total: Option<f64>,
+        cpu: Option<crate::runs::cpu::CpuSample>,
+        first_estimate: f64,
+    ) -> Result<Option<String>> {
+        self.phase = Phase::Iteration(i);
+        if !self.has_objects {
+            return Ok(None);
+        }
+        if !self
+            .schedule
+            .block_ended(i, compute_secs, background_total, cpu, first_estimate)
+        {
+            return Ok(None);
+        }
+        let name = self.id(i, Kind::Block)?;
+        self.iter_checkpoint = Some(name.clone());
+        Ok(Some(name))
+    }
+
+    /// A save finished blocking the training thread after `blocked_secs`, at `now`.
+    pub fn saved(&mut self, blocked_secs: f64, now: f64) {
+        self.schedule.saved(blocked_secs);
+        self.last_save = now;
+    }
+
+    /// The steps of iteration `i` were left early (a `break`, or an
+    /// exception): its checkpoint is kept only if the iteration goes on.
+    pub fn block_closed(&mut self, _i: u64) {
+        self.unconfirmed = self.iter_checkpoint.clone();
+    }
+
+    /// The iteration's body went on after its steps (a `break` then).
+    pub fn iteration_continues(&mut self) {
+        self.unconfirmed = None;
+    }
+
+    /// Outer iteration `i` is over; `closing`: the loop ends inside it.
+    pub fn iteration_end(&mut self, i: u64, closing: bool) -> Result<IterationEnd> {
+        self.phase = Phase::Between;
+        let checkpoint = self.iter_checkpoint.clone();
+        let mut end = IterationEnd {
+            apply_retention: checkpoint.is_some() && !self.retention.is_empty(),
+            checkpoint,
+            ..IterationEnd::default()
+        };
+        if self.signal.is_some() && !closing {
+            // After iteration i: the next one starts afresh on resume.
+            if self.has_objects {
+                end.save = Some(self.id(i, Kind::End)?);
+            }
+            end.exit = Some(self.exit_code);
+        }
+        Ok(end)
+    }
+
+    /// The outer loop ran out after `iteration_start` of its last iteration.
+    /// Returns the checkpoint to put back when the run was interrupted
+    /// after its last iteration (the code after the loop reads that state).
+    pub fn outer_end(&mut self) -> Result<Option<String>> {
+        self.phase = Phase::Ended;
+        let Some(r) = self.resume.take() else {
+            return Ok(None);
+        };
+        let n = self.iterations_seen;
+        if r.kind == Kind::End && r.index + 1 == n {
+            return Ok(Some(r.name));
+        }
+        Err(Error::Replay {
+            what: "resume".into(),
+            run: self.run_id.clone(),
+            detail: format!(
+                "checkpoint {} is at {} {}, but the loop now ends after {n} iterations: the script's \
+                 arguments or data changed since the run was interrupted ({}=0 starts a new run)",
+                r.name,
+                self.loop_name,
+                r.index,
+                settings::RESUME.name
+            ),
+        })
+    }
+
+    pub fn finish(&mut self, status: Status) -> Finish {
+        self.phase = Phase::Finished;
+        let unconfirmed = self.unconfirmed.take();
+        match status {
+            Status::Completed => Finish {
+                discard: None,
+                apply_retention: !self.retention.is_empty(),
+            },
+            _ => Finish {
+                discard: unconfirmed,
+                apply_retention: false,
+            },
+        }
+    }
+
+    /// A resume steps over the batches consumed before the interruption:
+    /// the one at step `j` of iteration `i` must be the one recorded there
+    /// (`recorded`: its fingerprint, if one was recorded).
+    pub fn resumed_batch(
+        &self,
+        i: u64,
+        j: u64,
+        recorded: Option<&str>,
+        digest: &str,
+    ) -> Result<()> {
+        match recorded {
+            Some(want) if want != digest => Err(Error::Diverged {
+                what: "resume".into(),
+                run: self.run_id.clone(),
+                at: format!("{} {i}, step {j}", self.loop_name),
+                detail: format!(
+                    "the batch at {} {i}, step {j} differs from the recorded one: the data loader's order or \
+                     content was not restored (a sampler or iterator drawing from a generator hindsight does \
+                     not checkpoint, or data that changed on disk); use hs.data.Loader, or a DataLoader with a \
+                     seeded generator, or start the epoch afresh ({}=0 starts a new run)",
+                    self.loop_name,
+                    settings::RESUME.name
+                ),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    fn id(&self, i: u64, kind: Kind) -> Result<String> {
+        Ok(CheckpointId::new(&self.run_id, &self.loop_name, i, kind)?.name())
+    }
+}

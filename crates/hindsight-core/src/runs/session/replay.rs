@@ -1,0 +1,261 @@
+//! A replay worker's session: the execution of its [`WorkerPlan`], and the
+//! proofs that what it computes is what was recorded.
+
+use std::collections::BTreeMap;
+
+use super::{BlockStart, Phase, Visit};
+use crate::error::{Error, Result};
+use crate::runs::replay::{Mode, WorkerPlan};
+
+/// What to do once an iteration's steps ended (or were restored).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BlockEnd {
+    Nothing,
+    /// An iteration without an inner loop, to be restored: its body ran;
+    /// put the named checkpoint (the state after it) back.
+    Restore {
+        checkpoint: String,
+    },
+    /// Compare the state now with the named checkpoint; stop where it differs.
+    Check {
+        checkpoint: String,
+    },
+}
+
+#[derive(Clone, Debug)]
+pub struct ReplaySession {
+    plan: WorkerPlan,
+    loop_name: String,
+    phase: Phase,
+    /// The plan's modes, where an iteration executed instead of restored
+    /// (the cost rule) becomes `Execute`.
+    modes: BTreeMap<u64, Mode>,
+    /// Iterations executed instead of restored -> the checkpoint they replace.
+    instead: BTreeMap<u64, String>,
+    last_visited: Option<u64>,
+    restore_secs: Vec<f64>,
+    /// The recorded batch fingerprints of the iteration under way.
+    expected: BTreeMap<u64, String>,
+    steps_executed: u64,
+    restored: u64,
+    past_plan: bool,
+    cost_rule: bool,
+}
+
+impl ReplaySession {
+    pub fn new(plan: WorkerPlan) -> ReplaySession {
+        ReplaySession {
+            loop_name: plan.loop_name.clone(),
+            modes: plan.modes.clone(),
+            plan,
+            phase: Phase::Idle,
+            instead: BTreeMap::new(),
+            last_visited: None,
+            restore_secs: Vec::new(),
+            expected: BTreeMap::new(),
+            steps_executed: 0,
+            restored: 0,
+            past_plan: false,
+            cost_rule: true,
+        }
+    }
+
+    /// Whether an iteration may be executed instead of restored where that
+    /// costs less ([`WorkerPlan::execute_instead`]). A front end that cannot
+    /// compare the executed state with the checkpoint it replaces turns it
+    /// off: an unchecked execution would be trusted blindly.
+    pub fn set_cost_rule(&mut self, on: bool) {
+        self.cost_rule = on;
+    }
+
+    /// The last iteration the plan needs.
+    pub fn last_needed(&self) -> Option<u64> {
+        self.plan.last_needed()
+    }
+
+    pub fn plan(&self) -> &WorkerPlan {
+        &self.plan
+    }
+
+    pub fn phase(&self) -> Phase {
+        self.phase
+    }
+
+    /// The plan ended before the loop did: what the code after the loop
+    /// logs describes this worker's last iteration, not the run's end, so
+    /// it is no result (the last worker's is).
+    pub fn past_plan(&self) -> bool {
+        self.past_plan
+    }
+
+    pub fn outer_start(&mut self, loop_name: &str) {
+        self.loop_name = loop_name.to_string();
+        self.phase = Phase::Between;
+    }
+
+    pub fn iteration_start(&mut self, i: u64) -> Result<Visit> {
+        if self.plan.last_needed().is_none_or(|last| i > last) {
+            self.past_plan = true;
+            self.phase = Phase::Ended;
+            return Ok(Visit::Stop);
+        }
+        let Some(&mode) = self.modes.get(&i) else {
+            return Ok(Visit::Skip);
+        };
+        let stale = i > 0 && self.last_visited != Some(i - 1);
+        self.last_visited = Some(i);
+        self.phase = Phase::Iteration(i);
+        if stale && mode == Mode::Execute {
+            // The plan visits the predecessor of every executed iteration.
+            return Err(Error::internal(format!(
+                "replay plan executes {} {i} without the state before it",
+                self.loop_name
+            )));
+        }
+        Ok(if stale {
+            Visit::RunStale
+        } else if i == 0 && mode == Mode::Execute {
+            Visit::RunFromStart
+        } else {
+            Visit::Run
+        })
+    }
+
+    /// Checkpoints that hold the recording's start RNG states (any of the
+    /// plan's: each recording checkpoint keeps them).
+    pub fn start_state_sources(&self) -> Vec<String> {
+        let restored = self.plan.checkpoints.values().cloned();
+        let checked = self
+            .modes
+            .keys()
+            .filter_map(|&i| self.plan.state_check(i).map(str::to_string));
+        restored.chain(checked).collect()
+    }
+
+    /// `expected`: the batch fingerprints the recording consumed in this iteration.
+    pub fn block_start(&mut self, i: u64, expected: BTreeMap<u64, String>) -> Result<BlockStart> {
+        self.expected = expected;
+        if self.modes.get(&i) != Some(&Mode::Restore) {
+            self.phase = Phase::Steps(i);
+            return Ok(BlockStart::Run);
+        }
+        let measured = (!self.restore_secs.is_empty())
+            .then(|| self.restore_secs.iter().sum::<f64>() / self.restore_secs.len() as f64);
+        if let Some(name) = self
+            .plan
+            .execute_instead(i, measured)
+            .filter(|_| self.cost_rule)
+        {
+            self.instead.insert(i, name.to_string());
+            self.modes.insert(i, Mode::Execute);
+            self.phase = Phase::Steps(i);
+            return Ok(BlockStart::Run);
+        }
+        Ok(BlockStart::Restore {
+            checkpoint: self.checkpoint(i)?,
+        })
+    }
+
+    /// Step `j` of iteration `i` is about to run on a batch of fingerprint `digest`.
+    pub fn step(&mut self, i: u64, j: u64, digest: &str) -> Result<()> {
+        self.steps_executed += 1;
+        match self.expected.get(&j) {
+            Some(want) if want != digest => Err(self.diverged(
+                format!("{} {i}, step {j}", self.loop_name),
+                format!(
+                    "the batch at {} {i}, step {j} differs from the one the recording consumed: the data \
+                     order or content is not what was recorded (data changed on disk, a loader drawing from \
+                     a generator that is not checkpointed, or an iterator created before hs.loop that the \
+                     restored state does not re-create)",
+                    self.loop_name
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// A checkpoint was put back in `secs` (the cost rule's measure).
+    pub fn restored(&mut self, secs: f64) {
+        self.restored += 1;
+        self.restore_secs.push(secs);
+    }
+
+    pub fn block_end(&mut self, i: u64, at_iteration: bool) -> Result<BlockEnd> {
+        self.phase = Phase::Iteration(i);
+        if at_iteration && self.modes.get(&i) == Some(&Mode::Restore) {
+            // No inner loop to skip (one step per iteration): the body ran;
+            // the state after it is the checkpoint's.
+            return Ok(BlockEnd::Restore {
+                checkpoint: self.checkpoint(i)?,
+            });
+        }
+        let check = self
+            .plan
+            .state_check(i)
+            .map(str::to_string)
+            .or_else(|| self.instead.get(&i).cloned());
+        Ok(
+            check.map_or(BlockEnd::Nothing, |checkpoint| BlockEnd::Check {
+                checkpoint,
+            }),
+        )
+    }
+
+    /// The state after iteration `i` differs from checkpoint `name` at `path`.
+    pub fn state_differs(&self, i: u64, name: &str, path: &str, detail: &str) -> Error {
+        self.diverged(
+            format!("{} {i}: {path}", self.loop_name),
+            format!(
+                "after {} {i}, the state differs from the recorded checkpoint {name} at '{path}': {detail} \
+                 (what changes it in this replay and not in the recording is not restored or not deterministic)",
+                self.loop_name
+            ),
+        )
+    }
+
+    /// A value this replay logged differs from the recorded one.
+    pub fn value_differs(&self, name: &str, at: &str, recorded: &str, replayed: &str) -> Error {
+        self.diverged(
+            format!("{name} at {at}"),
+            format!("{name} at {at}: recorded {recorded}, replayed {replayed}"),
+        )
+    }
+
+    /// Iteration `i` is over: the progress line for the driver (the worker protocol of `runs::replay`).
+    pub fn iteration_end(&mut self, i: u64) -> String {
+        self.phase = Phase::Between;
+        format!("{i}\n")
+    }
+
+    /// The worker's last progress line.
+    pub fn summary(&mut self) -> String {
+        self.phase = Phase::Finished;
+        format!("steps {} restored {}\n", self.steps_executed, self.restored)
+    }
+
+    pub fn steps_executed(&self) -> u64 {
+        self.steps_executed
+    }
+
+    pub fn restored_count(&self) -> u64 {
+        self.restored
+    }
+
+    fn checkpoint(&self, i: u64) -> Result<String> {
+        self.plan.checkpoints.get(&i).cloned().ok_or_else(|| {
+            Error::internal(format!(
+                "replay plan has no checkpoint for {} {i}",
+                self.loop_name
+            ))
+        })
+    }
+
+    fn diverged(&self, at: String, detail: String) -> Error {
+        Error::Diverged {
+            what: "replay".into(),
+            run: self.plan.run_id.clone(),
+            at,
+            detail,
+        }
+    }
+}

@@ -1,0 +1,542 @@
+//! The session driven through whole loops, as the front ends drive it: every
+//! signal position, every loop shape, resumed from what the interruption
+//! left; and replay plans executed. A simulated program's state is the list
+//! of training steps it has run; a checkpoint copies it.
+
+use std::collections::BTreeMap;
+
+use super::record::Status;
+use super::*;
+use crate::checkpoint::naming::CheckpointId;
+use crate::runs::replay::{Mode, WorkerPlan};
+use crate::runs::schedule::CheckpointSchedule;
+
+type State = Vec<(u64, u64)>;
+
+/// Where a stop signal arrives.
+#[derive(Clone, Copy, Debug)]
+enum At {
+    /// Before iteration `i` starts (it lands at its first boundary).
+    Iteration(u64),
+    /// During step `j` of iteration `i`.
+    Step(u64, u64),
+    /// After the steps of iteration `i`, before it ends (evaluation).
+    AfterSteps(u64),
+}
+
+#[derive(Clone, Copy)]
+struct Shape {
+    outer: u64,
+    /// None: the iteration has no inner loop (its body is one step).
+    steps: Option<u64>,
+    every: Option<u64>,
+}
+
+struct Outcome {
+    state: State,
+    saved: BTreeMap<String, State>,
+    exit: Option<i32>,
+    /// Steps run by this process, in order (a resume must not repeat any).
+    ran: State,
+}
+
+fn session(shape: Shape) -> RecordSession {
+    // A period longer than the loop never checkpoints a block.
+    let every = shape.every.unwrap_or(1_000_000);
+    let mut s = RecordSession::new(
+        "r1",
+        CheckpointSchedule::new(Some(every), 0.1).unwrap(),
+        85,
+        None,
+        0.0,
+    );
+    s.set_objects(true);
+    s
+}
+
+fn drive(
+    mut s: RecordSession,
+    shape: Shape,
+    signal: Option<At>,
+    mut saved: BTreeMap<String, State>,
+) -> Outcome {
+    let mut state = State::new();
+    let mut ran = State::new();
+    s.outer_start("epoch", Some(shape.outer));
+    let save = |saved: &mut BTreeMap<String, State>, name: String, state: &State| {
+        saved.insert(name, state.clone());
+    };
+    for i in 0..shape.outer {
+        if let Some(At::Iteration(k)) = signal {
+            if k == i {
+                s.signal(15);
+            }
+        }
+        match s.iteration_start(i) {
+            Visit::Skip => continue,
+            Visit::Restore { checkpoint } => state = saved[&checkpoint].clone(),
+            Visit::Rerun { .. } | Visit::Run => {}
+            other => panic!("a recording does not {other:?}"),
+        }
+        match shape.steps {
+            None => {
+                // One step per iteration: its end is the block's end.
+                state.push((i, 0));
+                ran.push((i, 0));
+                if let Some(name) = s.block_end(i, 0.0, None, None, 0.0).unwrap() {
+                    save(&mut saved, name, &state);
+                }
+            }
+            Some(n) => {
+                let first = match s.block_start(i) {
+                    BlockStart::Run => Some(0),
+                    BlockStart::Restore { checkpoint } => {
+                        state = saved[&checkpoint].clone();
+                        None
+                    }
+                    BlockStart::ResumeSteps { checkpoint, step } => {
+                        state = saved[&checkpoint].clone();
+                        Some(step)
+                    }
+                };
+                if let Some(first) = first {
+                    for j in first..n {
+                        if matches!(signal, Some(At::Step(k, l)) if (k, l) == (i, j)) {
+                            s.signal(10);
+                        }
+                        state.push((i, j));
+                        ran.push((i, j));
+                        let act = s.step_boundary(i, j, 0.0).unwrap();
+                        if let Some(name) = act.save {
+                            assert!(act.wait == act.exit.is_some());
+                            save(&mut saved, name, &state);
+                        }
+                        if act.exit.is_some() {
+                            return Outcome {
+                                state,
+                                saved,
+                                exit: act.exit,
+                                ran,
+                            };
+                        }
+                    }
+                    if let Some(name) = s.block_end(i, 1.0, None, None, 0.0).unwrap() {
+                        save(&mut saved, name, &state);
+                    }
+                }
+            }
+        }
+        if matches!(signal, Some(At::AfterSteps(k)) if k == i) {
+            s.signal(15);
+        }
+        let end = s.iteration_end(i, false).unwrap();
+        if let Some(name) = end.save {
+            save(&mut saved, name, &state);
+        }
+        if end.exit.is_some() {
+            return Outcome {
+                state,
+                saved,
+                exit: end.exit,
+                ran,
+            };
+        }
+    }
+    if let Some(name) = s.outer_end().unwrap() {
+        state = saved[&name].clone();
+    }
+    Outcome {
+        state,
+        saved,
+        exit: None,
+        ran,
+    }
+}
+
+/// The newest checkpoint, as the front end finds it (listed = complete).
+fn newest(saved: &BTreeMap<String, State>) -> &String {
+    saved
+        .keys()
+        .max_by_key(|n| CheckpointId::parse(n).unwrap().order())
+        .unwrap()
+}
+
+fn every_signal(shape: Shape) -> Vec<At> {
+    let mut at = Vec::new();
+    for i in 0..shape.outer {
+        at.push(At::Iteration(i));
+        for j in 0..shape.steps.unwrap_or(0) {
+            at.push(At::Step(i, j));
+        }
+        at.push(At::AfterSteps(i));
+    }
+    at
+}
+
+#[test]
+fn a_signal_at_every_boundary_resumes_to_the_uninterrupted_state_without_repeating_a_step() {
+    let shapes = [
+        Shape {
+            outer: 3,
+            steps: Some(3),
+            every: Some(1),
+        },
+        Shape {
+            outer: 3,
+            steps: Some(3),
+            every: Some(2),
+        },
+        Shape {
+            outer: 3,
+            steps: Some(2),
+            every: None,
+        },
+        Shape {
+            outer: 4,
+            steps: None,
+            every: Some(1),
+        },
+        Shape {
+            outer: 4,
+            steps: None,
+            every: None,
+        },
+    ];
+    for shape in shapes {
+        let whole = drive(session(shape), shape, None, BTreeMap::new());
+        assert_eq!(whole.exit, None);
+        for at in every_signal(shape) {
+            let first = drive(session(shape), shape, Some(at), BTreeMap::new());
+            let case = format!("{:?} at {at:?}", (shape.outer, shape.steps, shape.every));
+            assert_eq!(
+                first.exit,
+                Some(85),
+                "{case}: leaves with the checkpoint exit code"
+            );
+            let mut again = session(shape);
+            let name = newest(&first.saved).clone();
+            // A block checkpoint of a loop without steps holds the whole iteration.
+            again.resume_from(ResumePoint::new(&name, shape.steps.is_none()).unwrap());
+            let second = drive(again, shape, None, first.saved.clone());
+            assert_eq!(second.exit, None, "{case}");
+            assert_eq!(second.state, whole.state, "{case}: resumed from {name}");
+            let mut both = first.ran.clone();
+            both.extend(&second.ran);
+            assert_eq!(
+                both, whole.ran,
+                "{case}: each step runs once, in order (from {name})"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_signal_after_the_last_iteration_restores_its_state_for_the_code_after_the_loop() {
+    let shape = Shape {
+        outer: 2,
+        steps: Some(2),
+        every: None,
+    };
+    let first = drive(
+        session(shape),
+        shape,
+        Some(At::AfterSteps(1)),
+        BTreeMap::new(),
+    );
+    let name = newest(&first.saved).clone();
+    assert_eq!(name, "r1.epoch-000001.end");
+    let mut again = session(shape);
+    again.resume_from(ResumePoint::new(&name, false).unwrap());
+    let second = drive(again, shape, None, first.saved.clone());
+    assert!(second.ran.is_empty());
+    assert_eq!(second.state, first.state);
+}
+
+#[test]
+fn a_resume_whose_loop_got_shorter_is_refused_naming_the_checkpoint() {
+    let mut s = session(Shape {
+        outer: 2,
+        steps: Some(1),
+        every: Some(1),
+    });
+    s.resume_from(ResumePoint::new("r1.epoch-000005", false).unwrap());
+    s.outer_start("epoch", Some(2));
+    assert_eq!(s.iteration_start(0), Visit::Skip);
+    assert_eq!(s.iteration_start(1), Visit::Skip);
+    let e = s.outer_end().unwrap_err();
+    assert_eq!(e.kind(), crate::error::ErrorKind::Replay);
+    assert_eq!(e.run(), Some("r1"));
+    let text = e.to_string();
+    assert!(
+        text.contains("r1.epoch-000005") && text.contains("ends after 2 iterations"),
+        "{text}"
+    );
+}
+
+#[test]
+fn without_state_a_signal_exits_at_the_next_boundary_saving_nothing() {
+    let mut s = RecordSession::new(
+        "r1",
+        CheckpointSchedule::new(Some(1), 0.1).unwrap(),
+        77,
+        None,
+        0.0,
+    );
+    s.outer_start("epoch", Some(2));
+    assert_eq!(s.iteration_start(0), Visit::Run);
+    assert_eq!(s.block_start(0), BlockStart::Run);
+    assert_eq!(s.step_boundary(0, 0, 0.0).unwrap(), StepAction::default());
+    s.signal(15);
+    s.signal(10); // the first one counts
+    assert_eq!(s.pending_signal(), Some(15));
+    let act = s.step_boundary(0, 1, 0.0).unwrap();
+    assert_eq!((act.save, act.exit, act.prepare), (None, Some(77), false));
+}
+
+#[test]
+fn the_safety_timer_saves_a_step_checkpoint_without_leaving() {
+    let mut s = RecordSession::new(
+        "r1",
+        CheckpointSchedule::new(Some(100), 0.1).unwrap(),
+        85,
+        Some(60.0),
+        0.0,
+    );
+    s.set_objects(true);
+    s.outer_start("it", None);
+    s.iteration_start(0);
+    s.block_start(0);
+    let first = s.step_boundary(0, 0, 10.0).unwrap();
+    assert!(first.prepare && first.save.is_none(), "{first:?}");
+    let due = s.step_boundary(0, 1, 61.0).unwrap();
+    assert_eq!(due.save.as_deref(), Some("r1.it-000000.step-000000001"));
+    assert!(!due.wait && due.exit.is_none() && !due.prepare);
+    s.saved(0.01, 61.5);
+    assert_eq!(s.step_boundary(0, 2, 100.0).unwrap().save, None);
+    assert!(s.step_boundary(0, 3, 122.0).unwrap().save.is_some());
+}
+
+#[test]
+fn retention_is_applied_after_a_saved_block_and_at_completion_and_a_failed_break_discards() {
+    let mut s = session(Shape {
+        outer: 3,
+        steps: Some(1),
+        every: Some(2),
+    });
+    // No retention chosen: a loop of unknown length keeps a bounded spread.
+    s.outer_start("it", None);
+    assert_eq!(
+        s.retention().keep_spread,
+        Some(crate::checkpoint::retention::DEFAULT_SPREAD)
+    );
+    let mut s = session(Shape {
+        outer: 3,
+        steps: Some(1),
+        every: Some(2),
+    });
+    s.outer_start("epoch", Some(3));
+    assert!(
+        s.retention().is_empty(),
+        "an epoch loop keeps every checkpoint"
+    );
+    s.set_retention(
+        crate::checkpoint::retention::Retention {
+            keep_last: Some(1),
+            ..Default::default()
+        },
+        None,
+    );
+    s.iteration_start(0);
+    s.block_start(0);
+    let saved = s.block_end(0, 1.0, None, None, 0.0).unwrap();
+    assert_eq!(saved.as_deref(), Some("r1.epoch-000000"));
+    let end = s.iteration_end(0, false).unwrap();
+    assert_eq!(end.checkpoint.as_deref(), Some("r1.epoch-000000"));
+    assert!(end.apply_retention && end.save.is_none() && end.exit.is_none());
+    s.iteration_start(1);
+    s.block_start(1);
+    assert_eq!(s.block_end(1, 1.0, None, None, 0.0).unwrap(), None);
+    assert_eq!(s.iteration_end(1, false).unwrap(), IterationEnd::default());
+    // Iteration 2's steps are left early: kept only if the iteration goes on.
+    s.iteration_start(2);
+    s.block_start(2);
+    assert!(s.block_end(2, 1.0, None, None, 0.0).unwrap().is_some());
+    s.block_closed(2);
+    let mut failed = s.clone();
+    assert_eq!(
+        failed.finish(Status::Failed).discard.as_deref(),
+        Some("r1.epoch-000002")
+    );
+    s.iteration_continues();
+    let done = s.finish(Status::Completed);
+    assert_eq!(
+        done,
+        Finish {
+            discard: None,
+            apply_retention: true
+        }
+    );
+}
+
+fn plan(modes: &[(u64, Mode)]) -> WorkerPlan {
+    let modes: BTreeMap<u64, Mode> = modes.iter().copied().collect();
+    let checkpoints = modes
+        .iter()
+        .filter(|(_, m)| **m == Mode::Restore)
+        .map(|(i, _)| (*i, format!("r1.epoch-{i:06}")))
+        .collect();
+    WorkerPlan {
+        run_id: "r1".into(),
+        worker: 0,
+        loop_name: "epoch".into(),
+        modes,
+        checkpoints,
+        progress_fd: None,
+        log_db: None,
+        replay_id: None,
+        state_checks: BTreeMap::new(),
+        exact: true,
+        seconds: BTreeMap::new(),
+        restore_seconds: None,
+    }
+}
+
+#[test]
+fn a_replay_visits_what_its_plan_names_and_stops_after_the_last() {
+    use Mode::{Execute as E, Restore as R};
+    type Case<'a> = (&'a [(u64, Mode)], &'a [Visit]);
+    let cases: &[Case<'_>] = &[
+        (
+            &[(0, E), (1, E)],
+            &[Visit::RunFromStart, Visit::Run, Visit::Stop],
+        ),
+        (
+            &[(2, R), (3, E)],
+            &[
+                Visit::Skip,
+                Visit::Skip,
+                Visit::RunStale,
+                Visit::Run,
+                Visit::Stop,
+            ],
+        ),
+        (
+            &[(0, R), (2, R)],
+            &[Visit::Run, Visit::Skip, Visit::RunStale, Visit::Stop],
+        ),
+        (&[], &[Visit::Stop]),
+    ];
+    for (modes, want) in cases {
+        let mut s = ReplaySession::new(plan(modes));
+        s.outer_start("epoch");
+        let got: Vec<Visit> = (0..want.len() as u64)
+            .map(|i| s.iteration_start(i).unwrap())
+            .collect();
+        assert_eq!(&got, want, "{modes:?}");
+        assert!(s.past_plan());
+    }
+    // A plan that executes an iteration without visiting the one before is a bug.
+    let mut s = ReplaySession::new(plan(&[(0, E), (2, E)]));
+    s.iteration_start(0).unwrap();
+    s.iteration_start(1).unwrap();
+    assert_eq!(
+        s.iteration_start(2).unwrap_err().kind(),
+        crate::error::ErrorKind::Internal
+    );
+}
+
+#[test]
+fn a_replay_restores_or_executes_instead_by_cost_and_checks_what_it_executed() {
+    use Mode::{Execute as E, Restore as R};
+    let mut p = plan(&[(0, E), (1, R), (2, R)]);
+    p.state_checks.insert(0, "r1.epoch-000000".into());
+    p.seconds.insert(1, 0.5);
+    p.seconds.insert(2, 0.5);
+    let mut unchecked = ReplaySession::new(p.clone());
+    let mut s = ReplaySession::new(p);
+    s.outer_start("epoch");
+    s.iteration_start(0).unwrap();
+    assert_eq!(s.block_start(0, BTreeMap::new()).unwrap(), BlockStart::Run);
+    assert_eq!(
+        s.block_end(0, false).unwrap(),
+        BlockEnd::Check {
+            checkpoint: "r1.epoch-000000".into()
+        }
+    );
+    assert_eq!(s.iteration_end(0), "0\n");
+    // Restore cost unknown: restore, and measure it.
+    s.iteration_start(1).unwrap();
+    assert_eq!(
+        s.block_start(1, BTreeMap::new()).unwrap(),
+        BlockStart::Restore {
+            checkpoint: "r1.epoch-000001".into()
+        }
+    );
+    s.restored(2.0);
+    assert_eq!(s.block_end(1, false).unwrap(), BlockEnd::Nothing);
+    // Restoring costs 2 s, the iteration 0.5 s: executed, then checked against the checkpoint it replaces.
+    s.iteration_start(2).unwrap();
+    assert_eq!(s.block_start(2, BTreeMap::new()).unwrap(), BlockStart::Run);
+    assert_eq!(
+        s.block_end(2, false).unwrap(),
+        BlockEnd::Check {
+            checkpoint: "r1.epoch-000002".into()
+        }
+    );
+    assert_eq!(s.summary(), "steps 0 restored 1\n");
+    // A front end that cannot check an executed state keeps the plan's restores.
+    unchecked.set_cost_rule(false);
+    for i in 0..2 {
+        unchecked.iteration_start(i).unwrap();
+        unchecked.block_start(i, BTreeMap::new()).unwrap();
+    }
+    unchecked.restored(2.0);
+    unchecked.iteration_start(2).unwrap();
+    let block = unchecked.block_start(2, BTreeMap::new()).unwrap();
+    assert_eq!(
+        block,
+        BlockStart::Restore {
+            checkpoint: "r1.epoch-000002".into()
+        }
+    );
+}
+
+#[test]
+fn a_replay_stops_at_the_first_batch_the_recording_did_not_consume() {
+    let mut s = ReplaySession::new(plan(&[(0, Mode::Execute)]));
+    s.outer_start("epoch");
+    s.iteration_start(0).unwrap();
+    let expected = [(0, "aa".to_string()), (1, "bb".to_string())]
+        .into_iter()
+        .collect();
+    s.block_start(0, expected).unwrap();
+    s.step(0, 0, "aa").unwrap();
+    let e = s.step(0, 1, "cc").unwrap_err();
+    assert_eq!(e.kind(), crate::error::ErrorKind::Diverged);
+    assert!(
+        e.to_string().starts_with(
+            "replay of run r1 diverged from the recording: the batch at epoch 0, step 1"
+        ),
+        "{e}"
+    );
+    s.step(0, 2, "dd").unwrap(); // not recorded (a longer epoch now): not compared
+    assert_eq!(s.steps_executed(), 3);
+}
+
+#[test]
+fn a_resumed_batch_must_be_the_recorded_one() {
+    let mut s = session(Shape {
+        outer: 1,
+        steps: Some(2),
+        every: None,
+    });
+    s.outer_start("epoch", Some(1));
+    s.resumed_batch(0, 0, Some("aa"), "aa").unwrap();
+    s.resumed_batch(0, 1, None, "zz").unwrap();
+    let e = s.resumed_batch(0, 1, Some("aa"), "zz").unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("the batch at epoch 0, step 1 differs from the recorded one"),
+        "{e}"
+    );
+}

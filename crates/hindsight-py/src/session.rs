@@ -1,0 +1,464 @@
+//! The run session (`hindsight_core::runs::session`) for Python: events are
+//! methods, actions come back as frozen objects. The binding converts
+//! arguments and decides nothing.
+
+use std::collections::BTreeMap;
+
+use hindsight_core::checkpoint::retention::{self, RetentionArgs};
+use hindsight_core::runs::cpu::CpuSample;
+use hindsight_core::runs::session::{self as core, record::Status};
+use pyo3::prelude::*;
+
+use crate::errors::IntoPy;
+use crate::runs::WorkerPlan;
+
+/// What to do with an outer iteration about to start: `kind` is one of
+/// "run", "run_stale", "run_from_start", "rerun", "restore", "skip", "stop".
+#[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
+#[derive(Clone, Debug)]
+pub(crate) struct Visit {
+    kind: &'static str,
+    /// The checkpoint a "rerun" or "restore" reads.
+    checkpoint: Option<String>,
+    /// Values logged before the steps are dropped (they would describe the wrong state).
+    stale: bool,
+}
+
+impl From<core::Visit> for Visit {
+    fn from(v: core::Visit) -> Visit {
+        let stale = v.stale();
+        let (kind, checkpoint) = match v {
+            core::Visit::Run => ("run", None),
+            core::Visit::RunStale => ("run_stale", None),
+            core::Visit::RunFromStart => ("run_from_start", None),
+            core::Visit::Rerun { checkpoint } => ("rerun", Some(checkpoint)),
+            core::Visit::Restore { checkpoint } => ("restore", Some(checkpoint)),
+            core::Visit::Skip => ("skip", None),
+            core::Visit::Stop => ("stop", None),
+        };
+        Visit {
+            kind,
+            checkpoint,
+            stale,
+        }
+    }
+}
+
+/// What to do with an iteration's steps: `kind` "run", "restore" (skip
+/// them, put `checkpoint` back) or "resume_steps" (put it back, go on at `step`).
+#[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
+#[derive(Clone, Debug)]
+pub(crate) struct BlockStart {
+    kind: &'static str,
+    checkpoint: Option<String>,
+    step: u64,
+}
+
+impl From<core::BlockStart> for BlockStart {
+    fn from(b: core::BlockStart) -> BlockStart {
+        let (kind, checkpoint, step) = match b {
+            core::BlockStart::Run => ("run", None, 0),
+            core::BlockStart::Restore { checkpoint } => ("restore", Some(checkpoint), 0),
+            core::BlockStart::ResumeSteps { checkpoint, step } => {
+                ("resume_steps", Some(checkpoint), step)
+            }
+        };
+        BlockStart {
+            kind,
+            checkpoint,
+            step,
+        }
+    }
+}
+
+/// What to do between two training steps (`runs::session::StepAction`).
+#[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
+#[derive(Clone, Debug)]
+pub(crate) struct StepAction {
+    prepare: bool,
+    save: Option<String>,
+    wait: bool,
+    exit: Option<i32>,
+}
+
+/// What to do once an outer iteration is over (`runs::session::IterationEnd`).
+#[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
+#[derive(Clone, Debug)]
+pub(crate) struct IterationEnd {
+    checkpoint: Option<String>,
+    apply_retention: bool,
+    save: Option<String>,
+    exit: Option<i32>,
+}
+
+/// What to do as the run finishes (`runs::session::Finish`).
+#[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
+#[derive(Clone, Debug)]
+pub(crate) struct Finish {
+    discard: Option<String>,
+    apply_retention: bool,
+}
+
+/// A replay worker's action after an iteration's steps: `kind` "nothing",
+/// "restore" or "check" (compare the state with `checkpoint`).
+#[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
+#[derive(Clone, Debug)]
+pub(crate) struct BlockEnd {
+    kind: &'static str,
+    checkpoint: Option<String>,
+}
+
+/// A checked retention policy (`checkpoint::retention::Retention::from_args`).
+#[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
+#[derive(Clone, Debug)]
+pub(crate) struct Retention {
+    keep_last: Option<usize>,
+    keep_best: Option<usize>,
+    best_mode: &'static str,
+    keep_every: Option<u64>,
+    keep_spread: Option<usize>,
+    /// The logged value keep-best ranks by.
+    metric: Option<String>,
+}
+
+impl Retention {
+    fn new(policy: retention::Retention, metric: Option<String>) -> Retention {
+        let best_mode = match policy.keep_best {
+            Some((_, retention::BestMode::Max)) => "max",
+            _ => "min",
+        };
+        Retention {
+            keep_last: policy.keep_last,
+            keep_best: policy.keep_best.map(|(k, _)| k),
+            best_mode,
+            keep_every: policy.keep_every,
+            keep_spread: policy.keep_spread,
+            metric,
+        }
+    }
+
+    pub(crate) fn policy(&self) -> retention::Retention {
+        let mode = if self.best_mode == "max" {
+            retention::BestMode::Max
+        } else {
+            retention::BestMode::Min
+        };
+        retention::Retention {
+            keep_last: self.keep_last,
+            keep_best: self.keep_best.map(|k| (k, mode)),
+            keep_every: self.keep_every,
+            keep_spread: self.keep_spread,
+        }
+    }
+}
+
+#[pymethods]
+impl Retention {
+    /// The policy a front end's arguments ask for; errors name `call` and
+    /// its `metric_arg`/`mode_arg`.
+    #[staticmethod]
+    #[pyo3(signature = (call, metric_arg, mode_arg, keep_last=None, keep_best=None, metric=None, mode="min", keep_every=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn checked(
+        call: &str,
+        metric_arg: &str,
+        mode_arg: &str,
+        keep_last: Option<i64>,
+        keep_best: Option<i64>,
+        metric: Option<String>,
+        mode: &str,
+        keep_every: Option<i64>,
+    ) -> PyResult<Retention> {
+        let args = RetentionArgs {
+            keep_last,
+            keep_best,
+            metric: metric.as_deref(),
+            mode,
+            keep_every,
+        };
+        let policy =
+            retention::Retention::from_args(call, [metric_arg, mode_arg], &args).py_err()?;
+        Ok(Retention::new(
+            policy,
+            metric.filter(|_| keep_best.is_some()),
+        ))
+    }
+
+    fn is_empty(&self) -> bool {
+        self.policy().is_empty()
+    }
+}
+
+/// A recording process's lifecycle (`runs::session::RecordSession`).
+#[pyclass(module = "hindsight._native")]
+pub(crate) struct RecordSession(core::RecordSession);
+
+#[pymethods]
+impl RecordSession {
+    /// Configured from the environment; a bad HINDSIGHT_* value is an error naming it.
+    #[staticmethod]
+    fn from_env(run_id: &str, now: f64) -> PyResult<Self> {
+        core::RecordSession::from_env(run_id, now)
+            .map(RecordSession)
+            .py_err()
+    }
+
+    fn set_objects(&mut self, any: bool) {
+        self.0.set_objects(any)
+    }
+
+    fn set_every(&mut self, every: u64) -> PyResult<()> {
+        self.0.schedule_mut().set_every(every).py_err()
+    }
+
+    #[pyo3(signature = (code))]
+    fn set_exit_code(&mut self, code: Option<i32>) -> PyResult<()> {
+        self.0.set_exit_code(code).py_err()
+    }
+
+    fn set_safety_minutes(&mut self, minutes: f64) -> PyResult<()> {
+        self.0.set_safety_minutes(minutes).py_err()
+    }
+
+    fn set_retention(&mut self, policy: &Retention) {
+        self.0.set_retention(policy.policy(), policy.metric.clone())
+    }
+
+    /// The policy in force (the user's, or the loop's default once it started).
+    #[getter]
+    fn retention(&self) -> Retention {
+        Retention::new(
+            self.0.retention().clone(),
+            self.0.best_metric().map(str::to_string),
+        )
+    }
+
+    #[getter]
+    fn exit_code(&self) -> i32 {
+        self.0.exit_code()
+    }
+
+    #[getter]
+    fn every(&self) -> Option<u64> {
+        self.0.schedule().every()
+    }
+
+    #[getter]
+    fn epsilon(&self) -> f64 {
+        self.0.schedule().policy().epsilon
+    }
+
+    #[getter]
+    fn contention(&self) -> f64 {
+        self.0.schedule().contention()
+    }
+
+    #[getter]
+    fn pending_signal(&self) -> Option<i32> {
+        self.0.pending_signal()
+    }
+
+    fn signal(&mut self, signum: i32) {
+        self.0.signal(signum)
+    }
+
+    #[pyo3(signature = (loop_name, length))]
+    fn outer_start(&mut self, loop_name: &str, length: Option<u64>) {
+        self.0.outer_start(loop_name, length)
+    }
+
+    /// Resume from checkpoint `name` (`at_iteration_end`: taken at the end
+    /// of an iteration without an inner loop).
+    fn resume_from(&mut self, name: &str, at_iteration_end: bool) -> PyResult<()> {
+        self.0
+            .resume_from(core::ResumePoint::new(name, at_iteration_end).py_err()?);
+        Ok(())
+    }
+
+    fn iteration_start(&mut self, i: u64) -> Visit {
+        self.0.iteration_start(i).into()
+    }
+
+    fn block_start(&mut self, i: u64) -> BlockStart {
+        self.0.block_start(i).into()
+    }
+
+    fn step_boundary(&mut self, i: u64, j: u64, now: f64) -> PyResult<StepAction> {
+        let a = self.0.step_boundary(i, j, now).py_err()?;
+        Ok(StepAction {
+            prepare: a.prepare,
+            save: a.save,
+            wait: a.wait,
+            exit: a.exit,
+        })
+    }
+
+    fn overhead(&mut self, total_secs: f64) {
+        self.0.overhead(total_secs)
+    }
+
+    /// The checkpoint to save now that iteration `i`'s steps ended, if due.
+    #[pyo3(signature = (i, compute_secs, background_total, first_estimate))]
+    fn block_end(
+        &mut self,
+        i: u64,
+        compute_secs: f64,
+        background_total: Option<f64>,
+        first_estimate: f64,
+    ) -> PyResult<Option<String>> {
+        // Sampled here: the contention estimate compares intervals between block ends.
+        let cpu = CpuSample::now();
+        self.0
+            .block_end(i, compute_secs, background_total, cpu, first_estimate)
+            .py_err()
+    }
+
+    fn saved(&mut self, blocked_secs: f64, now: f64) {
+        self.0.saved(blocked_secs, now)
+    }
+
+    fn block_closed(&mut self, i: u64) {
+        self.0.block_closed(i)
+    }
+
+    fn iteration_continues(&mut self) {
+        self.0.iteration_continues()
+    }
+
+    fn iteration_end(&mut self, i: u64, closing: bool) -> PyResult<IterationEnd> {
+        let e = self.0.iteration_end(i, closing).py_err()?;
+        Ok(IterationEnd {
+            checkpoint: e.checkpoint,
+            apply_retention: e.apply_retention,
+            save: e.save,
+            exit: e.exit,
+        })
+    }
+
+    fn outer_end(&mut self) -> PyResult<Option<String>> {
+        self.0.outer_end().py_err()
+    }
+
+    #[pyo3(signature = (i, j, recorded, digest))]
+    fn resumed_batch(&self, i: u64, j: u64, recorded: Option<&str>, digest: &str) -> PyResult<()> {
+        self.0.resumed_batch(i, j, recorded, digest).py_err()
+    }
+
+    fn finish(&mut self, status: &str) -> PyResult<Finish> {
+        let status: Status = status.parse().py_err()?;
+        let f = self.0.finish(status);
+        Ok(Finish {
+            discard: f.discard,
+            apply_retention: f.apply_retention,
+        })
+    }
+}
+
+/// A replay worker's lifecycle: its plan's execution and its proofs
+/// (`runs::session::ReplaySession`).
+#[pyclass(module = "hindsight._native")]
+pub(crate) struct ReplaySession(core::ReplaySession);
+
+#[pymethods]
+impl ReplaySession {
+    #[new]
+    fn new(plan: &WorkerPlan) -> Self {
+        ReplaySession(core::ReplaySession::new(plan.inner().clone()))
+    }
+
+    /// Off for a front end that cannot compare an executed state with the
+    /// checkpoint it replaces: the plan's restores are then kept.
+    fn set_cost_rule(&mut self, on: bool) {
+        self.0.set_cost_rule(on)
+    }
+
+    #[getter]
+    fn last_needed(&self) -> Option<u64> {
+        self.0.last_needed()
+    }
+
+    #[getter]
+    fn past_plan(&self) -> bool {
+        self.0.past_plan()
+    }
+
+    #[getter]
+    fn steps_executed(&self) -> u64 {
+        self.0.steps_executed()
+    }
+
+    #[getter]
+    fn restored(&self) -> u64 {
+        self.0.restored_count()
+    }
+
+    fn outer_start(&mut self, loop_name: &str) {
+        self.0.outer_start(loop_name)
+    }
+
+    fn iteration_start(&mut self, i: u64) -> PyResult<Visit> {
+        self.0.iteration_start(i).map(Visit::from).py_err()
+    }
+
+    fn start_state_sources(&self) -> Vec<String> {
+        self.0.start_state_sources()
+    }
+
+    /// `expected`: the recorded batch fingerprints of iteration `i`, by step.
+    fn block_start(&mut self, i: u64, expected: BTreeMap<u64, String>) -> PyResult<BlockStart> {
+        self.0
+            .block_start(i, expected)
+            .map(BlockStart::from)
+            .py_err()
+    }
+
+    fn step(&mut self, i: u64, j: u64, digest: &str) -> PyResult<()> {
+        self.0.step(i, j, digest).py_err()
+    }
+
+    fn restored_in(&mut self, secs: f64) {
+        self.0.restored(secs)
+    }
+
+    fn block_end(&mut self, i: u64, at_iteration: bool) -> PyResult<BlockEnd> {
+        let (kind, checkpoint) = match self.0.block_end(i, at_iteration).py_err()? {
+            core::BlockEnd::Nothing => ("nothing", None),
+            core::BlockEnd::Restore { checkpoint } => ("restore", Some(checkpoint)),
+            core::BlockEnd::Check { checkpoint } => ("check", Some(checkpoint)),
+        };
+        Ok(BlockEnd { kind, checkpoint })
+    }
+
+    /// The error to raise: the state after iteration `i` differs from checkpoint `name`.
+    fn state_differs(&self, i: u64, name: &str, path: &str, detail: &str) -> PyErr {
+        crate::errors::to_py(self.0.state_differs(i, name, path, detail))
+    }
+
+    /// The error to raise: a logged value differs from the recorded one.
+    fn value_differs(&self, name: &str, at: &str, recorded: &str, replayed: &str) -> PyErr {
+        crate::errors::to_py(self.0.value_differs(name, at, recorded, replayed))
+    }
+
+    /// The progress line for the driver once iteration `i` is over.
+    fn iteration_end(&mut self, i: u64) -> String {
+        self.0.iteration_end(i)
+    }
+
+    /// The worker's last progress line.
+    fn summary(&mut self) -> String {
+        self.0.summary()
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Visit>()?;
+    m.add_class::<BlockStart>()?;
+    m.add_class::<StepAction>()?;
+    m.add_class::<IterationEnd>()?;
+    m.add_class::<Finish>()?;
+    m.add_class::<BlockEnd>()?;
+    m.add_class::<Retention>()?;
+    m.add_class::<RecordSession>()?;
+    m.add_class::<ReplaySession>()?;
+    Ok(())
+}
