@@ -13,9 +13,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from hindsight import _native, _preemption, _run
-from hindsight._run.record import RecordRun
-from hindsight._run.replay import ReplayRun
+from hindsight import _native, _preemption, session
 from hindsight._state import rng_state, set_rng_state
 from hindsight._store import Store
 from hindsight.errors import HindsightError, InvalidArgumentError, ReplayError, UnsupportedTypeError
@@ -176,7 +174,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         # In a `hindsight replay` worker: its run, the mode of the epoch under
         # way, the visited epoch whose progress line is due, the module hook
         # replaced for the fit.
-        self._replay: ReplayRun | None = None
+        self._replay: session.ReplayRun | None = None
         self._mode: str | None = None
         self._restoring: str | None = None
         self._pending: int | None = None
@@ -230,8 +228,8 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         self._signals.restore()
 
     def _should_stop(self, trainer: Any) -> bool:
-        run = _run._RUN
-        if self.stop_signal is None and isinstance(run, RecordRun) and run.stop_signal is not None:
+        run = session.recording()
+        if self.stop_signal is None and run is not None and run.stop_signal is not None:
             # The script's hindsight run was created during the fit (by the
             # first hs.log or logged metric) and its handler, installed over
             # ours, took the signal.
@@ -247,14 +245,15 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         """The values of the script's hindsight run (HindsightLogger, hs.log in
         the hooks) so far into its log database."""
         self._flush_due = False
-        run = _run._RUN
-        if isinstance(run, RecordRun) and not run.finished:
+        run = session.recording()
+        if run is not None:
             run.flush_logs()
 
     def _exit(self, trainer: Any) -> None:
         self._restore_signals(trainer)
-        if isinstance(_run._RUN, RecordRun):
-            _run._RUN.interrupted()  # the relaunch resumes this run's logs
+        run = session.recording()
+        if run is not None:
+            run.interrupted()  # the relaunch resumes this run's logs
         zero = bool(trainer.is_global_zero)  # one rank requeues and speaks for all
         _preemption.leave(
             self.stop_signal, str(self.last_saved), self.exit_code, requeue=self.requeue and zero, announce=zero
@@ -338,7 +337,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
 
     # -- Lightning hooks -------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._replay = _replay_run() if stage == "fit" else None
+        self._replay = session.replaying("epoch") if stage == "fit" else None
         if self._replay is not None:
             # An epoch executed instead of restored could not be compared
             # with the checkpoint it replaces here: keep the plan's restores.
@@ -403,7 +402,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
 
     # hs.log in the module's hooks: the (epoch, global step) Lightning is at.
     def _context(self, ctx: list[tuple[str, int]] | None) -> None:
-        _run.set_framework_context(ctx)
+        session.context(ctx)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._flush_due:
@@ -498,8 +497,8 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         """The epoch as an iteration of the script's hindsight run (when it
         has one: `HindsightLogger`, `hs.*`), with its checkpoint: what
         `hindsight replay` plans from."""
-        run = _run._RUN
-        if not isinstance(run, RecordRun) or run.finished or not trainer.is_global_zero:
+        run = session.recording()
+        if run is None or not trainer.is_global_zero:
             return
         if run.recorded_store != self.store.path:
             run.db.set_store(run.run_id, self.store.path)
@@ -619,11 +618,10 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             self._pending = epoch
 
     def state_dict(self) -> dict[str, Any]:
-        run = _run._RUN
         return {
             "prefix": self.prefix,
             "rng": rng_state() if self.restore_rng else None,
-            "run": isinstance(run, RecordRun) and not run.finished,  # the fit records into a hindsight run
+            "run": session.recording() is not None,  # the fit records into a hindsight run
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -634,19 +632,11 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             # Continue the interrupted run now, not at the first hs.log: a
             # relaunch with nothing left to train logs nothing, and the run
             # would stay "interrupted" although the fit completed.
-            _run.current()
-
-
-def _replay_run() -> ReplayRun | None:
-    """The run of a `hindsight replay` worker whose plan is over Lightning's epochs, else None."""
-    if not os.environ.get(_run.ENV_REPLAY):
-        return None
-    run = _run.current()
-    return run if isinstance(run, ReplayRun) and run.plan.loop_name == "epoch" else None
+            session.run()
 
 
 def _drop(on: bool) -> None:
-    _run.set_framework_drop(on)
+    session.drop(on)
 
 
 def _restore_epoch_end(trainer: Any, ckpt: dict[str, Any], name: str) -> None:
@@ -727,7 +717,7 @@ class HindsightLogger(_loggers.Logger):  # type: ignore[misc, name-defined]
     def record(self) -> Any:
         """The hindsight run the values go to (created on first use)."""
         if self._record is None:
-            self._record = _run.current()
+            self._record = session.run()
         return self._record
 
     @property
@@ -741,7 +731,7 @@ class HindsightLogger(_loggers.Logger):  # type: ignore[misc, name-defined]
     @_rank_zero_only  # type: ignore[untyped-decorator]
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
         params = dict(params) if params is not None and not isinstance(params, dict) else params or {}
-        if isinstance(self.record, RecordRun) and params:
+        if isinstance(self.record, session.RecordRun) and params:
             self.record.add_args(params, "hyper-parameter")
 
     @_rank_zero_only  # type: ignore[untyped-decorator]

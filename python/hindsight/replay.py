@@ -249,15 +249,7 @@ def replay(args: argparse.Namespace) -> int:
     # Run rows hold absolute paths; read from where the project is now (it
     # may have been moved or copied: the engine's runs::relocate).
     root = home.parent
-    if args.runs or args.since:
-        runs = _runs_of(db, script, root, args.runs or ["all"], args.since)
-    elif args.run:
-        runs = [db.run_at(r, root) for r in args.run]
-    else:
-        of_script = db.runs_of(str(script), str(root))
-        if not of_script:
-            raise NotFoundError(f"no recorded run of {script} in {home}")
-        runs = of_script[:1]
+    runs = db.select_runs(str(script), str(root), str(home), args.runs, args.run, args.since)
     current = _read_script(script)
     status = 0
     names_at: dict[str, set[str]] = {}
@@ -356,22 +348,6 @@ def _threads(args: argparse.Namespace, jobs: list[RunJob]) -> int:
             w.threads = threads
             w.exact = job.exact
     return budget
-
-
-def _runs_of(db: Any, script: Path, root: Path, which: list[str], since: str | None) -> list[dict[str, Any]]:
-    """`--runs all|ID...` and `--since DATE`: recorded runs of `script`, oldest first."""
-    if which != ["all"]:
-        runs = [db.run_at(r, str(root)) for r in which]
-    else:
-        runs = [r for r in db.runs_of(str(script), str(root)) if r["status"] != "running"]
-    if since is not None:
-        after = _native.parse_date(since)
-        runs = [r for r in runs if (r.get("started_ms") or 0) >= after]
-    if not runs:
-        raise NotFoundError(
-            f"no recorded run of {script} matches --runs {' '.join(which)}" + (f" --since {since}" if since else "")
-        )
-    return sorted(runs, key=lambda r: r.get("started_ms") or 0)
 
 
 def _prepare(

@@ -187,6 +187,26 @@ impl LogDb {
         rs.iter().map(|r| run_dict(py, r)).collect()
     }
 
+    /// The runs a `hindsight replay` of `script_abs` replays, by its
+    /// `--runs`, `--run` and `--since` (core `runs::replay::driver`: one
+    /// owner for "which runs"), paths where the project is now.
+    #[pyo3(signature = (script_abs, root, home, runs=None, run=None, since=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn select_runs<'py>(
+        &self,
+        py: Python<'py>,
+        script_abs: PathBuf,
+        root: PathBuf,
+        home: PathBuf,
+        runs: Option<Vec<String>>,
+        run: Option<Vec<String>>,
+        since: Option<String>,
+    ) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let sel = replay::driver::Selection::from_args(runs, run, since.as_deref()).py_err()?;
+        let rs = self.with(py, |db| replay::driver::select_runs(db, &script_abs, &root, &home, &sel))?;
+        rs.iter().map(|r| run_dict(py, r)).collect()
+    }
+
     /// Run `run_id` with its paths where they are now that its project is
     /// rooted at `root` (`runs::relocate`).
     fn run_at<'py>(

@@ -18,6 +18,7 @@
 //! has a `log_db`, the worker reads its run from, and writes its values to,
 //! that database instead of the project's (see `LogDb::export_run`).
 
+pub mod driver;
 pub mod schedule;
 
 use std::collections::{BTreeMap, HashSet};
