@@ -16,22 +16,16 @@ import argparse
 import ast
 import json
 import os
-import selectors
-import shlex
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hindsight import _native, _settings
+from hindsight import _native
 from hindsight._analysis import Analysis, analyze, transplant
-from hindsight._run import ENV_HOME, ENV_REPLAY, files
+from hindsight._launch import LAUNCHERS, LaunchContext, Worker, launcher
 from hindsight._run.replay import EXIT_DIVERGED
-from hindsight._zygote import Zygote, preload_modules
 from hindsight.errors import HindsightError, NotFoundError, ReplayError
 
 #: Longest --where accepted: a filter longer than this is a mistake, and the
@@ -144,37 +138,6 @@ def _read_script(path: Path) -> str:
 
 
 @dataclass
-class Worker:
-    """One worker process of one run's replay."""
-
-    index: int
-    modes: dict[int, str]
-    plan: Any
-    run_id: str = ""
-    argv: list[str] = field(default_factory=list)
-    cwd: str = ""
-    proc: subprocess.Popen[bytes] | None = None
-    read_fd: int = -1
-    done: int = 0
-    steps: int = 0
-    restored: int = 0
-    returncode: int | None = None
-    stderr_tail: str = ""
-    # The replay the worker stages its values for, and its torch threads.
-    replay_id: int = 0
-    threads: int = 1
-    #: Runs with the recording's thread count: its state must equal the checkpoints'.
-    exact: bool = True
-    # Local workers: the tail of standard error read so far, and the pipes
-    # (progress, standard error) still open.
-    err: bytes = b""
-    partial: bytes = b""
-    open_pipes: int = 0
-    err_fd: int = -1
-    zid: int = -1  # the request id of a worker forked by the zygote
-
-
-@dataclass
 class RunJob:
     """A run's planned replay: its workers, and what the report needs."""
 
@@ -188,19 +151,6 @@ class RunJob:
     replay_id: int = 0
     #: Workers run with the recording's thread count, so values must be equal bit for bit.
     exact: bool = True
-
-
-def _progress(workers: list[Worker], total: int, start: float, final: bool = False) -> None:
-    done = sum(w.done for w in workers)
-    width = 30
-    filled = int(width * done / max(total, 1))
-    per = " ".join(f"w{i}:{w.done}/{sum(1 for m in w.modes.values() if m != 'skip')}" for i, w in enumerate(workers))
-    line = f"\rreplay [{'#' * filled}{'-' * (width - filled)}] {done}/{total} iterations  {per}  {time.monotonic() - start:.1f}s"
-    if sys.stderr.isatty():
-        sys.stderr.write(line + ("\n" if final else ""))
-    elif final:
-        sys.stderr.write(line.lstrip("\r") + "\n")
-    sys.stderr.flush()
 
 
 def plan_run(
@@ -282,24 +232,17 @@ def replay(args: argparse.Namespace) -> int:
         if not jobs:
             return status
         workers = [w for j in jobs for w in j.workers]
-        budget = _threads(args, jobs)
+        launch = launcher(args.launcher)
+        budget = _threads(args, jobs, launch.local)
         for job in jobs:
             job.replay_id = db.begin_replay(job.run_id, job.exact)
             for w in job.workers:
                 w.replay_id = job.replay_id
         start = time.monotonic()
-        spool = None
-        if args.launcher == "slurm":
-            spool = _run_slurm(args, db, workers, home, start)
-        else:
-            _run_local(args, workers, home, budget, start)
+        launch.run(workers, LaunchContext(home, db, budget, start, bool(args.quiet), list(args.sbatch or [])))
         for job in jobs:
             status |= _report(args, db, job, start)
-        if spool is not None:
-            if any(w.returncode != 0 for w in workers):
-                print(f"the Slurm tasks' files are kept in {spool}", file=sys.stderr)
-            else:
-                shutil.rmtree(spool, ignore_errors=True)
+        launch.finish(all(w.returncode == 0 for w in workers))
         return status
     finally:
         for job in jobs:
@@ -307,7 +250,7 @@ def replay(args: argparse.Namespace) -> int:
                 job.temp_script.unlink(missing_ok=True)
 
 
-def _threads(args: argparse.Namespace, jobs: list[RunJob]) -> int:
+def _threads(args: argparse.Namespace, jobs: list[RunJob], local: bool) -> int:
     """Each worker's torch thread count, whether its run's values can be
     compared bit for bit, and how many local workers run at once.
 
@@ -318,10 +261,10 @@ def _threads(args: argparse.Namespace, jobs: list[RunJob]) -> int:
     tolerance and stored marked inexact."""
     cores = os.cpu_count() or 1
     budget = max(1, min(int(args.jobs), sum(len(j.workers) for j in jobs)))
-    if args.launcher == "slurm":
+    if not local:
         budget = int(args.jobs)
     recorded = [int(j.versions["torch_threads"]) for j in jobs if j.versions.get("torch_threads")]
-    if not args.fast and recorded and args.launcher == "local":
+    if not args.fast and recorded and local:
         widest = max(recorded)
         capped = max(1, cores // widest)
         if capped < budget:
@@ -419,7 +362,7 @@ def _prepare(
     # recorded one elsewhere, run in the recorded directory.
     worker_argv = [sys.executable, str(to_run), *argv[1:]]
     workers = [Worker(w.worker, w.modes, w, run["id"], worker_argv, cwd) for w in plan.workers]
-    total = sum(sum(1 for m in w.modes.values() if m != "skip") for w in workers)
+    total = sum(w.visits for w in workers)
     return RunJob(run["id"], names, workers, total, db.last_seq(run["id"]), versions, temp)
 
 
@@ -478,261 +421,6 @@ def _report(args: argparse.Namespace, db: Any, job: RunJob, start: float) -> int
     return 0
 
 
-def _run_local(
-    args: argparse.Namespace,
-    workers: list[Worker],
-    home: Path,
-    budget: int,
-    start: float,
-) -> None:
-    """Workers as processes of this machine, writing into the project's
-    logs.db: at most `budget` at a time, over all runs' workers."""
-    total = sum(sum(1 for m in w.modes.values() if m != "skip") for w in workers)
-    sel = selectors.DefaultSelector()
-    waiting = list(workers)
-    running = 0
-
-    def thread_env(n: int) -> dict[str, str]:
-        return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
-
-    zygote = _start_zygote(workers, {**os.environ, **thread_env(workers[0].threads)}) if len(workers) >= 2 else None
-    with tempfile.TemporaryDirectory(prefix="hindsight-replay-") as tmp:
-
-        def launch(n: int, w: Worker) -> None:
-            r, wfd = os.pipe()
-            plan_path = Path(tmp) / f"worker-{n}.json"
-            plan_path.write_text(
-                w.plan.to_json(wfd, None, w.replay_id, w.exact)
-            )  # the worker protocol: hindsight_core::replay
-            # Its own working directory: files the script writes are its own (files.py).
-            own = Path(tmp) / f"cwd-{n}"
-            files.mirror(Path(w.cwd), own)
-            env = {
-                **os.environ,
-                ENV_REPLAY: str(plan_path),
-                ENV_HOME: str(home),
-                files.ENV_RECORDED_CWD: w.cwd,
-                files.ENV_CONCURRENT: "1" if budget > 1 and len(workers) > 1 else "0",
-                **thread_env(w.threads),
-            }
-            if zygote is not None:
-                er, ew = os.pipe()
-                out = os.open(os.devnull, os.O_WRONLY) if args.quiet else os.dup(1)
-                try:
-                    w.zid = zygote.fork(w.argv, str(own), env, (out, ew, wfd), w.threads)
-                finally:
-                    os.close(out)
-                    os.close(ew)
-                w.err_fd = er
-            else:
-                w.proc = subprocess.Popen(
-                    w.argv,
-                    cwd=own,
-                    env=env,
-                    pass_fds=(wfd,),
-                    stdout=subprocess.DEVNULL if args.quiet else None,
-                    stderr=subprocess.PIPE,
-                )
-                assert w.proc.stderr is not None
-                w.err_fd = w.proc.stderr.fileno()
-            os.close(wfd)
-            w.read_fd = r
-            # Standard error is read as it comes, beside the progress pipe:
-            # a worker that writes more than a pipe holds (64 KiB) would
-            # otherwise block on it, and the replay with it.
-            for fd in (r, w.err_fd):
-                os.set_blocking(fd, False)
-                sel.register(fd, selectors.EVENT_READ, w)
-            w.open_pipes = 2
-
-        try:
-            launched = 0
-            while waiting or running:
-                while waiting and running < budget:
-                    launch(launched, waiting.pop(0))
-                    launched += 1
-                    running += 1
-                for key, _ in sel.select(timeout=0.5):
-                    w = key.data
-                    chunk = os.read(key.fd, 65536)
-                    if chunk and key.fd == w.read_fd:
-                        # Whole lines only: a read may end inside one.
-                        w.partial += chunk
-                        done, _, w.partial = w.partial.rpartition(b"\n")
-                        _progress_lines(w, done.decode())
-                        continue
-                    if chunk:
-                        w.err = (w.err + chunk)[-_STDERR_KEPT:]
-                        continue
-                    sel.unregister(key.fd)
-                    if w.proc is not None and key.fd == w.err_fd:
-                        assert w.proc.stderr is not None
-                        w.proc.stderr.close()
-                    else:
-                        os.close(key.fd)
-                    w.open_pipes -= 1
-                    if w.open_pipes == 0:
-                        w.returncode = w.proc.wait() if w.proc is not None else zygote.wait(w.zid)  # type: ignore[union-attr]
-                        w.stderr_tail = w.err.decode(errors="replace")[-2000:]
-                        running -= 1
-                _progress(workers, total, start)
-        finally:
-            if zygote is not None:
-                if running:
-                    zygote.kill()
-                zygote.close()
-        _progress(workers, total, start, final=True)
-
-
-def _start_zygote(workers: list[Worker], env: dict[str, str]) -> Zygote | None:
-    """The process the workers are forked from (`hindsight._zygote`), having
-    imported the heavy libraries their scripts import; None where it cannot
-    run (no fork, or $HINDSIGHT_REPLAY_FORK=0): workers then start afresh."""
-    if not _settings.flag(_settings.REPLAY_FORK, True) or not hasattr(os, "fork"):
-        return None
-    modules: list[str] = []
-    for script in {w.argv[1] for w in workers if len(w.argv) > 1}:
-        try:
-            source = Path(script).read_text()
-        except (OSError, UnicodeDecodeError):
-            continue
-        modules += [m for m in preload_modules(source) if m not in modules]
-    try:
-        return Zygote(modules, env)
-    except OSError as e:
-        print(f"note: replay workers start afresh ({e})", file=sys.stderr)
-        return None
-
-
-# Bytes of a local worker's standard error kept for the report.
-_STDERR_KEPT = 16384
-
-
-def _progress_lines(w: Worker, text: str) -> None:
-    """Count a worker's progress lines (the protocol of hindsight_core::replay)."""
-    for line in text.splitlines():
-        if line.startswith("steps "):
-            parts = line.split()
-            w.steps, w.restored = int(parts[1]), int(parts[3])
-        elif line.strip():
-            w.done += 1
-
-
-# A task whose job left the queue without writing its exit status: how long
-# to wait for the file to appear (a shared file system may show it late).
-_SLURM_GRACE_S = 15.0
-
-
-def _run_slurm(args: argparse.Namespace, db: Any, workers: list[Worker], home: Path, start: float) -> Path:
-    """The workers (of every run) as one Slurm job array, followed to its end.
-    Each task writes its values into a database of its own in the spool
-    directory (under the project home, which the nodes must see); they are
-    merged into logs.db as tasks finish, so no SQLite file is shared over
-    the network."""
-    spool = home / "replay" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    spool.mkdir(parents=True)
-    q = shlex.quote
-    for i, w in enumerate(workers):
-        task = spool / f"task-{i}"
-        own = spool / f"cwd-{i}"  # the task's own working directory (files.py)
-        files.mirror(Path(w.cwd), own)
-        db.export_run(w.run_id, f"{task}.db")
-        # fd 3: the task's progress file, opened by its script.
-        Path(f"{task}.json").write_text(w.plan.to_json(3, f"{task}.db", w.replay_id, w.exact))
-        Path(f"{task}.sh").write_text(
-            "\n".join(
-                [
-                    f"# hindsight replay of run {w.run_id}, worker {w.index}",
-                    f"cd {q(str(own))} || exit 1",
-                    f"export {files.ENV_RECORDED_CWD}={q(w.cwd)} {files.ENV_CONCURRENT}={int(len(workers) > 1)}",
-                    f"export OMP_NUM_THREADS={w.threads} MKL_NUM_THREADS={w.threads}",
-                    f"export {ENV_REPLAY}={q(str(task))}.json {ENV_HOME}={q(str(home))}",
-                    f"exec 3>>{q(str(task))}.progress",
-                    " ".join(q(a) for a in w.argv),
-                    # The status file appears whole (rename), or not at all.
-                    f"echo $? > {q(str(task))}.rc.tmp && mv {q(str(task))}.rc.tmp {q(str(task))}.rc",
-                    "",
-                ]
-            )
-        )
-    (spool / "replay.sbatch").write_text(
-        f'#!/bin/bash\n# hindsight replay: one task per worker plan\nexec bash {q(str(spool))}/task-"$SLURM_ARRAY_TASK_ID".sh\n'
-    )
-    runs = sorted({w.run_id for w in workers})
-    cmd = [
-        "sbatch",
-        "--parsable",
-        f"--array=0-{len(workers) - 1}",
-        f"--job-name=hindsight-replay-{runs[0]}" + (f"+{len(runs) - 1}" if len(runs) > 1 else ""),
-        f"--output={spool}/task-%a.out",
-        # The recording's thread count, so values replay exactly.
-        f"--cpus-per-task={max(w.threads for w in workers)}",
-        *(args.sbatch or []),
-        str(spool / "replay.sbatch"),
-    ]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise ReplayError(f"--launcher slurm: could not run sbatch: {e}") from None
-    if out.returncode != 0:
-        raise ReplayError(f"--launcher slurm: sbatch failed ({out.returncode}): {out.stderr.strip()}")
-    job = out.stdout.strip().split(";")[0]
-    print(f"Slurm job array {job}, {len(workers)} task(s) for {len(runs)} run(s); files in {spool}", flush=True)
-    total = sum(sum(1 for m in w.modes.values() if m != "skip") for w in workers)
-    pending = dict(enumerate(workers))
-    gone_since: float | None = None
-    try:
-        while pending:
-            for i, w in list(pending.items()):
-                progress = spool / f"task-{i}.progress"
-                if progress.exists():
-                    w.done = 0
-                    _progress_lines(w, progress.read_text())
-                rc = spool / f"task-{i}.rc"
-                if rc.exists():
-                    w.returncode = int(rc.read_text().strip() or 1)
-                    _finish_task(db, spool, i, w)
-                    del pending[i]
-            if pending and not _slurm_job_queued(job):
-                gone_since = gone_since or time.monotonic()
-                if time.monotonic() - gone_since > _SLURM_GRACE_S:
-                    for i, w in pending.items():  # cancelled, timed out, node lost
-                        w.returncode = -1
-                        _finish_task(db, spool, i, w)
-                    pending.clear()
-            _progress(workers, total, start)
-            if pending:
-                time.sleep(0.5)
-    except KeyboardInterrupt:
-        subprocess.run(["scancel", job], timeout=60, check=False)
-        raise
-    _progress(workers, total, start, final=True)
-    return spool
-
-
-def _finish_task(db: Any, spool: Path, i: int, w: Worker) -> None:
-    """Merge a finished task's values (also a failed one's: its finished
-    iterations are kept, as with local workers) and keep its output's tail."""
-    out = spool / f"task-{i}.out"
-    w.stderr_tail = out.read_text(errors="replace")[-2000:] if out.exists() else ""
-    if w.returncode != 0 and not w.stderr_tail:
-        w.stderr_tail = f"(no output; the task ended without an exit status: see `scontrol show job` or {out})"
-    try:
-        db.import_replay(w.run_id, spool / f"task-{i}.db", w.replay_id)
-    except HindsightError as e:
-        w.returncode = w.returncode or 1
-        w.stderr_tail += f"\nits values could not be merged: {e}"
-
-
-def _slurm_job_queued(job: str) -> bool:
-    """Whether any task of the job is still pending or running."""
-    try:
-        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%i"], capture_output=True, text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        return True  # a busy controller is no evidence that the job ended
-    return bool(out.stdout.strip())
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="hindsight replay", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -767,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-q", "--quiet", action="store_true", help="hide the workers' standard output")
     p.add_argument(
         "--launcher",
-        choices=("local", "slurm"),
+        choices=sorted(LAUNCHERS),
         default="local",
         help="where the workers run: processes here, or a Slurm job array (one task per worker; "
         "the project home and the store must be visible to the nodes)",
