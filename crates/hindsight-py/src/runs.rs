@@ -203,7 +203,9 @@ impl LogDb {
         since: Option<String>,
     ) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let sel = replay::driver::Selection::from_args(runs, run, since.as_deref()).py_err()?;
-        let rs = self.with(py, |db| replay::driver::select_runs(db, &script_abs, &root, &home, &sel))?;
+        let rs = self.with(py, |db| {
+            replay::driver::select_runs(db, &script_abs, &root, &home, &sel)
+        })?;
         rs.iter().map(|r| run_dict(py, r)).collect()
     }
 

@@ -328,13 +328,17 @@ struct Shared {
 /// the bytes written (0: deduplicated).
 type Done = Result<(Vec<(usize, ChunkRef)>, u64)>;
 type Task = (Staged, Arc<Job>, mpsc::Sender<Done>);
+// The workers share one multi-consumer queue (crossbeam-channel), not a
+// receiver behind a mutex.
+type TaskTx = crossbeam_channel::Sender<Task>;
+type TaskRx = crossbeam_channel::Receiver<Task>;
 
 /// Owns the background threads of one store.
 #[derive(Debug)]
 pub struct Writer {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
-    task_tx: Option<mpsc::Sender<Task>>,
+    task_tx: Option<TaskTx>,
     owner_pid: u32,
 }
 
@@ -374,8 +378,7 @@ impl Writer {
             uploader,
             cpu_ns: AtomicU64::new(0),
         });
-        let (task_tx, task_rx) = mpsc::channel::<Task>();
-        let task_rx = Arc::new(Mutex::new(task_rx));
+        let (task_tx, task_rx) = crossbeam_channel::unbounded::<Task>();
         let mut threads = Vec::new();
         let nice = options.nice;
         for i in 0..options.threads {
@@ -1046,7 +1049,7 @@ pub fn on_writer_thread() -> bool {
     ON_WRITER_THREAD.with(|c| c.get())
 }
 
-fn worker_loop(shared: &Shared, rx: &Mutex<mpsc::Receiver<Task>>, nice: i32) {
+fn worker_loop(shared: &Shared, rx: &TaskRx, nice: i32) {
     ON_WRITER_THREAD.with(|c| c.set(true));
     if nice != 0 {
         // Background work yields to the training threads. On Linux a thread id
@@ -1058,7 +1061,7 @@ fn worker_loop(shared: &Shared, rx: &Mutex<mpsc::Receiver<Task>>, nice: i32) {
         }
     }
     loop {
-        let task = lock(rx).recv();
+        let task = rx.recv();
         let Ok((staged, job, done)) = task else {
             return;
         };
@@ -1106,7 +1109,7 @@ fn worker_loop(shared: &Shared, rx: &Mutex<mpsc::Receiver<Task>>, nice: i32) {
     }
 }
 
-fn dispatcher_loop(shared: &Shared, tasks: &mpsc::Sender<Task>) {
+fn dispatcher_loop(shared: &Shared, tasks: &TaskTx) {
     loop {
         let job = {
             let mut q = lock(&shared.queue);
@@ -1146,11 +1149,7 @@ fn dispatcher_loop(shared: &Shared, tasks: &mpsc::Sender<Task>) {
     }
 }
 
-fn run_job(
-    shared: &Shared,
-    job: &Arc<Job>,
-    tasks: &mpsc::Sender<Task>,
-) -> Result<SaveStats, Arc<Error>> {
+fn run_job(shared: &Shared, job: &Arc<Job>, tasks: &TaskTx) -> Result<SaveStats, Arc<Error>> {
     let storage = shared.store.storage().clone();
     // Held until commit so gc (in any process) cannot delete chunks this save
     // wrote or reuses. Taken before any chunk is written; a save that reuses

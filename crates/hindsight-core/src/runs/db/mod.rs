@@ -458,6 +458,12 @@ impl LogDb {
         Ok(())
     }
 
+    // The user_version ladder is written out here rather than with
+    // `rusqlite_migration`: its newest release (2.6.0) is built on rusqlite
+    // 0.40, and two rusqlite versions cannot link one bundled SQLite (we are
+    // on 0.41). It also takes `&mut Connection` and opens a deferred
+    // transaction, where two processes opening one new database need the
+    // immediate one below. Revisit when it follows rusqlite.
     fn configure(conn: &Connection, path: &Path) -> std::result::Result<(), Setup> {
         // WAL may be unavailable (e.g. some network file systems): the
         // rollback journal then still works, with less concurrency.

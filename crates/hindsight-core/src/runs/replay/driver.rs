@@ -31,7 +31,11 @@ pub struct Selection {
 impl Selection {
     /// From the command line's `--runs`, `--run` and `--since` (a date
     /// `runs::dates::parse_utc` reads). `--since` alone means `--runs all`.
-    pub fn from_args(runs: Option<Vec<String>>, run: Option<Vec<String>>, since: Option<&str>) -> Result<Selection> {
+    pub fn from_args(
+        runs: Option<Vec<String>>,
+        run: Option<Vec<String>>,
+        since: Option<&str>,
+    ) -> Result<Selection> {
         let since_ms = since
             .map(|s| dates::parse_utc(s).map_err(|e| Error::invalid("--since", e.to_string())))
             .transpose()?;
@@ -63,12 +67,24 @@ impl Selection {
 /// rooted at `root_now` (its home `home`, for messages), with their paths
 /// where they are now. Runs named by id are looked up whatever script they
 /// recorded; none found is an error naming the script and the selection.
-pub fn select_runs(db: &LogDb, script_abs: &Path, root_now: &Path, home: &Path, sel: &Selection) -> Result<Vec<RunRow>> {
+pub fn select_runs(
+    db: &LogDb,
+    script_abs: &Path,
+    root_now: &Path,
+    home: &Path,
+    sel: &Selection,
+) -> Result<Vec<RunRow>> {
     let by_id = |ids: &[String]| -> Result<Vec<RunRow>> {
-        ids.iter().map(|id| Ok(db.run(id)?.relocated(root_now))).collect()
+        ids.iter()
+            .map(|id| Ok(db.run(id)?.relocated(root_now)))
+            .collect()
     };
     let mut runs = match &sel.which {
-        Which::Latest => db.runs_of(script_abs, root_now)?.into_iter().take(1).collect(),
+        Which::Latest => db
+            .runs_of(script_abs, root_now)?
+            .into_iter()
+            .take(1)
+            .collect(),
         Which::Given(ids) | Which::Listed(ids) => by_id(ids)?,
         // A run still running has nothing final to replay.
         Which::All => db
@@ -109,8 +125,14 @@ mod tests {
         assert_eq!(sel(None, None, None), Which::Latest);
         assert_eq!(sel(ids(&["all"]), None, None), Which::All);
         assert_eq!(sel(None, None, Some("2026-01-01")), Which::All);
-        assert_eq!(sel(ids(&["b", "a"]), None, None), Which::Listed(vec!["b".into(), "a".into()]));
-        assert_eq!(sel(None, ids(&["b", "a"]), None), Which::Given(vec!["b".into(), "a".into()]));
+        assert_eq!(
+            sel(ids(&["b", "a"]), None, None),
+            Which::Listed(vec!["b".into(), "a".into()])
+        );
+        assert_eq!(
+            sel(None, ids(&["b", "a"]), None),
+            Which::Given(vec!["b".into(), "a".into()])
+        );
         let e = Selection::from_args(None, None, Some("yesterday")).unwrap_err();
         assert_eq!(e.arg(), Some("--since"));
     }
