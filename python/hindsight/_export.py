@@ -181,7 +181,11 @@ def _runs(db: Any, which: list[str]) -> list[str]:
 
 def main(command: str, argv: list[str], home: str | None) -> int:
     """`hindsight plot` and `hindsight export`."""
-    p = argparse.ArgumentParser(prog=f"hindsight {command}", description=__doc__.split("\n\n")[0])
+    what = {
+        "plot": "Draw logged series of runs into one image (one panel per name, one line per run).",
+        "export": "Write logged series of runs as TensorBoard event files, one directory per run.",
+    }
+    p = argparse.ArgumentParser(prog=f"hindsight {command}", description=what.get(command))
     p.add_argument("names", nargs="+", metavar="NAME", help="logged names (hs.log)")
     p.add_argument(
         "--run", action="append", default=[], metavar="ID", help="run to read (repeatable; default: the latest)"

@@ -157,10 +157,12 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         self.restore_rng = restore_rng
         self._signals = _preemption.StopSignals(catch_sigint)
         self.last_saved: str | None = None
-        self._last_step_saved = -1
-        # A signal acted on at an epoch's end: the exit waits until Lightning
-        # has finished that epoch (see on_train_epoch_end).
-        self._exit_pending = False
+        # The fit's run session (core `runs::session`): when to save, what a
+        # stop signal does, retention. Made when the fit starts.
+        self._session: Any = None
+        # The exit code of a signal acted on at an epoch's end: the exit waits
+        # until Lightning has finished that epoch (see on_train_epoch_end).
+        self._exit_pending: int | None = None
         # A checkpoint was saved before Lightning handed the step's or epoch's
         # values to the loggers: they go to the database at the next hook.
         self._flush_due = False
@@ -194,7 +196,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_store"] = None
-        state["_replay"] = state["_hooked"] = None
+        state["_replay"] = state["_hooked"] = state["_session"] = None
         return state
 
     latest = staticmethod(latest)
@@ -249,18 +251,16 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         if run is not None:
             run.flush_logs()
 
-    def _exit(self, trainer: Any) -> None:
+    def _exit(self, trainer: Any, code: int) -> None:
         self._restore_signals(trainer)
         run = session.recording()
         if run is not None:
             run.interrupted()  # the relaunch resumes this run's logs
         zero = bool(trainer.is_global_zero)  # one rank requeues and speaks for all
-        _preemption.leave(
-            self.stop_signal, str(self.last_saved), self.exit_code, requeue=self.requeue and zero, announce=zero
-        )
+        _preemption.leave(self.stop_signal, str(self.last_saved), code, requeue=self.requeue and zero, announce=zero)
 
     # -- saving -----------------------------------------------------------------------
-    def _save(self, trainer: Any, end: bool, wait: bool) -> None:
+    def _save(self, trainer: Any, name: str, end: bool, wait: bool) -> None:
         # Every value logged so far reaches the database before the checkpoint
         # that covers it: a kill -9 after the checkpoint loses none (the
         # resumed fit does not log them again). Lightning hands the loggers
@@ -269,9 +269,6 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         self._flush_due = True
         epoch = trainer.current_epoch
         step = trainer.global_step
-        name = _native.CheckpointId(
-            self.fit_prefix, "epoch", epoch, "block" if end else "step", None if end else step
-        ).name
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         if trainer.is_global_zero:
             meta: dict[str, object] = {
@@ -293,14 +290,12 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
                     "trusted (loading then unpickles it)"
                 ) from e
             self.last_saved = name
-            self._last_step_saved = step
             if wait:
                 handle.wait()
                 self.store.flush()
             self._apply_retention()
         else:
             self.last_saved = name
-            self._last_step_saved = step
         if wait:
             trainer.strategy.barrier("hindsight_checkpoint")
 
@@ -323,7 +318,8 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             return None
 
     def _apply_retention(self, final: bool = False) -> None:
-        policy = self.retention
+        # The session's policy: the callback's, or the engine's default for the fit's length.
+        policy = self.retention if self._session is None else self._session.retention
         if policy.is_empty():
             return
         self.store.apply_retention(
@@ -370,8 +366,18 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
                             "allow_pickle=True) if the store is trusted (loading then unpickles it)"
                         )
         self.fit_prefix = self._choose_prefix(trainer)
-        self._last_step_saved = trainer.global_step
-        self._exit_pending = self._flush_due = False
+        session = _native.RecordSession.for_framework(self.fit_prefix, time.monotonic())
+        # A resumed fit does not save again the step it starts at.
+        session.set_framework_periods(self.every_n_epochs, self.every_n_train_steps, trainer.global_step)
+        if self.exit_code is not None:
+            session.set_exit_code(self.exit_code)
+        if not self.retention.is_empty():
+            session.set_retention(self.retention)
+        epochs = trainer.max_epochs
+        session.outer_start("epoch", epochs if epochs is not None and epochs > 0 else None)
+        self._session = session
+        self._exit_pending = None
+        self._flush_due = False
         self._signals.received = None
         self._signals.install()
 
@@ -428,6 +434,10 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         self._epoch_start = time.perf_counter()
         if self._replay is not None:
             self._replay_epoch_starts(trainer)
+        elif self._session is not None:
+            # Lightning restores a fit itself (ckpt_path): every epoch runs.
+            self._session.iteration_start(trainer.current_epoch)
+            self._session.block_start(trainer.current_epoch)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._context([("epoch", trainer.current_epoch)])
@@ -446,14 +456,14 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             # would never run, and a stateful loader would get the finished
             # epoch's position for the next one (which then yields nothing).
             return
-        if self._should_stop(trainer):
-            self._save(trainer, end=False, wait=True)
+        if self._should_stop(trainer) and self.stop_signal is not None:
+            self._session.signal(self.stop_signal)
+        act = self._session.step_boundary(trainer.current_epoch, trainer.global_step, time.monotonic())
+        if act.save is not None:
+            self._save(trainer, act.save, end=False, wait=act.wait)
+        if act.exit is not None:
             self._log_step_metrics(trainer)
-            self._exit(trainer)
-        n = self.every_n_train_steps
-        step = trainer.global_step
-        if n and step > self._last_step_saved and step % n == 0 and not epoch_loop.batch_progress.is_last_batch:
-            self._save(trainer, end=False, wait=False)
+            self._exit(trainer, act.exit)
 
     @staticmethod
     def _log_step_metrics(trainer: Any) -> None:
@@ -470,17 +480,17 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         if self._replay is not None:
             self._replay_epoch_ends(trainer)
             return
-        stop = self._should_stop(trainer)
-        n = self.every_n_epochs
-        saved = None
-        if stop or (n and (trainer.current_epoch + 1) % n == 0):
-            self._save(trainer, end=True, wait=stop)
-            saved = self.last_saved
-        self._record_epoch(trainer, saved)
+        if self._should_stop(trainer) and self.stop_signal is not None:
+            self._session.signal(self.stop_signal)
+        epoch = trainer.current_epoch
+        block = self._session.block_end(epoch, time.perf_counter() - self._epoch_start, None, 0.0)
+        if block is not None:
+            self._save(trainer, block.name, end=True, wait=block.wait)
+        self._record_epoch(trainer, None if block is None else block.name)
         # On a signal, leave once Lightning has finished the epoch (the
         # module's on_train_epoch_end, the epoch's self.log values): the
         # resumed fit starts at the next epoch and would not run them.
-        self._exit_pending = stop
+        self._exit_pending = self._session.iteration_end(epoch, False).exit
 
     def _end_of_epoch(self, trainer: Any) -> None:
         """After Lightning finished an epoch (the next epoch's start, or the
@@ -489,9 +499,9 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         if self._replay is not None:
             return
         self._flush_logs()
-        if self._exit_pending:
-            self._exit_pending = False
-            self._exit(trainer)
+        code, self._exit_pending = self._exit_pending, None
+        if code is not None:
+            self._exit(trainer, code)
 
     def _record_epoch(self, trainer: Any, checkpoint: str | None) -> None:
         """The epoch as an iteration of the script's hindsight run (when it
@@ -526,7 +536,8 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
                 meta={"lightning": pl.__version__, "kind": "fit_end"},
             ).wait()
             self.store.flush()
-            self._apply_retention(final=True)
+            if self._session is not None and self._session.finish("completed").apply_retention:
+                self._apply_retention(final=True)
             self.store.gc()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:

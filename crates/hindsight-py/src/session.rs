@@ -81,6 +81,15 @@ pub(crate) struct StepAction {
     exit: Option<i32>,
 }
 
+/// A block checkpoint to save now (`runs::session::BlockSave`).
+#[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
+#[derive(Clone, Debug)]
+pub(crate) struct BlockSave {
+    name: String,
+    /// Wait until it is durable (the process leaves after the iteration).
+    wait: bool,
+}
+
 /// What to do once an outer iteration is over (`runs::session::IterationEnd`).
 #[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
 #[derive(Clone, Debug)]
@@ -203,6 +212,27 @@ impl RecordSession {
             .py_err()
     }
 
+    /// For a framework's callback that names its checkpoints `prefix`.
+    #[staticmethod]
+    fn for_framework(prefix: &str, now: f64) -> PyResult<Self> {
+        core::RecordSession::for_framework(prefix, now)
+            .map(RecordSession)
+            .py_err()
+    }
+
+    /// The framework's own periods (`runs::session::RecordSession::set_framework_periods`).
+    #[pyo3(signature = (every_epochs, every_steps, from_step))]
+    fn set_framework_periods(
+        &mut self,
+        every_epochs: Option<u64>,
+        every_steps: Option<u64>,
+        from_step: u64,
+    ) -> PyResult<()> {
+        self.0
+            .set_framework_periods(every_epochs, every_steps, from_step)
+            .py_err()
+    }
+
     fn set_objects(&mut self, any: bool) {
         self.0.set_objects(any)
     }
@@ -305,12 +335,17 @@ impl RecordSession {
         compute_secs: f64,
         background_total: Option<f64>,
         first_estimate: f64,
-    ) -> PyResult<Option<String>> {
+    ) -> PyResult<Option<BlockSave>> {
         // Sampled here: the contention estimate compares intervals between block ends.
         let cpu = CpuSample::now();
-        self.0
+        let save = self
+            .0
             .block_end(i, compute_secs, background_total, cpu, first_estimate)
-            .py_err()
+            .py_err()?;
+        Ok(save.map(|b| BlockSave {
+            name: b.name,
+            wait: b.wait,
+        }))
     }
 
     fn saved(&mut self, blocked_secs: f64, now: f64) {
@@ -455,6 +490,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<BlockStart>()?;
     m.add_class::<StepAction>()?;
     m.add_class::<IterationEnd>()?;
+    m.add_class::<BlockSave>()?;
     m.add_class::<Finish>()?;
     m.add_class::<BlockEnd>()?;
     m.add_class::<Retention>()?;

@@ -294,9 +294,10 @@ class RecordRun(Run):
         background = self.store.background_cpu_seconds if self._store is not None else None
         first = self._estimate_materialize() if self.last_blocked is None else 0.0
         self.session.overhead(self.own_seconds + time.perf_counter() - t0 - self.save_seconds)
-        name = self.session.block_end(i, compute, background, first)
-        if name is None:
+        block = self.session.block_end(i, compute, background, first)
+        if block is None:
             return
+        name = block.name
         # The values of the steps are in the database before the checkpoint
         # that covers them exists: a resume from it never re-logs them.
         self.flush_logs()

@@ -40,7 +40,7 @@ pub mod replay;
 #[cfg(test)]
 mod tests;
 
-pub use record::{Finish, IterationEnd, RecordSession, StepAction};
+pub use record::{BlockSave, Finish, IterationEnd, RecordSession, StepAction};
 pub use replay::{BlockEnd, ReplaySession};
 
 use crate::checkpoint::naming::{CheckpointId, Kind};

@@ -23,6 +23,26 @@ pub struct StepAction {
     pub exit: Option<i32>,
 }
 
+/// A block checkpoint to save now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockSave {
+    pub name: String,
+    /// Wait until it is durable (a stop signal: the process leaves after the iteration).
+    pub wait: bool,
+}
+
+/// When block checkpoints are due.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Cadence {
+    /// The schedule's (`every`, or the adaptive policy).
+    Schedule,
+    /// After every n-th iteration, counted from one (a framework's period,
+    /// as Lightning's `ModelCheckpoint(every_n_epochs=n)` counts it).
+    AfterEvery(u64),
+    /// Only for a stop signal.
+    Never,
+}
+
 /// What to do once an outer iteration is over.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct IterationEnd {
@@ -91,6 +111,12 @@ pub struct RecordSession {
     iterations_seen: u64,
     iter_checkpoint: Option<String>,
     unconfirmed: Option<String>,
+    cadence: Cadence,
+    every_steps: Option<u64>,
+    last_step_saved: Option<u64>,
+    /// The block ends where the iteration does (a framework's epoch-end
+    /// hook runs after validation): a stop signal there saves the block.
+    block_is_end: bool,
 }
 
 impl RecordSession {
@@ -120,7 +146,39 @@ impl RecordSession {
             iterations_seen: 0,
             iter_checkpoint: None,
             unconfirmed: None,
+            cadence: Cadence::Schedule,
+            every_steps: None,
+            last_step_saved: None,
+            block_is_end: false,
         }
+    }
+
+    /// A framework's own periods (Lightning's `every_n_epochs`, counted from
+    /// one, `None`: never; `every_n_train_steps` of the step numbers the
+    /// boundaries carry, after `from_step`, the step a resumed fit starts
+    /// at). Its epoch-end hook runs after everything of the epoch, so its
+    /// block checkpoint is the iteration's end: a stop signal pending there
+    /// saves it and waits, and the process leaves at the iteration's end
+    /// without an `.end` checkpoint.
+    pub fn set_framework_periods(
+        &mut self,
+        every_epochs: Option<u64>,
+        every_steps: Option<u64>,
+        from_step: u64,
+    ) -> Result<()> {
+        for (arg, v) in [
+            ("every_n_epochs", every_epochs),
+            ("every_n_train_steps", every_steps),
+        ] {
+            if v == Some(0) {
+                return Err(Error::invalid(arg, "must be at least 1"));
+            }
+        }
+        self.cadence = every_epochs.map_or(Cadence::Never, Cadence::AfterEvery);
+        self.every_steps = every_steps;
+        self.last_step_saved = Some(from_step);
+        self.block_is_end = true;
+        Ok(())
     }
 
     /// A session configured from the environment (`$HINDSIGHT_CHECKPOINT_EVERY`,
@@ -132,6 +190,16 @@ impl RecordSession {
         let code = preempt::exit_code(None)?;
         let safety = settings::SAFETY_MINUTES.float()?.map(|m| m * 60.0);
         Ok(RecordSession::new(run_id, schedule, code, safety, now))
+    }
+
+    /// A session for a framework that names its checkpoints `prefix` and
+    /// keeps its own periods ([`RecordSession::set_framework_periods`]); the
+    /// exit code still comes from its sources (an error names a bad one).
+    pub fn for_framework(prefix: &str, now: f64) -> Result<RecordSession> {
+        let schedule = CheckpointSchedule::new(None, crate::runs::adaptive::DEFAULT_EPSILON)?;
+        let mut s = RecordSession::new(prefix, schedule, preempt::exit_code(None)?, None, now);
+        s.set_objects(true);
+        Ok(s)
     }
 
     pub fn run_id(&self) -> &str {
@@ -285,9 +353,13 @@ impl RecordSession {
             action.prepare = true;
         }
         let due = self.safety_secs.is_some_and(|s| now - self.last_save > s);
-        if self.signal.is_none() && !due {
+        let periodic = self.every_steps.is_some_and(|n| {
+            j.is_multiple_of(n) && self.last_step_saved.is_none_or(|last| j > last)
+        });
+        if self.signal.is_none() && !due && !periodic {
             return Ok(action);
         }
+        self.last_step_saved = Some(j);
         action.save = Some(self.id(i, Kind::Step(j))?);
         action.wait = self.signal.is_some();
         action.exit = self.signal.map(|_| self.exit_code);
@@ -301,7 +373,7 @@ impl RecordSession {
 
     /// The steps of iteration `i` ended (`at_iteration`: the iteration has no
     /// inner loop, and its body ended). Returns the checkpoint to save now,
-    /// if the schedule says one is due.
+    /// if one is due.
     pub fn block_end(
         &mut self,
         i: u64,
@@ -309,20 +381,26 @@ impl RecordSession {
         background_total: Option<f64>,
         cpu: Option<crate::runs::cpu::CpuSample>,
         first_estimate: f64,
-    ) -> Result<Option<String>> {
+    ) -> Result<Option<BlockSave>> {
         self.phase = Phase::Iteration(i);
         if !self.has_objects {
             return Ok(None);
         }
-        if !self
-            .schedule
-            .block_ended(i, compute_secs, background_total, cpu, first_estimate)
-        {
+        let forced = self.block_is_end && self.signal.is_some();
+        let due = match self.cadence {
+            Cadence::Schedule => {
+                self.schedule
+                    .block_ended(i, compute_secs, background_total, cpu, first_estimate)
+            }
+            Cadence::AfterEvery(n) => (i + 1).is_multiple_of(n),
+            Cadence::Never => false,
+        };
+        if !(due || forced) {
             return Ok(None);
         }
         let name = self.id(i, Kind::Block)?;
         self.iter_checkpoint = Some(name.clone());
-        Ok(Some(name))
+        Ok(Some(BlockSave { name, wait: forced }))
     }
 
     /// A save finished blocking the training thread after `blocked_secs`, at `now`.
@@ -352,8 +430,9 @@ impl RecordSession {
             ..IterationEnd::default()
         };
         if self.signal.is_some() && !closing {
-            // After iteration i: the next one starts afresh on resume.
-            if self.has_objects {
+            // After iteration i: the next one starts afresh on resume (from
+            // the block checkpoint where that is the iteration's end).
+            if self.has_objects && !self.block_is_end {
                 end.save = Some(self.id(i, Kind::End)?);
             }
             end.exit = Some(self.exit_code);

@@ -83,8 +83,8 @@ fn drive(
                 // One step per iteration: its end is the block's end.
                 state.push((i, 0));
                 ran.push((i, 0));
-                if let Some(name) = s.block_end(i, 0.0, None, None, 0.0).unwrap() {
-                    save(&mut saved, name, &state);
+                if let Some(b) = s.block_end(i, 0.0, None, None, 0.0).unwrap() {
+                    save(&mut saved, b.name, &state);
                 }
             }
             Some(n) => {
@@ -120,8 +120,8 @@ fn drive(
                             };
                         }
                     }
-                    if let Some(name) = s.block_end(i, 1.0, None, None, 0.0).unwrap() {
-                        save(&mut saved, name, &state);
+                    if let Some(b) = s.block_end(i, 1.0, None, None, 0.0).unwrap() {
+                        save(&mut saved, b.name, &state);
                     }
                 }
             }
@@ -348,8 +348,11 @@ fn retention_is_applied_after_a_saved_block_and_at_completion_and_a_failed_break
     );
     s.iteration_start(0);
     s.block_start(0);
-    let saved = s.block_end(0, 1.0, None, None, 0.0).unwrap();
-    assert_eq!(saved.as_deref(), Some("r1.epoch-000000"));
+    let saved = s.block_end(0, 1.0, None, None, 0.0).unwrap().unwrap();
+    assert_eq!(
+        (saved.name.as_str(), saved.wait),
+        ("r1.epoch-000000", false)
+    );
     let end = s.iteration_end(0, false).unwrap();
     assert_eq!(end.checkpoint.as_deref(), Some("r1.epoch-000000"));
     assert!(end.apply_retention && end.save.is_none() && end.exit.is_none());
@@ -539,4 +542,49 @@ fn a_resumed_batch_must_be_the_recorded_one() {
             .contains("the batch at epoch 0, step 1 differs from the recorded one"),
         "{e}"
     );
+}
+
+#[test]
+fn a_framework_saves_on_its_own_periods_and_a_signal_at_its_epoch_end_saves_the_epoch() {
+    let mut s = session(Shape {
+        outer: 4,
+        steps: Some(4),
+        every: None,
+    });
+    // Lightning: every 2nd epoch counted from one, every 3rd global step after the resumed step 2.
+    s.set_framework_periods(Some(2), Some(3), 2).unwrap();
+    s.outer_start("epoch", Some(4));
+    let mut saves = Vec::new();
+    let mut step = 0;
+    for i in 0..2 {
+        s.iteration_start(i);
+        s.block_start(i);
+        for _ in 0..4 {
+            step += 1;
+            if let Some(name) = s.step_boundary(i, step, 0.0).unwrap().save {
+                saves.push(name);
+            }
+        }
+        if let Some(b) = s.block_end(i, 1.0, None, None, 0.0).unwrap() {
+            assert!(!b.wait);
+            saves.push(b.name);
+        }
+        assert_eq!(s.iteration_end(i, false).unwrap().exit, None);
+    }
+    let want = [
+        "r1.epoch-000000.step-000000003",
+        "r1.epoch-000001.step-000000006",
+        "r1.epoch-000001",
+    ];
+    assert_eq!(saves, want);
+    // A signal after the steps: the epoch's checkpoint is saved (and waited
+    // for), off its period, and the process leaves at the epoch's end.
+    s.iteration_start(2);
+    s.block_start(2);
+    s.signal(15);
+    let b = s.block_end(2, 1.0, None, None, 0.0).unwrap().unwrap();
+    assert_eq!((b.name.as_str(), b.wait), ("r1.epoch-000002", true));
+    let end = s.iteration_end(2, false).unwrap();
+    assert_eq!((end.save, end.exit), (None, Some(85)));
+    assert!(s.set_framework_periods(Some(0), None, 0).is_err());
 }
