@@ -17,29 +17,49 @@ __all__ = [
     "FORMAT_VERSION",
     "STATE_ORIGIN_KEY",
     "TORCH_DTYPES",
+    "AbandonedError",
     "ArrayView",
     "BlockEnd",
     "BlockSave",
     "BlockStart",
     "Buffer",
+    "CancelledError",
     "CheckpointId",
     "CheckpointPolicy",
+    "ConcurrentChangeError",
+    "CorruptError",
     "DataClient",
     "DataDispatcher",
+    "DataError",
+    "DataMismatchError",
+    "DataPipelineError",
+    "DataServiceError",
     "DataUnit",
+    "DataUnreachableError",
+    "DatabaseError",
+    "DeviceCopyError",
     "Divergence",
+    "DivergenceError",
     "Finish",
     "FitChoice",
+    "HindsightError",
+    "InternalError",
+    "InvalidArgumentError",
     "Iteration",
     "IterationEnd",
     "JobSpec",
+    "LeaseLostError",
     "LogDb",
     "LogRecord",
     "LogValue",
+    "NoDataWorkersError",
+    "NonDeterministicDataError",
+    "NotFoundError",
     "Pickled",
     "ProjectPaths",
     "RecordSession",
     "ReplayCheck",
+    "ReplayError",
     "ReplayPlan",
     "ReplaySession",
     "Retention",
@@ -48,10 +68,16 @@ __all__ = [
     "StateCheck",
     "StateDifference",
     "StepAction",
+    "StorageError",
+    "StorageFullError",
+    "StoragePermissionError",
     "Store",
+    "StoreClosedError",
     "UnitWork",
+    "UnsupportedTypeError",
     "Visit",
     "WorkerPlan",
+    "WrongProcessError",
     "batch_digest",
     "checkpoint_exit_code",
     "checkpoint_names",
@@ -796,3 +822,104 @@ def run_data_dispatcher(
 def parse_date(text: str) -> int: ...
 def batch_digest(parts: list[str | Any]) -> str: ...
 def resume_key(script: str, root: str, args: list[str]) -> str: ...
+
+# Exception classes, created by the binding (errors.rs); hindsight.errors re-exports them.
+class HindsightError(Exception):
+    """Base class of every hindsight error. Errors from the engine carry what
+    they are about as attributes (None where it does not apply)."""
+
+    #: True when the error happened in a background save and is reported late.
+    background: bool
+    #: The file or object (``s3://...``) the error is about.
+    path: str | None
+    #: The checkpoint the error is about.
+    checkpoint: str | None
+    #: The key path inside the checkpoint (``model/layer.weight``).
+    key_path: str | None
+    #: The argument an ``InvalidArgumentError`` names.
+    arg: str | None
+    #: The run a ``ReplayError`` or ``DivergenceError`` is about.
+    run: str | None
+
+class NotFoundError(HindsightError, LookupError):
+    """A store, checkpoint or key path that does not exist."""
+
+class CorruptError(HindsightError):
+    """Stored bytes fail their checksum or do not parse. Nothing wrong is returned."""
+
+class UnsupportedTypeError(HindsightError, TypeError):
+    """A value the format cannot hold; pass allow_pickle=True to pickle it."""
+
+class InvalidArgumentError(HindsightError, ValueError):
+    """A bad name, option or argument."""
+
+class StorageError(HindsightError, OSError):
+    """An I/O error from the storage."""
+
+class StorageFullError(StorageError):
+    """The disk or quota is full. No partial checkpoint became visible."""
+
+class StoragePermissionError(StorageError, PermissionError):
+    """Storage refused access: missing permission or credentials."""
+
+class ConcurrentChangeError(StorageError):
+    """A conditional write lost a race: another process changed the object first."""
+
+class LeaseLostError(StorageError):
+    """The lease protecting a save or gc on object storage was lost; nothing was committed under it."""
+
+class WrongProcessError(HindsightError):
+    """A Store used in a process other than the one that opened it (e.g. a fork)."""
+
+class DatabaseError(HindsightError):
+    """The run/log database failed (locked too long, unreadable, newer schema)."""
+
+class ReplayError(HindsightError):
+    """A replay cannot run as asked (script changed beyond logging, missing checkpoint, ...)."""
+
+class DivergenceError(ReplayError):
+    """A replay or a resume computed something other than the recording: a
+    step consumed other data, a logged value differs, or the state at a
+    checkpoint differs. Raised at the first difference, naming it; nothing
+    computed after it is presented as a result."""
+
+class CancelledError(HindsightError):
+    """The operation was interrupted or abandoned."""
+
+class StoreClosedError(CancelledError):
+    """The store (or its writer) was closed."""
+
+class AbandonedError(CancelledError):
+    """A save that never committed: an earlier step of it failed or was interrupted."""
+
+class DeviceCopyError(HindsightError):
+    """The device-to-host copy of a save failed (e.g. a CUDA error); the save did not commit."""
+
+class InternalError(HindsightError):
+    """A broken invariant inside hindsight (a bug): reported, never papered over."""
+
+class DataError(HindsightError):
+    """An error of the input service (``hindsight.data``)."""
+
+    #: The dispatcher or worker address the error is about.
+    address: str | None
+    #: The dataset factory (``module:factory``) the error is about.
+    dataset: str | None
+
+class DataUnreachableError(DataError, ConnectionError):
+    """Nothing answered at the dispatcher or worker address in time."""
+
+class DataMismatchError(DataError, ValueError):
+    """A job, protocol or code version that differs from the other side's; the message names the difference."""
+
+class DataPipelineError(DataError):
+    """The dataset factory or pipeline raised in a worker; the message holds its traceback."""
+
+class NonDeterministicDataError(DataError):
+    """A recomputed unit differs from its first computation: the pipeline is not deterministic."""
+
+class NoDataWorkersError(DataError):
+    """No live worker served the dataset within the wait."""
+
+class DataServiceError(DataError):
+    """A call inside the input service failed in a way no retry fixes."""

@@ -610,6 +610,7 @@ fn device_fingerprint_of(py: Python<'_>, data: pyo3::buffer::PyBuffer<u8>) -> Py
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(m)?;
     m.add_class::<Store>()?;
     m.add_class::<SaveHandle>()?;
     m.add_class::<describe::ArrayView>()?;
