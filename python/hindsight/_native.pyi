@@ -76,6 +76,7 @@ __all__ = [
     "UnitWork",
     "UnsupportedTypeError",
     "Visit",
+    "WorkerCommand",
     "WorkerPlan",
     "WrongProcessError",
     "batch_digest",
@@ -294,6 +295,7 @@ class LogDb:
         run: list[str] | None = None,
         since: str | None = None,
     ) -> list[dict[str, Any]]: ...
+    def worker_command(self, run_id: str, root: str, script: str, python: str) -> WorkerCommand: ...
     def runs_of(self, script_abs: str | os.PathLike[str], root: str | os.PathLike[str]) -> list[dict[str, Any]]: ...
     def run_at(self, run_id: str, root: str | os.PathLike[str]) -> dict[str, Any]: ...
     def run_to_resume(self, resume_key: str, root: str, explicit: bool = False) -> dict[str, Any] | None: ...
@@ -639,6 +641,15 @@ class StateCheck:
     def first(self) -> StateDifference | None: ...
     @property
     def notes(self) -> list[StateDifference]: ...
+
+@final
+class WorkerCommand:
+    """How a replay worker starts: its command line and working directory."""
+
+    @property
+    def argv(self) -> list[str]: ...
+    @property
+    def cwd(self) -> str: ...
 
 @final
 class WorkerPlan:

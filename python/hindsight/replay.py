@@ -352,16 +352,10 @@ def _prepare(
     names = ", ".join(sorted({p.name for p in analysis.new_probes}))
     print(f"run {run['id']}: {plan.kind} replay of {names} on {len(plan.workers)} worker(s)", flush=True)
     versions = json.loads(run["versions_json"] or "{}")
-    argv = versions.get("argv") or [run["script_abs"]]
-    cwd = (
-        versions.get("cwd")
-        if versions.get("cwd") and Path(versions["cwd"]).is_dir()
-        else str(script.parent)  # the recorded directory is gone: the script's, as it is now
-    )
-    # The script as it is now (the one analysed), which may be a copy of the
-    # recorded one elsewhere, run in the recorded directory.
-    worker_argv = [sys.executable, str(to_run), *argv[1:]]
-    workers = [Worker(w.worker, w.modes, w, run["id"], worker_argv, cwd) for w in plan.workers]
+    # The script as it is now (the one analysed, or the recorded version with
+    # the new statements placed into it), run where the recording ran.
+    command = db.worker_command(run["id"], run["project_root"], str(to_run), sys.executable)
+    workers = [Worker(w.worker, w.modes, w, run["id"], command.argv, command.cwd) for w in plan.workers]
     total = sum(w.visits for w in workers)
     return RunJob(run["id"], names, workers, total, db.last_seq(run["id"]), versions, temp)
 

@@ -110,7 +110,10 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 }
 
 fn index(name: &str) -> usize {
-    CLASSES.iter().position(|(n, _, _)| *n == name).expect("every mapped class is in CLASSES")
+    CLASSES
+        .iter()
+        .position(|(n, _, _)| *n == name)
+        .expect("every mapped class is in CLASSES")
 }
 
 fn class_name(kind: ErrorKind) -> &'static str {

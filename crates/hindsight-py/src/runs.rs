@@ -209,6 +209,25 @@ impl LogDb {
         rs.iter().map(|r| run_dict(py, r)).collect()
     }
 
+    /// How every replay worker of `run_id` starts (core
+    /// `runs::replay::driver::worker_command`): `python script` with the
+    /// recorded arguments, in the recorded directory where it still is.
+    fn worker_command(
+        &self,
+        py: Python<'_>,
+        run_id: String,
+        root: PathBuf,
+        script: PathBuf,
+        python: PathBuf,
+    ) -> PyResult<WorkerCommand> {
+        let run = self.with(py, |db| db.run(&run_id))?.relocated(&root);
+        let c = replay::driver::worker_command(&run, &script, &python);
+        Ok(WorkerCommand {
+            argv: c.argv,
+            cwd: c.cwd.to_string_lossy().into_owned(),
+        })
+    }
+
     /// Run `run_id` with its paths where they are now that its project is
     /// rooted at `root` (`runs::relocate`).
     fn run_at<'py>(
@@ -683,6 +702,14 @@ impl ReplayPlan {
     }
 }
 
+/// How a replay worker starts: its command line and working directory.
+#[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
+#[derive(Clone, Debug)]
+pub(crate) struct WorkerCommand {
+    argv: Vec<String>,
+    cwd: String,
+}
+
 /// What one replay worker does; its JSON form is the worker protocol
 /// (see `hindsight_core::runs::replay`).
 #[pyclass(module = "hindsight._native", frozen, skip_from_py_object)]
@@ -815,5 +842,6 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Divergence>()?;
     m.add_class::<ReplayPlan>()?;
     m.add_class::<WorkerPlan>()?;
+    m.add_class::<WorkerCommand>()?;
     Ok(())
 }

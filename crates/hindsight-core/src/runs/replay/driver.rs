@@ -2,7 +2,7 @@
 //! `hindsight replay` replays. One owner for "the runs of this script"
 //! (the binding's `LogDb.select_runs`, the CLI's `replay`).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::runs::dates;
@@ -114,9 +114,84 @@ pub fn select_runs(
     Ok(runs)
 }
 
+/// How a replay worker of a run is started: its command line and working directory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerCommand {
+    pub argv: Vec<String>,
+    pub cwd: PathBuf,
+}
+
+/// The command of every worker of `run` (its paths where its project is
+/// now: [`RunRow::relocated`]): `python` running `script` (the script as
+/// it is now, or the recorded version with the new statements placed into
+/// it) with the recorded arguments, in the recorded working directory, or,
+/// where that directory is gone, the script's own.
+pub fn worker_command(run: &RunRow, script: &Path, python: &Path) -> WorkerCommand {
+    let versions: serde_json::Value = serde_json::from_str(&run.versions_json).unwrap_or_default();
+    let recorded_args = versions
+        .get("argv")
+        .and_then(|a| a.as_array())
+        .map(|a| {
+            a.iter()
+                .skip(1)
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    let cwd = versions
+        .get("cwd")
+        .and_then(|c| c.as_str())
+        .map(PathBuf::from)
+        .filter(|c| c.is_dir())
+        .unwrap_or_else(|| script.parent().map(Path::to_path_buf).unwrap_or_default());
+    let mut argv = vec![
+        python.to_string_lossy().into_owned(),
+        script.to_string_lossy().into_owned(),
+    ];
+    argv.extend::<Vec<String>>(recorded_args);
+    WorkerCommand { argv, cwd }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_worker_runs_the_recorded_arguments_where_the_run_ran_or_beside_the_script() {
+        let dir = tempfile::tempdir().unwrap();
+        let script = dir.path().join("train.py");
+        let mut run = RunRow {
+            id: "r".into(),
+            script: "train.py".into(),
+            script_abs: script.display().to_string(),
+            project_root: dir.path().display().to_string(),
+            source_hash: String::new(),
+            git_commit: None,
+            git_dirty: None,
+            args_json: "{}".into(),
+            status: RunStatus::Completed,
+            started_ms: 0,
+            ended_ms: None,
+            host: String::new(),
+            versions_json: format!(
+                r#"{{"argv": ["/old/train.py", "--lr", "0.1"], "cwd": {:?}}}"#,
+                dir.path().display().to_string()
+            ),
+            pid: 0,
+            resume_key: None,
+            store: None,
+        };
+        let c = worker_command(&run, &script, Path::new("/usr/bin/python3"));
+        assert_eq!(
+            c.argv,
+            ["/usr/bin/python3", script.to_str().unwrap(), "--lr", "0.1"]
+        );
+        assert_eq!(c.cwd, dir.path());
+        // The directory it ran in is gone (a moved project whose cwd was elsewhere).
+        run.versions_json = r#"{"argv": ["train.py"], "cwd": "/no/such/dir"}"#.into();
+        let c = worker_command(&run, &script, Path::new("python"));
+        assert_eq!((c.argv.len(), c.cwd.as_path()), (2, dir.path()));
+    }
 
     #[test]
     fn the_command_line_names_a_selection() {
