@@ -14,6 +14,7 @@ STATE_ORIGIN_KEY: str
 __all__ = [
     "DEFAULT_STAGING_BYTES",
     "DEVICE_FP_BLOCK_WORDS",
+    "EXIT_DIVERGED",
     "FORMAT_VERSION",
     "STATE_ORIGIN_KEY",
     "TORCH_DTYPES",
@@ -75,6 +76,7 @@ __all__ = [
     "StoreClosedError",
     "UnitWork",
     "UnsupportedTypeError",
+    "Verdict",
     "Visit",
     "WorkerCommand",
     "WorkerPlan",
@@ -91,6 +93,7 @@ __all__ = [
     "device_fingerprint_table",
     "parse_date",
     "project_paths",
+    "replay_verdict",
     "resume_key",
     "run_cli",
     "run_data_dispatcher",
@@ -641,6 +644,23 @@ class StateCheck:
     def first(self) -> StateDifference | None: ...
     @property
     def notes(self) -> list[StateDifference]: ...
+
+@final
+class Verdict:
+    """What a run's replay is worth once its workers ended."""
+
+    @property
+    def failed(self) -> list[int]: ...
+    @property
+    def diverged(self) -> bool: ...
+    @property
+    def keep(self) -> str | None: ...
+    @property
+    def exit(self) -> int: ...
+
+def replay_verdict(returncodes: list[int | None], divergences: int, allow_divergence: bool, exact: bool) -> Verdict: ...
+
+EXIT_DIVERGED: int
 
 @final
 class WorkerCommand:

@@ -25,7 +25,6 @@ from typing import Any
 from hindsight import _native
 from hindsight._analysis import Analysis, analyze, transplant
 from hindsight._launch import LAUNCHERS, LaunchContext, Worker, launcher
-from hindsight._run.replay import EXIT_DIVERGED
 from hindsight.errors import HindsightError, NotFoundError, ReplayError
 
 #: Longest --where accepted: a filter longer than this is a mistake, and the
@@ -362,7 +361,12 @@ def _prepare(
 
 def _report(args: argparse.Namespace, db: Any, job: RunJob, start: float) -> int:
     """Failures, divergences and the summary of one run's replay; its exit status."""
-    failed = [w for w in job.workers if w.returncode not in (0, EXIT_DIVERGED)]
+    divergences = db.replay_divergences(job.replay_id).divergences
+    # The engine's rule: what the staged values are worth, and the status.
+    verdict = _native.replay_verdict(
+        [w.returncode for w in job.workers], len(divergences), bool(args.allow_divergence), job.exact
+    )
+    failed = [job.workers[i] for i in verdict.failed]
     for w in failed:
         iters = sorted(i for i, m in w.modes.items() if m != "skip")
         print(
@@ -370,36 +374,27 @@ def _report(args: argparse.Namespace, db: Any, job: RunJob, start: float) -> int
             f"{w.returncode}; the values of finished iterations are kept:\n{w.stderr_tail}",
             file=sys.stderr,
         )
-    for w in job.workers:
-        if w.returncode in (0, EXIT_DIVERGED) and w.stderr_tail.strip():
+    for i, w in enumerate(job.workers):
+        if i not in verdict.failed and w.stderr_tail.strip():
             sys.stderr.write(w.stderr_tail)
-    # Judge what this replay staged against the recording: a replay that
-    # computed a recorded value differently computed its new ones on wrong
-    # state too, so they are not presented as results.
-    divergences = db.replay_divergences(job.replay_id).divergences
     if divergences:
         first = divergences[0]
         where = ", ".join(f"{k}={v}" for k, v in first.ctx) or "top level"
-        kept = "kept, marked 'diverged'" if args.allow_divergence else "discarded"
+        kept = "kept, marked 'diverged'" if verdict.keep else "discarded"
         print(
             f"DIVERGENCE in run {job.run_id}: {len(divergences)} value(s) differ between record and replay; "
             f"first: {first.name} at {where}: recorded {first.record_value}, replayed {first.replay_value}. "
-            f"The replay's values were {kept}"
-            + ("" if args.allow_divergence else " (--allow-divergence keeps them, marked)"),
+            f"The replay's values were {kept}" + ("" if verdict.keep else " (--allow-divergence keeps them, marked)"),
             file=sys.stderr,
         )
-    diverged = bool(divergences) or any(w.returncode == EXIT_DIVERGED for w in job.workers)
-    if diverged and not args.allow_divergence:
-        db.finish_replay(job.replay_id, None)
-    else:
-        db.finish_replay(job.replay_id, "diverged" if diverged else "exact" if job.exact else "inexact")
+    db.finish_replay(job.replay_id, verdict.keep)
     steps = sum(w.steps for w in job.workers)
     restored = sum(w.restored for w in job.workers)
     print(
         f"replayed {job.total} iteration(s) in {time.monotonic() - start:.1f}s: {restored} restored from "
         f"checkpoints, {steps} inner-loop steps executed; new values: {job.names}"
     )
-    if not failed and not diverged:
+    if not failed and not verdict.diverged:
         # Nothing is no wrong value, but it must not pass unnoticed.
         have = set(db.log_names(job.run_id))
         for name in (n for n in job.names.split(", ") if n and n not in have):
@@ -408,11 +403,7 @@ def _report(args: argparse.Namespace, db: Any, job: RunJob, start: float) -> int
                 "the replayed iterations (a condition that never held, or --where left them out)",
                 file=sys.stderr,
             )
-    if diverged and not args.allow_divergence:
-        return EXIT_DIVERGED
-    if failed:
-        return 1
-    return 0
+    return verdict.exit
 
 
 def main(argv: list[str] | None = None) -> int:

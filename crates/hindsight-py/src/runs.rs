@@ -702,6 +702,39 @@ impl ReplayPlan {
     }
 }
 
+/// What a run's replay is worth once its workers ended (core
+/// `runs::replay::driver::verdict`).
+#[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
+#[derive(Clone, Debug)]
+pub(crate) struct Verdict {
+    /// Indices of the workers that failed (not a divergence).
+    failed: Vec<usize>,
+    diverged: bool,
+    /// How the staged values are kept: "exact", "inexact", "diverged", or None (discarded).
+    keep: Option<&'static str>,
+    exit: i32,
+}
+
+/// The verdict on a run's replay: the workers' exit statuses (None: never
+/// started), how many staged values differ, `--allow-divergence`, and
+/// whether the workers ran as recorded.
+#[pyfunction]
+#[pyo3(signature = (returncodes, divergences, allow_divergence, exact))]
+pub(crate) fn replay_verdict(
+    returncodes: Vec<Option<i32>>,
+    divergences: usize,
+    allow_divergence: bool,
+    exact: bool,
+) -> Verdict {
+    let v = replay::driver::verdict(&returncodes, divergences, allow_divergence, exact);
+    Verdict {
+        failed: v.failed,
+        diverged: v.diverged,
+        keep: v.keep.map(|t| t.as_str()),
+        exit: v.exit,
+    }
+}
+
 /// How a replay worker starts: its command line and working directory.
 #[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
 #[derive(Clone, Debug)]
@@ -843,5 +876,8 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ReplayPlan>()?;
     m.add_class::<WorkerPlan>()?;
     m.add_class::<WorkerCommand>()?;
+    m.add_class::<Verdict>()?;
+    m.add_function(wrap_pyfunction!(replay_verdict, m)?)?;
+    m.add("EXIT_DIVERGED", replay::driver::EXIT_DIVERGED)?;
     Ok(())
 }

@@ -25,8 +25,8 @@ from hindsight._run.common import Run
 from hindsight._state import capture_grads, set_rng_state
 from hindsight.errors import DivergenceError, HindsightError, ReplayError
 
-#: A worker's exit status when what it computed differs from the recording.
-EXIT_DIVERGED = 3
+#: A worker's exit status when what it computed differs from the recording (the engine's).
+EXIT_DIVERGED = _native.EXIT_DIVERGED
 
 
 class ReplayRun(Run):

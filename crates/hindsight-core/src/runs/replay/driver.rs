@@ -6,7 +6,11 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::runs::dates;
-use crate::runs::db::{LogDb, RunRow, RunStatus};
+use crate::runs::db::{LogDb, RunRow, RunStatus, Trust};
+
+/// A worker's exit status when what it computed differs from the recording
+/// (and the replay's, when a run's replay diverged).
+pub const EXIT_DIVERGED: i32 = 3;
 
 /// Which runs, as `hindsight replay` is asked.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -152,9 +156,88 @@ pub fn worker_command(run: &RunRow, script: &Path, python: &Path) -> WorkerComma
     WorkerCommand { argv, cwd }
 }
 
+/// What a run's replay is worth, once its workers ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Verdict {
+    /// Workers that failed (not a divergence): the values of their finished
+    /// iterations are kept.
+    pub failed: Vec<usize>,
+    /// A worker stopped at a difference, or a staged value differs.
+    pub diverged: bool,
+    /// How the staged values are kept (`LogDb::finish_replay`); None:
+    /// discarded (diverged without `--allow-divergence`).
+    pub keep: Option<Trust>,
+    /// The replay's exit status for this run.
+    pub exit: i32,
+}
+
+/// The verdict on a run's replay from its workers' exit statuses (`None`:
+/// never started), the number of staged values that differ from the
+/// recording, whether divergent values are kept on request, and whether the
+/// workers ran exactly as recorded (the recording's thread count). A replay
+/// that computed a recorded value differently computed its new ones on
+/// wrong state too: they are not presented as results.
+pub fn verdict(
+    returncodes: &[Option<i32>],
+    divergences: usize,
+    allow_divergence: bool,
+    exact: bool,
+) -> Verdict {
+    let failed: Vec<usize> = returncodes
+        .iter()
+        .enumerate()
+        .filter(|(_, rc)| !matches!(rc, Some(0) | Some(EXIT_DIVERGED)))
+        .map(|(i, _)| i)
+        .collect();
+    let diverged = divergences > 0 || returncodes.contains(&Some(EXIT_DIVERGED));
+    let keep = match (diverged, allow_divergence) {
+        (true, false) => None,
+        (true, true) => Some(Trust::Diverged),
+        (false, _) if exact => Some(Trust::Exact),
+        (false, _) => Some(Trust::Inexact),
+    };
+    let exit = if diverged && !allow_divergence {
+        EXIT_DIVERGED
+    } else if !failed.is_empty() {
+        1
+    } else {
+        0
+    };
+    Verdict {
+        failed,
+        diverged,
+        keep,
+        exit,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_replay_that_diverged_keeps_nothing_unless_asked_and_says_so_in_its_status() {
+        let ok = verdict(&[Some(0), Some(0)], 0, false, true);
+        assert_eq!(
+            (ok.keep, ok.exit, ok.diverged),
+            (Some(Trust::Exact), 0, false)
+        );
+        assert_eq!(
+            verdict(&[Some(0)], 0, false, false).keep,
+            Some(Trust::Inexact)
+        );
+        let failed = verdict(&[Some(0), Some(1), None], 0, false, true);
+        assert_eq!((failed.failed, failed.exit), (vec![1, 2], 1));
+        let stopped = verdict(&[Some(EXIT_DIVERGED), Some(1)], 0, false, true);
+        assert_eq!(
+            (stopped.keep, stopped.exit, stopped.failed),
+            (None, EXIT_DIVERGED, vec![1])
+        );
+        let values = verdict(&[Some(0)], 2, false, true);
+        assert_eq!((values.keep, values.exit), (None, EXIT_DIVERGED));
+        let kept = verdict(&[Some(0)], 2, true, true);
+        assert_eq!((kept.keep, kept.exit), (Some(Trust::Diverged), 0));
+    }
 
     #[test]
     fn a_worker_runs_the_recorded_arguments_where_the_run_ran_or_beside_the_script() {
