@@ -57,6 +57,7 @@ __all__ = [
     "NonDeterministicDataError",
     "NotFoundError",
     "Pickled",
+    "Progress",
     "ProjectPaths",
     "RecordSession",
     "ReplayCheck",
@@ -644,6 +645,19 @@ class StateCheck:
     def first(self) -> StateDifference | None: ...
     @property
     def notes(self) -> list[StateDifference]: ...
+
+@final
+class Progress:
+    """A replay worker's progress lines, read."""
+
+    def __new__(cls) -> Progress: ...
+    def read(self, text: str) -> None: ...
+    @property
+    def done(self) -> int: ...
+    @property
+    def steps(self) -> int: ...
+    @property
+    def restored(self) -> int: ...
 
 @final
 class Verdict:

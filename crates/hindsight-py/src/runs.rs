@@ -735,6 +735,39 @@ pub(crate) fn replay_verdict(
     }
 }
 
+/// Read a replay worker's progress lines (core `runs::replay::driver::Progress`).
+#[pyclass(module = "hindsight._native", name = "Progress", skip_from_py_object)]
+#[derive(Clone, Debug, Default)]
+pub(crate) struct PyProgress(replay::driver::Progress);
+
+#[pymethods]
+impl PyProgress {
+    #[new]
+    fn new() -> Self {
+        PyProgress::default()
+    }
+
+    /// Whole lines of the worker's progress (none may be cut short).
+    fn read(&mut self, text: &str) {
+        self.0.read(text)
+    }
+
+    #[getter]
+    fn done(&self) -> u64 {
+        self.0.done
+    }
+
+    #[getter]
+    fn steps(&self) -> u64 {
+        self.0.steps
+    }
+
+    #[getter]
+    fn restored(&self) -> u64 {
+        self.0.restored
+    }
+}
+
 /// How a replay worker starts: its command line and working directory.
 #[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
 #[derive(Clone, Debug)]
@@ -877,6 +910,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<WorkerPlan>()?;
     m.add_class::<WorkerCommand>()?;
     m.add_class::<Verdict>()?;
+    m.add_class::<PyProgress>()?;
     m.add_function(wrap_pyfunction!(replay_verdict, m)?)?;
     m.add("EXIT_DIVERGED", replay::driver::EXIT_DIVERGED)?;
     Ok(())

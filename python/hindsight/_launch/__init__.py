@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from hindsight import _native
+
 __all__ = ["LAUNCHERS", "LaunchContext", "Launcher", "Worker", "launcher", "progress", "progress_lines"]
 
 
@@ -37,9 +39,8 @@ class Worker:
     run_id: str = ""
     argv: list[str] = field(default_factory=list)
     cwd: str = ""
-    done: int = 0
-    steps: int = 0
-    restored: int = 0
+    #: Its progress lines as read so far (the engine's reader of the worker protocol).
+    progress: Any = field(default_factory=lambda: _native.Progress())
     returncode: int | None = None
     stderr_tail: str = ""
     # The replay the worker stages its values for, and its torch threads.
@@ -47,6 +48,18 @@ class Worker:
     threads: int = 1
     #: Runs with the recording's thread count: its state must equal the checkpoints'.
     exact: bool = True
+
+    @property
+    def done(self) -> int:
+        return int(self.progress.done)
+
+    @property
+    def steps(self) -> int:
+        return int(self.progress.steps)
+
+    @property
+    def restored(self) -> int:
+        return int(self.progress.restored)
 
     @property
     def visits(self) -> int:
@@ -95,13 +108,8 @@ def progress(workers: list[Worker], total: int, start: float, final: bool = Fals
 
 
 def progress_lines(w: Worker, text: str) -> None:
-    """Count a worker's progress lines (the protocol of runs::replay)."""
-    for line in text.splitlines():
-        if line.startswith("steps "):
-            parts = line.split()
-            w.steps, w.restored = int(parts[1]), int(parts[3])
-        elif line.strip():
-            w.done += 1
+    """Whole progress lines of a worker (the protocol of runs::replay)."""
+    w.progress.read(text)
 
 
 def launcher(name: str) -> Launcher:

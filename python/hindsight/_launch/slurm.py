@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hindsight import _native
 from hindsight._launch import LaunchContext, Worker, progress, progress_lines
 from hindsight._run import ENV_HOME, ENV_REPLAY, files
 from hindsight.errors import HindsightError, ReplayError
@@ -103,7 +104,7 @@ def _run(workers: list[Worker], ctx: LaunchContext) -> Path:
             for i, w in list(pending.items()):
                 lines = spool / f"task-{i}.progress"
                 if lines.exists():
-                    w.done = 0
+                    w.progress = _native.Progress()  # the whole file is read again
                     progress_lines(w, lines.read_text())
                 rc = spool / f"task-{i}.rc"
                 if rc.exists():

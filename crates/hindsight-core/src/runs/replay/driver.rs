@@ -156,6 +156,33 @@ pub fn worker_command(run: &RunRow, script: &Path, python: &Path) -> WorkerComma
     WorkerCommand { argv, cwd }
 }
 
+/// A worker's progress, as the driver reads it from its lines (the
+/// worker protocol of `runs::replay`; the worker's session writes them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// Iterations finished.
+    pub done: u64,
+    /// From the worker's last line: inner-loop steps executed, checkpoints restored.
+    pub steps: u64,
+    pub restored: u64,
+}
+
+impl Progress {
+    /// Read whole lines: one per finished iteration, then `steps N restored M`.
+    pub fn read(&mut self, text: &str) {
+        for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            match words.as_slice() {
+                ["steps", steps, "restored", restored] => {
+                    self.steps = steps.parse().unwrap_or(self.steps);
+                    self.restored = restored.parse().unwrap_or(self.restored);
+                }
+                _ => self.done += 1,
+            }
+        }
+    }
+}
+
 /// What a run's replay is worth, once its workers ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Verdict {
@@ -214,6 +241,21 @@ pub fn verdict(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn progress_lines_count_iterations_and_carry_the_summary() {
+        let mut p = Progress::default();
+        p.read("0\n1\n");
+        p.read("\n2\nsteps 40 restored 2\n");
+        assert_eq!(
+            p,
+            Progress {
+                done: 3,
+                steps: 40,
+                restored: 2
+            }
+        );
+    }
 
     #[test]
     fn a_replay_that_diverged_keeps_nothing_unless_asked_and_says_so_in_its_status() {
