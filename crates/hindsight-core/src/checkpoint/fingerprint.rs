@@ -84,6 +84,10 @@ pub fn fingerprint_many(buffers: &[&[u8]], segment: usize, threads: usize) -> Ve
     } else {
         threads.clamp(1, 64).min(work.len().max(1))
     };
+    // Scoped threads, not rayon: a global pool does not survive fork(), and
+    // a DataLoader worker forked from the trainer that hashed through it
+    // would wait forever on threads that are not there (the lesson of
+    // tokenizers). Scoped threads exist only during this call.
     std::thread::scope(|s| {
         for _ in 1..threads {
             s.spawn(run);

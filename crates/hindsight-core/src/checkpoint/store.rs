@@ -482,6 +482,9 @@ impl Store {
             }
         };
         let threads = threads.clamp(1, 16).min(total.max(1));
+        // Scoped threads, not a rayon pool: the work blocks on I/O (its
+        // concurrency is the storage's, not the cores'), and scoped threads
+        // leave nothing behind that a fork() could inherit half of.
         std::thread::scope(|s| {
             for _ in 1..threads {
                 s.spawn(run);
