@@ -277,7 +277,7 @@ impl Store {
         );
         let root = walk.node(state, &mut Vec::new())?;
         let tree::SaveWalk {
-            mut slots,
+            slots,
             sources,
             tracked,
             keepalive,
@@ -290,30 +290,29 @@ impl Store {
             before_copy.call0()?;
         }
         let result = interrupt::run(py, |intr| {
-            let mut b = writer.begin_with(&name, reuse_lock)?;
-            let segment = b.fingerprint_segment();
-            let proven = tree::verify_unchanged(&mut slots, &sources, segment, copy_threads);
-            let srcs: Vec<&[u8]> = tree::stage_order(&slots)
-                .into_iter()
-                .map(|i| sources[i].as_slice())
-                .collect();
-            let staged = b.stage_many(&srcs, copy_threads, &|| intr.check())?;
-            let lent = b.lend(lent);
-            let setup = b.setup_seconds();
-            let reused: u64 = slots
-                .iter()
-                .map(|s| match s {
-                    tree::Slot::Reuse(b) => b.nbytes,
-                    _ => 0,
-                })
-                .sum();
-            b.note_reused(reused);
-            let mut root = root;
-            let filled = tree::fill_blobs(&mut root, slots, staged, lent, proven)?;
-            Ok::<_, Error>((b.commit(root, meta.unwrap_or_default()), filled, setup))
+            // The save session is the engine's (core `checkpoint::save`).
+            let walked = core::checkpoint::save::Walked {
+                root,
+                slots,
+                sources: sources.iter().map(|s| s.as_slice()).collect(),
+                lent,
+            };
+            core::checkpoint::save::run(
+                &writer,
+                &name,
+                reuse_lock,
+                walked,
+                meta.unwrap_or_default(),
+                copy_threads,
+                &|| intr.check(),
+            )
         });
         drop(keepalive);
-        let (handle, filled, setup_seconds) = result?;
+        let core::checkpoint::save::Saved {
+            handle,
+            filled,
+            setup_seconds,
+        } = result?;
         if skip_unchanged {
             *lock(&self.cache) = tracked
                 .into_iter()

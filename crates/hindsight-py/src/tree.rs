@@ -4,9 +4,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
-use hindsight_core::{
-    self as core, Array, ArrayLib, Blob, Error, Fingerprint, Lent, Node, StagedBlob,
-};
+use hindsight_core::{self as core, Array, ArrayLib, Blob, Error, Fingerprint, Lent, Node};
 use pyo3::prelude::*;
 use pyo3::types::{
     PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple,
@@ -16,8 +14,7 @@ use crate::buffer::Buffer;
 use crate::describe::{ArrayView, Pickled};
 use crate::errors::to_py;
 
-/// Below this size a tensor is always copied: cheaper than proving it unchanged.
-const MIN_TRACKED_BYTES: usize = 64 << 10;
+pub(crate) use core::checkpoint::save::{Filled, Slot};
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct CacheKey {
@@ -142,23 +139,6 @@ impl Lent for PyLent {
         // layer does not reuse until this save's handle is done.
         unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
     }
-}
-
-/// Where one blob of the tree comes from, in walk order.
-pub(crate) enum Slot {
-    /// Copy `sources[i]`.
-    Stage(usize),
-    /// The next lent buffer, written as it is (no copy).
-    Lend,
-    /// The previous save's blob, proven unchanged.
-    Reuse(Blob),
-    /// The version counter says unchanged: reuse `blob` if `sources[source]`
-    /// still has `fingerprint`, else copy it. Decided without the GIL.
-    Verify {
-        source: usize,
-        blob: Blob,
-        fingerprint: Fingerprint,
-    },
 }
 
 pub(crate) struct SaveWalk<'a, 'w, 'py> {
@@ -385,9 +365,11 @@ impl<'a, 'w, 'py> SaveWalk<'a, 'w, 'py> {
             device: Some(device.clone()),
             data: Blob::default(),
         }));
-        let version = match version {
-            Some(v) if self.skip && nbytes >= MIN_TRACKED_BYTES => v,
-            _ => {
+        // The engine's rule: which tensors are tracked, and which saved blob
+        // is a candidate (core `checkpoint::save`).
+        let version = match core::checkpoint::save::tracked_version(self.skip, nbytes, version) {
+            Some(v) => v,
+            None => {
                 self.stage_array(ptr, nbytes, &keep, host)?;
                 return Ok(node);
             }
@@ -405,7 +387,13 @@ impl<'a, 'w, 'py> SaveWalk<'a, 'w, 'py> {
         // GIL; device: computed on the device now, compared with the sum the
         // writer made of the last copy).
         let old = match self.old.remove(&key) {
-            Some(o) if o.version == version && self.reusable(&o.blob)? => Some(o),
+            Some(o)
+                if core::checkpoint::save::candidate(o.version, version, || {
+                    self.reusable(&o.blob)
+                })? =>
+            {
+                Some(o)
+            }
             _ => None,
         };
         let slot;
@@ -525,112 +513,6 @@ impl<'a, 'w, 'py> SaveWalk<'a, 'w, 'py> {
         self.slots.push(Slot::Lend);
         Ok(self.slots.len() - 1)
     }
-}
-
-/// The slots with every `Verify` decided: fingerprint the candidates (on
-/// `threads` threads, no GIL needed) and keep the previous blob only where
-/// the whole content matches. Returns each slot's proven fingerprint where
-/// one was computed.
-pub(crate) fn verify_unchanged(
-    slots: &mut [Slot],
-    sources: &[Source],
-    segment: usize,
-    threads: usize,
-) -> Vec<Option<Fingerprint>> {
-    let candidates: Vec<(usize, usize)> = slots
-        .iter()
-        .enumerate()
-        .filter_map(|(i, s)| match s {
-            Slot::Verify { source, .. } => Some((i, *source)),
-            _ => None,
-        })
-        .collect();
-    let bufs: Vec<&[u8]> = candidates
-        .iter()
-        .map(|&(_, src)| sources[src].as_slice())
-        .collect();
-    let fps = core::fingerprint_many(&bufs, segment, threads);
-    let mut proven = vec![None; slots.len()];
-    for (&(i, src), fp) in candidates.iter().zip(fps) {
-        let slot = std::mem::replace(&mut slots[i], Slot::Stage(src));
-        if let Slot::Verify {
-            blob, fingerprint, ..
-        } = slot
-        {
-            if fingerprint == fp {
-                slots[i] = Slot::Reuse(blob);
-                proven[i] = Some(fp);
-            }
-        }
-    }
-    proven
-}
-
-/// The blob and (host) fingerprint of every slot, once staging returned
-/// `staged` for the sources listed by `stage_order`.
-pub(crate) struct Filled {
-    pub blobs: Vec<Blob>,
-    pub fingerprints: Vec<Option<Fingerprint>>,
-}
-
-/// Sources to copy, in slot order, after `verify_unchanged`.
-pub(crate) fn stage_order(slots: &[Slot]) -> Vec<usize> {
-    slots
-        .iter()
-        .filter_map(|s| match s {
-            Slot::Stage(src) => Some(*src),
-            _ => None,
-        })
-        .collect()
-}
-
-/// Put the staged / reused blobs into the tree (same order as the walk).
-/// A count mismatch is a bug in the walk: an internal error, never an empty blob.
-pub(crate) fn fill_blobs(
-    root: &mut Node,
-    slots: Vec<Slot>,
-    staged: Vec<StagedBlob>,
-    lent: Vec<Blob>,
-    mut fingerprints: Vec<Option<Fingerprint>>,
-) -> core::Result<Filled> {
-    let n_slots = slots.len();
-    let mut staged = staged.into_iter();
-    let mut lent = lent.into_iter();
-    let mut blobs = Vec::with_capacity(n_slots);
-    for (i, slot) in slots.into_iter().enumerate() {
-        match slot {
-            Slot::Stage(_) => {
-                let s = staged
-                    .next()
-                    .ok_or_else(|| internal("fewer staged blobs than slots"))?;
-                fingerprints[i] = Some(s.fingerprint);
-                blobs.push(s.blob);
-            }
-            Slot::Lend => blobs.push(
-                lent.next()
-                    .ok_or_else(|| internal("fewer lent blobs than slots"))?,
-            ),
-            Slot::Reuse(blob) => blobs.push(blob),
-            Slot::Verify { .. } => return Err(internal("an unverified slot at fill time")),
-        }
-    }
-    let mut it = blobs.iter();
-    let mut count = 0;
-    root.for_each_blob_mut(&mut |b| {
-        count += 1;
-        if let Some(blob) = it.next() {
-            *b = blob.clone();
-        }
-    });
-    if count != n_slots || staged.next().is_some() || lent.next().is_some() {
-        return Err(internal(
-            "the tree's blobs and the save's slots differ in number",
-        ));
-    }
-    Ok(Filled {
-        blobs,
-        fingerprints,
-    })
 }
 
 fn internal(what: &str) -> Error {

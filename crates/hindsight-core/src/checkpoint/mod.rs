@@ -15,6 +15,7 @@ pub mod replica;
 pub mod retention;
 #[cfg(feature = "s3")]
 pub mod s3;
+pub mod save;
 pub mod storage;
 pub mod store;
 pub mod upload;
