@@ -10,6 +10,7 @@
 pub mod checkpoint;
 pub mod durable;
 pub mod error;
+pub mod forksafe;
 pub mod runs;
 pub mod settings;
 pub mod staging;

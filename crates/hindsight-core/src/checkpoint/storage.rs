@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io::Read;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
@@ -146,7 +147,11 @@ impl LocalStorage {
             // std's file locks are flock(2) on Linux: released when the file closes.
             let locked = if exclusive { f.lock() } else { f.lock_shared() };
             match locked {
-                Ok(()) => return Ok(Box::new(FlockGuard(f))),
+                Ok(()) => {
+                    // A process forked while this is held must not keep it.
+                    crate::forksafe::hold(f.as_raw_fd());
+                    return Ok(Box::new(FlockGuard(f)));
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(Error::io(&path, e)),
             }
@@ -172,8 +177,14 @@ fn refuse_symlink(path: &Path) -> Result<()> {
 
 /// flock is released when the file is closed.
 #[derive(Debug)]
-struct FlockGuard(#[allow(dead_code)] File);
+struct FlockGuard(File);
 impl LockGuard for FlockGuard {}
+
+impl Drop for FlockGuard {
+    fn drop(&mut self) {
+        crate::forksafe::release(self.0.as_raw_fd());
+    }
+}
 
 impl Storage for LocalStorage {
     fn location(&self) -> String {
@@ -441,6 +452,50 @@ impl Storage for LocalStorage {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A child forked while the store is locked does not keep the lock: the
+    /// parent's gc got an exclusive lock only once a DataLoader worker forked
+    /// during a save had exited (at interpreter exit: a hang).
+    #[test]
+    fn a_forked_child_does_not_keep_the_stores_lock() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = LocalStorage::open(dir.path()).unwrap();
+        let shared = s.lock_shared().unwrap();
+        let mut ready = [0i32; 2];
+        // SAFETY: a plain pipe; the child only writes, sleeps and leaves
+        // (async-signal-safe calls), after the fork handlers ran.
+        let pid = unsafe {
+            assert_eq!(libc::pipe(ready.as_mut_ptr()), 0);
+            libc::fork()
+        };
+        assert!(pid >= 0);
+        if pid == 0 {
+            unsafe {
+                libc::write(ready[1], b"x".as_ptr().cast(), 1);
+                libc::sleep(5);
+                libc::_exit(0);
+            }
+        }
+        let mut byte = 0u8;
+        // SAFETY: reading one byte the child writes once it runs.
+        unsafe {
+            assert_eq!(libc::read(ready[0], (&mut byte as *mut u8).cast(), 1), 1);
+            libc::close(ready[0]);
+            libc::close(ready[1]);
+        }
+        drop(shared);
+        let probe = File::open(dir.path().join("gc.lock")).unwrap();
+        let free = probe.try_lock();
+        // SAFETY: reaping our own child.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+            libc::waitpid(pid, std::ptr::null_mut(), 0);
+        }
+        assert!(
+            free.is_ok(),
+            "the child still holds the store's lock: {free:?}"
+        );
+    }
 
     fn names_under(dir: &Path) -> usize {
         fs::read_dir(dir)
