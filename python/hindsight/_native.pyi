@@ -64,6 +64,7 @@ __all__ = [
     "ReplayError",
     "ReplayPlan",
     "ReplaySession",
+    "ReplayThreads",
     "Retention",
     "SaveHandle",
     "Setting",
@@ -94,6 +95,7 @@ __all__ = [
     "device_fingerprint_table",
     "parse_date",
     "project_paths",
+    "replay_threads",
     "replay_verdict",
     "resume_key",
     "run_cli",
@@ -645,6 +647,23 @@ class StateCheck:
     def first(self) -> StateDifference | None: ...
     @property
     def notes(self) -> list[StateDifference]: ...
+
+@final
+class ReplayThreads:
+    """The thread rule of a replay: workers at once, each run's threads and exactness."""
+
+    @property
+    def budget(self) -> int: ...
+    @property
+    def widest(self) -> int | None: ...
+    @property
+    def threads(self) -> list[int]: ...
+    @property
+    def exact(self) -> list[bool]: ...
+
+def replay_threads(
+    cores: int, jobs: int, workers: list[int], recorded: list[int | None], fast: bool, local: bool
+) -> ReplayThreads: ...
 
 @final
 class Progress:

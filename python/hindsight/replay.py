@@ -251,35 +251,21 @@ def replay(args: argparse.Namespace) -> int:
 
 def _threads(args: argparse.Namespace, jobs: list[RunJob], local: bool) -> int:
     """Each worker's torch thread count, whether its run's values can be
-    compared bit for bit, and how many local workers run at once.
-
-    Exactness needs the recording's thread count (reductions round by how
-    they are split). So by default every worker runs with it, and -j is
-    capped so that workers x threads <= cores; `--fast` instead gives each
-    worker cores // workers threads, and the values are compared with a
-    tolerance and stored marked inexact."""
+    compared bit for bit, and how many workers run at once: the engine's
+    rule (`runs::replay::driver::threads`); this says what it chose."""
     cores = os.cpu_count() or 1
-    budget = max(1, min(int(args.jobs), sum(len(j.workers) for j in jobs)))
-    if not local:
-        budget = int(args.jobs)
-    recorded = [int(j.versions["torch_threads"]) for j in jobs if j.versions.get("torch_threads")]
-    if not args.fast and recorded and local:
-        widest = max(recorded)
-        capped = max(1, cores // widest)
-        if capped < budget:
-            print(
-                f"note: -j {args.jobs} runs {capped} worker(s) at a time: each uses the recording's {widest} "
-                f"torch thread(s) so that values replay exactly, and this machine has {cores} cores "
-                "(--fast runs more, with values that may differ in the last bits)",
-                file=sys.stderr,
-            )
-            budget = capped
-    fair = max(1, cores // budget)
-    for job in jobs:
-        want = job.versions.get("torch_threads")
-        threads = int(want) if want and not args.fast else fair
-        job.exact = not want or threads == int(want)
-        if not job.exact:
+    wanted = [int(j.versions["torch_threads"]) if j.versions.get("torch_threads") else None for j in jobs]
+    plan = _native.replay_threads(cores, int(args.jobs), [len(j.workers) for j in jobs], wanted, bool(args.fast), local)
+    if plan.widest is not None:
+        print(
+            f"note: -j {args.jobs} runs {plan.budget} worker(s) at a time: each uses the recording's "
+            f"{plan.widest} torch thread(s) so that values replay exactly, and this machine has {cores} cores "
+            "(--fast runs more, with values that may differ in the last bits)",
+            file=sys.stderr,
+        )
+    for job, want, threads, exact in zip(jobs, wanted, plan.threads, plan.exact, strict=True):
+        job.exact = exact
+        if not exact:
             print(
                 f"note: run {job.run_id}: each worker uses {threads} thread(s), the recording used {want}: "
                 "values may differ in the last bits; they are compared within a tolerance and kept marked "
@@ -288,8 +274,8 @@ def _threads(args: argparse.Namespace, jobs: list[RunJob], local: bool) -> int:
             )
         for w in job.workers:
             w.threads = threads
-            w.exact = job.exact
-    return budget
+            w.exact = exact
+    return int(plan.budget)
 
 
 def _prepare(

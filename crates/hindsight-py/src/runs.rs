@@ -735,6 +735,40 @@ pub(crate) fn replay_verdict(
     }
 }
 
+/// The thread rule of a replay (core `runs::replay::driver::threads`).
+#[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
+#[derive(Clone, Debug)]
+pub(crate) struct ReplayThreads {
+    /// Workers at once.
+    budget: usize,
+    /// `-j` was lowered to `budget` because each worker needs the widest
+    /// recording's `widest` threads (None: not lowered).
+    widest: Option<usize>,
+    /// Per run: each worker's torch threads.
+    threads: Vec<usize>,
+    /// Per run: whether that is the recording's count (values compared exactly).
+    exact: Vec<bool>,
+}
+
+#[pyfunction]
+#[pyo3(signature = (cores, jobs, workers, recorded, fast, local))]
+pub(crate) fn replay_threads(
+    cores: usize,
+    jobs: usize,
+    workers: Vec<usize>,
+    recorded: Vec<Option<usize>>,
+    fast: bool,
+    local: bool,
+) -> ReplayThreads {
+    let t = replay::driver::threads(cores, jobs, &workers, &recorded, fast, local);
+    ReplayThreads {
+        budget: t.budget,
+        widest: t.capped.map(|(w, _)| w),
+        threads: t.runs.iter().map(|r| r.0).collect(),
+        exact: t.runs.iter().map(|r| r.1).collect(),
+    }
+}
+
 /// Read a replay worker's progress lines (core `runs::replay::driver::Progress`).
 #[pyclass(module = "hindsight._native", name = "Progress", skip_from_py_object)]
 #[derive(Clone, Debug, Default)]
@@ -911,6 +945,8 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<WorkerCommand>()?;
     m.add_class::<Verdict>()?;
     m.add_class::<PyProgress>()?;
+    m.add_class::<ReplayThreads>()?;
+    m.add_function(wrap_pyfunction!(replay_threads, m)?)?;
     m.add_function(wrap_pyfunction!(replay_verdict, m)?)?;
     m.add("EXIT_DIVERGED", replay::driver::EXIT_DIVERGED)?;
     Ok(())

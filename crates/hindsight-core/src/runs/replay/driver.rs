@@ -156,6 +156,67 @@ pub fn worker_command(run: &RunRow, script: &Path, python: &Path) -> WorkerComma
     WorkerCommand { argv, cwd }
 }
 
+/// How many local workers run at once, and each run's torch thread count.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Threads {
+    /// Workers at once (the array's width for a batch launcher).
+    pub budget: usize,
+    /// `-j` was lowered to this so that workers x the recording's threads
+    /// fit the cores: (the widest recording's threads, the new budget).
+    pub capped: Option<(usize, usize)>,
+    /// Per run: each worker's thread count, and whether that is the
+    /// recording's (only then are its values compared bit for bit).
+    pub runs: Vec<(usize, bool)>,
+}
+
+/// The thread rule of a replay. Exactness needs the recording's thread
+/// count (reductions round by how they are split), so by default every
+/// worker runs with it and, on this machine's `cores`, `-j` is capped so
+/// that workers x threads <= cores; `fast` instead gives each worker
+/// `cores / workers` threads, and its values are compared within a
+/// tolerance and kept marked inexact. `workers`: each run's worker count;
+/// `recorded`: each run's recorded thread count, if known; `local`: the
+/// workers share this machine (else `jobs` is the array's width).
+pub fn threads(
+    cores: usize,
+    jobs: usize,
+    workers: &[usize],
+    recorded: &[Option<usize>],
+    fast: bool,
+    local: bool,
+) -> Threads {
+    let cores = cores.max(1);
+    let total: usize = workers.iter().sum();
+    let mut budget = if local {
+        jobs.min(total).max(1)
+    } else {
+        jobs.max(1)
+    };
+    let mut capped = None;
+    let widest = recorded.iter().flatten().copied().max();
+    if let (false, true, Some(widest)) = (fast, local, widest) {
+        let fit = (cores / widest.max(1)).max(1);
+        if fit < budget {
+            budget = fit;
+            capped = Some((widest, fit));
+        }
+    }
+    let fair = (cores / budget).max(1);
+    let runs = recorded
+        .iter()
+        .map(|want| match (want, fast) {
+            (Some(w), false) => (*w, true),
+            (Some(w), true) => (fair, fair == *w),
+            (None, _) => (fair, true),
+        })
+        .collect();
+    Threads {
+        budget,
+        capped,
+        runs,
+    }
+}
+
 /// A worker's progress, as the driver reads it from its lines (the
 /// worker protocol of `runs::replay`; the worker's session writes them).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -241,6 +302,33 @@ pub fn verdict(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn workers_run_with_the_recordings_threads_unless_fast() {
+        // 8 cores, -j 4, recorded with 4 threads: 2 workers at a time, exact.
+        let t = threads(8, 4, &[4], &[Some(4)], false, true);
+        assert_eq!(
+            (t.budget, t.capped, t.runs.clone()),
+            (2, Some((4, 2)), vec![(4, true)])
+        );
+        // --fast: 4 at a time, 2 threads each, not the recording's: inexact.
+        let t = threads(8, 4, &[4], &[Some(4)], true, true);
+        assert_eq!(
+            (t.budget, t.capped, t.runs.clone()),
+            (4, None, vec![(2, false)])
+        );
+        // Unknown recording threads: a fair share, nothing to compare against.
+        let t = threads(8, 2, &[1, 3], &[None, Some(2)], false, true);
+        assert_eq!((t.budget, t.runs.clone()), (2, vec![(4, true), (2, true)]));
+        // A batch launcher: -j is the array's width, never capped by this machine.
+        let t = threads(2, 16, &[4], &[Some(8)], false, false);
+        assert_eq!((t.budget, t.capped), (16, None));
+        assert_eq!(
+            threads(8, 8, &[2], &[Some(1)], false, true).budget,
+            2,
+            "no more than the workers"
+        );
+    }
 
     #[test]
     fn progress_lines_count_iterations_and_carry_the_summary() {
