@@ -18,10 +18,14 @@ PYTEST_ARGS ?=
 help: ## Show this help
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
+# The first build downloads torch (the default index serves the CUDA build,
+# about 6 GB installed: the CPU-only index is not reachable from every
+# machine) and compiles the engine: minutes, so both show their progress.
 $(STAMP):
+	@echo "== first build: a virtualenv in $(VENV) (torch, lightning, transformers, ...; several GB, minutes)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements-dev.txt
+	$(PY) -m pip install --progress-bar off -r requirements-dev.txt
 	touch $(STAMP)
 
 .PHONY: venv
@@ -29,7 +33,8 @@ venv: $(STAMP) ## Create the Python environment (torch CPU, maturin, pytest)
 
 .PHONY: develop
 develop: $(STAMP) ## Build the extension into the environment (debug-info build)
-	VIRTUAL_ENV=$(VENV) PATH=$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --quiet
+	@echo "== building the engine (the first build compiles every crate: several minutes)"
+	VIRTUAL_ENV=$(VENV) PATH=$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop
 
 .PHONY: develop-release
 develop-release: $(STAMP)

@@ -424,22 +424,27 @@ def test_rm_run_deletes_the_run_its_logs_and_its_checkpoints(tmp_path: Path) -> 
     script = make_project(tmp_path / "proj")
     home = tmp_path / "proj" / ".hindsight"
     record(script, home)
-    record(script, home, HINDSIGHT_RESUME="0")  # a second run, kept
+    record(script, home, HINDSIGHT_RESUME="0")
+    record(script, home, HINDSIGHT_RESUME="0")  # a third run, kept
     runs = json.loads(
         subprocess.run([*hindsight_cmd(), "--home", str(home), "runs", "--json"], capture_output=True, text=True).stdout
     )
-    gone, kept = runs[1]["id"], runs[0]["id"]  # newest first
+    gone2, gone, kept = runs[2]["id"], runs[1]["id"], runs[0]["id"]  # newest first
     ls = subprocess.run([*hindsight_cmd(), "ls", str(home / "store")], capture_output=True, text=True).stdout
-    assert gone in ls and kept in ls
-    r = subprocess.run([*hindsight_cmd(), "--home", str(home), "rm", "--run", gone], capture_output=True, text=True)
+    assert gone in ls and gone2 in ls and kept in ls
+    # The README's form: several runs after one --run.
+    r = subprocess.run(
+        [*hindsight_cmd(), "--home", str(home), "rm", "--run", gone, gone2], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
     assert f"removed run {gone} and 5 checkpoints" in r.stdout
+    assert f"removed run {gone2} and 5 checkpoints" in r.stdout
     after = json.loads(
         subprocess.run([*hindsight_cmd(), "--home", str(home), "runs", "--json"], capture_output=True, text=True).stdout
     )
     assert [x["id"] for x in after] == [kept]
     ls = subprocess.run([*hindsight_cmd(), "ls", str(home / "store")], capture_output=True, text=True).stdout
-    assert gone not in ls and kept in ls
+    assert gone not in ls and gone2 not in ls and kept in ls
     r = subprocess.run([*hindsight_cmd(), "--home", str(home), "rm", "--run", gone], capture_output=True, text=True)
     assert r.returncode == 1 and gone in r.stderr  # no such run any more
 

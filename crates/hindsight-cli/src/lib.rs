@@ -139,8 +139,9 @@ enum Command {
         /// The checkpoint names
         #[arg(value_name = "NAME", required_unless_present = "runs")]
         names: Vec<String>,
-        /// Delete this recorded run: its checkpoints, logs and iterations (repeatable)
-        #[arg(long = "run", value_name = "RUN")]
+        /// Delete these recorded runs: their checkpoints, logs and iterations
+        /// (`--run A B`, or repeated; checkpoint names go before `--run`)
+        #[arg(long = "run", value_name = "RUN", num_args = 1..)]
         runs: Vec<String>,
     },
     /// Delete chunks no checkpoint references and stale staging files
