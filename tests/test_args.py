@@ -132,11 +132,30 @@ def test_bare_boolean_flags(tmp_path: Path) -> None:
     assert json.loads(r.stdout) == {"dry_run": False, "lr": 0.1}
 
 
+def _runs(tmp_path: Path) -> list[dict[str, object]]:
+    r = subprocess.run(
+        [*hindsight_cmd(), "--home", str(tmp_path / "home"), "runs", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    runs: list[dict[str, object]] = json.loads(r.stdout)
+    return runs
+
+
 def test_a_misspelt_flag_is_refused_with_the_known_ones(tmp_path: Path) -> None:
     r = _run_flags(tmp_path, "--lrr", "3")
     assert r.returncode != 0
     assert "unknown argument --lrr; did you mean --lr?" in r.stderr
     assert "--dry_run, --lr" in r.stderr
+    # Refused command lines leave no failed run behind to become "the latest".
+    for argv in (["--lr"], ["--lr", "x"]):
+        r = _run_flags(tmp_path, *argv)
+        assert r.returncode != 0 and "--lr" in r.stderr
+    assert _runs(tmp_path) == []
+    assert _run_flags(tmp_path, "--lr", "0.5").returncode == 0
+    assert [run["status"] for run in _runs(tmp_path)] == ["completed"]
 
 
 def test_help_lists_the_arguments(tmp_path: Path) -> None:
@@ -221,6 +240,16 @@ def test_a_parser_with_required_positional_and_subcommand_arguments_replays(tmp_
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == [[e, 12.0 * (e + 1), "cifar|True|[8, 16]|train"] for e in range(3)]
+    # A mistyped name is an error naming the logged ones, as `hindsight logs` says.
+    typo = subprocess.run(
+        [sys.executable, "-c", "import hindsight as hs; hs.dataframe('w', 'cgf')"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert typo.returncode == 1
+    assert "NotFoundError" in typo.stderr and "never logged 'cgf' (it logged: w, cfg)" in typo.stderr
 
 
 HELPFUL = """

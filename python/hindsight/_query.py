@@ -36,6 +36,9 @@ def dataframe(*names: str, run: str | list[str] | None = None, args: bool = Fals
     engine's rule, the same as ``hindsight logs``; a replay that disagrees
     is reported as a divergence).
 
+    A name that none of the runs logged raises ``NotFoundError`` naming
+    the names they did log (a typo is never an empty frame).
+
     A replayed value is shown only when its replay proved itself: values of
     a replay kept with ``--allow-divergence`` are left out (missing), and
     ``df.attrs["replay_flags"]`` maps ``(run, context, name)`` to the flag
@@ -55,13 +58,14 @@ def dataframe(*names: str, run: str | list[str] | None = None, args: bool = Fals
             runs = [latest[0]["id"]]
     else:
         runs = [run] if isinstance(run, str) else list(run)
+    if _run._RUN is not None and _run._RUN.run_id in runs:
+        _run._RUN.flush_logs()
+    db.require_logged(runs, list(names))  # a mistyped name is an error naming the logged ones
     rows: dict[tuple[str, tuple[tuple[str, int], ...], int], dict[str, Any]] = {}
     loops: list[str] = []
     repeated = False
     flags: dict[tuple[str, tuple[tuple[str, int], ...], str], str] = {}
     for r in runs:
-        if _run._RUN is not None and r == _run._RUN.run_id:
-            _run._RUN.flush_logs()
         for v in db.values(r, list(names)):
             for loop, _ in v.ctx:
                 if loop not in loops:

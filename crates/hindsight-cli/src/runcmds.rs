@@ -230,23 +230,9 @@ pub(crate) fn cmd_logs(
             Err(e) => return Err(e.into()),
         },
     };
-    let logged = db.log_names(&run.id)?;
     let mut seen = HashSet::new();
     names.retain(|n| seen.insert(n.clone()));
-    let unknown: Vec<&String> = names.iter().filter(|n| !logged.contains(n)).collect();
-    if !unknown.is_empty() {
-        let quoted: Vec<String> = unknown.iter().map(|n| format!("'{n}'")).collect();
-        let what = if logged.is_empty() {
-            "it logged nothing".to_string()
-        } else {
-            format!("it logged: {}", logged.join(", "))
-        };
-        return Err(Failure::Failed(format!(
-            "run {} never logged {} ({what})",
-            run.id,
-            quoted.join(", ")
-        )));
-    }
+    let logged = db.require_logged(std::slice::from_ref(&run.id), &names)?;
     if names.is_empty() {
         names = logged;
     }

@@ -18,6 +18,15 @@ pub enum Error {
         location: String,
     },
 
+    /// Names asked of `runs` that none of them logged; `logged` is what
+    /// they did log, so a typo can be seen at once.
+    #[error("{} never logged {} ({})", runs_phrase(runs), quoted(names), logged_phrase(runs.len(), logged))]
+    NotLogged {
+        runs: Vec<String>,
+        names: Vec<String>,
+        logged: Vec<String>,
+    },
+
     /// Bytes on storage that fail their checksum or do not parse.
     #[error("corrupt {}{}: {detail} (file {})",
         checkpoint.as_deref().map(|c| format!("checkpoint '{c}'")).unwrap_or_else(|| "data".into()),
@@ -130,6 +139,26 @@ pub enum Error {
     },
 }
 
+fn runs_phrase(runs: &[String]) -> String {
+    match runs {
+        [one] => format!("run {one}"),
+        many => format!("runs {}", many.join(", ")),
+    }
+}
+
+fn quoted(names: &[String]) -> String {
+    names.iter().map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", ")
+}
+
+fn logged_phrase(n_runs: usize, logged: &[String]) -> String {
+    let who = if n_runs == 1 { "it" } else { "they" };
+    if logged.is_empty() {
+        format!("{who} logged nothing")
+    } else {
+        format!("{who} logged: {}", logged.join(", "))
+    }
+}
+
 /// What kind of error, for front ends that map kinds to their own types
 /// (exception classes, exit codes). Deliberately exhaustive: a new kind must
 /// be mapped by every front end before it compiles.
@@ -203,7 +232,7 @@ impl Error {
     /// The kind of the error a background failure started from.
     pub fn kind(&self) -> ErrorKind {
         match self {
-            Error::NotFound { .. } => ErrorKind::NotFound,
+            Error::NotFound { .. } | Error::NotLogged { .. } => ErrorKind::NotFound,
             Error::Corrupt { .. } => ErrorKind::Corrupt,
             Error::UnsupportedType { .. } => ErrorKind::UnsupportedType,
             Error::InvalidArgument { .. } => ErrorKind::InvalidArgument,

@@ -426,6 +426,17 @@ impl LogDb {
         self.with(py, |db| db.log_names(&run_id))
     }
 
+    /// What `runs` logged; NotFoundError naming the `names` none of them
+    /// logged (and what they did log).
+    fn require_logged(
+        &self,
+        py: Python<'_>,
+        runs: Vec<String>,
+        names: Vec<String>,
+    ) -> PyResult<Vec<String>> {
+        self.with(py, |db| db.require_logged(&runs, &names))
+    }
+
     /// Values both phases logged at the same context that differ, first
     /// differing context first.
     /// `after`: only replayed values written after that position

@@ -32,7 +32,7 @@ from hindsight._run.common import (
 )
 from hindsight._run.files import Written
 from hindsight._state import capture, capture_grads, rng_state, set_rng_state, tensor_bytes
-from hindsight.errors import CorruptError, HindsightError, NotFoundError, ReplayError
+from hindsight.errors import CorruptError, HindsightError, InvalidArgumentError, NotFoundError, ReplayError
 
 
 class RecordRun(Run):
@@ -169,7 +169,11 @@ class RecordRun(Run):
 
     def arg(self, name: str, default: Any) -> Any:
         self.known.defaults[name] = default
-        _, value = cmdline.parse(name, default)
+        try:
+            _, value = cmdline.parse(name, default)
+        except InvalidArgumentError:
+            self._nothing_ran()  # a command line refused leaves no run behind
+            raise
         # Recorded as plain JSON (a numpy scalar as a number; NaN and
         # infinities as Python's json writes them, which the engine accepts).
         self.args[name] = _to_json(value, name, "hs.arg")
@@ -388,8 +392,13 @@ class RecordRun(Run):
             self.db.delete_run(self.run_id)
 
     def _outer_starts(self, name: str, length: int | None) -> None:
-        # Arguments are declared by now: a misspelt --flag must not run silently.
-        self.known.check(str(self.script.name))
+        # Arguments are declared by now: a misspelt --flag must not run
+        # silently, nor leave a failed run behind (nothing ran).
+        try:
+            self.known.check(str(self.script.name))
+        except (InvalidArgumentError, SystemExit):
+            self._nothing_ran()
+            raise
         self._sync()
         self.session.outer_start(name, length)
         if not self.resume_pending:

@@ -391,6 +391,36 @@ impl LogDb {
             .db(&self.path)
     }
 
+    /// What `runs` logged (in order of first appearance), or
+    /// [`Error::NotLogged`] naming the `names` none of them logged: one rule
+    /// for `hindsight logs` and `hs.dataframe`, so a typo is never an empty
+    /// table. A name some of the runs logged is fine (runs are compared).
+    pub fn require_logged(&self, runs: &[String], names: &[String]) -> Result<Vec<String>> {
+        let mut logged: Vec<String> = Vec::new();
+        for run in runs {
+            for name in self.log_names(run)? {
+                if !logged.contains(&name) {
+                    logged.push(name);
+                }
+            }
+        }
+        let mut unknown: Vec<String> = Vec::new();
+        for name in names {
+            if !logged.contains(name) && !unknown.contains(name) {
+                unknown.push(name.clone());
+            }
+        }
+        if unknown.is_empty() {
+            Ok(logged)
+        } else {
+            Err(Error::NotLogged {
+                runs: runs.to_vec(),
+                names: unknown,
+                logged,
+            })
+        }
+    }
+
     /// Values logged in both phases at the same name and context whose
     /// replay value differs from the recorded one (see
     /// [`json::values_equal`]), in record order: the first divergence first.

@@ -1,6 +1,7 @@
 use super::*;
 use crate::runs::dates::now_ms;
 use crate::runs::ids::{new_run_id, source_hash};
+use crate::error::ErrorKind;
 use crate::runs::json;
 use std::collections::BTreeMap;
 use std::collections::HashSet;
@@ -325,6 +326,21 @@ fn logs_upsert_and_order() {
     assert_eq!(loss.len(), 3);
     assert!(loss.iter().all(|r| r.name == "loss"));
     assert_eq!(db.log_names(&id).unwrap(), vec!["lr", "loss", "acc"]);
+    // A name none of the runs logged is an error that names what they did.
+    let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let ids = [id.clone()];
+    assert_eq!(
+        db.require_logged(&ids, &names(&["loss", "acc"])).unwrap(),
+        vec!["lr", "loss", "acc"]
+    );
+    let err = db
+        .require_logged(&ids, &names(&["los", "loss", "los"]))
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NotFound);
+    assert_eq!(
+        err.to_string(),
+        format!("run {id} never logged 'los' (it logged: lr, loss, acc)")
+    );
 
     // Keys are kept in nesting order (not sorted) and escaped.
     let odd = [("z\"q", 1), ("a", -2)];
