@@ -147,7 +147,11 @@ fn runs_phrase(runs: &[String]) -> String {
 }
 
 fn quoted(names: &[String]) -> String {
-    names.iter().map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", ")
+    names
+        .iter()
+        .map(|n| format!("'{n}'"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn logged_phrase(n_runs: usize, logged: &[String]) -> String {

@@ -15,6 +15,7 @@ pub mod runs;
 pub mod settings;
 pub mod staging;
 pub mod sync;
+pub mod units;
 
 pub use checkpoint::compare::{check_state, Difference, StateCheck};
 pub use checkpoint::device_fp::{device_fingerprint, DeviceFingerprint, DeviceFpSum};

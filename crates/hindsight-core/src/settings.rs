@@ -171,6 +171,20 @@ pub const CATCH_SIGINT: Setting = user(
     "0",
     "1: SIGINT (Ctrl-C) checkpoints and exits as SIGTERM does",
 );
+/// One line per checkpoint decision of a recording.
+pub const VERBOSE: Setting = user(
+    "HINDSIGHT_VERBOSE",
+    Kind::Flag,
+    "0",
+    "1: a recording says each checkpoint decision (saved or not, and why)",
+);
+/// No start and end lines.
+pub const QUIET: Setting = user(
+    "HINDSIGHT_QUIET",
+    Kind::Flag,
+    "0",
+    "1: a recording prints no line when it starts and ends (errors and notes still)",
+);
 /// Replay workers forked from a zygote.
 pub const REPLAY_FORK: Setting = user(
     "HINDSIGHT_REPLAY_FORK",
@@ -235,6 +249,8 @@ pub const ALL: &[Setting] = &[
     EXIT_CODE,
     SLURM_REQUEUE,
     CATCH_SIGINT,
+    VERBOSE,
+    QUIET,
     REPLAY_FORK,
     LIGHTNING,
     REPLAY,

@@ -379,6 +379,29 @@ impl RecordSession {
         self.0.resumed_batch(i, j, recorded, digest).py_err()
     }
 
+    /// Why the last block end saved or did not (once), for `$HINDSIGHT_VERBOSE`.
+    fn take_decision(&mut self) -> Option<String> {
+        self.0.take_decision()
+    }
+
+    /// The line a recording starts with.
+    fn start_line(&self, script: &str, home: &str, objects: Vec<String>, resumed: bool) -> String {
+        self.0.start_line(script, home, &objects, resumed)
+    }
+
+    /// The line a recording ends with.
+    #[pyo3(signature = (status, script, bytes_written, now))]
+    fn summary(
+        &self,
+        status: &str,
+        script: &str,
+        bytes_written: Option<u64>,
+        now: f64,
+    ) -> PyResult<String> {
+        let status: Status = status.parse().py_err()?;
+        Ok(self.0.summary(status, script, bytes_written, now))
+    }
+
     fn finish(&mut self, status: &str) -> PyResult<Finish> {
         let status: Status = status.parse().py_err()?;
         let f = self.0.finish(status);

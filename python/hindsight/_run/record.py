@@ -72,6 +72,13 @@ class RecordRun(Run):
         # Fingerprints of the current iteration's batches, until written.
         self.batch_rows: list[tuple[int, int, str]] = []
         self.vars_checked = 0
+        # What the run says for itself: a line when its loop starts and when
+        # it ends ($HINDSIGHT_QUIET=1: none), one per checkpoint decision
+        # ($HINDSIGHT_VERBOSE=1), and the saves whose bytes the end line sums.
+        self.quiet = _settings.flag(_settings.QUIET, False)
+        self.verbose = _settings.flag(_settings.VERBOSE, False)
+        self.announced = False
+        self.handles: list[Any] = []
         self.files = Written(Path.cwd(), [self.home])
         self._start()
         # A bad HINDSIGHT_* setting stops the run now, not at its first checkpoint or preemption.
@@ -236,6 +243,9 @@ class RecordRun(Run):
                 self._store.flush()
                 if end.apply_retention:
                     self.apply_retention(final=True)
+            if self.announced and not self.quiet:
+                line = self.session.summary(status, self._script_rel(), self._bytes_written(), time.monotonic())
+                print(line, file=sys.stderr, flush=True)
         finally:
             # Whatever went wrong above, the run's status is recorded: a
             # "running" left behind would be resumed by a plain rerun.
@@ -258,6 +268,7 @@ class RecordRun(Run):
         if self.start_rng is not None:
             state["start_rng"] = self.start_rng  # the same bytes every time: stored once
         h = self.store.save(ck.name, state, meta={**ck.meta(), "run": self.run_id})
+        self.handles.append(h)
         # The steady-state price: one-time set-up of the first saves (fresh
         # staging, pinned buffers) is not what later checkpoints cost.
         self.last_blocked = max(0.0, time.perf_counter() - t0 - self.store.last_setup_seconds)
@@ -299,6 +310,10 @@ class RecordRun(Run):
         first = self._estimate_materialize() if self.last_blocked is None else 0.0
         self.session.overhead(self.own_seconds + time.perf_counter() - t0 - self.save_seconds)
         block = self.session.block_end(i, compute, background, first)
+        if self.verbose:
+            decision = self.session.take_decision()
+            if decision:
+                print(f"hindsight: {decision}", file=sys.stderr, flush=True)
         if block is None:
             return
         name = block.name
@@ -402,6 +417,7 @@ class RecordRun(Run):
         self._sync()
         self.session.outer_start(name, length)
         if not self.resume_pending:
+            self._announce()
             return
         self.resume_pending = False
         latest = self._latest_checkpoint()
@@ -417,6 +433,40 @@ class RecordRun(Run):
             file=sys.stderr,
             flush=True,
         )
+        self.announced = True
+
+    def _announce(self) -> None:
+        """The first line of a new recording: the run, its home, what its
+        checkpoints hold (hands-free finds included) and when they are taken."""
+        self.announced = True
+        if self.quiet:
+            return
+        objects = list(self.objects)
+        if objects:
+            objects.append("RNG states")
+            # The loop's own variables are found as it runs: `--explain` lists them.
+            objects.append(f"loop variables (hindsight record --explain {self._script_rel()})")
+        line = self.session.start_line(self._script_rel(), str(self.home), objects, False)
+        print(line, file=sys.stderr, flush=True)
+
+    def _script_rel(self) -> str:
+        try:
+            return str(self.script.relative_to(Path.cwd()))
+        except ValueError:
+            return str(self.script)
+
+    def _bytes_written(self) -> int | None:
+        """What this process's saves wrote (new chunks only: dedup at work)."""
+        total = 0
+        try:
+            for h in self.handles:
+                stats = h.wait(0)
+                if stats is None:
+                    return None
+                total += int(stats["bytes_written"])
+        except HindsightError:
+            return None  # a failed save was already reported
+        return total
 
     def _resumed(self, name: str | None) -> tuple[str, dict[str, Any]]:
         """The checkpoint the session resumes from, and its state."""

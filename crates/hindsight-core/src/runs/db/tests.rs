@@ -1,7 +1,7 @@
 use super::*;
+use crate::error::ErrorKind;
 use crate::runs::dates::now_ms;
 use crate::runs::ids::{new_run_id, source_hash};
-use crate::error::ErrorKind;
 use crate::runs::json;
 use std::collections::BTreeMap;
 use std::collections::HashSet;

@@ -75,6 +75,16 @@ pub enum Status {
     Interrupted,
 }
 
+impl Status {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Completed => "completed",
+            Status::Failed => "failed",
+            Status::Interrupted => "interrupted",
+        }
+    }
+}
+
 impl std::str::FromStr for Status {
     type Err = Error;
     fn from_str(s: &str) -> Result<Status> {
@@ -117,6 +127,12 @@ pub struct RecordSession {
     /// The block ends where the iteration does (a framework's epoch-end
     /// hook runs after validation): a stop signal there saves the block.
     block_is_end: bool,
+    /// Checkpoints handed to the writer, and the training thread's time in them.
+    saves: u64,
+    blocked_secs: f64,
+    started: f64,
+    /// Why the last block end saved or did not, for `$HINDSIGHT_VERBOSE`.
+    decision: Option<String>,
 }
 
 impl RecordSession {
@@ -150,6 +166,10 @@ impl RecordSession {
             every_steps: None,
             last_step_saved: None,
             block_is_end: false,
+            saves: 0,
+            blocked_secs: 0.0,
+            started: now,
+            decision: None,
         }
     }
 
@@ -387,14 +407,45 @@ impl RecordSession {
             return Ok(None);
         }
         let forced = self.block_is_end && self.signal.is_some();
-        let due = match self.cadence {
+        let (due, why) = match self.cadence {
             Cadence::Schedule => {
-                self.schedule
-                    .block_ended(i, compute_secs, background_total, cpu, first_estimate)
+                let due = self.schedule.block_ended(
+                    i,
+                    compute_secs,
+                    background_total,
+                    cpu,
+                    first_estimate,
+                );
+                let why = match self.schedule.every() {
+                    Some(n) => format!("every {n}"),
+                    None => {
+                        let p = self.schedule.policy();
+                        let (o, t) = (p.overhead(), p.threshold());
+                        format!(
+                            "adaptive: recording costs {:.1}% of the compute so far, {} the bound \
+                             {:.1}%; this iteration computed {compute_secs:.3} s",
+                            100.0 * o,
+                            if o <= t { "within" } else { "over" },
+                            100.0 * t
+                        )
+                    }
+                };
+                (due, why)
             }
-            Cadence::AfterEvery(n) => (i + 1).is_multiple_of(n),
-            Cadence::Never => false,
+            Cadence::AfterEvery(n) => (
+                (i + 1).is_multiple_of(n),
+                format!("the framework's every {n}"),
+            ),
+            Cadence::Never => (false, "the framework saves no epochs".to_string()),
         };
+        let verdict = if forced && !due {
+            "checkpoint (a stop signal is pending)".to_string()
+        } else if due {
+            format!("checkpoint ({why})")
+        } else {
+            format!("no checkpoint ({why})")
+        };
+        self.decision = Some(format!("{} {i}: {verdict}", self.loop_name));
         if !(due || forced) {
             return Ok(None);
         }
@@ -407,6 +458,93 @@ impl RecordSession {
     pub fn saved(&mut self, blocked_secs: f64, now: f64) {
         self.schedule.saved(blocked_secs);
         self.last_save = now;
+        self.saves += 1;
+        if blocked_secs.is_finite() && blocked_secs > 0.0 {
+            self.blocked_secs += blocked_secs;
+        }
+    }
+
+    /// Why the last block end saved or did not (once; `None` after), for a
+    /// recording asked to say each decision (`$HINDSIGHT_VERBOSE`).
+    pub fn take_decision(&mut self) -> Option<String> {
+        self.decision.take()
+    }
+
+    /// The line a recording starts with: the run, where it lives, what its
+    /// checkpoints hold (`objects`, empty: none) and when they are taken.
+    pub fn start_line(
+        &self,
+        script: &str,
+        home: &str,
+        objects: &[String],
+        resumed: bool,
+    ) -> String {
+        let verb = if resumed { "resuming" } else { "recording" };
+        let what = if objects.is_empty() || !self.has_objects {
+            "nothing is checkpointed (no hs.checkpointing)".to_string()
+        } else {
+            let when = match (self.cadence, self.schedule.every()) {
+                (Cadence::Schedule, Some(n)) => format!("every {n} iterations of the outer loop"),
+                (Cadence::Schedule, None) => format!(
+                    "adaptive: taken while the recording costs under {:.1}% of the compute; \
+                     HINDSIGHT_CHECKPOINT_EVERY=N: every N iterations",
+                    100.0 * self.schedule.policy().threshold()
+                ),
+                (Cadence::AfterEvery(n), _) => format!("every {n} epochs"),
+                (Cadence::Never, _) => "on stop signals".to_string(),
+            };
+            format!("checkpoints of {}; {when}", objects.join(", "))
+        };
+        format!(
+            "hindsight: {verb} run {} of {script} in {home}; {what}",
+            self.run_id
+        )
+    }
+
+    /// The line a recording ends with: what it saved, what that cost the
+    /// training thread, and what to do next.
+    pub fn summary(
+        &self,
+        status: Status,
+        script: &str,
+        bytes_written: Option<u64>,
+        now: f64,
+    ) -> String {
+        let secs = (now - self.started).max(0.0);
+        let n = self.saves;
+        let mut line = format!(
+            "hindsight: run {} {} after {secs:.1} s: {n} checkpoint{}",
+            self.run_id,
+            status.as_str(),
+            if n == 1 { "" } else { "s" }
+        );
+        if let Some(b) = bytes_written {
+            line.push_str(&format!(" ({} written)", crate::units::human_size(b)));
+        }
+        if n > 0 {
+            let share = if secs > 0.0 {
+                self.blocked_secs / secs
+            } else {
+                0.0
+            };
+            let blocked = if self.blocked_secs < 1.0 {
+                format!("{:.0} ms", 1000.0 * self.blocked_secs)
+            } else {
+                format!("{:.2} s", self.blocked_secs)
+            };
+            line.push_str(&format!(
+                ", {blocked} of training time in them ({:.1}%)",
+                100.0 * share
+            ));
+        }
+        match status {
+            Status::Completed => line.push_str(&format!(
+                ". Add hs.log(...) lines and replay: hindsight replay {script}"
+            )),
+            Status::Interrupted => line.push_str(". Run the same command again to resume"),
+            Status::Failed => {}
+        }
+        line
     }
 
     /// The steps of iteration `i` were left early (a `break`, or an

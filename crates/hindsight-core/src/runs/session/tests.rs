@@ -588,3 +588,72 @@ fn a_framework_saves_on_its_own_periods_and_a_signal_at_its_epoch_end_saves_the_
     assert_eq!((end.save, end.exit), (None, Some(85)));
     assert!(s.set_framework_periods(Some(0), None, 0).is_err());
 }
+
+#[test]
+fn a_recording_says_what_it_checkpoints_why_and_what_it_cost() {
+    let mut s = session(Shape {
+        outer: 2,
+        steps: Some(1),
+        every: Some(2),
+    });
+    s.outer_start("epoch", Some(2));
+    let objects = ["model".to_string(), "RNG states".to_string()];
+    assert_eq!(
+        s.start_line("train.py", "/p/.hindsight", &objects, false),
+        "hindsight: recording run r1 of train.py in /p/.hindsight; checkpoints of model, RNG states; \
+         every 2 iterations of the outer loop"
+    );
+    assert!(s
+        .start_line("train.py", "/p/.hindsight", &[], false)
+        .ends_with("nothing is checkpointed (no hs.checkpointing)"));
+    // One decision per block end, said once.
+    s.iteration_start(0);
+    s.block_start(0);
+    assert!(s.block_end(0, 1.0, None, None, 0.0).unwrap().is_some());
+    assert_eq!(
+        s.take_decision().as_deref(),
+        Some("epoch 0: checkpoint (every 2)")
+    );
+    assert_eq!(s.take_decision(), None);
+    s.saved(0.25, 1.0);
+    s.iteration_end(0, false).unwrap();
+    s.iteration_start(1);
+    s.block_start(1);
+    assert!(s.block_end(1, 1.0, None, None, 0.0).unwrap().is_none());
+    assert_eq!(
+        s.take_decision().as_deref(),
+        Some("epoch 1: no checkpoint (every 2)")
+    );
+    s.signal(15);
+    s.iteration_end(1, false).unwrap();
+    let line = s.summary(Status::Completed, "train.py", Some(3 << 20), 10.0);
+    assert_eq!(
+        line,
+        "hindsight: run r1 completed after 10.0 s: 1 checkpoint (3.0 MiB written), 250 ms of training \
+         time in them (2.5%). Add hs.log(...) lines and replay: hindsight replay train.py"
+    );
+    let line = s.summary(Status::Interrupted, "train.py", None, 10.0);
+    assert!(
+        line.ends_with("(2.5%). Run the same command again to resume"),
+        "{line}"
+    );
+
+    // Adaptive: the bound and the measured cost are named.
+    let mut a = RecordSession::new(
+        "r2",
+        CheckpointSchedule::new(None, 0.05).unwrap(),
+        85,
+        None,
+        0.0,
+    );
+    a.set_objects(true);
+    a.outer_start("epoch", None);
+    assert!(a
+        .start_line("t.py", "h", &objects, false)
+        .ends_with("adaptive: taken while the recording costs under 5.0% of the compute; HINDSIGHT_CHECKPOINT_EVERY=N: every N iterations"));
+    a.iteration_start(0);
+    a.block_start(0);
+    a.block_end(0, 10.0, None, None, 0.1).unwrap();
+    let d = a.take_decision().unwrap();
+    assert!(d.starts_with("epoch 0: checkpoint (adaptive: recording costs 1.0% of the compute so far, within the bound 5.0%"), "{d}");
+}
