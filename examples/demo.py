@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -24,8 +25,18 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+def shown(cmd: list[str]) -> str:
+    """The command as a user would paste it in the project directory:
+    `python train.py ...`, `hindsight replay ...`, quoted where needed."""
+    if cmd[:3] == [sys.executable, "-m", "hindsight"]:
+        cmd = ["hindsight", *cmd[3:]]
+    elif cmd[0] == sys.executable:
+        cmd = ["python", *cmd[1:]]
+    return shlex.join(cmd)
+
+
 def run(cmd: list[str], env: dict[str, str], cwd: Path) -> float:
-    print("$", " ".join(cmd[1:] if cmd[0] == sys.executable else cmd), flush=True)
+    print("$", shown(cmd), flush=True)
     t0 = time.perf_counter()
     subprocess.run(cmd, env=env, cwd=cwd, check=True)
     return time.perf_counter() - t0
@@ -44,8 +55,10 @@ def main() -> None:
     env = {**os.environ, "HINDSIGHT_HOME": str(proj / ".hindsight")}
     hindsight = [sys.executable, "-m", "hindsight"]
 
+    print(f"== the commands below run in {proj}, with HINDSIGHT_HOME={proj / '.hindsight'}")
+    print(f"$ cd {shlex.quote(str(proj))} && export HINDSIGHT_HOME={shlex.quote(str(proj / '.hindsight'))}")
     print("== 1. record")
-    t_record = run([sys.executable, str(script), "--epochs", args.epochs, "--batches", "64"], env, proj)
+    t_record = run([sys.executable, script.name, "--epochs", args.epochs, "--batches", "64"], env, proj)
 
     print("== 2. add an outer-loop probe and replay (partial)")
     src = script.read_text()
@@ -56,9 +69,10 @@ def main() -> None:
         1,
     )
     script.write_text(src)
-    t_partial = run([*hindsight, "replay", str(script), "-q", "--strict"], env, proj)
+    t_partial = run([*hindsight, "replay", script.name, "-q", "--strict"], env, proj)
 
-    print("== 3. add an inner-loop probe and replay on 2 workers (parallel), epochs >= 5 only")
+    half = int(args.epochs) // 2
+    print(f"== 3. add an inner-loop probe and replay on 2 workers (parallel), epochs >= {half} only")
     src = src.replace(
         "            opt.step()\n",
         '            hs.log("grad_norm", sum(p.grad.norm().item() ** 2 '
@@ -67,7 +81,7 @@ def main() -> None:
     )
     script.write_text(src)
     t_parallel = run(
-        [*hindsight, "replay", str(script), "-q", "-j", "2", "--where", "epoch >= 5", "--strict"], env, proj
+        [*hindsight, "replay", script.name, "-q", "-j", "2", "--where", f"epoch >= {half}", "--strict"], env, proj
     )
 
     print("== 4. the run, questioned")
@@ -80,9 +94,14 @@ def main() -> None:
     )
     subprocess.run([sys.executable, "-c", code], env=env, cwd=proj, check=True)
     subprocess.run([*hindsight, "runs"], env=env, cwd=proj, check=True)
+    print("== what was recorded and what was replayed")
+    print("recorded while training: loss, val_acc (and the arguments, the source, a checkpoint per epoch)")
+    print("computed afterwards by replay: weight_norm (every epoch, from its checkpoint: no training step ran)")
+    print(f"                               grad_norm (epochs >= {half}, their training steps re-executed on 2 workers)")
     print(
-        f"record {t_record:.1f}s, partial replay {t_partial:.1f}s, parallel replay of half the epochs "
-        f"{t_parallel:.1f}s (wall time, including Python and torch start-up)"
+        f"record {t_record:.1f} s; re-training to get weight_norm would take as long, the partial replay took "
+        f"{t_partial:.1f} s ({t_partial / t_record:.0%}); the parallel replay of half the epochs took "
+        f"{t_parallel:.1f} s ({t_parallel / t_record:.0%}). Wall times, including Python and torch start-up."
     )
 
 
