@@ -76,11 +76,19 @@ pub(crate) fn checkpoint_exit_code(explicit: Option<i32>) -> PyResult<i32> {
     hindsight_core::runs::preempt::exit_code(explicit).map_err(crate::errors::to_py)
 }
 
+/// Refuse a recording when this process is one of several ranks (torchrun,
+/// srun): before anything is recorded (core `runs::ranks`).
+#[pyfunction]
+pub(crate) fn refuse_several_ranks(what: &str) -> PyResult<()> {
+    hindsight_core::runs::ranks::refuse_several_ranks(what).map_err(crate::errors::to_py)
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ProjectPaths>()?;
     m.add_function(wrap_pyfunction!(project_paths, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoint_names, m)?)?;
     m.add_function(wrap_pyfunction!(store_location, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoint_exit_code, m)?)?;
+    m.add_function(wrap_pyfunction!(refuse_several_ranks, m)?)?;
     Ok(())
 }

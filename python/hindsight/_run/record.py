@@ -43,6 +43,9 @@ class RecordRun(Run):
     phase = "record"
 
     def __init__(self) -> None:
+        # Several ranks would each record (and resume) on their own: refused
+        # before any run row exists.
+        _native.refuse_several_ranks("a recording")
         super().__init__()
         self.resume_pending = False
         self.known = cmdline.Known()

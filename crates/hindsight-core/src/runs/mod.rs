@@ -9,6 +9,7 @@ pub mod ids;
 pub mod json;
 pub mod preempt;
 pub mod project;
+pub mod ranks;
 pub mod relocate;
 pub mod remove;
 pub mod replay;

@@ -216,6 +216,7 @@ impl RecordSession {
     /// keeps its own periods ([`RecordSession::set_framework_periods`]); the
     /// exit code still comes from its sources (an error names a bad one).
     pub fn for_framework(prefix: &str, now: f64) -> Result<RecordSession> {
+        crate::runs::ranks::refuse_several_ranks("a recording")?;
         let schedule = CheckpointSchedule::new(None, crate::runs::adaptive::DEFAULT_EPSILON)?;
         let mut s = RecordSession::new(prefix, schedule, preempt::exit_code(None)?, None, now);
         s.set_objects(true);
