@@ -99,7 +99,10 @@ def _check(accelerator: Any, what: str) -> None:
 def _sampler(dl: Any) -> Any:
     """The sampler of a prepared DataLoader that keeps an epoch (accelerate's
     SeedableRandomSampler, a DistributedSampler), or None."""
-    for owner in (getattr(dl, "batch_sampler", None), getattr(getattr(dl, "batch_sampler", None), "batch_sampler", None)):
+    for owner in (
+        getattr(dl, "batch_sampler", None),
+        getattr(getattr(dl, "batch_sampler", None), "batch_sampler", None),
+    ):
         s = getattr(owner, "sampler", None)
         if s is not None and isinstance(getattr(s, "epoch", None), int) and callable(getattr(s, "set_epoch", None)):
             return s
