@@ -24,6 +24,7 @@ EPOCHS, STEPS = 3, 12  # 96 samples in batches of 8
 
 SCRIPT = """\
 import os
+import signal
 
 import torch
 from accelerate import Accelerator
@@ -36,6 +37,7 @@ import hindsight.accelerate as hsa
 seedable = hs.arg("seedable", False)
 accum = hs.arg("accum", 1)
 plain = hs.arg("plain", False)
+scaler = hs.arg("scaler", False)
 out = hs.arg("out", "")
 kill_at = os.environ.get("KILL_AT", "")
 
@@ -52,6 +54,10 @@ loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 2))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 3, 0.5)
+if scaler:
+    # The grad scaler accelerate makes for fp16 on a GPU (none on a CPU):
+    # its scale grows every 4 steps, state a resume must carry.
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
 model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
 with hs.checkpointing(every=1) if plain else hsa.checkpointing(accelerator, every=1):
@@ -70,7 +76,11 @@ with hs.checkpointing(every=1) if plain else hsa.checkpointing(accelerator, ever
         hs.log("lr", scheduler.get_last_lr()[0])
 
 if out:
-    torch.save(accelerator.unwrap_model(model).state_dict(), out)
+    final = {"model": accelerator.unwrap_model(model).state_dict()}
+    if scaler:
+        final["scale"] = accelerator.scaler.get_scale()
+        final["growth"] = accelerator.scaler._get_growth_tracker()
+    torch.save(final, out)
 """
 
 # Probes a replay adds: one per step (reads the accumulated gradients), one per epoch.
@@ -146,6 +156,8 @@ CONFIGS = {
     "accumulation": (("--accum", "2"), "1,2"),
     # the same with plain hs.checkpointing(): the Accelerator is a loop variable
     "plain-accumulation": (("--accum", "2", "--plain", "--seedable"), "1,2"),
+    # a grad scaler (accelerate's fp16 on a GPU): its scale and growth tracker
+    "scaler": (("--scaler",), "1,5"),
 }
 
 
@@ -191,10 +203,14 @@ def test_sigterm_then_rerun_ends_bit_identical(references: Any, tmp_path: Path, 
     second = run(script, home, *args, "--out", str(out))
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming run" in second.stderr
-    weights = torch.load(out)
-    assert weights.keys() == ref_weights.keys()
-    for k, v in ref_weights.items():
+    final = torch.load(out)
+    weights = final.pop("model")
+    assert weights.keys() == ref_weights["model"].keys()
+    for k, v in ref_weights["model"].items():
         assert torch.equal(weights[k], v), f"{config}: {k} differs from the uninterrupted run"
+    assert final == {k: v for k, v in ref_weights.items() if k != "model"}
+    if config == "scaler":
+        assert final["scale"] == 2.0 ** (10 + EPOCHS * STEPS // 4)  # it grew: the check can fail
     status, rows = logs(home)
     assert status == "completed"
     # Every step's loss once, as the uninterrupted run logged it.
