@@ -49,7 +49,6 @@ dispatches batches from process 0 (``DataLoaderDispatcher``).
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -215,12 +214,6 @@ def _objects(accelerator: Any, given: dict[str, Any], generators: bool) -> dict[
     return out
 
 
-def _names_of(obj: Any, frame: Any) -> set[str]:
-    """The variables of `frame` bound to `obj`."""
-    scope = {**frame.f_globals, **frame.f_locals}
-    return {k for k, v in scope.items() if v is obj and k.isidentifier()}
-
-
 @contextmanager
 def checkpointing(accelerator: Any, **kwargs: Any) -> Iterator[None]:
     """``hs.checkpointing`` for a loop over objects ``accelerator.prepare``
@@ -236,12 +229,7 @@ def checkpointing(accelerator: Any, **kwargs: Any) -> Iterator[None]:
     settings = {k: v for k, v in kwargs.items() if k in _SETTINGS}
     given = {k: v for k, v in kwargs.items() if k not in _SETTINGS}
     objects = _objects(accelerator, given, generators=False)
-    # The Accelerator object itself changes through its methods in the loop
-    # (backward, accumulate) and cannot be kept as a loop variable: its
-    # state is in `accelerate.loop` above, so its names are no loss.
-    frame = sys._getframe(2)  # the `with` statement's frame (contextmanager's __enter__ is between)
-    transient = set(settings.pop("transient", ())) | _names_of(accelerator, frame)
-    with _run.checkpointing(transient=sorted(transient), **settings, **objects):
+    with _run.checkpointing(**settings, **objects):
         yield
 
 
