@@ -38,6 +38,7 @@ seedable = hs.arg("seedable", False)
 accum = hs.arg("accum", 1)
 plain = hs.arg("plain", False)
 scaler = hs.arg("scaler", False)
+direct = hs.arg("direct", False)
 out = hs.arg("out", "")
 kill_at = os.environ.get("KILL_AT", "")
 
@@ -63,7 +64,8 @@ model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, load
 with hs.checkpointing(every=1) if plain else hsa.checkpointing(accelerator, every=1):
     for epoch in hs.loop("epoch", range(3)):
         model.train()
-        for step, (xb, yb) in hs.loop("step", enumerate(loader)):
+        steps = enumerate(hs.loop("step", loader)) if direct else hs.loop("step", enumerate(loader))
+        for step, (xb, yb) in steps:
             with accelerator.accumulate(model):
                 loss = nn.functional.cross_entropy(model(xb), yb)
                 accelerator.backward(loss)
@@ -158,6 +160,8 @@ CONFIGS = {
     "plain-accumulation": (("--accum", "2", "--plain", "--seedable"), "1,2"),
     # a grad scaler (accelerate's fp16 on a GPU): its scale and growth tracker
     "scaler": (("--scaler",), "1,5"),
+    # the prepared DataLoader itself in hs.loop (its state_dict works only over torchdata)
+    "direct": (("--direct", "--seedable"), "1,5"),
 }
 
 
