@@ -371,3 +371,22 @@ def test_more_than_one_process_is_refused(tmp_path: Path) -> None:
     )
     assert r.returncode == 1
     assert "runs 2 processes" in r.stderr and "hindsight records and resumes one process" in r.stderr
+
+
+def test_a_dispatching_dataloader_is_refused(tmp_path: Path) -> None:
+    r = run_py(
+        """
+        import torch
+        from accelerate import Accelerator
+        from accelerate.utils import DataLoaderConfiguration
+        import hindsight.accelerate as hsa
+
+        acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
+        acc.prepare(torch.utils.data.DataLoader(torch.arange(10), batch_size=2))
+        with hsa.checkpointing(acc):
+            pass
+        """,
+        env={"HINDSIGHT_HOME": str(tmp_path)},
+    )
+    assert r.returncode == 1
+    assert "dispatch_batches=True (DataLoaderDispatcher) is not supported" in r.stderr

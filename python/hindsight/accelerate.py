@@ -30,6 +30,11 @@ objects (`checkpointing`):
   (``DataLoaderShard.iteration``, which seeds the order of accelerate's
   seedable sampler) and its sampler's epoch, and the save-state counter.
 
+Plain ``hs.checkpointing()`` keeps the same loop state when the loop calls
+the accelerator (``accelerator.accumulate``, ``accelerator.backward``): the
+Accelerator is then a loop variable, kept through `LoopState`. This module
+is the explicit form, and covers what the loop does not name.
+
 When to save, where to resume and what a replay visits stay the run
 session's (``hindsight.session``); nothing here decides them. The data
 position inside an epoch is ``hs.loop``'s (``accelerator.skip_first_batches``
