@@ -125,6 +125,12 @@ SCRIPTS: dict[str, Spec] = {
         ),
         note="loop in a method, next(data_iter)",
     ),
+    "accelerate_nlp": Spec(
+        "accelerate_nlp.py",
+        (),
+        ("--num_epochs", "2", "--train_size", "96"),
+        note="hindsight.accelerate, gradient accumulation by hand",
+    ),
 }
 
 PASS, REFUSED, WRONG, ERROR, SKIP = "PASS", "REFUSED", "WRONG", "ERROR", "-"
@@ -239,11 +245,21 @@ def run_id():
     return ""
 '''
 
+# hindsight.accelerate in the plain runs: its checkpointing is a no-op too.
+SHIM_ACCELERATE = """import contextlib
+
+
+@contextlib.contextmanager
+def checkpointing(accelerator, **kwargs):
+    yield
+"""
+
 
 def shim_dir(work: Path) -> Path:
     d = work / "shim"
     (d / "hindsight").mkdir(parents=True, exist_ok=True)
     (d / "hindsight" / "__init__.py").write_text(SHIM)
+    (d / "hindsight" / "accelerate.py").write_text(SHIM_ACCELERATE)
     return d
 
 

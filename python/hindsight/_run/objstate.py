@@ -73,6 +73,12 @@ def _loaded(name: str) -> Any:
     return None
 
 
+def _accelerator_class() -> Any:
+    """accelerate's Accelerator class if the program has imported it."""
+    mod = sys.modules.get("accelerate.accelerator")
+    return getattr(mod, "Accelerator", None) if mod is not None else None
+
+
 class NotKept(Exception):
     """The value cannot be kept exactly; the message says why."""
 
@@ -182,8 +188,21 @@ class _Encoder:
             # its DataLoader): the data source the code made stays. What it
             # yields is checked against the recording's batch fingerprints.
             return {MARK: "data", "type": _qualname(t)}
+        accel = _accelerator_class()
+        if accel is not None and isinstance(v, accel):
+            # accelerate's Accelerator (a loop calls accumulate/backward on
+            # it): its loop state, not its configuration (hindsight.accelerate).
+            from hindsight.accelerate import LoopState
+
+            return {MARK: "accelerate", "type": _qualname(t), "state": self(LoopState(v).state_dict(), depth)}
         if callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None)):
-            return {MARK: "state_dict", "type": _qualname(t), "state": self(v.state_dict(), depth)}
+            try:
+                state = v.state_dict()
+            except Exception as e:  # noqa: BLE001 - named in the reason
+                # Accelerate's DataLoaderShard has a state_dict that works only
+                # over a torchdata StatefulDataLoader (AttributeError otherwise).
+                raise NotKept(f"its state_dict() failed ({type(e).__name__}: {e})") from None
+            return {MARK: "state_dict", "type": _qualname(t), "state": self(state, depth)}
         if _plain_class(t):
             try:
                 state = {k: self(x, depth) for k, x in vars(v).items()}
@@ -252,6 +271,17 @@ def restore(current: Any, saved: Any, name: str) -> Any:
         return into
     if kind == "data_iter":
         return dataiter.restore(current, saved, name, lambda s: restore(MISSING, s, name))
+    if kind == "accelerate":
+        accel = _accelerator_class()
+        if accel is None or not isinstance(current, accel):
+            raise ReplayError(
+                f"'{name}' held an accelerate Accelerator; the resumed program holds "
+                f"{'nothing' if current is MISSING else type(current).__qualname__} there"
+            )
+        from hindsight.accelerate import LoopState
+
+        LoopState(current).load_state_dict(restore(MISSING, saved["state"], name))
+        return current
     if kind == "numpy.scalar":
         return saved["v"][()]
     if kind == "ordered":

@@ -35,6 +35,15 @@ from hindsight._state import capture, capture_grads, rng_state, set_rng_state, t
 from hindsight.errors import CorruptError, HindsightError, InvalidArgumentError, NotFoundError, ReplayError
 
 
+def _stateful_loader(loader: Any) -> bool:
+    """A loader that knows its own position (torchdata's StatefulDataLoader).
+    Accelerate's prepared DataLoader has state_dict/load_state_dict always,
+    but they work only over a StatefulDataLoader (use_stateful_dataloader)."""
+    if getattr(loader, "use_stateful_dataloader", None) is False:
+        return False
+    return hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict") and not hasattr(loader, "parameters")
+
+
 class RecordRun(Run):
     """The frame, iterator and state plumbing of a recording. Every decision
     (resume point, when to save, the preemption sequence, retention) is the
@@ -604,7 +613,7 @@ class RecordRun(Run):
     def _save_step(self, i: int, j: int, name: str, wait: bool) -> None:
         mid = {"block_rng": self.block_rng, "iter_rng": self.iter_rng, "position": [i, j]}
         loader = self.block_iterable
-        if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict") and not hasattr(loader, "parameters"):
+        if _stateful_loader(loader):
             mid["loader_state"] = loader.state_dict()
         # Between two steps may be between two optimizer steps too (gradient
         # accumulation): the gradients so far are part of the state then.
