@@ -35,6 +35,7 @@ target = data.sum(1, keepdim=True)
 MAGICS = "%load_ext autoreload\n%autoreload 2"
 
 TRAIN = """\
+seen = 0  # a loop variable: checkpointed with the model, found in the cell's source
 with hs.checkpointing(model=model, opt=opt, every=1):
     for epoch in hs.loop("epoch", range(4)):
         for step in hs.loop("step", range(3)):
@@ -42,14 +43,18 @@ with hs.checkpointing(model=model, opt=opt, every=1):
             opt.zero_grad()
             loss.backward()
             opt.step()
+            seen += 1
             if epoch == 2 and step == 1 and os.path.exists("stop.flag"):
                 os.remove("stop.flag")
                 raise KeyboardInterrupt  # the kernel's stop button
         hs.log("loss", loss.item())
+        hs.log("seen", seen)
+        hs.log("wnorm", model.weight.norm().item())
 print("RUN", hs.run_id())
 """
 
-PROBE = '        hs.log("wnorm", model.weight.norm().item())\n'
+# Added after the recording: the values a replay computes from the checkpoints.
+PROBE = '        hs.log("probe", [loss.item(), model.weight.norm().item()])\n'
 
 READ = 'print("DF", hs.dataframe("loss")["loss"].tolist())'
 
@@ -124,9 +129,11 @@ def logs(cwd: Path, name: str) -> dict[int, tuple[float, bool]]:
 def test_notebook_is_the_script_and_its_directory_the_project(tmp_path: Path) -> None:
     site = Path(sysconfig.get_paths()["purelib"]) / ".hindsight"
     before = site.exists()
-    nb = notebook(tmp_path / "train.ipynb")
-    out = execute(nb)
+    # The training cell run a second time in the same kernel (after its loop ended) is refused.
+    nb = notebook(tmp_path / "train.ipynb", extra=(TRAIN,))
+    out = execute(nb, allow_errors=True)
     assert "RUN " in out[3], out
+    assert "already ran its outer loop 'epoch' in this kernel" in out[5], out[5]
     values = df_values(out)  # hs.dataframe inside the kernel: this run's values
     assert len(values) == 4 and values[-1] < values[0]
     assert (tmp_path / ".hindsight" / "logs.db").exists()
@@ -139,11 +146,19 @@ def test_notebook_is_the_script_and_its_directory_the_project(tmp_path: Path) ->
     assert 'hs.loop("epoch"' in source and "pass  # %autoreload 2" in source
     assert "Markdown is no code" not in source
     assert logs(tmp_path, "loss") == {i: (v, False) for i, v in enumerate(values)}
+    # Another notebook's kernel in the same directory reads the same project.
+    read = tmp_path / "read.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import hindsight as hs\n" + READ)]), read)
+    assert execute(read)[0].strip() == f"DF {json.dumps(values)}"
 
 
-def test_stopped_notebook_resumes_when_run_again(tmp_path: Path) -> None:
-    (tmp_path / "ref").mkdir()
-    expected = df_values(execute(notebook(tmp_path / "ref" / "train.ipynb")))
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The losses of the notebook run once, never stopped."""
+    return df_values(execute(notebook(tmp_path_factory.mktemp("ref") / "train.ipynb")))
+
+
+def test_stopped_notebook_resumes_when_run_again(tmp_path: Path, expected: list[float]) -> None:
 
     nb = notebook(tmp_path / "train.ipynb")
     (tmp_path / "stop.flag").touch()
@@ -156,6 +171,7 @@ def test_stopped_notebook_resumes_when_run_again(tmp_path: Path) -> None:
     assert f"hindsight: resuming run {run['id']}" in out[1] + out[3]
     assert f"RUN {run['id']}" in out[3]
     assert df_values(out) == expected  # exactly the values of a run never stopped
+    assert logs(tmp_path, "seen") == {0: (3, False), 1: (6, False), 2: (9, False), 3: (12, False)}
     (again,) = runs(tmp_path / ".hindsight")
     assert again["status"] == "completed"
     # A completed notebook run again is a new run, as a script run twice is.
@@ -163,21 +179,28 @@ def test_stopped_notebook_resumes_when_run_again(tmp_path: Path) -> None:
     assert [r["status"] for r in runs(tmp_path / ".hindsight")] == ["completed", "completed"]
 
 
-def test_replay_of_a_notebook_computes_new_log_statements(tmp_path: Path) -> None:
-    probed = TRAIN.replace('        hs.log("loss", loss.item())\n', '        hs.log("loss", loss.item())\n' + PROBE)
-    (tmp_path / "ref").mkdir()
-    execute(notebook(tmp_path / "ref" / "train.ipynb", probed))
-    expected = logs(tmp_path / "ref", "wnorm")  # recorded with the line from the start
-    assert len(expected) == 4
+def test_stopped_training_cell_run_again_in_the_same_kernel_resumes(tmp_path: Path, expected: list[float]) -> None:
+    nb = notebook(tmp_path / "train.ipynb", extra=(TRAIN, READ))
+    (tmp_path / "stop.flag").touch()
+    out = execute(nb, allow_errors=True)
+    assert "KeyboardInterrupt" in out[3]
+    assert "resuming run" in out[5]
+    line = next(line for line in out[6].splitlines() if line.startswith("DF "))
+    assert json.loads(line[3:]) == expected
+    assert [r["status"] for r in runs(tmp_path / ".hindsight")] == ["completed"]
 
+
+def test_replay_of_a_notebook_computes_new_log_statements(tmp_path: Path) -> None:
     nb = notebook(tmp_path / "train.ipynb")
     execute(nb)
+    probed = TRAIN.replace('        hs.log("loss", loss.item())\n', '        hs.log("loss", loss.item())\n' + PROBE)
     notebook(nb, probed)  # the user adds a hs.log line to the training cell
     r = subprocess.run([*hindsight_cmd(), "replay", str(nb)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "nothing to compute" not in r.stdout
-    # Each value as recorded by a run that had the line from the start, written by the replay.
-    assert logs(tmp_path, "wnorm") == {i: (v, True) for i, (v, _) in expected.items()}
+    # Each value is what the recording saw there (its loss and weights), written by the replay.
+    loss, wnorm = logs(tmp_path, "loss"), logs(tmp_path, "wnorm")
+    assert logs(tmp_path, "probe") == {i: ([loss[i][0], wnorm[i][0]], True) for i in range(4)}
     assert not list(tmp_path.glob(".hindsight-replay-*")), "the converted script is removed"
 
     # A shell escape cannot run as a script: refused, naming the cell and the line.
@@ -209,3 +232,11 @@ def test_untranslatable_magics_are_refused_by_name(tmp_path: Path, magic: str) -
     nb = notebook(tmp_path / "train.ipynb", extra=(magic,))
     with pytest.raises(ReplayError, match=r"train\.ipynb, cell 6, line 1: "):
         jupyter.script_of(nb)
+
+
+def test_record_refuses_a_notebook_file(tmp_path: Path) -> None:
+    nb = notebook(tmp_path / "train.ipynb")
+    r = subprocess.run([*hindsight_cmd(), "record", str(nb)], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "is a notebook: run it in Jupyter" in r.stderr
+    assert not (tmp_path / ".hindsight").exists()

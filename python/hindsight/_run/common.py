@@ -437,6 +437,14 @@ class Run:
     # -- loops -------------------------------------------------------------------
     def loop(self, name: str, iterable: Iterable[T]) -> Iterator[T]:
         if not self.stack:
+            if self.outer_name is not None and jupyter.shell() is not None:
+                # A training cell run again in the same kernel: its loop would
+                # overwrite this run's iterations, checkpoints and values.
+                raise InvalidArgumentError(
+                    f"hs.loop({name!r}): run {self.run_id} of {self.script.name} already ran its outer loop "
+                    f"'{self.outer_name}' in this kernel, and a second one would mix two trainings into one run; "
+                    "restart the kernel and run the notebook again to record a new run"
+                )
             return self._outer(name, iterable)
         if len(self.stack) == 1 and not self.block_done:
             gen = self._block(name, iterable)
