@@ -17,6 +17,8 @@ import nbformat
 import pytest
 
 from hindsight import _native
+from hindsight._run import jupyter
+from hindsight.errors import ReplayError
 
 from conftest import hindsight_cmd
 
@@ -145,6 +147,8 @@ def test_notebook_is_the_script_and_its_directory_the_project(tmp_path: Path) ->
     source = _native.LogDb(str(tmp_path / ".hindsight" / "logs.db")).get_source(run["source_hash"])["train.ipynb"]
     assert 'hs.loop("epoch"' in source and "pass  # %autoreload 2" in source
     assert "Markdown is no code" not in source
+    # The cells ran in the notebook's order: the source is the notebook as `hindsight replay` reads it.
+    assert source == jupyter.script_of(nb)
     assert logs(tmp_path, "loss") == {i: (v, False) for i, v in enumerate(values)}
     # Another notebook's kernel in the same directory reads the same project.
     read = tmp_path / "read.ipynb"
@@ -174,9 +178,6 @@ def test_stopped_notebook_resumes_when_run_again(tmp_path: Path, expected: list[
     assert logs(tmp_path, "seen") == {0: (3, False), 1: (6, False), 2: (9, False), 3: (12, False)}
     (again,) = runs(tmp_path / ".hindsight")
     assert again["status"] == "completed"
-    # A completed notebook run again is a new run, as a script run twice is.
-    execute(nb)
-    assert [r["status"] for r in runs(tmp_path / ".hindsight")] == ["completed", "completed"]
 
 
 def test_stopped_training_cell_run_again_in_the_same_kernel_resumes(tmp_path: Path, expected: list[float]) -> None:
@@ -188,6 +189,11 @@ def test_stopped_training_cell_run_again_in_the_same_kernel_resumes(tmp_path: Pa
     line = next(line for line in out[6].splitlines() if line.startswith("DF "))
     assert json.loads(line[3:]) == expected
     assert [r["status"] for r in runs(tmp_path / ".hindsight")] == ["completed"]
+    # A completed notebook run again is a new run, as a script run twice is.
+    out = execute(notebook(nb))
+    assert "resuming" not in "".join(out)
+    assert df_values(out) == expected
+    assert [r["status"] for r in runs(tmp_path / ".hindsight")] == ["completed", "completed"]
 
 
 def test_replay_of_a_notebook_computes_new_log_statements(tmp_path: Path) -> None:
@@ -224,11 +230,19 @@ def test_a_kernel_that_does_not_say_its_notebook_is_refused_until_named(tmp_path
     assert run["script"] == "train.ipynb"
 
 
+def test_magics_that_change_no_value_are_dropped(tmp_path: Path) -> None:
+    nb = notebook(
+        tmp_path / "train.ipynb", extra=("%%time\nx = 1", "%matplotlib inline\nif True:\n    %autoreload 2\ny = 2")
+    )
+    script = jupyter.script_of(nb)
+    ns: dict[str, object] = {}
+    exec(compile(script.split("# %% cell 6")[1], "cells", "exec"), ns)  # the added cells, as Python
+    assert (ns["x"], ns["y"]) == (1, 2)
+    assert "pass  # %%time" in script and "    pass  # %autoreload 2" in script
+
+
 @pytest.mark.parametrize("magic", ["%cd /tmp", "%%bash\necho hi", "files = !ls"])
 def test_untranslatable_magics_are_refused_by_name(tmp_path: Path, magic: str) -> None:
-    from hindsight._run import jupyter
-    from hindsight.errors import ReplayError
-
     nb = notebook(tmp_path / "train.ipynb", extra=(magic,))
     with pytest.raises(ReplayError, match=r"train\.ipynb, cell 6, line 1: "):
         jupyter.script_of(nb)

@@ -187,12 +187,13 @@ def recorded_source(nb_path: Path) -> str:
     ip = shell()
     history = getattr(ip, "history_manager", None)
     raw = list(getattr(history, "input_hist_raw", None) or [""])[1:]  # [0] is IPython's placeholder
-    executed = [src for src in raw if src.strip()]
+    # IPython keeps a cell without its trailing newlines.
+    executed = [src.rstrip() for src in raw if src.strip()]
     try:
         saved = _cells(nb_path)
     except ReplayError:
         saved = []
-    code = [src for _, src in saved if src.strip()]
+    code = [src.rstrip() for _, src in saved if src.strip()]
     if executed == code[: len(executed)]:
         return script_of(nb_path, ip)
     return _joined(
