@@ -217,9 +217,10 @@ def notebook(path: str | os.PathLike[str]) -> None:
     started without JPY_SESSION_NAME): the notebook, whose directory holds
     the project and whose cells are the recorded source. Call it before
     the first other hs.* call."""
-    p = jupyter.set_path(path)
+    p = jupyter.checked(path)
     if _RUN is not None and not _RUN.finished and _RUN.script != p:
         raise InvalidArgumentError(
             f"hs.notebook({os.fspath(path)!r}): this kernel's run {_RUN.run_id} already records {_RUN.script}; "
             "call hs.notebook before the first other hs.* call"
         )
+    jupyter.set_path(p)

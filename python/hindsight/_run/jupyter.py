@@ -42,14 +42,18 @@ def shell() -> Any | None:
     return ip if ip is not None and getattr(ip, "kernel", None) is not None else None
 
 
-def set_path(path: str | os.PathLike[str]) -> Path:
-    """`hs.notebook(path)`: which notebook this kernel runs."""
-    global _EXPLICIT
+def checked(path: str | os.PathLike[str]) -> Path:
+    """`hs.notebook(path)`'s notebook, as an absolute path."""
     p = Path(path).expanduser().resolve()
     if p.suffix != SUFFIX or not p.is_file():
         raise InvalidArgumentError(f"hs.notebook({os.fspath(path)!r}): no notebook (.ipynb file) at {p}")
-    _EXPLICIT = p
     return p
+
+
+def set_path(p: Path) -> None:
+    """`hs.notebook(path)`: which notebook this kernel runs."""
+    global _EXPLICIT
+    _EXPLICIT = p
 
 
 def path(ip: Any) -> Path:
