@@ -170,6 +170,13 @@ def test_stopped_notebook_resumes_when_run_again(tmp_path: Path, expected: list[
     assert "KeyboardInterrupt" in out[3]
     (run,) = runs(tmp_path / ".hindsight")
     assert run["status"] == "interrupted"  # as a script stopped by Ctrl-C
+    # A kernel that runs only the first cells (no training) leaves it interrupted.
+    setup_only = nbformat.read(nb, as_version=4)
+    setup_only.cells = [nbformat.v4.new_code_cell(SETUP + 'lr = hs.arg("lr", 0.05)')]
+    nbformat.write(setup_only, nb)
+    assert f"resuming run {run['id']}" in execute(nb)[0]
+    assert [r["status"] for r in runs(tmp_path / ".hindsight")] == ["interrupted"]
+    notebook(nb)
     # Restart the kernel and run all: the same run goes on from its checkpoint.
     out = execute(nb)
     assert f"hindsight: resuming run {run['id']}" in out[1] + out[3]

@@ -207,6 +207,11 @@ class RecordRun(Run):
         self.session.iteration_continues()
 
     def _finish(self, status: str) -> None:
+        if status == "completed" and self.resume_pending and jupyter.shell() is not None:
+            # A kernel resumed the run (a cell called hs.*) but never ran its
+            # loop (the training cell was not run): the run is no more done
+            # than it was, and running the notebook again must still resume it.
+            status = "interrupted"
         try:
             end = self.session.finish(status)
             name = end.discard
