@@ -224,17 +224,22 @@ def test_replay_of_a_notebook_computes_new_log_statements(tmp_path: Path) -> Non
 
 
 def test_a_kernel_that_does_not_say_its_notebook_is_refused_until_named(tmp_path: Path) -> None:
-    nb = notebook(tmp_path / "train.ipynb")
+    # `%run script.py` in that kernel records the script, as `python script.py` would.
+    (tmp_path / "script.py").write_text(
+        "import hindsight as hs\nfor i in hs.loop('i', range(2)):\n    hs.log('x', i)\nprint('SCRIPT', hs.run_id())\n"
+    )
+    nb = notebook(tmp_path / "train.ipynb", extra=("%run script.py",))
     out = execute(nb, session=False, allow_errors=True)
     assert "hs.notebook('NAME.ipynb')" in out[3], out
-    assert not (tmp_path / ".hindsight").exists()
+    assert "SCRIPT " in out[5], out
+    assert [r["script"] for r in runs(tmp_path / ".hindsight")] == ["script.py"]
     named = nbformat.read(nb, as_version=4)
     named.cells[1].source = SETUP + 'hs.notebook("train.ipynb")\n'
+    named.cells = named.cells[:5]
     nbformat.write(named, nb)
     out = execute(nb, session=False)
     assert "RUN " in out[3]
-    (run,) = runs(tmp_path / ".hindsight")
-    assert run["script"] == "train.ipynb"
+    assert sorted(r["script"] for r in runs(tmp_path / ".hindsight")) == ["script.py", "train.ipynb"]
 
 
 def test_magics_that_change_no_value_are_dropped(tmp_path: Path) -> None:

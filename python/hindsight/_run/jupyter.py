@@ -86,11 +86,18 @@ def path(ip: Any) -> Path:
     )
 
 
+def _runs_a_script() -> bool:
+    """`%run train.py` in the kernel: IPython sets sys.argv to the script's
+    for as long as it runs, and that script is the run's, not the notebook."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    return argv0.endswith(".py") and os.path.basename(argv0) not in ("ipykernel_launcher.py", "__main__.py")
+
+
 def program() -> tuple[Path | None, list[str]]:
     """(the notebook, if this is a kernel; the program's argv: the
     notebook alone in a kernel, whose own argv is its connection file)."""
     ip = shell()
-    if ip is None:
+    if ip is None or _runs_a_script():
         return None, sys.argv[:]
     nb = path(ip)
     return nb, [str(nb)]
