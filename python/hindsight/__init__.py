@@ -9,7 +9,7 @@ state = store.load("epoch-3")
 from __future__ import annotations
 
 from hindsight._query import dataframe
-from hindsight._run import arg, args, checkpointing, log, loop, run_id
+from hindsight._run import arg, args, checkpointing, log, loop, notebook, run_id
 from hindsight._store import SaveHandle, Store
 from hindsight.errors import (
     AbandonedError,
@@ -61,6 +61,7 @@ __all__ = [
     "dataframe",
     "log",
     "loop",
+    "notebook",
     "run_id",
 ]
 __version__ = "0.1.0"

@@ -76,6 +76,13 @@ def _record(argv: list[str]) -> int:
     if not rest or rest[0] in ("-h", "--help"):
         sys.stdout.write("usage: hindsight record [--explain] SCRIPT [ARGS...]\n" + (_record.__doc__ or "") + "\n")
         return 0 if rest else 2
+    if rest[0].endswith(".ipynb"):
+        # Python would run the notebook's JSON; a kernel records it (hindsight._run.jupyter).
+        sys.stderr.write(
+            f"hindsight record: {rest[0]} is a notebook: run it in Jupyter, where the hs.* calls in its cells "
+            "record it (or `jupyter nbconvert --to script` it and record the script)\n"
+        )
+        return 2
     if not explain:
         return subprocess.call([sys.executable, *rest])
     with tempfile.TemporaryDirectory(prefix="hindsight-explain-") as home:

@@ -25,6 +25,7 @@ from typing import Any
 from hindsight import _native
 from hindsight._analysis import Analysis, analyze, transplant
 from hindsight._launch import LAUNCHERS, LaunchContext, Worker, launcher
+from hindsight._run import jupyter
 from hindsight.errors import HindsightError, NotFoundError, ReplayError
 
 #: Longest --where accepted: a filter longer than this is a mistake, and the
@@ -123,7 +124,10 @@ _WHERE_MAX_CONSTANT = 10**12
 
 
 def _read_script(path: Path) -> str:
-    """The script's text; a clear error for bytes that are not UTF-8 or Python."""
+    """The script's text; a clear error for bytes that are not UTF-8 or Python.
+    A notebook's is its code cells as a script (magics dropped or refused)."""
+    if path.suffix == jupyter.SUFFIX:
+        return jupyter.script_of(path)
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
@@ -334,6 +338,11 @@ def _prepare(
         if temp is not None:
             temp.unlink(missing_ok=True)
         raise
+    if temp is None and script.suffix == jupyter.SUFFIX:
+        # A worker runs Python: the notebook's cells as the script analysed,
+        # beside the notebook (the same directory, so the same project).
+        to_run = temp = script.parent / f".hindsight-replay-{run['id']}.py"
+        temp.write_text(current)
     names = ", ".join(sorted({p.name for p in analysis.new_probes}))
     print(f"run {run['id']}: {plan.kind} replay of {names} on {len(plan.workers)} worker(s)", flush=True)
     versions = json.loads(run["versions_json"] or "{}")

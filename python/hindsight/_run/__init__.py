@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from hindsight import _native
-from hindsight._run import dataiter
+from hindsight._run import dataiter, jupyter
 from hindsight._run.common import ENV_HOME, ENV_REPLAY, Run, T, _script_path
 from hindsight._run.record import RecordRun
 from hindsight._run.replay import ReplayRun
@@ -29,6 +29,7 @@ __all__ = [
     "current",
     "log",
     "loop",
+    "notebook",
     "run_id",
 ]
 
@@ -209,3 +210,17 @@ def checkpointing(
 
 def run_id() -> str:
     return str(current().run_id)
+
+
+def notebook(path: str | os.PathLike[str]) -> None:
+    """In a Jupyter kernel that does not say which notebook it runs (one
+    started without JPY_SESSION_NAME): the notebook, whose directory holds
+    the project and whose cells are the recorded source. Call it before
+    the first other hs.* call."""
+    p = jupyter.checked(path)
+    if _RUN is not None and not _RUN.finished and _RUN.script != p:
+        raise InvalidArgumentError(
+            f"hs.notebook({os.fspath(path)!r}): this kernel's run {_RUN.run_id} already records {_RUN.script}; "
+            "call hs.notebook before the first other hs.* call"
+        )
+    jupyter.set_path(p)

@@ -19,7 +19,10 @@ _FALSE = ("0", "false", "no", "off")
 
 
 def _argv() -> list[str]:
-    return sys.argv[1:]
+    # In a Jupyter kernel, not the kernel's own arguments (the notebook has none).
+    from hindsight._run import jupyter
+
+    return jupyter.program()[1][1:]
 
 
 def _flag_name(token: str) -> str | None:

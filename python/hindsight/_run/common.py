@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hindsight import _native, _settings
+from hindsight._run import jupyter
 from hindsight._run.counters import shift_enumerates
 from hindsight._run.files import Written, put_back
 from hindsight._run.loopvars import LoopVars, ModuleVars, _storages, stateful_objects
@@ -52,17 +53,27 @@ _SKIP_DIRS = {".git", ".hindsight", "__pycache__", "node_modules", "site-package
 
 
 def _script_path() -> Path:
+    """The run's script: the notebook in a Jupyter kernel (jupyter.py)."""
+    nb, _ = jupyter.program()
+    if nb is not None:
+        return nb
     argv0 = sys.argv[0] if sys.argv else ""
     if argv0 and argv0 not in ("-c", "-m") and Path(argv0).exists():
         return Path(argv0).resolve()
     return Path.cwd().resolve() / "<interactive>"
 
 
-def _snapshot_source(root: Path, script: Path) -> dict[str, str]:
-    """The project's Python files as they are now (content-addressed by the db)."""
+def _snapshot_source(root: Path, script: Path, script_source: str | None = None) -> dict[str, str]:
+    """The project's Python files as they are now (content-addressed by the db);
+    ``script_source``: the script's text where it is not the file's (a notebook's cells)."""
     files: dict[str, str] = {}
     budget = 20 << 20
-    candidates = [script] if script.exists() else []
+    candidates = [script] if script.exists() and script_source is None else []
+    if script_source is not None:
+        try:
+            files[str(script.relative_to(root))] = script_source
+        except ValueError:
+            files[str(script)] = script_source
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [
             d
@@ -241,6 +252,8 @@ class Run:
         # (LoopVars.unkept), for the closing note.
         self.unkept: dict[str, str] = {}
         self.finished = False
+        # An outer loop started since this was last reset (jupyter.on_cell_error).
+        self.loop_started = False
         # Set by hs.checkpointing; only recording acts on it.
         self.requeue = False
         self._beat_fd, self._next_beat = _heartbeat_fd(), 0.0
@@ -424,6 +437,14 @@ class Run:
     # -- loops -------------------------------------------------------------------
     def loop(self, name: str, iterable: Iterable[T]) -> Iterator[T]:
         if not self.stack:
+            if self.outer_name is not None and jupyter.shell() is not None:
+                # A training cell run again in the same kernel: its loop would
+                # overwrite this run's iterations, checkpoints and values.
+                raise InvalidArgumentError(
+                    f"hs.loop({name!r}): run {self.run_id} of {self.script.name} already ran its outer loop "
+                    f"'{self.outer_name}' in this kernel, and a second one would mix two trainings into one run; "
+                    "restart the kernel and run the notebook again to record a new run"
+                )
             return self._outer(name, iterable)
         if len(self.stack) == 1 and not self.block_done:
             gen = self._block(name, iterable)
@@ -476,6 +497,7 @@ class Run:
         """The outermost loop: one iteration is the unit of checkpoints and replay."""
         # sys._getframe(1): the frame whose `for` drives this generator.
         frame = sys._getframe(1)
+        self.loop_started = True
         if self.hands_free and not self.objects:
             self.discovered = stateful_objects(frame)
             self.objects.update({k: v for k, (v, _) in self.discovered.items()})

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import ctypes
 import io
+import linecache
 import os
 import sys
 import types
@@ -39,15 +40,36 @@ _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 _parsed: dict[tuple[str, float], ast.Module | None] = {}
 
 
-def _tree(filename: str) -> ast.Module | None:
+def _mtime(filename: str) -> float | None:
+    """The file's modification time; -1 for a Jupyter cell (no file: its
+    source is in linecache, under a name made from its text); None when
+    the source cannot be read (exec, a terminal session)."""
     try:
-        key = (filename, os.stat(filename).st_mtime)
+        return os.stat(filename).st_mtime
     except OSError:
+        return -1.0 if _cell_source(filename) is not None else None
+
+
+def _cell_source(filename: str) -> str | None:
+    entry = linecache.cache.get(filename)
+    # IPython's entries have no mtime (None): they are never checked against a file.
+    if entry is None or len(entry) != 4 or entry[1] is not None:
         return None
+    return "".join(entry[2])
+
+
+def _tree(filename: str) -> ast.Module | None:
+    mtime = _mtime(filename)
+    if mtime is None:
+        return None
+    key = (filename, mtime)
     if key not in _parsed:
         try:
-            with open(filename, "rb") as f:
-                _parsed[key] = ast.parse(f.read(), filename=filename)
+            if mtime == -1.0:
+                _parsed[key] = ast.parse(_cell_source(filename) or "", filename=filename)
+            else:
+                with open(filename, "rb") as f:
+                    _parsed[key] = ast.parse(f.read(), filename=filename)
         except (OSError, SyntaxError, ValueError):
             _parsed[key] = None
     return _parsed[key]
@@ -315,12 +337,10 @@ def _analysis(code: Any, line: int) -> _Found | None:
     `for` at `line` of `code`; None when its source cannot be read (an
     interactive session, exec)."""
     tree = _tree(code.co_filename)
-    try:
-        key = (code.co_filename, os.stat(code.co_filename).st_mtime, code.co_name, code.co_firstlineno, line)
-    except OSError:
+    mtime = _mtime(code.co_filename)
+    if tree is None or mtime is None:
         return None
-    if tree is None:
-        return None
+    key = (code.co_filename, mtime, code.co_name, code.co_firstlineno, line)
     if key not in _analysed:
         scope = _scope_of(tree, code)
         loop = _loop_at(scope, line) if scope is not None else None

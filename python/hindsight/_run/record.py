@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hindsight import _native, _preemption, _settings
-from hindsight._run import batches, cmdline, dataiter
+from hindsight._run import batches, cmdline, dataiter, jupyter
 from hindsight._run.common import (
     ENV_RESUME,
     ENV_RUN_NAME,
@@ -96,6 +96,8 @@ class RecordRun(Run):
         # A bad HINDSIGHT_* setting stops the run now, not at its first checkpoint or preemption.
         self.session = _native.RecordSession.from_env(self.run_id, time.monotonic())
         self._wrap_excepthook()
+        if jupyter.shell() is not None:
+            jupyter.on_cell_error(self)
         self.signals.install()
         atexit.register(self.finish)
 
@@ -128,7 +130,8 @@ class RecordRun(Run):
 
     def _start(self) -> None:
         explicit = _settings.text(ENV_RUN_NAME)
-        key = explicit or _native.resume_key(str(self.script), str(self.root), sys.argv[1:])
+        nb, argv = jupyter.program()
+        key = explicit or _native.resume_key(str(self.script), str(self.root), argv[1:])
         prev = None
         if _settings.flag(ENV_RESUME, True):
             prev = self.db.run_to_resume(key, str(self.root), explicit is not None)
@@ -142,13 +145,14 @@ class RecordRun(Run):
             self.resume_pending = True
             print(f"hindsight: resuming run {self.run_id}", file=sys.stderr, flush=True)
             return
-        files = _snapshot_source(self.root, self.script)
+        # A notebook's source is the cells its kernel ran, as a script (jupyter.py).
+        files = _snapshot_source(self.root, self.script, None if nb is None else jupyter.recorded_source(nb))
         source_hash = self.db.put_source(files)
         commit, dirty = _git(self.root)
         versions = {
             "python": platform.python_version(),
             "hindsight": _package_version(),
-            "argv": sys.argv[:],
+            "argv": argv,
             "cwd": os.getcwd(),
             "executable": sys.executable,
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
@@ -226,6 +230,11 @@ class RecordRun(Run):
         self.session.iteration_continues()
 
     def _finish(self, status: str) -> None:
+        if status == "completed" and self.resume_pending and jupyter.shell() is not None:
+            # A kernel resumed the run (a cell called hs.*) but never ran its
+            # loop (the training cell was not run): the run is no more done
+            # than it was, and running the notebook again must still resume it.
+            status = "interrupted"
         try:
             end = self.session.finish(status)
             name = end.discard
@@ -396,7 +405,7 @@ class RecordRun(Run):
         # Known args only: flags of hs.arg live beside the parser's; what
         # neither knows is refused when the loop starts (cmdline.Known.check).
         try:
-            ns, _ = parser.parse_known_args(argv)
+            ns, _ = parser.parse_known_args(argv if argv is not None else jupyter.program()[1][1:])
         except SystemExit:
             self._nothing_ran()  # --help, or arguments the parser refused
             raise
