@@ -232,8 +232,26 @@ def _check_prefix(prefix: str) -> str:
     return prefix
 
 
-def _open(store: Store | str | os.PathLike[str]) -> tuple[Store | None, bool]:
-    """(store, opened here). A path to a store that does not exist yet gives None."""
+def project_store() -> str:
+    """Where ``HindsightCheckpoint()`` without a store writes: the store of the
+    script's hindsight run (``$HINDSIGHT_STORE``, else ``<project home>/store``)."""
+    from hindsight import _run
+    from hindsight._run.common import _script_path
+
+    run = _run._RUN
+    if run is not None and not run.finished:
+        return str(run.store.path)
+    env = _settings.text(_settings.STORE)
+    if env is not None:
+        return str(_native.store_location(env, _settings.STORE))
+    return str(_native.project_paths(str(_script_path().parent)).store)
+
+
+def _open(store: Store | str | os.PathLike[str] | None) -> tuple[Store | None, bool]:
+    """(store, opened here). A path to a store that does not exist yet gives None;
+    None is the project's store (`project_store`)."""
+    if store is None:
+        store = project_store()
     if isinstance(store, Store):
         return store, False
     try:
@@ -251,7 +269,7 @@ def _entries(store: Store, prefix: str) -> list[Entry]:
     ]
 
 
-def checkpoints(store: Store | str | os.PathLike[str], prefix: str = DEFAULT_PREFIX) -> list[Entry]:
+def checkpoints(store: Store | str | os.PathLike[str] | None = None, prefix: str = DEFAULT_PREFIX) -> list[Entry]:
     """The callback's complete checkpoints in ``store``, oldest first."""
     _check_prefix(prefix)
     s, owned = _open(store)
@@ -264,7 +282,9 @@ def checkpoints(store: Store | str | os.PathLike[str], prefix: str = DEFAULT_PRE
             s.close()
 
 
-def latest(store: Store | str | os.PathLike[str], prefix: str = DEFAULT_PREFIX, *, verify: bool = False) -> str | None:
+def latest(
+    store: Store | str | os.PathLike[str] | None = None, prefix: str = DEFAULT_PREFIX, *, verify: bool = False
+) -> str | None:
     """Name of the newest complete checkpoint (epoch-end or mid-epoch) of the
     newest fit under ``prefix``, or None when there is none or that fit
     finished (a finished fit is never resumed: the next ``fit`` starts afresh
@@ -299,7 +319,7 @@ def latest(store: Store | str | os.PathLike[str], prefix: str = DEFAULT_PREFIX, 
 
 
 def latest_path(
-    store: Store | str | os.PathLike[str], prefix: str = DEFAULT_PREFIX, *, verify: bool = False
+    store: Store | str | os.PathLike[str] | None = None, prefix: str = DEFAULT_PREFIX, *, verify: bool = False
 ) -> str | None:
     """``"hindsight://<newest checkpoint>"`` for ``Trainer.fit(ckpt_path=...)``, or None (start afresh)."""
     name = latest(store, prefix, verify=verify)
@@ -347,7 +367,7 @@ def _map_location(map_location: Any) -> Any:
 
 
 def load(
-    store: Store | str | os.PathLike[str],
+    store: Store | str | os.PathLike[str] | None,
     name: str | None = None,
     *,
     prefix: str = DEFAULT_PREFIX,
@@ -359,7 +379,7 @@ def load(
     ``model.load_state_dict(ckpt["state_dict"])``."""
     s, owned = _open(store)
     if s is None:
-        raise NotFoundError(f"no hindsight store at {os.fspath(store)}")  # type: ignore[arg-type]
+        raise NotFoundError(f"no hindsight store at {project_store() if store is None else os.fspath(store)}")  # type: ignore[arg-type]
     try:
         if name is None:
             # The newest model, also of a finished fit (unlike `latest`, which answers "resume where?").
