@@ -11,6 +11,27 @@ retention for ``Trainer.fit``.
     # first run: latest_path is None, training starts afresh; after a
     # preemption (exit status 85) the same command resumes where it stopped.
 
+``store`` may be left out: the callback then uses the project's store, where
+the script's hindsight run keeps its checkpoints (``$HINDSIGHT_STORE``, else
+``<project home>/store``), and ``HindsightCheckpoint.latest_path()`` (no
+argument) looks there.
+
+LightningCLI: both classes take typed arguments with defaults, so either
+
+    cli = LightningCLI(Model, DataModule, run=False, trainer_defaults={
+        "logger": lazy_instance(HindsightLogger),      # jsonargparse.lazy_instance
+        "callbacks": [ModelCheckpoint(monitor="val_loss"), HindsightCheckpoint()]})
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=HindsightCheckpoint.latest_path())
+    cli.trainer.test(ckpt_path="best", datamodule=cli.datamodule)
+
+or, on the command line, ``--trainer.logger=hindsight.lightning.HindsightLogger
+--trainer.callbacks+=hindsight.lightning.HindsightCheckpoint`` (options such as
+``--trainer.callbacks.keep_last=2``). ``HindsightLogger``'s ``save_dir`` (default
+``<project home>/lightning/<run id>``) is where ``SaveConfigCallback`` writes
+``config.yaml`` and, without a ``dirpath``, ``ModelCheckpoint`` its files. A
+relaunch after a preemption continues the run in the same directory, so
+LightningCLI needs ``save_config_kwargs={"overwrite": True}`` there.
+
 What the callback does:
 
 * Saves the trainer's full checkpoint (the dict Lightning's own
@@ -83,7 +104,21 @@ What the callback does:
   ``on_validation_epoch_end`` and ``validation_step`` see the recorded
   state. An epoch it executes trains as recorded (probes in
   ``training_step``). ``latest_path`` answers None in a worker, and
-  ``ModelCheckpoint`` / ``EarlyStopping`` are left out of the fit.
+  ``ModelCheckpoint`` / ``EarlyStopping`` are left out of the fit. After
+  the fit they are back with the states the recorded fit ended with (kept in
+  its end mark), so ``trainer.test/validate/predict(ckpt_path="best"|"last")``
+  load the file the recording loaded; a file changed since (size or
+  modification time), missing, or not among the recorded callback's files is
+  refused, naming it, as is an evaluation of the fitted module itself when the
+  replay's fit stopped before the recorded last epoch (``--where``). A hook
+  method the recording did not have may be added to hold probes (e.g.
+  ``on_validation_epoch_end`` with only ``hs.log``) where it overrides
+  Lightning's own no-op hook of a direct ``LightningModule``/``Callback``
+  subclass. Values an evaluation step logs (``self.log(..., on_step=True)``
+  in ``validation_step``/``test_step``) are recorded at (epoch, the batch's
+  place in that validation or test run), the same in every process; Lightning's
+  own count runs on over the process's evaluations (sanity check included),
+  which a resumed fit or a replay counts differently.
 * Retention (a union; the newest checkpoint is always kept):
   ``keep_last=N`` epoch-end checkpoints, ``keep_best=K`` by ``monitor``
   (a key of ``trainer.callback_metrics`` at epoch end, ``mode`` "min" or
@@ -95,6 +130,10 @@ What the callback does:
   epoch exists; of the newer ones the ``keep_last`` newest (at least one)
   stay. Without any ``keep_*`` nothing is removed. Removal is durable at
   once; ``gc`` reclaims the chunks when ``fit`` ends.
+
+The callback's own state in the dict (the RNG states, in every ``.ckpt`` that
+``ModelCheckpoint`` writes too) is tensors and plain Python values, so those
+files load with ``torch.load(weights_only=True)`` (``ckpt_path="best"``).
 
 Non-tensor values: everything Lightning itself puts in the dict (ints,
 floats, strings, nested dicts/lists/tuples, ``None``) is stored natively, so
