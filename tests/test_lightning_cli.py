@@ -26,6 +26,7 @@ pytest.importorskip("jsonargparse")
 # The script's defaults: "defaults" gives the logger and callback as
 # LightningCLI trainer_defaults (lazy_instance), "plain" gives neither (the
 # command line adds them). STOP_AT=<global step>: a SIGTERM then, once.
+# TEST_CKPT=model: test the fitted module instead of ckpt_path="best".
 CLI_SCRIPT = """
 import os, signal
 import torch
@@ -96,7 +97,10 @@ def cli_main():
     cli = LightningCLI(LitAutoEncoder, MyDataModule, seed_everything_default=1234,
                        save_config_kwargs={"overwrite": True}, run=False, trainer_defaults=defaults)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=HindsightCheckpoint.latest_path())
-    cli.trainer.test(ckpt_path="best", datamodule=cli.datamodule)
+    if os.environ.get("TEST_CKPT") == "model":  # the model as fit left it
+        cli.trainer.test(cli.model, datamodule=cli.datamodule)
+    else:
+        cli.trainer.test(ckpt_path="best", datamodule=cli.datamodule)
 
 
 if __name__ == "__main__":
@@ -123,8 +127,9 @@ def _script(defaults: bool, probe: bool = False) -> str:
 
 
 def _env(root: Path, **extra: str) -> dict[str, str]:
-    env = {**os.environ, "HINDSIGHT_HOME": str(root / "home"), **extra}
+    env = {**os.environ, "HINDSIGHT_HOME": str(root / "home")}
     env.pop("STOP_AT", None)
+    env.pop("TEST_CKPT", None)
     env.update(extra)
     return env
 
@@ -167,11 +172,11 @@ def _ckpts(home: Path) -> list[Path]:
     return sorted((home / "lightning").glob("*/hindsight/*/checkpoints/*.ckpt"))
 
 
-def _replay(root: Path) -> subprocess.CompletedProcess[str]:
+def _replay(root: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*hindsight_cmd(), "replay", "train.py", "-q"],
+        [*hindsight_cmd(), "replay", "train.py", "-q", *args],
         cwd=root,
-        env=_env(root),
+        env=_env(root, **env),
         capture_output=True,
         text=True,
         timeout=300,
@@ -267,3 +272,26 @@ def test_lightning_cli_command_line_sigterm_exits_85_and_resumes(tmp_path: Path)
     assert {k: sorted(v) for k, v in got.items()} == {k: sorted(v) for k, v in want.items()}
     before = {c: v for c, v in want["train_loss"].items() if c[1][1] <= 5}
     assert {c: got["train_loss"][c] for c in before} == before
+
+
+def test_lightning_cli_replay_of_some_epochs_evaluates_the_recorded_model_or_refuses(tmp_path: Path) -> None:
+    """With --where, the replay's fit stops at the last epoch it needs: the
+    recorded `test(ckpt_path="best")` still evaluates the recorded best file,
+    its values logged where the recording logged them (the end of the recorded
+    fit); a test of the fitted module itself, which is not the recorded
+    final model then, is refused naming the reason."""
+    proj = tmp_path / "proj"
+    _record(proj, _script(True))
+    (proj / "train.py").write_text(_script(True, probe=True))
+    r = _replay(proj, "--where", "epoch == 0")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "DIVERGENCE" not in r.stderr
+    _, got = _values(proj / "home")
+    assert sorted(got["enc_norm"]) == [(("epoch", 0), 0)]
+    for name in ("test_loss_step", "test_loss_epoch"):
+        assert got[name] and all(rec is not None and rec == rep for rec, rep in got[name].values()), name
+    assert [c[:2] for c in got["test_loss_epoch"]] == [(("epoch", 3), ("step", 12))]
+
+    r = _replay(proj, "--where", "epoch == 0", TEST_CKPT="model")
+    assert r.returncode != 0
+    assert "this replay's fit stopped before the recording's last epoch" in r.stderr

@@ -631,6 +631,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
                     "finished": True,
                     "epoch": trainer.current_epoch,
                     "global_step": trainer.global_step,
+                    "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
                     _CALLBACKS_KEY: self._checkpoint_callback_states(trainer),
                 },
                 meta={"lightning": pl.__version__, "kind": "fit_end"},
@@ -709,11 +710,23 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         self._fit_module = weakref.ref(pl_module)
         self._fit_final = bool(recorded_epochs) and self._last_visited == max(recorded_epochs)
         self._unknown_state = False
+        mark, why = self._recorded_end_mark()
+        if mark is not None and not self._fit_final:
+            # What follows the fit (test, validate) logs at the recorded fit's
+            # end, not at the epoch where this replay could stop.
+            loop = trainer.fit_loop
+            if isinstance(mark.get("epoch"), int):
+                loop.epoch_progress.current.completed = loop.epoch_progress.current.processed = mark["epoch"]
+            if isinstance(mark.get("batches_that_stepped"), int):
+                loop.epoch_loop._batches_that_stepped = mark["batches_that_stepped"]
         dropped, self._dropped = self._dropped, []
         if not dropped:
             return
         trainer.callbacks = [*trainer.callbacks, *dropped]
-        recorded, why = self._recorded_end_states()
+        recorded = None if mark is None else mark.get(_CALLBACKS_KEY)
+        if mark is not None and not isinstance(recorded, dict):
+            why = "its end mark was written by a hindsight that did not record the checkpoint callbacks"
+            recorded = None
         io = trainer.strategy.checkpoint_io
         files: dict[str, list[int]] = {}
         dirs: list[str] = []
@@ -748,8 +761,8 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             io.recorded_dirs = dirs
             io.unknown = unknown
 
-    def _recorded_end_states(self) -> tuple[dict[str, Any] | None, str | None]:
-        """The checkpoint callbacks' states in the recorded fit's end mark, or (None, why not)."""
+    def _recorded_end_mark(self) -> tuple[dict[str, Any] | None, str | None]:
+        """The recorded fit's end mark, or (None, why not)."""
         assert self._replay is not None
         names = [it.checkpoint for it in self._replay.db.iterations(self._replay.run_id, "epoch") if it.checkpoint]
         ck = _native.CheckpointId.parse(names[-1]) if names else None
@@ -758,11 +771,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         ends = [c for c in self.store.checkpoints(ck.prefix) if c.prefix == ck.prefix and c.kind == "end"]
         if not ends:
             return None, f"the recorded fit ({ck.prefix}) has no end mark in {self.store.path}: it did not finish"
-        mark = self.store.load(ends[-1].name)
-        states = mark.get(_CALLBACKS_KEY)
-        if not isinstance(states, dict):
-            return None, f"{ends[-1].name} was written by a hindsight that did not record the checkpoint callbacks"
-        return states, None
+        return self.store.load(ends[-1].name), None
 
     def _hook_module(self, pl_module: Any) -> None:
         original = pl_module.on_train_batch_start
