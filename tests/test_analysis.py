@@ -195,6 +195,18 @@ NEW_HOOK = "    def on_validation_epoch_end(self):\n        hs.log('enc', self.n
         # A base of the script's own (or anyone's) may define the hook: overriding it changes the training.
         ("import lightning.pytorch as pl\nclass B(pl.LightningModule):\n    pass\nclass M(B):", NEW_HOOK, False),
         ("import torch\nclass M(torch.nn.Module):", NEW_HOOK, False),
+        (
+            "import lightning.pytorch as pl\nfrom mixins import Mixin\nclass M(Mixin, pl.LightningModule):",
+            NEW_HOOK,
+            False,
+        ),
+        # A second definition replaces the recorded one.
+        (
+            "import lightning.pytorch as pl\nclass M(pl.LightningModule):\n"
+            "    def on_validation_epoch_end(self):\n        self.x = 1",
+            NEW_HOOK,
+            False,
+        ),
         # More than observing code, or a decorator.
         ("import lightning.pytorch as pl\nclass M(pl.LightningModule):", NEW_HOOK + "        self.x = 1\n", False),
         ("import lightning.pytorch as pl\nclass M(pl.LightningModule):", "    @staticmethod\n" + NEW_HOOK, False),

@@ -207,10 +207,24 @@ class _StripProbes(ast.NodeTransformer):
 
     def generic_visit(self, node: ast.AST) -> ast.AST:
         super().generic_visit(node)
-        if isinstance(node, ast.ClassDef) and any(_lightning_base(b, self.own_imports) for b in node.bases):
+        if (
+            isinstance(node, ast.ClassDef)
+            and node.bases
+            and not node.keywords
+            and all(_lightning_base(b, self.own_imports) for b in node.bases)
+        ):
             # A hook method added only to hold probes (`on_validation_epoch_end`
-            # with an hs.log) overrides a base method that does nothing.
-            node.body = [s for s in node.body if not _observing_hook(s)] or [ast.Pass()]
+            # with an hs.log) overrides a base method that does nothing. Not
+            # beside a mixin (it may define the hook), and only where nothing
+            # else in the class binds the name (a second `def` replaces the first).
+            bound: dict[str, int] = {}
+            for st in node.body:
+                defined = [st.name] if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else None
+                for name in defined or _bound(st) or []:
+                    bound[name] = bound.get(name, 0) + 1
+            node.body = [
+                st for st in node.body if not (_observing_hook(st) and bound.get(getattr(st, "name", ""), 0) == 1)
+            ] or [ast.Pass()]
         for name in ("body", "orelse", "finalbody"):
             body = getattr(node, name, None)
             if isinstance(body, list) and body and all(isinstance(s, ast.stmt) for s in body):
