@@ -481,7 +481,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         self._context([("epoch", trainer.current_epoch)])
         _restart_eval_steps(trainer)
-        if not trainer.training and not trainer.sanity_checking:
+        if getattr(trainer.state.fn, "value", None) != "fit":  # trainer.validate(), not fit's validation
             self._check_evaluated_model(trainer, pl_module)
 
     def on_test_start(self, trainer: Any, pl_module: Any) -> None:
