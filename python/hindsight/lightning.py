@@ -204,6 +204,7 @@ __all__ = [
     "latest",
     "latest_path",
     "load",
+    "project_store",
 ]
 
 
