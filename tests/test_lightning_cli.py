@@ -27,6 +27,7 @@ pytest.importorskip("jsonargparse")
 # LightningCLI trainer_defaults (lazy_instance), "plain" gives neither (the
 # command line adds them). STOP_AT=<global step>: a SIGTERM then, once.
 # TEST_CKPT=model: test the fitted module instead of ckpt_path="best".
+# OVERWRITE=0: LightningCLI's default, SaveConfigCallback refuses to overwrite config.yaml.
 CLI_SCRIPT = """
 import os, signal
 import torch
@@ -95,7 +96,8 @@ def cli_main():
         defaults["logger"] = lazy_instance(HindsightLogger)
         defaults["callbacks"].append(HindsightCheckpoint())
     cli = LightningCLI(LitAutoEncoder, MyDataModule, seed_everything_default=1234,
-                       save_config_kwargs={"overwrite": True}, run=False, trainer_defaults=defaults)
+                       save_config_kwargs={"overwrite": os.environ.get("OVERWRITE", "1") == "1"}, run=False,
+                       trainer_defaults=defaults)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=HindsightCheckpoint.latest_path())
     if os.environ.get("TEST_CKPT") == "model":  # the model as fit left it
         cli.trainer.test(cli.model, datamodule=cli.datamodule)
@@ -130,6 +132,7 @@ def _env(root: Path, **extra: str) -> dict[str, str]:
     env = {**os.environ, "HINDSIGHT_HOME": str(root / "home")}
     env.pop("STOP_AT", None)
     env.pop("TEST_CKPT", None)
+    env.pop("OVERWRITE", None)
     env.update(extra)
     return env
 
@@ -249,16 +252,18 @@ def test_lightning_cli_command_line_sigterm_exits_85_and_resumes(tmp_path: Path)
     """`--trainer.logger=hindsight.lightning.HindsightLogger` and
     `--trainer.callbacks+=hindsight.lightning.HindsightCheckpoint` (no store:
     the project's): a SIGTERM mid-fit checkpoints and exits 85, the same
-    command resumes (`latest_path()`) and finishes, in the same run, with the
-    values of an uninterrupted run."""
+    command resumes (`latest_path()`) and finishes, in the same run (its
+    config.yaml written again by LightningCLI, which by default refuses to
+    overwrite one), with the values of an uninterrupted run."""
     ref, proj = tmp_path / "ref", tmp_path / "proj"
     _record(ref, _script(False), *ON_THE_COMMAND_LINE)
     proj.mkdir()
     (proj / "train.py").write_text(_script(False))
-    first = _run(proj, *ON_THE_COMMAND_LINE, STOP_AT="5")
+    # LightningCLI's own default: config.yaml is not overwritten, except by the relaunch of its run.
+    first = _run(proj, *ON_THE_COMMAND_LINE, STOP_AT="5", OVERWRITE="0")
     assert first.returncode == 85, first.stderr[-3000:]
     assert "checkpointed lightning.epoch-000001.step-000000006;" in first.stderr
-    again = _run(proj, *ON_THE_COMMAND_LINE, STOP_AT="5")
+    again = _run(proj, *ON_THE_COMMAND_LINE, STOP_AT="5", OVERWRITE="0")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Restoring states from the checkpoint path at hindsight://lightning.epoch-000001.step-000000006" in (
         again.stdout + again.stderr

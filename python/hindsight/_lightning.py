@@ -401,6 +401,8 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             self._replay.session.set_cost_rule(False)
             self._replay_setup(trainer)
         self._continue_run = stage == "fit" and self._replay is None and bool(trainer.is_global_zero)
+        if self._continue_run:
+            _config_over_own(trainer)
         # Teach the strategy's CheckpointIO hindsight:// paths before
         # Lightning restores from ckpt_path.
         strategy = trainer.strategy
@@ -858,6 +860,22 @@ def _loadable_rng(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+def _config_over_own(trainer: Any) -> None:
+    """A relaunch that continues the run (same script, same arguments) lets
+    LightningCLI's SaveConfigCallback write the run's config.yaml over the one
+    the run's first process wrote in the HindsightLogger's directory: by
+    default it refuses to overwrite, and the relaunch after a preemption
+    would fail."""
+    logger = trainer.loggers[0] if trainer.loggers else None
+    if not isinstance(logger, HindsightLogger) or not logger._own_dir:
+        return  # not the run's directory (a directory of the user's: their files)
+    if not getattr(logger.record, "continued", False):  # the run, created now if it was not
+        return
+    for cb in trainer.callbacks:
+        if type(cb).__name__ == "SaveConfigCallback" and hasattr(cb, "overwrite"):
+            cb.overwrite = True
+
+
 def _restart_eval_steps(trainer: Any) -> None:
     """Lightning logs an evaluation step's values at a count of the process's
     evaluation batches (sanity check and earlier validations included), which a
@@ -948,6 +966,7 @@ class HindsightLogger(_loggers.Logger):  # type: ignore[misc, name-defined]
         super().__init__()
         self._record: Any = None
         self._save_dir = None if save_dir is None else os.fspath(save_dir)
+        self._own_dir = save_dir is None  # the run's directory, not one of the user's
 
     @property
     def record(self) -> Any:
