@@ -30,6 +30,7 @@ from hindsight.lightning import (
     checkpoints,
     latest,
     latest_path,
+    project_store,
 )
 
 pl = _import_lightning()
@@ -243,8 +244,11 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             if self._store_path is None:
                 # No store given (LightningCLI's `--trainer.callbacks+=...`): the
                 # project's, where the script's hindsight run keeps its checkpoints
-                # ($HINDSIGHT_STORE, else <home>/store; in a replay, the recorded one).
-                self._store = session.run().store
+                # ($HINDSIGHT_STORE, else <home>/store; in a replay, the recorded
+                # one). The run's own Store where it has one; no run is created
+                # here (a DDP rank other than 0 records none).
+                run = _run._RUN
+                self._store = run.store if run is not None and not run.finished else Store(project_store())
                 self._store_path = self._store.path
             else:
                 self._store = Store(self._store_path)
