@@ -171,6 +171,62 @@ def test_probes_in_framework_hooks_are_placed_by_the_hook(after: str, probe: str
     assert (a.needs_inner_execution, a.needs_start_state) == (True, True)
 
 
+NEW_HOOK = "    def on_validation_epoch_end(self):\n        hs.log('enc', self.net.weight.norm().item())\n"
+
+
+@pytest.mark.parametrize(
+    ("header", "method", "compatible"),
+    [
+        ("import lightning.pytorch as pl\nclass M(pl.LightningModule):", NEW_HOOK, True),
+        ("import lightning as L\nclass M(L.LightningModule):", NEW_HOOK, True),
+        ("from lightning.pytorch import LightningModule\nclass M(LightningModule):", NEW_HOOK, True),
+        ("import pytorch_lightning as pl\nclass M(pl.Callback):", NEW_HOOK.replace("(self)", "(self, t, m)"), True),
+        # Lightning's base does something there, or checks whether it is overridden.
+        (
+            "import lightning.pytorch as pl\nclass M(pl.LightningModule):",
+            NEW_HOOK.replace("on_validation_epoch_end", "setup"),
+            False,
+        ),
+        (
+            "import lightning.pytorch as pl\nclass M(pl.LightningModule):",
+            NEW_HOOK.replace("on_validation_epoch_end", "validation_step"),
+            False,
+        ),
+        # A base of the script's own (or anyone's) may define the hook: overriding it changes the training.
+        ("import lightning.pytorch as pl\nclass B(pl.LightningModule):\n    pass\nclass M(B):", NEW_HOOK, False),
+        ("import torch\nclass M(torch.nn.Module):", NEW_HOOK, False),
+        (
+            "import lightning.pytorch as pl\nfrom mixins import Mixin\nclass M(Mixin, pl.LightningModule):",
+            NEW_HOOK,
+            False,
+        ),
+        # A second definition replaces the recorded one.
+        (
+            "import lightning.pytorch as pl\nclass M(pl.LightningModule):\n"
+            "    def on_validation_epoch_end(self):\n        self.x = 1",
+            NEW_HOOK,
+            False,
+        ),
+        # More than observing code, or a decorator.
+        ("import lightning.pytorch as pl\nclass M(pl.LightningModule):", NEW_HOOK + "        self.x = 1\n", False),
+        ("import lightning.pytorch as pl\nclass M(pl.LightningModule):", "    @staticmethod\n" + NEW_HOOK, False),
+    ],
+)
+def test_a_new_lightning_hook_holding_only_probes_is_observing_code(header: str, method: str, compatible: bool) -> None:
+    """A hook method the recording did not have, added only to hold hs.log
+    (LightningCLI users add `on_validation_epoch_end` to probe), is no change
+    to the training where it overrides Lightning's own no-op hook of a direct
+    Lightning base class; anywhere else it is refused."""
+    recorded = f"import hindsight as hs\n{header}\n    def training_step(self, batch, i):\n        return self.net(batch).sum()\n"
+    current = recorded + method
+    a = analyze(recorded, current)
+    assert a.compatible == compatible, a.differences
+    assert [p.name for p in a.new_probes] == ["enc"]
+    if compatible:
+        a.framework = True
+        assert (a.needs_inner_execution, a.needs_start_state) == (False, False)
+
+
 # -- what a new hs.log's arguments (and the observing code around it) may change
 
 TRAIN = textwrap.dedent(

@@ -53,6 +53,62 @@ EPOCH_END_HOOKS = frozenset(
 EPOCH_START_HOOKS = frozenset({"on_train_epoch_start"})
 
 
+# Lightning's hooks whose base implementation (LightningModule's, Callback's)
+# does nothing and returns None, and whose presence Lightning never checks
+# (`is_overridden`): a method of one of these names that holds only
+# observing code, defined in a direct subclass of LightningModule or
+# Callback, runs its probes and changes nothing else. Not `setup`,
+# `teardown`, `configure_model` or the checkpoint hooks: state or presence matters there.
+NOOP_HOOKS = frozenset(
+    f"on_{stage}_{when}"
+    for stage in ("train", "validation", "test", "predict")
+    for when in ("start", "end", "epoch_start", "epoch_end", "batch_start", "batch_end")
+) | frozenset(
+    {
+        "on_fit_start",
+        "on_fit_end",
+        "on_before_backward",
+        "on_after_backward",
+        "on_before_optimizer_step",
+        "on_before_zero_grad",
+    }
+)
+# What such a class's base must be imported as (module, or module:name).
+_LIGHTNING_MODULES = ("lightning.pytorch", "pytorch_lightning", "lightning")
+_LIGHTNING_BASES = ("LightningModule", "Callback")
+
+
+def _lightning_base(base: ast.expr, imports: dict[str, str]) -> bool:
+    """`base` is Lightning's LightningModule or Callback, as the script imports it."""
+    if isinstance(base, ast.Name):
+        return any(imports.get(base.id) == f"{m}:{b}" for m in _LIGHTNING_MODULES for b in _LIGHTNING_BASES)
+    if isinstance(base, ast.Attribute) and base.attr in _LIGHTNING_BASES:
+        chain = base.value
+        parts: list[str] = []
+        while isinstance(chain, ast.Attribute):
+            parts.insert(0, chain.attr)
+            chain = chain.value
+        if not isinstance(chain, ast.Name) or chain.id not in imports:
+            return False
+        root = imports[chain.id]
+        if ":" in root:  # `from lightning import pytorch as pl`
+            mod, _, name = root.partition(":")
+            root = f"{mod}.{name}"
+        module = ".".join([root, *parts])
+        # `pl.callbacks.Callback` and `pl.Callback` are the same class.
+        return module in _LIGHTNING_MODULES or module.removesuffix(".callbacks") in _LIGHTNING_MODULES
+    return False
+
+
+def _observing_hook(s: ast.stmt) -> bool:
+    """A no-op Lightning hook method whose body, once stripped, holds nothing."""
+    if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) or s.name not in NOOP_HOOKS or s.decorator_list:
+        return False
+    return all(
+        isinstance(b, ast.Pass) or (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)) for b in s.body
+    )
+
+
 def _hook_kind(name: str) -> str | None:
     return "end" if name in EPOCH_END_HOOKS else "start" if name in EPOCH_START_HOOKS else None
 
@@ -134,15 +190,41 @@ class _StripProbes(ast.NodeTransformer):
     kept in both scripts (it ran when recording too: no difference), a new
     one only in the current script, which is refused."""
 
-    def __init__(self, aliases: _Aliases, script: _Script | None, imports: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        aliases: _Aliases,
+        script: _Script | None,
+        imports: dict[str, str] | None = None,
+        own_imports: dict[str, str] | None = None,
+    ) -> None:
         self.aliases = aliases
         self.script = script
         # What the recorded script's imports bind: importing the same again is no change.
         self.imports = imports or {}
+        # What this script's imports bind (to recognize Lightning's base classes).
+        self.own_imports = own_imports or {}
         self.refused: list[tuple[ast.stmt, str]] = []
 
     def generic_visit(self, node: ast.AST) -> ast.AST:
         super().generic_visit(node)
+        if (
+            isinstance(node, ast.ClassDef)
+            and node.bases
+            and not node.keywords
+            and all(_lightning_base(b, self.own_imports) for b in node.bases)
+        ):
+            # A hook method added only to hold probes (`on_validation_epoch_end`
+            # with an hs.log) overrides a base method that does nothing. Not
+            # beside a mixin (it may define the hook), and only where nothing
+            # else in the class binds the name (a second `def` replaces the first).
+            bound: dict[str, int] = {}
+            for st in node.body:
+                defined = [st.name] if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else None
+                for name in defined or _bound(st) or []:
+                    bound[name] = bound.get(name, 0) + 1
+            node.body = [
+                st for st in node.body if not (_observing_hook(st) and bound.get(getattr(st, "name", ""), 0) == 1)
+            ] or [ast.Pass()]
         for name in ("body", "orelse", "finalbody"):
             body = getattr(node, name, None)
             if isinstance(body, list) and body and all(isinstance(s, ast.stmt) for s in body):
@@ -205,7 +287,11 @@ def _strip(
     aliases = _Aliases(tree)
     # Judged on the whole script, before anything is stripped from it.
     script = _Script(tree, aliases, core) if core is not None else None
-    stripper = _StripProbes(aliases, script, imports)
+    own: dict[str, str] = {}
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.Import, ast.ImportFrom)):
+            own.update(_imported(n))
+    stripper = _StripProbes(aliases, script, imports, own)
     return stripper.visit(tree), aliases, stripper
 
 

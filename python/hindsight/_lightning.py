@@ -10,10 +10,11 @@ import signal
 import sys
 import time
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from hindsight import _native, _preemption, session
+from hindsight import _native, _preemption, _run, session
 from hindsight._state import rng_state, set_rng_state
 from hindsight._store import Store
 from hindsight.errors import HindsightError, InvalidArgumentError, ReplayError, UnsupportedTypeError
@@ -29,9 +30,14 @@ from hindsight.lightning import (
     checkpoints,
     latest,
     latest_path,
+    project_store,
 )
 
 pl = _import_lightning()
+# The end mark's key for the other checkpoint callbacks' final states.
+_CALLBACKS_KEY = "checkpoint_callbacks"
+# Where a best/last path a replay cannot know points: loading it is refused, naming why.
+_UNKNOWN = os.path.join(os.sep, "hindsight-replay-unknown")
 _io = importlib.import_module(pl.__name__ + ".plugins")
 CheckpointIO = _io.CheckpointIO
 TorchCheckpointIO = _io.TorchCheckpointIO
@@ -57,6 +63,12 @@ class HindsightCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
         self._store_path = store.path if isinstance(store, Store) else os.fspath(store)
         self.fallback = fallback
         self.allow_pickle = allow_pickle
+        # In a replay worker after its fit: the files the recording's
+        # checkpoint callbacks named (best, last), as they were when its fit
+        # ended ([size, mtime_ns]), and why a path they would have named is unknown.
+        self.recorded_files: dict[str, list[int]] | None = None
+        self.recorded_dirs: list[str] = []
+        self.unknown: dict[str, str] = {}
 
     @property
     def store(self) -> Store:
@@ -83,6 +95,7 @@ class HindsightCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
     ) -> dict[str, Any]:
         name = _name_of(path)
         if name is None:
+            self._check_recorded(path)
             if weights_only is not None:
                 kwargs["weights_only"] = weights_only
             loaded: dict[str, Any] = self._fallback().load_checkpoint(path, map_location=map_location, **kwargs)
@@ -90,6 +103,39 @@ class HindsightCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
         # weights_only: a hindsight checkpoint never runs code when loaded
         # unless allow_pickle=True was chosen for this store.
         return _unpack(self.store.load(name, map_location=_map_location(map_location), allow_pickle=self.allow_pickle))
+
+    def _check_recorded(self, path: Any) -> None:
+        """In a replay: a `ckpt_path="best"`/`"last"` file is the one the
+        recording's evaluation loaded, unchanged since its fit ended, or the load is refused."""
+        if self.recorded_files is None:
+            return
+        key = os.fspath(path)
+        if os.path.normpath(key) in self.unknown:
+            raise ReplayError(self.unknown[os.path.normpath(key)])
+        want = self.recorded_files.get(os.path.normpath(key))
+        if want is None:
+            real = os.path.realpath(key)
+            inside = [
+                d for d in self.recorded_dirs if os.path.commonpath([real, os.path.realpath(d)]) == os.path.realpath(d)
+            ]
+            if inside:
+                raise ReplayError(
+                    f"{key} is in {inside[0]}, where the recording's ModelCheckpoint wrote, but was not among "
+                    "its files when the recorded fit ended: replay cannot evaluate the model the recording did"
+                )
+            return  # a path the script names itself
+        try:
+            st = os.stat(key)
+        except OSError as e:
+            raise ReplayError(
+                f"the recording evaluated {key}, which its ModelCheckpoint wrote; it cannot be read now ({e}), "
+                "so replay cannot evaluate the same model"
+            ) from None
+        if [st.st_size, st.st_mtime_ns] != list(want):
+            raise ReplayError(
+                f"the recording evaluated {key}, which its ModelCheckpoint wrote; the file was changed since "
+                "the recorded fit ended (size or modification time differ), so replay cannot evaluate the same model"
+            )
 
     def remove_checkpoint(self, path: Any) -> None:
         name = _name_of(path)
@@ -120,7 +166,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
 
     def __init__(
         self,
-        store: Store | str | os.PathLike[str],
+        store: Store | str | os.PathLike[str] | None = None,
         *,
         prefix: str = DEFAULT_PREFIX,
         every_n_epochs: int | None = 1,
@@ -146,7 +192,8 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             "HindsightCheckpoint", "monitor", "mode", keep_last, keep_best, monitor, mode, keep_every
         )
         self._store = store if isinstance(store, Store) else None
-        self._store_path = store.path if isinstance(store, Store) else os.fspath(store)
+        # None: the store of the script's hindsight run (resolved when first needed).
+        self._store_path = None if store is None else store.path if isinstance(store, Store) else os.fspath(store)
         self.every_n_epochs = every_n_epochs
         self.every_n_train_steps = every_n_train_steps
         self.monitor = monitor
@@ -181,12 +228,30 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         self._restoring: str | None = None
         self._pending: int | None = None
         self._hooked: Any = None
+        self._dropped: list[Any] = []
+        # After a replayed fit: whether the fitted module holds the recorded
+        # final weights (the fit reached the recording's last epoch), and
+        # whether a checkpoint callback's recorded state was unknown.
+        self._fit_module: Any = None
+        self._fit_final = True
+        self._unknown_state = False
+        self._last_visited: int | None = None
 
     # -- plumbing ----------------------------------------------------------------
     @property
     def store(self) -> Store:
         if self._store is None:
-            self._store = Store(self._store_path)
+            if self._store_path is None:
+                # No store given (LightningCLI's `--trainer.callbacks+=...`): the
+                # project's, where the script's hindsight run keeps its checkpoints
+                # ($HINDSIGHT_STORE, else <home>/store; in a replay, the recorded
+                # one). The run's own Store where it has one; no run is created
+                # here (a DDP rank other than 0 records none).
+                run = _run._RUN
+                self._store = run.store if run is not None and not run.finished else Store(project_store())
+                self._store_path = self._store.path
+            else:
+                self._store = Store(self._store_path)
         return self._store
 
     @property
@@ -340,6 +405,8 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             self._replay.session.set_cost_rule(False)
             self._replay_setup(trainer)
         self._continue_run = stage == "fit" and self._replay is None and bool(trainer.is_global_zero)
+        if self._continue_run:
+            _config_over_own(trainer)
         # Teach the strategy's CheckpointIO hindsight:// paths before
         # Lightning restores from ckpt_path.
         strategy = trainer.strategy
@@ -419,6 +486,37 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         self._context([("epoch", trainer.current_epoch)])
+        _restart_eval_steps(trainer)
+        if getattr(trainer.state.fn, "value", None) != "fit":  # trainer.validate(), not fit's validation
+            self._check_evaluated_model(trainer, pl_module)
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        self._context([("epoch", trainer.current_epoch)])
+        _restart_eval_steps(trainer)
+        self._check_evaluated_model(trainer, pl_module)
+
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        self._check_evaluated_model(trainer, pl_module)
+
+    def _check_evaluated_model(self, trainer: Any, pl_module: Any) -> None:
+        """In a replay, `test`/`validate`/`predict` after the fit without a
+        checkpoint file evaluate the module as the replayed fit left it: that
+        is the recording's only where the replay reached its last epoch."""
+        fitted = self._fit_module() if self._fit_module is not None else None
+        if fitted is None or fitted is not pl_module or getattr(trainer, "ckpt_path", None) is not None:
+            return
+        if not self._fit_final:
+            raise ReplayError(
+                "the script evaluates the fitted model after fit, but this replay's fit stopped before the "
+                "recording's last epoch (it needed no later one), so the model is not the one the recording "
+                'evaluated; replay without --where, or evaluate a checkpoint (ckpt_path="best")'
+            )
+        if self._unknown_state:
+            raise ReplayError(
+                "the script evaluates after fit without a checkpoint file, and the recording's end of fit holds "
+                "no state of its checkpoint callback: replay cannot tell whether the recording's evaluation "
+                'loaded a file (ckpt_path="last") or the fitted model'
+            )
 
     # The sanity check's validation is no epoch's: its values are dropped
     # (as Lightning drops its self.log values).
@@ -525,20 +623,53 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         if self._replay is not None:
+            self._replay_fit_end(trainer, pl_module)
             return  # a replay writes no checkpoint and no mark
         if trainer.is_global_zero and self._store is not None:
             # The mark of a finished fit: `latest_path` then starts the next
             # fit afresh instead of restoring this one (and training nothing).
+            # It holds the other checkpoint callbacks' final states: what a
+            # replay's `test(ckpt_path="best")` must load.
             mark = _native.CheckpointId(self.fit_prefix, "epoch", trainer.current_epoch, "end").name
             self.store.save(
                 mark,
-                {"finished": True, "epoch": trainer.current_epoch, "global_step": trainer.global_step},
+                {
+                    "finished": True,
+                    "epoch": trainer.current_epoch,
+                    "global_step": trainer.global_step,
+                    "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
+                    _CALLBACKS_KEY: self._checkpoint_callback_states(trainer),
+                },
                 meta={"lightning": pl.__version__, "kind": "fit_end"},
             ).wait()
             self.store.flush()
             if self._session is not None and self._session.finish("completed").apply_retention:
                 self._apply_retention(final=True)
             self.store.gc()
+
+    def _checkpoint_callback_states(self, trainer: Any) -> dict[str, Any]:
+        """{state key: {"state": its state_dict, "files": {path: [size, mtime_ns]}}}
+        of the fit's other checkpoint callbacks (ModelCheckpoint), where the
+        store holds the state without pickling."""
+        out: dict[str, Any] = {}
+        for cb in trainer.checkpoint_callbacks:
+            if cb is self:
+                continue
+            state = cb.state_dict()
+            if _unsupported(state, "state") is not None:
+                continue  # a replay refuses its best/last, naming it
+            files: dict[str, list[int]] = {}
+            paths = [getattr(cb, "best_model_path", None), getattr(cb, "last_model_path", None)]
+            paths += list(getattr(cb, "best_k_models", None) or {})
+            dirpath = getattr(cb, "dirpath", None)
+            if isinstance(dirpath, str) and os.path.isdir(dirpath):
+                paths += [os.path.join(dirpath, f) for f in os.listdir(dirpath)]
+            for path in paths:
+                if isinstance(path, str) and path and os.path.isfile(path):
+                    st = os.stat(path)
+                    files[os.path.normpath(path)] = [st.st_size, st.st_mtime_ns]
+            out[str(cb.state_key)] = {"state": state, "files": files}
+        return out
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._restore_signals(trainer)
@@ -569,10 +700,84 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         # over the recorded ones or stop the fit early.
         kinds = (pl.callbacks.Checkpoint, pl.callbacks.EarlyStopping)
         dropped = [cb for cb in trainer.callbacks if cb is not self and isinstance(cb, kinds)]
+        self._dropped = dropped
         if dropped:
             trainer.callbacks = [cb for cb in trainer.callbacks if cb not in dropped]
             names = ", ".join(sorted({type(cb).__name__ for cb in dropped}))
             print(f"hindsight replay: {names} left out (replay writes no checkpoint)", file=sys.stderr, flush=True)
+
+    def _replay_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        """After a replayed fit: the callbacks left out of it come back with the
+        states the recorded fit ended with, so that `test`/`validate`/`predict(
+        ckpt_path="best" | "last")` load the files the recording loaded (checked
+        unchanged) and never a model this replay happens to hold."""
+        assert self._replay is not None
+        recorded_epochs = [it.idx for it in self._replay.db.iterations(self._replay.run_id, "epoch")]
+        self._fit_module = weakref.ref(pl_module)
+        self._fit_final = bool(recorded_epochs) and self._last_visited == max(recorded_epochs)
+        self._unknown_state = False
+        mark, why = self._recorded_end_mark()
+        if mark is not None and not self._fit_final:
+            # What follows the fit (test, validate) logs at the recorded fit's
+            # end, not at the epoch where this replay could stop.
+            loop = trainer.fit_loop
+            if isinstance(mark.get("epoch"), int):
+                loop.epoch_progress.current.completed = loop.epoch_progress.current.processed = mark["epoch"]
+            if isinstance(mark.get("batches_that_stepped"), int):
+                loop.epoch_loop._batches_that_stepped = mark["batches_that_stepped"]
+        dropped, self._dropped = self._dropped, []
+        if not dropped:
+            return
+        trainer.callbacks = [*trainer.callbacks, *dropped]
+        recorded = None if mark is None else mark.get(_CALLBACKS_KEY)
+        if mark is not None and not isinstance(recorded, dict):
+            why = "its end mark was written by a hindsight that did not record the checkpoint callbacks"
+            recorded = None
+        io = trainer.strategy.checkpoint_io
+        files: dict[str, list[int]] = {}
+        dirs: list[str] = []
+        unknown: dict[str, str] = {}
+        for cb in dropped:
+            if not isinstance(cb, pl.callbacks.Checkpoint):
+                continue
+            rec = None if recorded is None else recorded.get(str(cb.state_key))
+            if rec is None:
+                reason = why or (
+                    f"the recording's end of fit holds no state of {type(cb).__name__} {cb.state_key} "
+                    "(a state that cannot be stored without pickling, or another callback configuration)"
+                )
+                marker = os.path.join(_UNKNOWN, str(len(unknown)), "unknown.ckpt")
+                self._unknown_state = True
+                unknown[marker] = (
+                    f'replay cannot tell which file the recording\'s ckpt_path="best"/"last" named: {reason}'
+                )
+                for attr in ("best_model_path", "last_model_path", "dirpath"):
+                    if hasattr(cb, attr):
+                        setattr(cb, attr, marker if attr != "dirpath" else os.path.dirname(marker))
+                continue
+            state = dict(rec["state"])
+            if hasattr(cb, "dirpath") and "dirpath" in state:
+                cb.dirpath = state["dirpath"]
+            cb.load_state_dict(state)
+            if isinstance(state.get("dirpath"), str):
+                dirs.append(state["dirpath"])
+            files.update({str(k): [int(x) for x in v] for k, v in (rec.get("files") or {}).items()})
+        if isinstance(io, HindsightCheckpointIO):
+            io.recorded_files = {os.path.normpath(k): v for k, v in files.items()}
+            io.recorded_dirs = dirs
+            io.unknown = unknown
+
+    def _recorded_end_mark(self) -> tuple[dict[str, Any] | None, str | None]:
+        """The recorded fit's end mark, or (None, why not)."""
+        assert self._replay is not None
+        names = [it.checkpoint for it in self._replay.db.iterations(self._replay.run_id, "epoch") if it.checkpoint]
+        ck = _native.CheckpointId.parse(names[-1]) if names else None
+        if ck is None:
+            return None, "the recorded fit has no hindsight checkpoint to find its end from"
+        ends = [c for c in self.store.checkpoints(ck.prefix) if c.prefix == ck.prefix and c.kind == "end"]
+        if not ends:
+            return None, f"the recorded fit ({ck.prefix}) has no end mark in {self.store.path}: it did not finish"
+        return self.store.load(ends[-1].name), None
 
     def _hook_module(self, pl_module: Any) -> None:
         original = pl_module.on_train_batch_start
@@ -627,11 +832,12 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
                 set_rng_state(rng)
         if self._mode is not None:
             self._pending = epoch
+            self._last_visited = epoch
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "prefix": self.prefix,
-            "rng": rng_state() if self.restore_rng else None,
+            "rng": _loadable_rng(rng_state()) if self.restore_rng else None,
             "run": session.recording() is not None,  # the fit records into a hindsight run
         }
 
@@ -644,6 +850,46 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             # relaunch with nothing left to train logs nothing, and the run
             # would stay "interrupted" although the fit completed.
             session.run()
+
+
+def _loadable_rng(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` with NumPy's key array as a list of ints: Lightning writes this
+    callback state into every `.ckpt` (ModelCheckpoint's too), and torch's
+    weights-only loading (`trainer.test(ckpt_path="best")`) refuses a NumPy
+    array. `set_rng_state` takes either form."""
+    np_state = state.get("numpy")
+    if np_state is not None:
+        name, key, pos, has_gauss, cached = np_state
+        state = {**state, "numpy": [str(name), [int(k) for k in key], int(pos), int(has_gauss), float(cached)]}
+    return state
+
+
+def _config_over_own(trainer: Any) -> None:
+    """A relaunch that continues the run (same script, same arguments) lets
+    LightningCLI's SaveConfigCallback write the run's config.yaml over the one
+    the run's first process wrote in the HindsightLogger's directory: by
+    default it refuses to overwrite, and the relaunch after a preemption
+    would fail."""
+    logger = trainer.loggers[0] if trainer.loggers else None
+    if not isinstance(logger, HindsightLogger) or not logger._own_dir:
+        return  # not the run's directory (a directory of the user's: their files)
+    if not getattr(logger.record, "continued", False):  # the run, created now if it was not
+        return
+    for cb in trainer.callbacks:
+        if type(cb).__name__ == "SaveConfigCallback" and hasattr(cb, "overwrite"):
+            cb.overwrite = True
+
+
+def _restart_eval_steps(trainer: Any) -> None:
+    """Lightning logs an evaluation step's values at a count of the process's
+    evaluation batches (sanity check and earlier validations included), which a
+    resumed fit or a replay that skips epochs counts differently: counted from
+    0 in each validation or test run instead, the (epoch, step) a value is
+    recorded at is the same in every process."""
+    loop = getattr(trainer, "_active_loop", None)
+    seen = getattr(loop, "_seen_batches_per_dataloader", None)
+    if seen is not None:
+        seen.clear()
 
 
 def _drop(on: bool) -> None:
@@ -720,9 +966,11 @@ class HindsightLogger(_loggers.Logger):  # type: ignore[misc, name-defined]
     made none), so ``hs.dataframe``, ``hindsight logs`` and ``hindsight plot``
     read Lightning's metrics beside ``hs.log`` values."""
 
-    def __init__(self) -> None:
+    def __init__(self, save_dir: str | None = None) -> None:
         super().__init__()
         self._record: Any = None
+        self._save_dir = None if save_dir is None else os.fspath(save_dir)
+        self._own_dir = save_dir is None  # the run's directory, not one of the user's
 
     @property
     def record(self) -> Any:
@@ -734,6 +982,25 @@ class HindsightLogger(_loggers.Logger):  # type: ignore[misc, name-defined]
     @property
     def name(self) -> str:
         return "hindsight"
+
+    @property
+    def save_dir(self) -> str:
+        """Where Lightning writes this run's files: LightningCLI's
+        ``config.yaml`` (``trainer.log_dir`` is a logger's ``save_dir``) and,
+        without a ``dirpath``, ``ModelCheckpoint``'s files (in
+        ``<save_dir>/hindsight/<run id>/checkpoints``). Default: the run's
+        directory in the project home, ``<home>/lightning/<run id>``. A replay
+        worker writes into a directory of its own working directory (removed
+        with it), never over the recording's files."""
+        if isinstance(self.record, session.ReplayRun):
+            return os.path.join(os.getcwd(), ".hindsight-replay-lightning")
+        if self._save_dir is None:
+            self._save_dir = str(self.record.home / "lightning" / self.record.run_id)
+        return self._save_dir
+
+    @property
+    def log_dir(self) -> str:
+        return self.save_dir
 
     @property
     def version(self) -> str:
@@ -748,6 +1015,11 @@ class HindsightLogger(_loggers.Logger):  # type: ignore[misc, name-defined]
     @_rank_zero_only  # type: ignore[untyped-decorator]
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         epoch = metrics.get("epoch")
+        if epoch is None:
+            # An evaluation step's values come without the epoch: the one
+            # HindsightCheckpoint says the evaluation runs in (its step is the
+            # batch's place in this validation or test run).
+            epoch = next((i for k, i in _run.framework_context() or [] if k == "epoch"), None)
         ctx = [("epoch", int(epoch))] if epoch is not None else []
         if step is not None:
             ctx.append(("step", int(step)))

@@ -11,6 +11,27 @@ retention for ``Trainer.fit``.
     # first run: latest_path is None, training starts afresh; after a
     # preemption (exit status 85) the same command resumes where it stopped.
 
+``store`` may be left out: the callback then uses the project's store, where
+the script's hindsight run keeps its checkpoints (``$HINDSIGHT_STORE``, else
+``<project home>/store``), and ``HindsightCheckpoint.latest_path()`` (no
+argument) looks there.
+
+LightningCLI: both classes take typed arguments with defaults, so either
+
+    cli = LightningCLI(Model, DataModule, run=False, trainer_defaults={
+        "logger": lazy_instance(HindsightLogger),      # jsonargparse.lazy_instance
+        "callbacks": [ModelCheckpoint(monitor="val_loss"), HindsightCheckpoint()]})
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=HindsightCheckpoint.latest_path())
+    cli.trainer.test(ckpt_path="best", datamodule=cli.datamodule)
+
+or, on the command line, ``--trainer.logger=hindsight.lightning.HindsightLogger
+--trainer.callbacks+=hindsight.lightning.HindsightCheckpoint`` (options such as
+``--trainer.callbacks.keep_last=2``). ``HindsightLogger``'s ``save_dir`` (default
+``<project home>/lightning/<run id>``) is where ``SaveConfigCallback`` writes
+``config.yaml`` and, without a ``dirpath``, ``ModelCheckpoint`` its files. A
+relaunch after a preemption continues the run in the same directory, so
+LightningCLI needs ``save_config_kwargs={"overwrite": True}`` there.
+
 What the callback does:
 
 * Saves the trainer's full checkpoint (the dict Lightning's own
@@ -83,7 +104,21 @@ What the callback does:
   ``on_validation_epoch_end`` and ``validation_step`` see the recorded
   state. An epoch it executes trains as recorded (probes in
   ``training_step``). ``latest_path`` answers None in a worker, and
-  ``ModelCheckpoint`` / ``EarlyStopping`` are left out of the fit.
+  ``ModelCheckpoint`` / ``EarlyStopping`` are left out of the fit. After
+  the fit they are back with the states the recorded fit ended with (kept in
+  its end mark), so ``trainer.test/validate/predict(ckpt_path="best"|"last")``
+  load the file the recording loaded; a file changed since (size or
+  modification time), missing, or not among the recorded callback's files is
+  refused, naming it, as is an evaluation of the fitted module itself when the
+  replay's fit stopped before the recorded last epoch (``--where``). A hook
+  method the recording did not have may be added to hold probes (e.g.
+  ``on_validation_epoch_end`` with only ``hs.log``) where it overrides
+  Lightning's own no-op hook of a direct ``LightningModule``/``Callback``
+  subclass. Values an evaluation step logs (``self.log(..., on_step=True)``
+  in ``validation_step``/``test_step``) are recorded at (epoch, the batch's
+  place in that validation or test run), the same in every process; Lightning's
+  own count runs on over the process's evaluations (sanity check included),
+  which a resumed fit or a replay counts differently.
 * Retention (a union; the newest checkpoint is always kept):
   ``keep_last=N`` epoch-end checkpoints, ``keep_best=K`` by ``monitor``
   (a key of ``trainer.callback_metrics`` at epoch end, ``mode`` "min" or
@@ -95,6 +130,10 @@ What the callback does:
   epoch exists; of the newer ones the ``keep_last`` newest (at least one)
   stay. Without any ``keep_*`` nothing is removed. Removal is durable at
   once; ``gc`` reclaims the chunks when ``fit`` ends.
+
+The callback's own state in the dict (the RNG states, in every ``.ckpt`` that
+``ModelCheckpoint`` writes too) is tensors and plain Python values, so those
+files load with ``torch.load(weights_only=True)`` (``ckpt_path="best"``).
 
 Non-tensor values: everything Lightning itself puts in the dict (ints,
 floats, strings, nested dicts/lists/tuples, ``None``) is stored natively, so
@@ -165,6 +204,7 @@ __all__ = [
     "latest",
     "latest_path",
     "load",
+    "project_store",
 ]
 
 
@@ -232,8 +272,26 @@ def _check_prefix(prefix: str) -> str:
     return prefix
 
 
-def _open(store: Store | str | os.PathLike[str]) -> tuple[Store | None, bool]:
-    """(store, opened here). A path to a store that does not exist yet gives None."""
+def project_store() -> str:
+    """Where ``HindsightCheckpoint()`` without a store writes: the store of the
+    script's hindsight run (``$HINDSIGHT_STORE``, else ``<project home>/store``)."""
+    from hindsight import _run
+    from hindsight._run.common import _script_path
+
+    run = _run._RUN
+    if run is not None and not run.finished:
+        return str(run.store.path)
+    env = _settings.text(_settings.STORE)
+    if env is not None:
+        return str(_native.store_location(env, _settings.STORE))
+    return str(_native.project_paths(str(_script_path().parent)).store)
+
+
+def _open(store: Store | str | os.PathLike[str] | None) -> tuple[Store | None, bool]:
+    """(store, opened here). A path to a store that does not exist yet gives None;
+    None is the project's store (`project_store`)."""
+    if store is None:
+        store = project_store()
     if isinstance(store, Store):
         return store, False
     try:
@@ -251,7 +309,7 @@ def _entries(store: Store, prefix: str) -> list[Entry]:
     ]
 
 
-def checkpoints(store: Store | str | os.PathLike[str], prefix: str = DEFAULT_PREFIX) -> list[Entry]:
+def checkpoints(store: Store | str | os.PathLike[str] | None = None, prefix: str = DEFAULT_PREFIX) -> list[Entry]:
     """The callback's complete checkpoints in ``store``, oldest first."""
     _check_prefix(prefix)
     s, owned = _open(store)
@@ -264,7 +322,9 @@ def checkpoints(store: Store | str | os.PathLike[str], prefix: str = DEFAULT_PRE
             s.close()
 
 
-def latest(store: Store | str | os.PathLike[str], prefix: str = DEFAULT_PREFIX, *, verify: bool = False) -> str | None:
+def latest(
+    store: Store | str | os.PathLike[str] | None = None, prefix: str = DEFAULT_PREFIX, *, verify: bool = False
+) -> str | None:
     """Name of the newest complete checkpoint (epoch-end or mid-epoch) of the
     newest fit under ``prefix``, or None when there is none or that fit
     finished (a finished fit is never resumed: the next ``fit`` starts afresh
@@ -299,7 +359,7 @@ def latest(store: Store | str | os.PathLike[str], prefix: str = DEFAULT_PREFIX, 
 
 
 def latest_path(
-    store: Store | str | os.PathLike[str], prefix: str = DEFAULT_PREFIX, *, verify: bool = False
+    store: Store | str | os.PathLike[str] | None = None, prefix: str = DEFAULT_PREFIX, *, verify: bool = False
 ) -> str | None:
     """``"hindsight://<newest checkpoint>"`` for ``Trainer.fit(ckpt_path=...)``, or None (start afresh)."""
     name = latest(store, prefix, verify=verify)
@@ -347,7 +407,7 @@ def _map_location(map_location: Any) -> Any:
 
 
 def load(
-    store: Store | str | os.PathLike[str],
+    store: Store | str | os.PathLike[str] | None,
     name: str | None = None,
     *,
     prefix: str = DEFAULT_PREFIX,
@@ -359,7 +419,7 @@ def load(
     ``model.load_state_dict(ckpt["state_dict"])``."""
     s, owned = _open(store)
     if s is None:
-        raise NotFoundError(f"no hindsight store at {os.fspath(store)}")  # type: ignore[arg-type]
+        raise NotFoundError(f"no hindsight store at {project_store() if store is None else os.fspath(store)}")  # type: ignore[arg-type]
     try:
         if name is None:
             # The newest model, also of a finished fit (unlike `latest`, which answers "resume where?").

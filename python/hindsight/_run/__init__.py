@@ -59,6 +59,11 @@ def set_framework_context(ctx: list[tuple[str, int]] | None) -> None:
         _RUN.framework_ctx = ctx
 
 
+def framework_context() -> list[tuple[str, int]] | None:
+    """The context `set_framework_context` set last."""
+    return _FRAMEWORK_CTX
+
+
 def set_framework_drop(on: bool) -> None:
     """Whether values logged in the framework's current context are dropped
     (Lightning's sanity check, an epoch a replay skips)."""

@@ -57,6 +57,8 @@ class RecordRun(Run):
         _native.refuse_several_ranks("a recording")
         super().__init__()
         self.resume_pending = False
+        # This process continues an interrupted run (a relaunch after a preemption).
+        self.continued = False
         self.known = cmdline.Known()
         self.iter_materialize: float | None = None
         self.last_blocked: float | None = None
@@ -143,6 +145,7 @@ class RecordRun(Run):
             # The checkpoint is looked up when the outer loop starts: by then
             # hs.checkpointing has said where the store is.
             self.resume_pending = True
+            self.continued = True
             print(f"hindsight: resuming run {self.run_id}", file=sys.stderr, flush=True)
             return
         # A notebook's source is the cells its kernel ran, as a script (jupyter.py).
