@@ -59,7 +59,5 @@ def test_a_torchrun_launch_of_two_ranks_is_refused_and_records_nothing(tmp_path:
 def test_a_bad_launcher_variable_is_named(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(SCRIPT)
     env = {**os.environ, "HINDSIGHT_HOME": str(tmp_path / ".hindsight"), "RANK": "2", "WORLD_SIZE": "2"}
-    r = subprocess.run(
-        [sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-    )
+    r = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "RANK=2 is not a rank of WORLD_SIZE=2" in r.stderr, r.stderr
