@@ -268,13 +268,6 @@ def test_help_and_a_refused_command_line_create_no_run(tmp_path: Path) -> None:
     for argv, code in ((["--help"], 0), ([], 2), (["--epochs", "x"], 2)):
         r = _run_script(tmp_path, HELPFUL, *argv)
         assert r.returncode == code, r.stderr
-    r = subprocess.run(
-        [*hindsight_cmd(), "--home", str(tmp_path / "home"), "runs", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == [], r.stdout
+    assert _runs(tmp_path) == []
     r = _run_script(tmp_path, HELPFUL, "--epochs", "2")
     assert r.returncode == 0, r.stderr

@@ -441,7 +441,8 @@ class RecordRun(Run):
         self._sync()
         self.session.outer_start(name, length)
         if not self.resume_pending:
-            self._announce()
+            if not self.announced:
+                self._announce()
             return
         self.resume_pending = False
         latest = self._latest_checkpoint()
