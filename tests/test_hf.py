@@ -67,7 +67,7 @@ model = AutoModelForCausalLM.from_config(config)
 args = TrainingArguments(
     output_dir="out", num_train_epochs=2, per_device_train_batch_size=4, logging_steps=1, save_strategy="no",
     report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True, eval_strategy="steps",
-    eval_steps=5, ignore_data_skip=bool(os.environ.get("IGNORE_DATA_SKIP")),
+    eval_steps=5, ignore_data_skip=bool(os.environ.get("IGNORE_DATA_SKIP")), max_steps=int(os.environ.get("MAX_STEPS", "-1")),
 )
 cb = HindsightCallback()
 trainer = Trainer(model=model, args=args, train_dataset=Tokens(24, 1), eval_dataset=Tokens(8, 2),
@@ -260,6 +260,21 @@ def test_a_signal_at_an_epochs_last_step_resumes_at_the_next_epoch(reference: Pa
     assert again.returncode == 0, again.stderr[-3000:]
     assert next(line for line in again.stdout.splitlines() if line.startswith("step ")) == f"step {PER_EPOCH + 1}"
     _check_resumed(root, reference)
+
+
+def test_a_signal_at_the_last_step_of_a_max_steps_run_ending_mid_epoch_lets_it_finish(tmp_path: Path) -> None:
+    """Trainer resumed at max_steps inside an epoch trains one step more:
+    a signal there lets the run finish (exit 0) instead of leaving a
+    checkpoint whose resume would overtrain."""
+    root = _project(tmp_path / "p")
+    r = _run(root, MAX_STEPS="9", SIGNAL_AT="8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "exiting with 85" not in r.stderr and "done 9" in r.stdout
+    runs, values = _values(root / "home")
+    assert runs[0]["status"] == "completed"
+    assert sorted(_recorded(values, "loss")) == [
+        (("epoch", (s - 1) // PER_EPOCH), ("step", s), 0) for s in range(1, 10)
+    ]
 
 
 def test_ignore_data_skip_is_refused_naming_the_argument(tmp_path: Path) -> None:

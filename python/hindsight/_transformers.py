@@ -211,8 +211,11 @@ class HindsightCallback(transformers.TrainerCallback):
     # -- Trainer events ---------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if os.environ.get(ENV_REPLAY):
-            if self._replay is None:
-                self._replay_start()  # train() was not given resume_from_checkpoint()
+            if self._replay is None and self._replay_start() is not None:
+                raise ReplayError(
+                    "hindsight replay: this worker starts from a checkpoint, but train() was not given "
+                    "resume_from_checkpoint=callback.resume_from_checkpoint()"
+                )
             self._epoch = math.floor(state.epoch or 0)
             return
         run = self._run()
@@ -246,7 +249,15 @@ class HindsightCallback(transformers.TrainerCallback):
             assert ck is not None, resumed[0]
             self.train_prefix = ck.prefix
         else:
-            self.train_prefix = _native.choose_fit(store.list(), self.prefix).fresh_prefix
+            choice = _native.choose_fit(store.list(), self.prefix)
+            if choice.resume is not None and state.global_step == 0:
+                print(
+                    f"hindsight: note: the interrupted train() under {choice.resume.prefix!r} is not resumed: "
+                    "pass trainer.train(resume_from_checkpoint=callback.resume_from_checkpoint())",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self.train_prefix = choice.fresh_prefix
         self._resumed = None
         sess = _native.RecordSession.for_framework(self.train_prefix, time.monotonic())
         # A resumed train() does not save again the step it starts at.
@@ -340,7 +351,12 @@ class HindsightCallback(transformers.TrainerCallback):
         if block is not None:
             self._ask_save(args, state, control, block.name, block.wait)
         self._record_epoch(None if block is None else block.name)
-        self._exit_pending = self._session.iteration_end(self._epoch, False).exit
+        # Training that max_steps ends inside an epoch closes here: Trainer,
+        # resumed from this point, would train one step more than max_steps
+        # (it resumes the epoch's loop and checks max_steps after a step), so
+        # a signal now lets it finish instead of exiting.
+        ends_mid_epoch = 0 < state.max_steps <= state.global_step and state.epoch < self._epoch + 1
+        self._exit_pending = self._session.iteration_end(self._epoch, ends_mid_epoch).exit
 
     def _ask_save(self, args: Any, state: Any, control: Any, name: str, wait: bool) -> None:
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
@@ -385,7 +401,7 @@ class HindsightCallback(transformers.TrainerCallback):
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if not logs or not state.is_world_process_zero:
             return
-        if self._replay is not None and "train_runtime" in logs:
+        if self._replay is not None and ("train_runtime" in logs or self._replay.past_plan):
             return  # train()'s closing summary: it covers the recorded train() calls, not this worker's
         run = self._run()
         ctx = [("epoch", self._epoch), ("step", state.global_step)]

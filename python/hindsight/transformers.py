@@ -46,17 +46,35 @@ What the callback does:
 * Retention (the newest checkpoint always stays): ``keep_last``,
   ``keep_every`` epochs, ``keep_best`` by ``monitor`` (a key Trainer logs,
   e.g. ``eval_loss``; its last value at the epoch's end).
+* Replay: ``hindsight replay train.py`` of a script with new ``hs.log``
+  statements in a Trainer callback, ``compute_metrics`` or a
+  ``compute_loss`` override re-executes the epochs it needs (``-j N``
+  splits them over workers): a worker's ``resume_from_checkpoint()``
+  answers the checkpoint of the epoch before its first one, Trainer resumes
+  there, and the worker stops after its last epoch. Every value Trainer
+  logged while recording (``loss``, ``learning_rate``, ``eval_loss``, ...;
+  not the clock readings ``*_runtime``, ``*_per_second``) is compared with
+  the replayed one, and the weights at the end of each checkpointed epoch
+  with the checkpoint's; the first difference stops the replay, naming it.
+  Trainer cannot skip an epoch's training, so a replay never restores an
+  epoch in place of running it: even an epoch-level probe costs the epochs'
+  training time.
 
 Exactness: on CPU (and deterministic kernels) a run interrupted at any step
 and resumed ends with bit-identical weights and logs each step's values
-once (tested). Trainer restores the RNG states after fetching the first
-batch of a resumed epoch: a data collator that draws random numbers
-(``DataCollatorForLanguageModeling(mlm=True)``) makes that batch and what
-follows differ from the uninterrupted run.
+once (tested, with dropout, shuffling and evaluations). Trainer restores
+the RNG states after fetching the first batch of a resumed epoch: a data
+collator that draws random numbers (``DataCollatorForLanguageModeling(mlm=
+True)``) makes that batch and what follows differ from the uninterrupted
+run. A signal during the last step of a run that ``max_steps`` ends inside
+an epoch lets the run finish (exit status 0): Trainer resumed there would
+train a step beyond ``max_steps``.
 
-Not supported (refused, naming the reason): ``hindsight replay`` of a
-Trainer script, more than one process (``world_size > 1``),
-``save_only_model=True``, ``ignore_data_skip=True``.
+Refused, naming the reason: more than one process (``world_size > 1``),
+``save_only_model=True``, ``ignore_data_skip=True``, hyper-parameter search,
+and a replay worker whose plan needs an epoch restored in the middle of
+``train()``. ``save_strategy="best"`` may decline a checkpoint the session
+asked for; the callback then stops with an error naming it.
 """
 
 from __future__ import annotations
