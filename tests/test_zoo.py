@@ -37,6 +37,7 @@ CASES: dict[str, tuple[str, str, str, int]] = {
     "timm_train": ("USR1", "first", "step", 1),
     "iterable_dataset": ("TERM", "epoch-end", "step", 2),
     "mingpt_trainer": ("KILL", "last", "epoch", 1),
+    "hf_trainer": ("TERM", "epoch-end", "step", 2),
 }
 
 # (script, "resume" | "replay"): a text the refusal must contain. A REFUSED

@@ -34,6 +34,9 @@ DEFAULT_PREFIX = "transformers"
 _TENSORS = ".safetensors"
 # Keys of Trainer's logs that are clock readings (eval_runtime, train_samples_per_second, ...).
 _TIMINGS = ("_runtime", "_per_second")
+# train()'s closing train_loss: the mean over the steps of that call, which
+# a resume changes (the per-step loss values hold the run's).
+_PER_CALL = frozenset({"train_loss"})
 
 
 def _pack_dir(root: Path) -> list[dict[str, Any]]:
@@ -68,6 +71,15 @@ def _unpack_dir(files: list[dict[str, Any]], root: Path) -> None:
             save_file(entry["tensors"], str(dest), metadata=entry.get("metadata") or None)
         else:
             dest.write_bytes(entry["data"])
+
+
+def _last_epoch(state: Any) -> int:
+    """The epoch of the step Trainer's state is at: the one it trains next
+    mid-epoch, the one it finished at an epoch's end (resumed there, the
+    values of train()'s end belong to it, as in the uninterrupted run)."""
+    if not state.global_step or not state.epoch:
+        return 0
+    return max(0, math.ceil(float(state.epoch)) - 1)
 
 
 class HindsightCallback(transformers.TrainerCallback):
@@ -140,6 +152,7 @@ class HindsightCallback(transformers.TrainerCallback):
         self._visited: int | None = None
         self._pending: int | None = None
         self._stopped = False
+        self._training = False
 
     # -- plumbing ----------------------------------------------------------------
     @property
@@ -210,13 +223,14 @@ class HindsightCallback(transformers.TrainerCallback):
 
     # -- Trainer events ---------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._training = True
         if os.environ.get(ENV_REPLAY):
             if self._replay is None and self._replay_start() is not None:
                 raise ReplayError(
                     "hindsight replay: this worker starts from a checkpoint, but train() was not given "
                     "resume_from_checkpoint=callback.resume_from_checkpoint()"
                 )
-            self._epoch = math.floor(state.epoch or 0)
+            self._epoch = _last_epoch(state)
             return
         run = self._run()
         if args.world_size > 1:
@@ -272,7 +286,7 @@ class HindsightCallback(transformers.TrainerCallback):
         self._want = None
         self._exit_pending = None
         self._metric = None
-        self._epoch = math.floor(state.epoch or 0)
+        self._epoch = _last_epoch(state)
         self._epoch_start = time.perf_counter()
         self._signals.received = None
         # After the run's own handlers (installed when it was created): ours answer.
@@ -403,18 +417,22 @@ class HindsightCallback(transformers.TrainerCallback):
             return
         if self._replay is not None and ("train_runtime" in logs or self._replay.past_plan):
             return  # train()'s closing summary: it covers the recorded train() calls, not this worker's
+
         run = self._run()
-        ctx = [("epoch", self._epoch), ("step", state.global_step)]
+        # Values logged outside train() (a trainer.evaluate() after it) are
+        # the script's, at its top level, as hs.log after a loop.
+        ctx = [("epoch", self._epoch), ("step", state.global_step)] if self._training else []
         for key, value in logs.items():
             if key == "epoch" or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
-            if self._replay is not None and key.endswith(_TIMINGS):
-                continue  # clock readings: no replay computes them again
+            if key.endswith(_TIMINGS) or key in _PER_CALL:
+                continue  # no resume or replay computes them again
             run.log_at(ctx, key, float(value))
             if key == self.monitor:
                 self._metric = float(value)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._training = False
         self._between_steps()
         self._cleanup()
         if self._replay is not None:

@@ -18,6 +18,12 @@ What the callback does:
   ``compute_loss`` override) in the same context: ``hs.dataframe``,
   ``hindsight logs``, ``hindsight plot`` read them. A value logged during a
   step's forward pass gets that step's number, as Trainer's own ``loss``.
+  Values logged outside ``train()`` (a ``trainer.evaluate()`` after it) are
+  the script's top-level values. Not recorded: Trainer's clock readings
+  (``*_runtime``, ``*_per_second``), which no resume or replay computes
+  again, and ``train()``'s closing ``train_loss`` (Trainer's mean over the
+  steps of that call, which a resume changes; the per-step ``loss`` values
+  hold the run's).
 * Checkpoints when the run session (the engine's ``runs::session``) says:
   at the end of every ``every_n_epochs``-th epoch and, if set, every
   ``every_n_train_steps`` optimizer steps. The checkpoint is Trainer's own
