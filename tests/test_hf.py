@@ -69,8 +69,9 @@ args = TrainingArguments(
     report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True, eval_strategy="steps",
     eval_steps=5, ignore_data_skip=bool(os.environ.get("IGNORE_DATA_SKIP")), max_steps=int(os.environ.get("MAX_STEPS", "-1")),
 )
-cb = HindsightCallback()
-trainer = Trainer(model=model, args=args, train_dataset=Tokens(24, 1), eval_dataset=Tokens(8, 2),
+every = int(os.environ.get("EVERY_STEPS", "0")) or None
+cb = HindsightCallback(every_n_train_steps=every, keep_last=int(os.environ.get("KEEP_LAST", "0")) or None)
+trainer = Trainer(model=model, args=args, train_dataset=Tokens(24, int(os.environ.get("DATA_SEED", "1"))), eval_dataset=Tokens(8, 2),
                   compute_metrics=compute_metrics, callbacks=[cb, Monitor()])
 trainer.train(resume_from_checkpoint=cb.resume_from_checkpoint())
 torch.save(model.state_dict(), "final.pt")
@@ -268,9 +269,11 @@ def test_a_signal_at_an_epochs_last_step_resumes_at_the_next_epoch(reference: Pa
 def test_a_signal_at_the_last_step_of_a_max_steps_run_ending_mid_epoch_lets_it_finish(tmp_path: Path) -> None:
     """Trainer resumed at max_steps inside an epoch trains one step more:
     a signal there lets the run finish (exit 0) instead of leaving a
-    checkpoint whose resume would overtrain."""
+    checkpoint whose resume would overtrain. With step checkpoints and retention."""
+    import hindsight as hs
+
     root = _project(tmp_path / "p")
-    r = _run(root, MAX_STEPS="9", SIGNAL_AT="8")
+    r = _run(root, MAX_STEPS="9", SIGNAL_AT="8", EVERY_STEPS="4", KEEP_LAST="1")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "exiting with 85" not in r.stderr and "done 9" in r.stdout
     runs, values = _values(root / "home")
@@ -278,6 +281,11 @@ def test_a_signal_at_the_last_step_of_a_max_steps_run_ending_mid_epoch_lets_it_f
     assert sorted(_recorded(values, "loss")) == [
         (("epoch", (s - 1) // PER_EPOCH), ("step", s), 0) for s in range(1, 10)
     ]
+    # every_n_train_steps=4 saved after steps 4 and 8; keep_last=1 left the last epoch's
+    # checkpoint (mid-epoch ones go once an epoch-end one of their epoch or a later one exists)
+    store = hs.Store(root / "home" / "store")
+    assert store.list() == ["transformers.epoch-000001", "transformers.epoch-000001.end"]
+    assert store.info("transformers.epoch-000001")["meta"]["global_step"] == "9"
 
 
 def test_ignore_data_skip_is_refused_naming_the_argument(tmp_path: Path) -> None:
@@ -369,3 +377,29 @@ def test_replay_recomputes_added_probes_from_checkpoints(reference: Path, tmp_pa
         at = (("epoch", epoch), ("step", PER_EPOCH * (epoch + 1)), 0)
         assert end[at] == step[at] == wte(model), name
     assert end[(("epoch", 1), ("step", STEPS), 0)] == final
+
+
+def test_a_replay_that_trains_on_other_data_fails_naming_the_difference(reference: Path, tmp_path: Path) -> None:
+    """The recorded values are the replay's oracle: a worker whose training
+    differs from the recording's (here its data) stops with the divergence
+    exit status, naming the first difference, and keeps no probe value."""
+    proj = tmp_path / "proj"
+    shutil.copytree(reference, proj)
+    (proj / "train.py").write_text(_probed(PROBES[0]))
+    rep = subprocess.run(
+        [*hindsight_cmd(), "replay", "train.py", "-q"],
+        cwd=proj,
+        env=_env(proj, DATA_SEED="5"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert rep.returncode == 3, rep.stdout + rep.stderr[-3000:]
+    # Caught at the first epoch's end (its weights against the checkpoint) or by its values.
+    out = rep.stdout + rep.stderr
+    assert "diverged from the recording" in out and (
+        "after epoch 0, the state differs from the recorded checkpoint transformers.epoch-000000" in out
+        or "loss at epoch=0, step=1: recorded" in out
+    ), out[-3000:]
+    _, got = _values(proj / "home")
+    assert all(v[1] is None for v in got.get("wte_end", {}).values())
