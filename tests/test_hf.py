@@ -65,12 +65,14 @@ torch.manual_seed(0)
 config = AutoConfig.for_model("gpt2", n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32)
 model = AutoModelForCausalLM.from_config(config)
 args = TrainingArguments(
-    output_dir="out", num_train_epochs=2, per_device_train_batch_size=4, logging_steps=1, save_strategy="no",
+    output_dir="out", num_train_epochs=2, per_device_train_batch_size=4, logging_steps=1, save_strategy=os.environ.get("SAVE_STRATEGY", "no"), metric_for_best_model="loss",
     report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True, eval_strategy="steps",
     eval_steps=5, ignore_data_skip=bool(os.environ.get("IGNORE_DATA_SKIP")), max_steps=int(os.environ.get("MAX_STEPS", "-1")),
 )
 every = int(os.environ.get("EVERY_STEPS", "0")) or None
-cb = HindsightCallback(every_n_train_steps=every, keep_last=int(os.environ.get("KEEP_LAST", "0")) or None)
+best = int(os.environ.get("KEEP_BEST", "0")) or None
+cb = HindsightCallback(every_n_train_steps=every, keep_last=int(os.environ.get("KEEP_LAST", "0")) or None,
+                       keep_best=best, monitor="eval_loss" if best else None, mode=os.environ.get("BEST_MODE", "min"))
 trainer = Trainer(model=model, args=args, train_dataset=Tokens(24, int(os.environ.get("DATA_SEED", "1"))), eval_dataset=Tokens(8, 2),
                   compute_metrics=compute_metrics, callbacks=[cb, Monitor()])
 trainer.train(resume_from_checkpoint=cb.resume_from_checkpoint())
@@ -236,21 +238,31 @@ def test_a_finished_train_is_trained_afresh_by_the_next_run(reference: Path, tmp
 
     root = tmp_path / "p"
     shutil.copytree(reference, root)
-    # Run again, now finished: a new run and a new train() from scratch under a prefix of its own.
-    fresh = _run(root)
+    # keep_best ranks each epoch by the last eval_loss logged before its end
+    # (steps 5 and 12): the mode that makes the last epoch the best one.
+    _, values = _values(reference / "home")
+    evals = _recorded(values, "eval_loss")
+    at_end = [evals[(("epoch", 0), ("step", 5), 0)], evals[(("epoch", 1), ("step", 12), 0)]]
+    assert at_end[0] != at_end[1]
+    mode = "min" if at_end[1] < at_end[0] else "max"
+    # Run again, now finished: a new run and a new train() from scratch under a
+    # prefix of its own (with keep_best=1 this time).
+    fresh = _run(root, KEEP_BEST="1", BEST_MODE=mode)
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     assert "resuming" not in fresh.stdout + fresh.stderr and fresh.stdout.splitlines()[0] == "step 1"
     _same_weights(root / "final.pt", reference / "final.pt")
-    assert hs.Store(root / "home" / "store").list() == [
+    runs, _ = _values(root / "home")
+    assert len(runs) == 2
+    store = hs.Store(root / "home" / "store")
+    assert store.list() == [
         "transformers.epoch-000000",
         "transformers.epoch-000001",
         "transformers.epoch-000001.end",
-        "transformers.fit2.epoch-000000",
+        # the new train()'s epoch 0 is removed: not the best, not the newest
         "transformers.fit2.epoch-000001",
         "transformers.fit2.epoch-000001.end",
     ]
-    runs, _ = _values(root / "home")
-    assert len(runs) == 2
+    assert store.info("transformers.fit2.epoch-000001")["meta"]["metric"] == repr(at_end[1])
 
 
 def test_a_signal_at_an_epochs_last_step_resumes_at_the_next_epoch(reference: Path, tmp_path: Path) -> None:
@@ -288,11 +300,17 @@ def test_a_signal_at_the_last_step_of_a_max_steps_run_ending_mid_epoch_lets_it_f
     assert store.info("transformers.epoch-000001")["meta"]["global_step"] == "9"
 
 
-def test_ignore_data_skip_is_refused_naming_the_argument(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [({"IGNORE_DATA_SKIP": "1"}, "ignore_data_skip=True"), ({"SAVE_STRATEGY": "best"}, "save_strategy='best'")],
+)
+def test_trainer_arguments_that_defeat_an_exact_resume_are_refused_naming_them(
+    tmp_path: Path, env: dict[str, str], named: str
+) -> None:
     root = _project(tmp_path / "p")
-    r = _run(root, IGNORE_DATA_SKIP="1")
+    r = _run(root, **env)
     assert r.returncode == 1
-    assert "InvalidArgumentError" in r.stderr and "ignore_data_skip=True" in r.stderr
+    assert "InvalidArgumentError" in r.stderr and named in r.stderr, r.stderr[-3000:]
     assert "step 1" not in r.stdout
 
 

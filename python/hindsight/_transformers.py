@@ -249,6 +249,12 @@ class HindsightCallback(transformers.TrainerCallback):
                 "epoch from the first batch again, training on other data than the interrupted run; use "
                 "ignore_data_skip=False"
             )
+        if args.save_strategy == "best":
+            raise InvalidArgumentError(
+                "HindsightCallback: TrainingArguments(save_strategy='best') decides at each evaluation whether "
+                "Trainer writes a checkpoint, and declines the ones hindsight asks for (preemption, epoch ends); "
+                "use save_strategy='no', 'steps' or 'epoch'"
+            )
         if state.is_hyper_param_search:
             raise InvalidArgumentError(
                 "HindsightCallback: hyper-parameter search (trainer.hyperparameter_search) is not supported"
@@ -297,7 +303,7 @@ class HindsightCallback(transformers.TrainerCallback):
             name, self._want = self._want[0], None
             raise HindsightError(
                 f"HindsightCallback: Trainer did not write the checkpoint {name} it was asked for "
-                "(save_strategy='best' overrides control.should_save); use another save_strategy"
+                "(another callback set control.should_save to False after HindsightCallback)"
             )
 
     def _between_steps(self) -> None:
@@ -376,7 +382,8 @@ class HindsightCallback(transformers.TrainerCallback):
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         # Trainer's own save_strategy may want this checkpoint too (decided
         # before us, by its DefaultFlowCallback): then it stays where it is.
-        ours = not control.should_save and not folder.exists() and args.save_strategy != "best"
+        # A checkpoint pushed to the Hub is uploaded from its directory in the background: it stays too.
+        ours = not control.should_save and not folder.exists() and not args.push_to_hub
         control.should_save = True
         self._want = (name, wait, ours)
 
@@ -396,7 +403,7 @@ class HindsightCallback(transformers.TrainerCallback):
             "global_step": state.global_step,
             "kind": "step" if getattr(_native.CheckpointId.parse(name), "kind", None) == "step" else "epoch",
         }
-        if self.monitor and self._metric is not None:
+        if self.monitor and self._metric is not None and meta["kind"] == "epoch":  # keep_best ranks epochs
             meta["monitor"] = self.monitor
             meta["metric"] = repr(self._metric)
         tree = {"files": _pack_dir(folder), "global_step": state.global_step, "epoch": state.epoch}

@@ -77,10 +77,12 @@ an epoch lets the run finish (exit status 0): Trainer resumed there would
 train a step beyond ``max_steps``.
 
 Refused, naming the reason: more than one process (``world_size > 1``),
-``save_only_model=True``, ``ignore_data_skip=True``, hyper-parameter search,
-and a replay worker whose plan needs an epoch restored in the middle of
-``train()``. ``save_strategy="best"`` may decline a checkpoint the session
-asked for; the callback then stops with an error naming it.
+``save_only_model=True``, ``ignore_data_skip=True``, ``save_strategy="best"``
+(it declines the checkpoints it did not choose), hyper-parameter search, and
+a replay worker whose plan needs an epoch restored in the middle of
+``train()``. A checkpoint the callback asked for that Trainer did not write
+(another callback cleared ``control.should_save``) stops training with an
+error naming it.
 """
 
 from __future__ import annotations
