@@ -76,6 +76,8 @@ cb = HindsightCallback(every_n_train_steps=every, keep_last=int(os.environ.get("
 trainer = Trainer(model=model, args=args, train_dataset=Tokens(24, int(os.environ.get("DATA_SEED", "1"))), eval_dataset=Tokens(8, 2),
                   compute_metrics=compute_metrics, callbacks=[cb, Monitor()])
 trainer.train(resume_from_checkpoint=cb.resume_from_checkpoint())
+if os.environ.get("TRAIN_TWICE"):
+    trainer.train()
 torch.save(model.state_dict(), "final.pt")
 print("done", trainer.state.global_step, flush=True)
 """
@@ -302,16 +304,22 @@ def test_a_signal_at_the_last_step_of_a_max_steps_run_ending_mid_epoch_lets_it_f
 
 @pytest.mark.parametrize(
     ("env", "named"),
-    [({"IGNORE_DATA_SKIP": "1"}, "ignore_data_skip=True"), ({"SAVE_STRATEGY": "best"}, "save_strategy='best'")],
+    [
+        ({"IGNORE_DATA_SKIP": "1"}, "ignore_data_skip=True"),
+        ({"SAVE_STRATEGY": "best"}, "save_strategy='best'"),
+        # its values and epochs would overwrite the first train()'s in the same run
+        ({"TRAIN_TWICE": "1", "MAX_STEPS": "2"}, "records one train() per process"),
+    ],
 )
-def test_trainer_arguments_that_defeat_an_exact_resume_are_refused_naming_them(
+def test_uses_that_defeat_an_exact_record_or_resume_are_refused_naming_them(
     tmp_path: Path, env: dict[str, str], named: str
 ) -> None:
     root = _project(tmp_path / "p")
     r = _run(root, **env)
     assert r.returncode == 1
     assert "InvalidArgumentError" in r.stderr and named in r.stderr, r.stderr[-3000:]
-    assert "step 1" not in r.stdout
+    steps = [line for line in r.stdout.splitlines() if line.startswith("step ")]
+    assert steps == (["step 1", "step 2"] if "TRAIN_TWICE" in env else [])  # refused when train() starts
 
 
 def test_bad_arguments_name_the_argument(tmp_path: Path) -> None:

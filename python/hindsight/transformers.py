@@ -76,7 +76,9 @@ run. A signal during the last step of a run that ``max_steps`` ends inside
 an epoch lets the run finish (exit status 0): Trainer resumed there would
 train a step beyond ``max_steps``.
 
-Refused, naming the reason: more than one process (``world_size > 1``),
+Refused, naming the reason: a second ``train()`` in the same process (its
+values and epochs would overwrite the first's in the run; run each stage as
+a script of its own), more than one process (``world_size > 1``),
 ``save_only_model=True``, ``ignore_data_skip=True``, ``save_strategy="best"``
 (it declines the checkpoints it did not choose), hyper-parameter search, and
 a replay worker whose plan needs an epoch restored in the middle of
