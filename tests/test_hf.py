@@ -109,19 +109,29 @@ def _run(root: Path, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _values(home: Path) -> tuple[list[dict[str, Any]], dict[str, dict[tuple, tuple[Any, Any]]]]:
-    """The project's runs, and {name: {(ctx..., rep): (recorded, replayed)}} of its first run."""
+def _values(home: Path, run: str | None = None) -> tuple[list[dict[str, Any]], dict[str, dict[tuple, tuple[Any, Any]]]]:
+    """The project's runs, and {name: {(ctx..., rep): (recorded, replayed)}} of
+    run `run` (default: its first run)."""
     from hindsight import _native
 
     db = _native.LogDb(str(home / "logs.db"))
     runs = db.runs()
+    if run is None and runs:
+        run = runs[0]["id"]
     out: dict[str, dict[tuple, tuple[Any, Any]]] = {}
-    for v in db.values(runs[0]["id"]) if runs else []:
+    for v in db.values(run) if run else []:
         out.setdefault(v.name, {})[(*v.ctx, v.rep)] = (
             None if v.recorded is None else json.loads(v.recorded),
             None if v.replayed is None else json.loads(v.replayed),
         )
     return runs, out
+
+
+def _prefix(root: Path) -> str:
+    """The checkpoint prefix of the project's only run."""
+    runs, _ = _values(root / "home")
+    assert len(runs) == 1
+    return f"transformers.{runs[0]['id']}"
 
 
 def _recorded(values: dict[str, dict[tuple, tuple[Any, Any]]], name: str) -> dict[tuple, Any]:
@@ -164,13 +174,15 @@ def test_record_gives_one_run_with_trainer_values_at_epoch_and_step(reference: P
 
     # The checkpoints are in the project's store: one per epoch, and the mark of a finished train().
     store = hs.Store(reference / "home" / "store")
-    assert store.list() == ["transformers.epoch-000000", "transformers.epoch-000001", "transformers.epoch-000001.end"]
+    # named after the run: a relaunch continuing it resumes them, another run never does
+    p = _prefix(reference)
+    assert store.list() == [f"{p}.epoch-000000", f"{p}.epoch-000001", f"{p}.epoch-000001.end"]
     assert store.verify() == []
-    info = store.info("transformers.epoch-000000")
+    info = store.info(f"{p}.epoch-000000")
     assert info["meta"]["global_step"] == str(PER_EPOCH)
-    files = {e["path"] for e in store.load("transformers.epoch-000000")["files"]}
+    files = {e["path"] for e in store.load(f"{p}.epoch-000000")["files"]}
     assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= files
-    ckpt = store.load("transformers.epoch-000000")
+    ckpt = store.load(f"{p}.epoch-000000")
     state = json.loads(next(e["data"] for e in ckpt["files"] if e["path"] == "trainer_state.json"))
     assert state["global_step"] == PER_EPOCH and state["epoch"] == 1.0
     # Trainer's own files of the checkpoint hindsight asked for are gone (save_strategy="no").
@@ -178,11 +190,14 @@ def test_record_gives_one_run_with_trainer_values_at_epoch_and_step(reference: P
     assert (reference / "final.pt").exists()
 
 
-def _check_resumed(root: Path, reference: Path) -> None:
+def _check_resumed(root: Path, reference: Path, run: str | None = None) -> None:
     _same_weights(root / "final.pt", reference / "final.pt")
-    runs, values = _values(root / "home")
+    runs, values = _values(root / "home", run)
     _, want = _values(reference / "home")
-    assert len(runs) == 1 and runs[0]["status"] == "completed"  # the relaunch continued the same run
+    if run is None:
+        assert len(runs) == 1
+    # the relaunch continued the same run
+    assert [r["status"] for r in runs if r["id"] == (run or runs[0]["id"])] == ["completed"]
     assert sorted(values) == sorted(want)
     for name in values:
         # each step's value once (rep 0 only), equal to the uninterrupted run's
@@ -220,7 +235,7 @@ def test_sigterm_from_outside_exits_85_and_the_relaunch_resumes_bit_identically(
     assert proc.returncode == 85, err[-3000:]
     names = hs.Store(root / "home" / "store").list()
     mid = [n for n in names if ".step-" in n]
-    assert len(mid) == 1 and mid[0].startswith("transformers.epoch-000001.step-0000000"), names
+    assert len(mid) == 1 and mid[0].startswith(f"{_prefix(root)}.epoch-000001.step-0000000"), names
     step = int(mid[0].rsplit("-", 1)[1])
     assert 8 <= step < STEPS
     assert f"checkpointed {mid[0]}; exiting with 85" in err
@@ -255,16 +270,20 @@ def test_a_finished_train_is_trained_afresh_by_the_next_run(reference: Path, tmp
     _same_weights(root / "final.pt", reference / "final.pt")
     runs, _ = _values(root / "home")
     assert len(runs) == 2
+    old = _prefix(reference)
+    (new,) = {f"transformers.{r['id']}" for r in runs} - {old}
     store = hs.Store(root / "home" / "store")
-    assert store.list() == [
-        "transformers.epoch-000000",
-        "transformers.epoch-000001",
-        "transformers.epoch-000001.end",
-        # the new train()'s epoch 0 is removed: not the best, not the newest
-        "transformers.fit2.epoch-000001",
-        "transformers.fit2.epoch-000001.end",
-    ]
-    assert store.info("transformers.fit2.epoch-000001")["meta"]["metric"] == repr(at_end[1])
+    assert sorted(store.list()) == sorted(
+        [
+            f"{old}.epoch-000000",
+            f"{old}.epoch-000001",
+            f"{old}.epoch-000001.end",
+            # the new train()'s epoch 0 is removed: not the best, not the newest
+            f"{new}.epoch-000001",
+            f"{new}.epoch-000001.end",
+        ]
+    )
+    assert store.info(f"{new}.epoch-000001")["meta"]["metric"] == repr(at_end[1])
 
 
 def test_a_signal_at_an_epochs_last_step_resumes_at_the_next_epoch(reference: Path, tmp_path: Path) -> None:
@@ -272,12 +291,21 @@ def test_a_signal_at_an_epochs_last_step_resumes_at_the_next_epoch(reference: Pa
     first = _run(root, SIGNAL_AT=str(PER_EPOCH))
     assert first.returncode == 85, first.stderr[-3000:]
     # Acted on at the epoch's end: the epoch checkpoint, after the epoch's evaluation and logs.
-    assert "checkpointed transformers.epoch-000000; exiting with 85" in first.stderr
+    assert f"checkpointed {_prefix(root)}.epoch-000000; exiting with 85" in first.stderr
     assert "epoch 1.0" in first.stdout
+    interrupted = _prefix(root).split(".", 1)[1]
+    # The same script with another argument is another run: it trains afresh,
+    # and leaves the interrupted run's checkpoints alone.
+    other = subprocess.run(
+        [sys.executable, "train.py", "--other"], cwd=root, env=_env(root), capture_output=True, text=True, timeout=240
+    )
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert "resuming" not in other.stdout + other.stderr and other.stdout.splitlines()[0] == "step 1"
     again = _run(root)
     assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming run {interrupted}" in again.stderr
     assert next(line for line in again.stdout.splitlines() if line.startswith("step ")) == f"step {PER_EPOCH + 1}"
-    _check_resumed(root, reference)
+    _check_resumed(root, reference, interrupted)
 
 
 def test_a_signal_at_the_last_step_of_a_max_steps_run_ending_mid_epoch_lets_it_finish(tmp_path: Path) -> None:
@@ -298,8 +326,9 @@ def test_a_signal_at_the_last_step_of_a_max_steps_run_ending_mid_epoch_lets_it_f
     # every_n_train_steps=4 saved after steps 4 and 8; keep_last=1 left the last epoch's
     # checkpoint (mid-epoch ones go once an epoch-end one of their epoch or a later one exists)
     store = hs.Store(root / "home" / "store")
-    assert store.list() == ["transformers.epoch-000001", "transformers.epoch-000001.end"]
-    assert store.info("transformers.epoch-000001")["meta"]["global_step"] == "9"
+    p = _prefix(root)
+    assert store.list() == [f"{p}.epoch-000001", f"{p}.epoch-000001.end"]
+    assert store.info(f"{p}.epoch-000001")["meta"]["global_step"] == "9"
 
 
 @pytest.mark.parametrize(
@@ -397,7 +426,8 @@ def test_replay_recomputes_added_probes_from_checkpoints(reference: Path, tmp_pa
         return float(tensors["transformer.wte.weight"].double().sum().item())
 
     final = wte(torch.load(reference / "final.pt"))
-    for epoch, name in enumerate(["transformers.epoch-000000", "transformers.epoch-000001"]):
+    p = _prefix(reference)
+    for epoch, name in enumerate([f"{p}.epoch-000000", f"{p}.epoch-000001"]):
         ckpt = store.load(name)
         model = next(e["tensors"] for e in ckpt["files"] if e["path"] == "model.safetensors")
         at = (("epoch", epoch), ("step", PER_EPOCH * (epoch + 1)), 0)
@@ -424,7 +454,7 @@ def test_a_replay_that_trains_on_other_data_fails_naming_the_difference(referenc
     # Caught at the first epoch's end (its weights against the checkpoint) or by its values.
     out = rep.stdout + rep.stderr
     assert "diverged from the recording" in out and (
-        "after epoch 0, the state differs from the recorded checkpoint transformers.epoch-000000" in out
+        f"after epoch 0, the state differs from the recorded checkpoint {_prefix(reference)}.epoch-000000" in out
         or "loss at epoch=0, step=1: recorded" in out
     ), out[-3000:]
     _, got = _values(proj / "home")

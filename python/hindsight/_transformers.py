@@ -184,15 +184,22 @@ class HindsightCallback(transformers.TrainerCallback):
         session.context([("epoch", self._epoch)] + ([] if step is None else [("step", step)]))
 
     # -- resume --------------------------------------------------------------------
+    def run_prefix(self) -> str:
+        """Where the checkpoints of this script's run go: ``<prefix>.<run id>``.
+        A relaunch that continues the run (same script and arguments, see
+        ``hindsight runs``) resumes them; another script, or the same one
+        with other arguments, is another run and never resumes them."""
+        return _check_prefix(f"{self.prefix}.{self._run().run_id}")
+
     def latest(self) -> str | None:
         """Name of the checkpoint ``resume_from_checkpoint`` would restore, or None."""
-        return latest(self.store, self.prefix)
+        return latest(self.store, self.run_prefix())
 
     def resume_from_checkpoint(self) -> str | None:
         """For ``trainer.train(resume_from_checkpoint=...)``: a directory in
-        Trainer's layout holding the newest checkpoint of the newest
-        unfinished ``train()`` under this callback's prefix, or None (train
-        afresh). The directory is removed once training has restored it."""
+        Trainer's layout holding the newest checkpoint of this run's
+        unfinished ``train()`` (``run_prefix()``), or None (train afresh).
+        The directory is removed once training has restored it."""
         if os.environ.get(ENV_REPLAY):
             return self._replay_start()
         self._run()  # a relaunch continues the interrupted run's values
@@ -280,7 +287,7 @@ class HindsightCallback(transformers.TrainerCallback):
             assert ck is not None, resumed[0]
             self.train_prefix = ck.prefix
         else:
-            choice = _native.choose_fit(store.list(), self.prefix)
+            choice = _native.choose_fit(store.list(), self.run_prefix())
             if choice.resume is not None and state.global_step == 0:
                 print(
                     f"hindsight: note: the interrupted train() under {choice.resume.prefix!r} is not resumed: "

@@ -40,15 +40,20 @@ What the callback does:
   (``exit_code=...``, else HTCondor's, else ``$HINDSIGHT_EXIT_CODE``, else
   85) once the checkpoint is durable; ``requeue=True`` runs ``scontrol
   requeue`` first.
-* Resume: ``resume_from_checkpoint()`` writes the newest checkpoint of the
-  newest unfinished ``train()`` back into Trainer's directory layout (a
-  temporary directory, removed once training runs) and returns its path;
+* Resume: checkpoints are named after the script's hindsight run
+  (``<prefix>.<run id>.epoch-000003``). ``resume_from_checkpoint()`` writes
+  the newest one of the run's unfinished ``train()`` back into Trainer's
+  directory layout (a temporary directory, removed once training runs) and
+  returns its path;
   Trainer restores the model, optimizer, scheduler, RNG states and its
   state, and skips the batches of the epoch already trained by replaying
   its sampler (``ignore_data_skip=True`` is refused: the resumed run would
   train on other batches). The run's values continue in the same hindsight
-  run. A finished ``train()`` leaves an ``<prefix>.epoch-<n>.end`` mark, so
-  running the script again trains afresh under ``<prefix>.fit2``.
+  run. The run is the one the relaunch continues (same script and
+  arguments, as for ``hs.loop``): another script in the same project, or the
+  same script with other arguments, is another run and trains afresh
+  instead of resuming a checkpoint it did not write. A finished run is not
+  continued: running the script again trains afresh in a new run.
 * Retention (the newest checkpoint always stays): ``keep_last``,
   ``keep_every`` epochs, ``keep_best`` by ``monitor`` (a key Trainer logs,
   e.g. ``eval_loss``; its last value at the epoch's end).
