@@ -442,7 +442,6 @@ class HindsightCallback(transformers.TrainerCallback):
             return
         if self._replay is not None and ("train_runtime" in logs or self._replay.past_plan):
             return  # train()'s closing summary: it covers the recorded train() calls, not this worker's
-
         run = self._run()
         # Values logged outside train() (a trainer.evaluate() after it) are
         # the script's, at its top level, as hs.log after a loop.
