@@ -38,6 +38,7 @@ CASES: dict[str, tuple[str, str, str, int]] = {
     "iterable_dataset": ("TERM", "epoch-end", "step", 2),
     "mingpt_trainer": ("KILL", "last", "epoch", 1),
     "accelerate_nlp": ("TERM", "epoch-end", "step", 2),
+    "hf_trainer": ("TERM", "epoch-end", "step", 2),
 }
 
 # (script, "resume" | "replay"): a text the refusal must contain. A REFUSED

@@ -131,6 +131,12 @@ SCRIPTS: dict[str, Spec] = {
         ("--num_epochs", "2", "--train_size", "96"),
         note="hindsight.accelerate, gradient accumulation by hand",
     ),
+    "hf_trainer": Spec(
+        "hf_trainer.py",
+        (),
+        ("--train_texts", "40", "--num_train_epochs", "2"),
+        note="transformers.Trainer with HindsightCallback (run_clm shape)",
+    ),
 }
 
 PASS, REFUSED, WRONG, ERROR, SKIP = "PASS", "REFUSED", "WRONG", "ERROR", "-"
@@ -255,11 +261,26 @@ def checkpointing(accelerator, **kwargs):
 """
 
 
+# The Trainer callback of hindsight.transformers, doing nothing (hf_trainer.py).
+SHIM_TRANSFORMERS = '''"""A no-op stand-in for hindsight.transformers."""
+from transformers import TrainerCallback
+
+
+class HindsightCallback(TrainerCallback):
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def resume_from_checkpoint(self):
+        return None
+'''
+
+
 def shim_dir(work: Path) -> Path:
     d = work / "shim"
     (d / "hindsight").mkdir(parents=True, exist_ok=True)
     (d / "hindsight" / "__init__.py").write_text(SHIM)
     (d / "hindsight" / "accelerate.py").write_text(SHIM_ACCELERATE)
+    (d / "hindsight" / "transformers.py").write_text(SHIM_TRANSFORMERS)
     return d
 
 
