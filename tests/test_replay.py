@@ -292,7 +292,15 @@ def test_nondeterministic_script_is_caught_by_the_divergence_check(recorded):
     assert r.returncode == 3, r.stdout + r.stderr
     assert "DIVERGENCE" in r.stderr and "first: loss at epoch=0, step=0" in r.stderr
     assert "discarded" in r.stderr
-    assert not any(values(home, "grad_norm").values())
+    # Nothing of it is kept: hs.dataframe says the name was never logged.
+    gone = subprocess.run(
+        [sys.executable, "-c", "import hindsight as hs; hs.dataframe('grad_norm')"],
+        env=env_for(home),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert gone.returncode == 1 and "never logged 'grad_norm' (it logged: loss, val_acc)" in gone.stderr
     # Kept on request, marked: `hindsight logs` says so beside each value,
     # and hs.dataframe still does not show them as results.
     r = replay(script, home, "--force", "--allow-divergence")
@@ -474,21 +482,26 @@ def test_a_name_logged_repeatedly_in_one_context_keeps_every_value(tmp_path: Pat
     r = subprocess.run([sys.executable, str(script)], env=env_for(home), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     code = (
-        "import hindsight as hs\n"
-        "df = hs.dataframe('val', 'probe')\n"
-        "print(df[['epoch', 'rep', 'val', 'probe']].to_json(orient='values'))\n"
+        "import sys, hindsight as hs\n"
+        "df = hs.dataframe(*sys.argv[1:])\n"
+        "print(df[['epoch', 'rep', *sys.argv[1:]]].to_json(orient='values'))\n"
     )
 
-    def table() -> list[list[object]]:
+    def table(*names: str) -> list[list[object]]:
         out = subprocess.run(
-            [sys.executable, "-c", code], env=env_for(home), capture_output=True, text=True, timeout=120, cwd=tmp_path
+            [sys.executable, "-c", code, *names],
+            env=env_for(home),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
         )
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
-    rows = table()
-    assert [(e, rep) for e, rep, _, _ in rows] == [(e, k) for e in range(3) for k in range(3)]
-    for e, k, val, _ in rows:
+    rows = table("val")
+    assert [(e, rep) for e, rep, _ in rows] == [(e, k) for e in range(3) for k in range(3)]
+    for e, k, val in rows:
         assert val == rows[3 * e][2] + k  # every value, in the order logged
     # A probe added in the same validation loop is replayed occurrence by occurrence.
     script.write_text(
@@ -496,7 +509,7 @@ def test_a_name_logged_repeatedly_in_one_context_keeps_every_value(tmp_path: Pat
     )
     r = replay(script, home, "--strict")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert [(e, k, p) for e, k, _, p in table()] == [(e, k, k * 10) for e in range(3) for k in range(3)]
+    assert [(e, k, p) for e, k, _, p in table("val", "probe")] == [(e, k, k * 10) for e in range(3) for k in range(3)]
 
 
 COUNTED = """\
