@@ -602,7 +602,7 @@ impl Summary {
 
 fn count_arrays(node: &Node) -> usize {
     match node {
-        Node::Array(_) => 1,
+        Node::Array(_) | Node::Sharded(_) => 1,
         Node::List(items) | Node::Tuple(items) => items.iter().map(count_arrays).sum(),
         Node::Dict(items) => items.iter().map(|(_, v)| count_arrays(v)).sum(),
         _ => 0,

@@ -594,6 +594,13 @@ pub(crate) fn build<'py>(
             }
             d.into_any()
         }
+        // The reader assembles sharded arrays (core `shard::consolidate`).
+        Node::Sharded(_) => {
+            return Err(to_py(internal(&format!(
+                "load: the sharded array at '{}' was not assembled",
+                path.join("/")
+            ))))
+        }
         Node::Array(a) => {
             let lib = match a.lib {
                 ArrayLib::Torch => "torch",

@@ -245,6 +245,25 @@ pub struct Array {
     pub data: Blob,
 }
 
+/// One rank's piece of an array several ranks saved: its place in the
+/// whole array and its own bytes (row-major, like any array).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Shard {
+    /// Where the piece starts in the whole array, per dimension.
+    pub offset: Vec<u64>,
+    /// The piece itself (its `shape` is the piece's extent).
+    pub array: Array,
+}
+
+/// An array saved in pieces (by the ranks of a sharded model): the pieces
+/// tile the whole `shape` without overlap once every rank's part is merged
+/// (`checkpoint::shard`); one rank's part holds its own pieces only.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Sharded {
+    pub shape: Vec<u64>,
+    pub shards: Vec<Shard>,
+}
+
 /// The structure of a checkpoint: a tree of plain values and arrays.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "t", content = "v", rename_all = "lowercase")]
@@ -264,6 +283,8 @@ pub enum Node {
     Array(Box<Array>),
     /// Pickled bytes of an object the caller explicitly allowed to pickle.
     Pickle(Blob),
+    /// An array saved in pieces by several ranks.
+    Sharded(Box<Sharded>),
 }
 
 impl Node {
@@ -301,6 +322,7 @@ impl Node {
             Node::Dict(_) => "dict",
             Node::Array(_) => "array",
             Node::Pickle(_) => "pickle",
+            Node::Sharded(_) => "sharded array",
         }
     }
 
@@ -313,6 +335,7 @@ impl Node {
         match self {
             Node::Bytes(b) | Node::Pickle(b) => f(path, b),
             Node::Array(a) => f(path, &a.data),
+            Node::Sharded(s) => s.shards.iter().for_each(|p| f(path, &p.array.data)),
             Node::List(items) | Node::Tuple(items) => {
                 for (i, n) in items.iter().enumerate() {
                     path.push(i.to_string());
@@ -335,6 +358,7 @@ impl Node {
         match self {
             Node::Bytes(b) | Node::Pickle(b) => f(b),
             Node::Array(a) => f(&mut a.data),
+            Node::Sharded(s) => s.shards.iter_mut().for_each(|p| f(&mut p.array.data)),
             Node::List(items) | Node::Tuple(items) => {
                 items.iter_mut().for_each(|n| n.for_each_blob_mut(f))
             }
@@ -559,48 +583,8 @@ fn validate_node(node: &Node, path: &mut Vec<String>, depth: usize) -> Result<()
         Node::None | Node::Bool(_) | Node::Int(_) | Node::Float(_) | Node::Str(_) => Ok(()),
         Node::BigInt(s) => validate_bigint(s, path),
         Node::Bytes(b) | Node::Pickle(b) => validate_blob(b, path),
-        Node::Array(a) => {
-            validate_blob(&a.data, path)?;
-            let item = itemsize(a.lib, &a.dtype)
-                .ok_or_else(|| format!("unknown dtype {:?} at '{}'", a.dtype, path.join("/")))?;
-            if a.byte_order != "little" {
-                return Err(format!(
-                    "byte order {:?} at '{}' (only \"little\" is written)",
-                    a.byte_order,
-                    path.join("/")
-                ));
-            }
-            // numpy and torch refuse a shape whose non-zero extents overflow
-            // their index type even when another extent is 0 (`[0, 2**63-1]`).
-            let addressable = a
-                .shape
-                .iter()
-                .filter(|&&d| d != 0)
-                .try_fold(item, |acc, &d| acc.checked_mul(d))
-                .is_some_and(|n| n <= i64::MAX as u64);
-            if a.shape.len() > 64 || !addressable {
-                return Err(format!(
-                    "shape {:?} at '{}' is not one an array can have",
-                    a.shape,
-                    path.join("/")
-                ));
-            }
-            let n = a
-                .shape
-                .iter()
-                .try_fold(item, |acc, &d| acc.checked_mul(d))
-                .ok_or_else(|| format!("shape overflows at '{}'", path.join("/")))?;
-            if n != a.data.nbytes {
-                return Err(format!(
-                    "array at '{}' of dtype {} and shape {:?} needs {n} bytes but holds {}",
-                    path.join("/"),
-                    a.dtype,
-                    a.shape,
-                    a.data.nbytes
-                ));
-            }
-            Ok(())
-        }
+        Node::Array(a) => validate_array(a, path),
+        Node::Sharded(sh) => validate_sharded(sh, path),
         Node::List(items) | Node::Tuple(items) => {
             items.iter().enumerate().try_for_each(|(i, n)| {
                 path.push(i.to_string());
@@ -617,6 +601,99 @@ fn validate_node(node: &Node, path: &mut Vec<String>, depth: usize) -> Result<()
             r
         }),
     }
+}
+
+fn validate_array(a: &Array, path: &[String]) -> Result<(), String> {
+    validate_blob(&a.data, path)?;
+    let item = itemsize(a.lib, &a.dtype)
+        .ok_or_else(|| format!("unknown dtype {:?} at '{}'", a.dtype, path.join("/")))?;
+    if a.byte_order != "little" {
+        return Err(format!(
+            "byte order {:?} at '{}' (only \"little\" is written)",
+            a.byte_order,
+            path.join("/")
+        ));
+    }
+    // numpy and torch refuse a shape whose non-zero extents overflow
+    // their index type even when another extent is 0 (`[0, 2**63-1]`).
+    let addressable = a
+        .shape
+        .iter()
+        .filter(|&&d| d != 0)
+        .try_fold(item, |acc, &d| acc.checked_mul(d))
+        .is_some_and(|n| n <= i64::MAX as u64);
+    if a.shape.len() > 64 || !addressable {
+        return Err(format!(
+            "shape {:?} at '{}' is not one an array can have",
+            a.shape,
+            path.join("/")
+        ));
+    }
+    let n = a
+        .shape
+        .iter()
+        .try_fold(item, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| format!("shape overflows at '{}'", path.join("/")))?;
+    if n != a.data.nbytes {
+        return Err(format!(
+            "array at '{}' of dtype {} and shape {:?} needs {n} bytes but holds {}",
+            path.join("/"),
+            a.dtype,
+            a.shape,
+            a.data.nbytes
+        ));
+    }
+    Ok(())
+}
+
+/// A sharded array's pieces: each a valid array of the whole's dtype and
+/// rank, lying inside the whole. That they tile it is checked where pieces
+/// are read and where parts are merged (a part holds some pieces only).
+fn validate_sharded(sh: &Sharded, path: &[String]) -> Result<(), String> {
+    let at = || path.join("/");
+    if sh.shape.len() > 64 {
+        return Err(format!(
+            "shape {:?} at '{}' has too many dimensions",
+            sh.shape,
+            at()
+        ));
+    }
+    let first = sh.shards.first();
+    if let Some(f) = first {
+        let whole = itemsize(f.array.lib, &f.array.dtype)
+            .and_then(|item| sh.shape.iter().try_fold(item, |acc, &d| acc.checked_mul(d)));
+        if !whole.is_some_and(|n| n <= i64::MAX as u64) {
+            return Err(format!(
+                "shape {:?} at '{}' is not one an array can have",
+                sh.shape,
+                at()
+            ));
+        }
+    }
+    for p in &sh.shards {
+        validate_array(&p.array, path)?;
+        let a = &p.array;
+        if first.is_some_and(|f| f.array.lib != a.lib || f.array.dtype != a.dtype) {
+            return Err(format!(
+                "the pieces of the sharded array at '{}' differ in dtype",
+                at()
+            ));
+        }
+        let inside = p.offset.len() == sh.shape.len()
+            && a.shape.len() == sh.shape.len()
+            && p.offset
+                .iter()
+                .zip(&a.shape)
+                .zip(&sh.shape)
+                .all(|((&o, &n), &whole)| o.checked_add(n).is_some_and(|end| end <= whole));
+        if !inside {
+            return Err(format!(
+                "a piece at offset {:?} of shape {:?} does not lie inside the sharded array of shape {:?} at '{}'",
+                p.offset, a.shape, sh.shape, at()
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The torch dtypes the format holds (the name after `torch.`) and their

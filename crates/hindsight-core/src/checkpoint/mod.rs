@@ -11,11 +11,13 @@ pub mod format;
 pub mod layout;
 pub mod location;
 pub mod naming;
+pub mod parts;
 pub mod replica;
 pub mod retention;
 #[cfg(feature = "s3")]
 pub mod s3;
 pub mod save;
+pub mod shard;
 pub mod storage;
 pub mod store;
 pub mod upload;

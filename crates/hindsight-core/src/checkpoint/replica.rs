@@ -10,7 +10,9 @@ use std::sync::{Arc, OnceLock};
 
 use crate::checkpoint::format::{Manifest, Node};
 use crate::checkpoint::naming::{self, CheckpointId};
+use crate::checkpoint::parts::Region;
 use crate::checkpoint::retention::{self, Entry, Retention};
+use crate::checkpoint::shard;
 use crate::checkpoint::store::{DescribeRow, GcReport, Problem, Store, StoreOptions, Usage};
 use crate::checkpoint::upload::Uploader;
 use crate::checkpoint::writer::{Cancel, Writer, WriterOptions};
@@ -186,11 +188,16 @@ impl Replica {
                 })?;
             let err = match store.read_blobs(name, &node, path, threads, cancel) {
                 Ok(buffers) => {
+                    // Sharded arrays come back whole (a load on one process).
+                    let (node, buffers) = shard::consolidate(node, buffers).map_err(|d| {
+                        Error::corrupt(store.storage().manifest_path(name), d)
+                            .in_checkpoint(name, &path.join("/"))
+                    })?;
                     return Ok(ReadTree {
                         manifest,
                         node,
                         buffers,
-                    })
+                    });
                 }
                 Err(e @ (Error::Corrupt { .. } | Error::NotFound { .. })) => e,
                 Err(e) => return Err(e),
@@ -216,6 +223,41 @@ impl Replica {
                 "checkpoint '{name}' was replaced by another process {ATTEMPTS} times while loading; load again"
             )),
         })
+    }
+
+    /// The box (`offset`, `shape`) of the array at `path` of checkpoint
+    /// `name` ([`Store::read_region`]).
+    pub fn read_region(
+        &self,
+        name: &str,
+        path: &[String],
+        offset: &[u64],
+        shape: &[u64],
+        threads: usize,
+        cancel: Cancel<'_>,
+    ) -> Result<Region> {
+        self.holder(name)?
+            .read_region(name, path, offset, shape, threads, cancel)
+    }
+
+    /// Commit the parts `world` ranks saved of `name` as one checkpoint
+    /// ([`Store::commit_parts`]). Not in local-first mode: each node's
+    /// parts would sit on its own disk, where no one rank can merge them.
+    pub fn commit_parts(
+        &self,
+        name: &str,
+        world: u64,
+        timeout: std::time::Duration,
+        cancel: Cancel<'_>,
+    ) -> Result<Manifest> {
+        if self.destination.is_some() && world > 1 {
+            return Err(Error::invalid(
+                "local_first",
+                "a checkpoint saved by several ranks needs one store they all reach; \
+                 local-first mode keeps each rank's part on its own disk",
+            ));
+        }
+        self.primary.commit_parts(name, world, timeout, cancel)
     }
 
     /// Remove a checkpoint. Local-first: locally first, then at the

@@ -230,8 +230,11 @@ impl Store {
         self.storage.location()
     }
 
+    /// The committed checkpoints (not the parts of multi-rank saves in flight).
     pub fn list(&self) -> Result<Vec<String>> {
-        self.storage.list_manifests()
+        let mut names = self.storage.list_manifests()?;
+        names.retain(|n| !crate::checkpoint::shard::is_part(n));
+        Ok(names)
     }
 
     pub fn manifest(&self, name: &str) -> Result<Manifest> {
@@ -589,7 +592,9 @@ impl Store {
     /// those still the same are not read again (gc's second pass).
     fn referenced(&self, seen: Option<&HashMap<String, blake3::Hash>>) -> Result<Referenced> {
         let mut r = Referenced::default();
-        for name in &self.list()? {
+        // Every manifest, parts of multi-rank saves included: their chunks
+        // are live until the merged manifest that references them commits.
+        for name in &self.storage.list_manifests()? {
             if let Err(e) = format::validate_name(name) {
                 // Not a checkpoint any tool could load or remove (put there by
                 // hand): no chunk of it is protected. Named once.
@@ -880,6 +885,19 @@ fn describe_node(node: &Node, path: &mut Vec<String>, rows: &mut Vec<(String, St
                 key,
                 format!("{lib} {}[{}]", a.dtype, shape.join(",")),
                 a.data.nbytes,
+            ));
+        }
+        Node::Sharded(sh) => {
+            let shape: Vec<String> = sh.shape.iter().map(|d| d.to_string()).collect();
+            let dtype = sh.shards.first().map_or("?", |p| p.array.dtype.as_str());
+            rows.push((
+                key,
+                format!(
+                    "tensor {dtype}[{}] in {} pieces",
+                    shape.join(","),
+                    sh.shards.len()
+                ),
+                sh.shards.iter().map(|p| p.array.data.nbytes).sum(),
             ));
         }
         Node::Bytes(b) => rows.push((key, "bytes".into(), b.nbytes)),
