@@ -69,8 +69,8 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> object:
     # `hs.data` (the input service) loads on first use.
-    if name == "data":
+    if name in ("data", "dist"):
         import importlib
 
-        return importlib.import_module("hindsight.data")
+        return importlib.import_module(f"hindsight.{name}")
     raise AttributeError(f"module 'hindsight' has no attribute {name!r}")

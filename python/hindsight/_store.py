@@ -147,11 +147,23 @@ class Store:
         for host memory, on the device for device memory), so writes that
         bypass the counter (``.data``, numpy views, shared storages) are saved.
         """
-        self._check_owner()
-
         def describe(obj: Any, key: str) -> Any:
             return self._describe(obj, key, allow_pickle)
 
+        return self._save_described(name, state, describe, meta=meta, skip_unchanged=skip_unchanged)
+
+    def _save_described(
+        self,
+        name: str,
+        state: Any,
+        describe: Any,
+        *,
+        meta: Mapping[str, object] | None,
+        skip_unchanged: bool,
+    ) -> SaveHandle:
+        """`save` with the answer for objects the tree walk does not know
+        given by ``describe(obj, key)`` (`hindsight.dist` adds DTensors)."""
+        self._check_owner()
         meta_s = {str(k): str(v) for k, v in (meta or {}).items()}
         copies = self._copies
         copies.begin(state)

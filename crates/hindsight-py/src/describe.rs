@@ -29,12 +29,16 @@ pub(crate) struct ArrayView {
     pub(crate) host: bool,
     /// torch's version counter (None: numpy, no counter).
     pub(crate) version: Option<i64>,
+    /// A piece of a sharded array (a DTensor's local shard): the whole
+    /// array's shape and where this piece starts in it.
+    pub(crate) global_shape: Option<Vec<u64>>,
+    pub(crate) offset: Option<Vec<u64>>,
 }
 
 #[pymethods]
 impl ArrayView {
     #[new]
-    #[pyo3(signature = (*, lib, dtype, shape, ptr, nbytes, owner, device, host, version=None))]
+    #[pyo3(signature = (*, lib, dtype, shape, ptr, nbytes, owner, device, host, version=None, global_shape=None, offset=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         lib: String,
@@ -46,6 +50,8 @@ impl ArrayView {
         device: String,
         host: bool,
         version: Option<i64>,
+        global_shape: Option<Vec<u64>>,
+        offset: Option<Vec<u64>>,
     ) -> Self {
         ArrayView {
             lib,
@@ -57,6 +63,8 @@ impl ArrayView {
             device,
             host,
             version,
+            global_shape,
+            offset,
         }
     }
 }

@@ -12,6 +12,7 @@ mod project;
 mod runs;
 mod session;
 mod settings;
+mod shards;
 mod state_check;
 mod tree;
 
@@ -413,6 +414,47 @@ impl Store {
         )
     }
 
+    /// The box (`offset`, `shape`) of the array at key path `path` of
+    /// checkpoint `name`, whole or sharded: only the overlapping chunks are
+    /// read, each verified.
+    #[pyo3(signature = (name, path, offset, shape, threads=None))]
+    fn read_region(
+        &self,
+        py: Python<'_>,
+        name: String,
+        path: Vec<String>,
+        offset: Vec<u64>,
+        shape: Vec<u64>,
+        threads: Option<usize>,
+    ) -> PyResult<shards::Region> {
+        let threads = threads.unwrap_or_else(core::checkpoint::replica::default_read_threads);
+        let r = interrupt::run(py, |intr| {
+            self.replica
+                .read_region(&name, &path, &offset, &shape, threads, &|| intr.check())
+        })?;
+        shards::Region::from_core(py, r)
+    }
+
+    /// Commit the parts `world` ranks saved of `name` as one checkpoint,
+    /// waiting up to `timeout` seconds for them; returns its metadata.
+    fn commit_parts(
+        &self,
+        py: Python<'_>,
+        name: String,
+        world: u64,
+        timeout: f64,
+    ) -> PyResult<BTreeMap<String, String>> {
+        if let Ok(w) = self.writer() {
+            interrupt::run(py, |_| w.flush())?;
+        }
+        let timeout = std::time::Duration::from_secs_f64(timeout.max(0.0));
+        let m = interrupt::run(py, |intr| {
+            self.replica
+                .commit_parts(&name, world, timeout, &|| intr.check())
+        })?;
+        Ok(m.meta)
+    }
+
     /// Complete checkpoints; in local-first mode also those complete only locally.
     fn list(&self, py: Python<'_>) -> PyResult<Vec<String>> {
         interrupt::run(py, |_| self.replica.list())
@@ -644,6 +686,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     runs::register(m)?;
     project::register(m)?;
     settings::register(m)?;
+    shards::register(m)?;
     m.add("FORMAT_VERSION", core::checkpoint::format::FORMAT_VERSION)?;
     m.add(
         "TORCH_DTYPES",

@@ -310,7 +310,25 @@ impl<'a, 'w, 'py> SaveWalk<'a, 'w, 'py> {
         // Anything else: ask the Python layer (torch, numpy, opt-in pickle).
         let d = self.describe.call1((obj, path.join("/")))?;
         if let Ok(a) = d.cast::<ArrayView>() {
-            return self.array(a.get(), path);
+            let a = a.get();
+            let node = self.array(a, path)?;
+            return match (&a.global_shape, &a.offset, node) {
+                (Some(shape), Some(offset), Node::Array(array)) => {
+                    Ok(Node::Sharded(Box::new(core::checkpoint::format::Sharded {
+                        shape: shape.clone(),
+                        shards: vec![core::checkpoint::format::Shard {
+                            offset: offset.clone(),
+                            array: *array,
+                        }],
+                    })))
+                }
+                (None, None, node) => Ok(node),
+                _ => Err(unsupported(
+                    path,
+                    "a piece of a sharded array".into(),
+                    "describe() gave global_shape without offset or the reverse",
+                )),
+            };
         }
         if let Ok(p) = d.cast::<Pickled>() {
             let b = p.get().data.bind(obj.py());

@@ -1,0 +1,331 @@
+"""Checkpoints of ``torch.distributed`` jobs (DDP, FSDP2, DTensor), in a
+:class:`hindsight.Store` every rank reaches.
+
+``save`` is called by every rank. Each rank writes only what it owns:
+
+- the local shards of its DTensors (FSDP2 parameters and optimizer state),
+  with their place in the whole tensor;
+- a share of the replicated plain tensors (DDP's model and optimizer): each
+  is written by one rank, spread so that every rank writes about as much;
+- its own ``rank_state`` (RNG states, a sampler position), kept per rank.
+
+Each rank's part commits once its bytes are durable; ``DistSave.wait`` (on
+every rank) then merges the parts into one manifest, committed last, so a
+checkpoint is listed only when every rank's part is there, the ranks agree on
+every value they share, and the shards tile every tensor. A rank that dies
+mid-save leaves nothing listed.
+
+``load`` reads into the tensors of a live state dict on any number of ranks
+(N→M, one included): each rank reads only the chunks that overlap its
+shards, every byte verified. ``consolidate`` writes one whole state dict
+(safetensors) for inference or export.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hindsight import _native
+from hindsight._store import SaveHandle, Store
+from hindsight.errors import UnsupportedTypeError, about
+
+__all__ = ["DistSave", "Loaded", "consolidate", "load", "save"]
+
+_STATE = "state"
+_RANK_STATE = "rank_state"
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _world(group: Any) -> tuple[int, int]:
+    dist = _torch().distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def _dtensor_type() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return None
+    return DTensor
+
+
+def _local_box(t: Any, key: str) -> tuple[Any, list[int], list[int]]:
+    """A DTensor's local tensor, and the offset and shape of the box of the
+    whole tensor it holds."""
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(isinstance(p, Partial) for p in t.placements):
+        raise about(
+            UnsupportedTypeError(
+                f"the DTensor at key '{key}' has a Partial placement (values still to be reduced); "
+                "redistribute it to Shard or Replicate before saving"
+            ),
+            key_path=key,
+        )
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    local = t.to_local()
+    if list(local.shape) != list(shape):
+        # FSDP2 may pad a local shard; the box is what belongs to the tensor.
+        local = local[tuple(slice(0, n) for n in shape)]
+    return local, [int(o) for o in offset], [int(n) for n in shape]
+
+
+def _walk(obj: Any, key: str, visit: Any) -> Any:
+    """A copy of the tree with each tensor replaced by ``visit(t, key)``
+    (a value, or ``_DROP`` to leave a dict entry out)."""
+    torch = _torch()
+    if isinstance(obj, torch.Tensor):
+        return visit(obj, key)
+    if isinstance(obj, Mapping):
+        out = {}
+        for k, v in obj.items():
+            r = _walk(v, f"{key}/{k}" if key else str(k), visit)
+            if r is not _DROP:
+                out[k] = r
+        return out
+    if isinstance(obj, (list, tuple)):
+        # Entries of a sequence keep their places: every rank writes them.
+        items = [_walk(v, f"{key}/{i}", lambda t, k: visit(t, k, keep=True)) for i, v in enumerate(obj)]
+        return type(obj)(items) if isinstance(obj, list) else tuple(items)
+    return obj
+
+
+_DROP = object()
+
+
+@dataclass
+class DistSave:
+    """A save in flight on every rank; ``wait`` (called by every rank, like
+    the save) returns once the checkpoint is committed."""
+
+    store: Store
+    name: str
+    rank: int
+    world: int
+    part: SaveHandle
+    group: Any
+    #: Bytes of tensors this rank wrote (its shards and replicated share).
+    nbytes: int
+    _done: bool = False
+
+    def wait(self, timeout: float = 600.0) -> None:
+        if self._done:
+            return
+        self._done = True
+        err: str | None = None
+        try:
+            self.part.wait()
+            if self.rank == 0:
+                self.store._native.commit_parts(self.name, self.world, timeout)
+        except Exception as e:  # every rank must hear of it, not only this one
+            err = f"rank {self.rank}: {type(e).__name__}: {e}"
+            if self.world == 1:
+                raise
+        if self.world > 1:
+            dist = _torch().distributed
+            errs: list[Any] = [None] * self.world
+            dist.all_gather_object(errs, err, group=self.group)
+            failed = [e for e in errs if e]
+            if failed:
+                from hindsight.errors import HindsightError
+
+                raise HindsightError(f"checkpoint '{self.name}' was not committed: " + "; ".join(failed))
+
+
+_pending: dict[tuple[int, str], DistSave] = {}
+
+
+def save(
+    store: Store,
+    name: str,
+    state: Any,
+    *,
+    rank_state: Any = None,
+    meta: Mapping[str, object] | None = None,
+    group: Any = None,
+) -> DistSave:
+    """Save ``state`` (the same tree on every rank: a model's and optimizer's
+    state dicts) as checkpoint ``name``, from every rank of ``group``.
+
+    Returns once this rank's bytes are copied; call ``wait()`` on every rank
+    to know it is committed (the next ``save`` on the store waits for the
+    previous one first). ``rank_state`` is kept per rank and given back by
+    ``load`` on the same world size.
+    """
+    torch = _torch()
+    DTensor = _dtensor_type()
+    rank, world = _world(group)
+    prev = _pending.pop((id(store), store.path), None)
+    if prev is not None:
+        prev.wait()
+
+    # Which rank writes each replicated plain tensor: the same plan on every rank.
+    replicated: list[tuple[str, Any]] = []
+
+    def collect(t: Any, key: str, keep: bool = False) -> Any:
+        if DTensor is None or not isinstance(t, DTensor):
+            replicated.append((key, t))
+        return t
+
+    _walk(state, "", collect)
+    plan = _native.plan_replicated(
+        [f"{k}|{t.dtype}|{tuple(t.shape)}" for k, t in replicated],
+        [t.numel() * t.element_size() for _, t in replicated],
+        world,
+    )
+    owner = {k: o for (k, _), o in zip(replicated, plan.owners, strict=True)}
+    written = 0
+    pieces: dict[int, tuple[list[int], list[int]]] = {}
+
+    def mine(t: Any, key: str, keep: bool = False) -> Any:
+        nonlocal written
+        if DTensor is not None and isinstance(t, DTensor):
+            local, offset, shape = _local_box(t, key)
+            pieces[id(local)] = (list(t.shape), offset)
+            written += local.numel() * local.element_size()
+            return local
+        if owner.get(key, 0) == rank or keep:
+            if owner.get(key, 0) == rank:
+                written += t.numel() * t.element_size()
+            return t
+        return _DROP
+
+    part_state = _walk(state, "", mine)
+    tree = {_STATE: part_state, _RANK_STATE: {rank: rank_state}}
+
+    def describe(obj: Any, key: str) -> Any:
+        view = store._describe(obj, key, False)
+        where = pieces.get(id(obj))
+        if where is None or not isinstance(view, _native.ArrayView):
+            return view
+        return _native.ArrayView(
+            lib=view.lib,
+            dtype=view.dtype,
+            shape=view.shape,
+            ptr=view.ptr,
+            nbytes=view.nbytes,
+            owner=view.owner,
+            device=view.device,
+            host=view.host,
+            version=view.version,
+            global_shape=where[0],
+            offset=where[1],
+        )
+
+    meta_s: dict[str, object] = dict(meta or {})
+    meta_s[_native.META_REPLICATED] = plan.digest
+    part = _native.part_name(name, rank, world)
+    with torch.no_grad():
+        h = store._save_described(part, tree, describe, meta=meta_s, skip_unchanged=True)
+    ds = DistSave(store, name, rank, world, h, group, written)
+    _pending[(id(store), store.path)] = ds
+    return ds
+
+
+@dataclass
+class Loaded:
+    """What ``load`` gives back besides the tensors it filled in place."""
+
+    #: The state tree: the live tensors (now holding the checkpoint's
+    #: values) and the checkpoint's plain values.
+    state: Any
+    #: This rank's ``rank_state`` when the world size is the saved one, else None.
+    rank_state: Any
+    #: How many ranks saved the checkpoint.
+    saved_world: int
+
+
+def load(store: Store, name: str, state: Any, *, group: Any = None) -> Loaded:
+    """Load checkpoint ``name`` into the tensors of ``state`` in place, on
+    any number of ranks: a DTensor receives the box of the whole tensor its
+    local shard holds, a plain tensor the whole tensor. Only the chunks
+    overlapping what this rank holds are read, and each is verified.
+    Plain values (ints, lists of hyperparameters) come from the checkpoint
+    in the returned ``Loaded.state``."""
+    torch = _torch()
+    DTensor = _dtensor_type()
+    rank, world = _world(group)
+    info = store.info(name)
+    saved_world = int(info["meta"].get(_native.META_WORLD, "1"))
+
+    def fill(t: Any, key: str) -> Any:
+        target = t
+        if DTensor is not None and isinstance(t, DTensor):
+            target, offset, shape = _local_box(t, key)
+        else:
+            offset, shape = [0] * t.dim(), list(t.shape)
+        keys = [_STATE, *key.split("/")] if key else [_STATE]
+        region = store._native.read_region(name, keys, offset, shape)
+        if region.dtype != str(target.dtype).removeprefix("torch."):
+            raise about(
+                UnsupportedTypeError(
+                    f"checkpoint '{name}' holds {region.dtype} at key '{key}', the live tensor is {target.dtype}"
+                ),
+                checkpoint=name,
+                key_path=key,
+            )
+        if target.numel():
+            with torch.no_grad():
+                target.copy_(torch.frombuffer(region.data, dtype=target.dtype).reshape(target.shape))
+        return t
+
+    def walk(obj: Any, key: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return fill(obj, key)
+        if not _has_tensor(obj):
+            return store.load(name, path=[_STATE, *key.split("/")] if key else [_STATE])
+        if isinstance(obj, Mapping):
+            return {k: walk(v, f"{key}/{k}" if key else str(k)) for k, v in obj.items()}
+        items = [walk(v, f"{key}/{i}") for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
+
+    out = walk(state, "")
+    rank_state = None
+    if saved_world == world:
+        rank_state = store.load(name, path=[_RANK_STATE, str(rank)], allow_pickle=False)
+    return Loaded(out, rank_state, saved_world)
+
+
+def _has_tensor(obj: Any) -> bool:
+    torch = _torch()
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, Mapping):
+        return any(_has_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_tensor(v) for v in obj)
+    return False
+
+
+def consolidate(store: Store, name: str, out: str | os.PathLike[str]) -> dict[str, Any]:
+    """Write the whole tensors of checkpoint ``name`` (however many ranks
+    saved it) to one safetensors file, keys joined with "."; returns them."""
+    from safetensors.torch import save_file
+
+    torch = _torch()
+    flat: dict[str, Any] = {}
+
+    def put(obj: Any, key: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            flat[key] = obj.contiguous()
+        elif isinstance(obj, Mapping):
+            for k, v in obj.items():
+                put(v, f"{key}.{k}" if key else str(k))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                put(v, f"{key}.{i}")
+
+    put(store.load(name, path=[_STATE]), "")
+    save_file(flat, os.fspath(out))
+    return flat
