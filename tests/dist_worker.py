@@ -30,9 +30,7 @@ SAVE_AT = int(sys.argv[5]) if len(sys.argv) > 5 else 3
 
 def model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 5)
-    )
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 5))
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,8 @@ __all__ = [
     "DEVICE_FP_BLOCK_WORDS",
     "EXIT_DIVERGED",
     "FORMAT_VERSION",
+    "META_REPLICATED",
+    "META_WORLD",
     "STATE_ORIGIN_KEY",
     "TORCH_DTYPES",
     "AbandonedError",
@@ -60,11 +62,13 @@ __all__ = [
     "Progress",
     "ProjectPaths",
     "RecordSession",
+    "Region",
     "ReplayCheck",
     "ReplayError",
     "ReplayPlan",
     "ReplaySession",
     "ReplayThreads",
+    "ReplicaPlan",
     "Retention",
     "SaveHandle",
     "Setting",
@@ -94,6 +98,8 @@ __all__ = [
     "device_fingerprint_of",
     "device_fingerprint_table",
     "parse_date",
+    "part_name",
+    "plan_replicated",
     "project_paths",
     "refuse_several_ranks",
     "replay_threads",
@@ -206,6 +212,15 @@ class Store:
         threads: int | None = None,
     ) -> Any: ...
     def list(self) -> builtins.list[str]: ...
+    def read_region(
+        self,
+        name: str,
+        path: builtins.list[str],
+        offset: builtins.list[int],
+        shape: builtins.list[int],
+        threads: int | None = None,
+    ) -> Region: ...
+    def commit_parts(self, name: str, world: int, timeout: float) -> dict[str, str]: ...
     def info(self, name: str) -> dict[str, Any]: ...
     def flush(self, timeout: float | None = None) -> bool: ...
     def remove(self, name: str) -> None: ...
@@ -608,7 +623,13 @@ class ArrayView:
         device: str,
         host: bool,
         version: int | None = None,
+        global_shape: list[int] | None = None,
+        offset: list[int] | None = None,
     ) -> Self: ...
+    @property
+    def global_shape(self) -> list[int] | None: ...
+    @property
+    def offset(self) -> list[int] | None: ...
     @property
     def lib(self) -> str: ...
     @property
@@ -993,3 +1014,31 @@ class NoDataWorkersError(DataError):
 
 class DataServiceError(DataError):
     """A call inside the input service failed in a way no retry fixes."""
+
+@final
+class Region:
+    """A box of an array read from a checkpoint (row-major bytes)."""
+
+    @property
+    def lib(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> list[int]: ...
+    @property
+    def data(self) -> Buffer: ...
+
+@final
+class ReplicaPlan:
+    """Which rank writes each replicated item, and their digest."""
+
+    @property
+    def owners(self) -> list[int]: ...
+    @property
+    def digest(self) -> str: ...
+
+def plan_replicated(items: list[str], sizes: list[int], world: int) -> ReplicaPlan: ...
+def part_name(name: str, rank: int, world: int) -> str: ...
+
+META_REPLICATED: str
+META_WORLD: str

@@ -147,6 +147,7 @@ class Store:
         for host memory, on the device for device memory), so writes that
         bypass the counter (``.data``, numpy views, shared storages) are saved.
         """
+
         def describe(obj: Any, key: str) -> Any:
             return self._describe(obj, key, allow_pickle)
 

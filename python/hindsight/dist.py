@@ -191,7 +191,7 @@ def save(
     def mine(t: Any, key: str, keep: bool = False) -> Any:
         nonlocal written
         if DTensor is not None and isinstance(t, DTensor):
-            local, offset, shape = _local_box(t, key)
+            local, offset, _ = _local_box(t, key)
             pieces[id(local)] = (list(t.shape), offset)
             written += local.numel() * local.element_size()
             return local

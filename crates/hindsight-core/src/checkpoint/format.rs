@@ -662,7 +662,7 @@ fn validate_sharded(sh: &Sharded, path: &[String]) -> Result<(), String> {
     if let Some(f) = first {
         let whole = itemsize(f.array.lib, &f.array.dtype)
             .and_then(|item| sh.shape.iter().try_fold(item, |acc, &d| acc.checked_mul(d)));
-        if !whole.is_some_and(|n| n <= i64::MAX as u64) {
+        if whole.is_none_or(|n| n > i64::MAX as u64) {
             return Err(format!(
                 "shape {:?} at '{}' is not one an array can have",
                 sh.shape,

@@ -717,7 +717,10 @@ mod tests {
         )
     }
 
-    fn arb_case() -> impl Strategy<Value = (Vec<u64>, Vec<Vec<u64>>, Vec<u64>, Vec<u64>, usize)> {
+    /// (whole shape, cuts per dimension, region offset and extent seeds, chunk size).
+    type Case = (Vec<u64>, Vec<Vec<u64>>, Vec<u64>, Vec<u64>, usize);
+
+    fn arb_case() -> impl Strategy<Value = Case> {
         (1usize..=3).prop_flat_map(|d| {
             (
                 prop::collection::vec(1u64..9, d),
