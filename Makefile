@@ -96,6 +96,10 @@ bench: develop-release ## Benchmarks: checkpoints vs torch.save/load, record ove
 bench-data: develop-release ## Input service: hs.data.Loader vs DataLoader examples/s, a worker killed (bench-out/data_failover.png), journal replay
 	$(PY) benches/bench_data.py
 
+.PHONY: bench-dist
+bench-dist: develop-release ## Multi-rank checkpoints (torchrun, gloo, 2 and 4 ranks, FSDP2): hindsight.dist vs DCP save/async_save/load, resharding 2->4
+	cd benches && $(PY) bench_dist.py
+
 # On a GPU machine with no network and no Rust (the lent device machines):
 # `make wheel` here, install dist/*.whl there, then run there
 # `make bench-gpu test-cuda PY=python3 NOBUILD=1`.
