@@ -7,7 +7,9 @@ loads through `hindsight.dist`, and writes what the test compares.
 MODE: ddp-train (train STEPS, save at SAVE_AT, write final weights),
 ddp-resume (load SAVE_AT's checkpoint, train to STEPS), fsdp-train,
 fsdp-load (load on this world size, write the whole tensors),
-die-mid-save (rank 1 is killed with SIGKILL right after its save starts).
+die-mid-save (rank 1 is killed with SIGKILL right after its save starts),
+ddp-preempt (DDP with hsd.StopOnSignal: resumes the latest checkpoint,
+trains slowly to STEPS; a signal makes every rank save and exit 85).
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ def main() -> None:
         fully_shard(m)
     opt = torch.optim.AdamW(m.parameters(), lr=0.01)
     start = 0
+    if MODE == "ddp-preempt":
+        preempt(store, m, opt, rank, world)
+        return
     if MODE in ("ddp-resume", "fsdp-load"):
         state = {"model": m.state_dict(), "optim": opt.state_dict(), "step": 0}
         if MODE == "fsdp-load":
@@ -92,6 +97,33 @@ def main() -> None:
             if rank == 0:
                 torch.save({"model": whole}, OUT / f"at-{step}.pt")
         train_step(m, opt, step, rank)
+    whole = full(m.state_dict())
+    if rank == 0:
+        torch.save({"model": whole}, OUT / f"final-{MODE}-{world}.pt")
+    dist.destroy_process_group()
+
+
+def preempt(store: hs.Store, m: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, world: int) -> None:
+    import time
+
+    (OUT / f"pid-{rank}").write_text(str(os.getpid()))
+    start = 0
+    done = sorted(store.list(), key=lambda n: int(n.split("-")[1]))
+    if done:
+        got = hsd.load(store, done[-1], {"model": m.state_dict(), "optim": opt.state_dict(), "step": 0})
+        m.load_state_dict(got.state["model"])
+        opt.load_state_dict(got.state["optim"])
+        start = got.state["step"]
+        torch.set_rng_state(got.rank_state["rng"])
+        (OUT / f"resumed-{rank}").write_text(str(start))
+    with hsd.StopOnSignal() as stop:
+        for step in range(start, STEPS):
+            if stop.agreed():
+                state = {"model": m.state_dict(), "optim": opt.state_dict(), "step": step}
+                hsd.save(store, f"ck-{step}", state, rank_state={"rng": torch.get_rng_state()}).wait(timeout=60)
+                stop.leave(f"ck-{step}")
+            train_step(m, opt, step, rank)
+            time.sleep(0.1)
     whole = full(m.state_dict())
     if rank == 0:
         torch.save({"model": whole}, OUT / f"final-{MODE}-{world}.pt")

@@ -7,9 +7,12 @@ nothing listed. The worker is tests/dist_worker.py."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,28 +23,34 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 
 
 def torchrun(
-    n: int, mode: str, store: Path, out: Path, steps: int = 6, save_at: int = 3
-) -> subprocess.CompletedProcess[str]:
+    n: int,
+    mode: str,
+    store: Path,
+    out: Path,
+    steps: int = 6,
+    save_at: int = 3,
+    wait: bool = True,
+    launcher: str = "torch.distributed.run",
+) -> Any:
+    """`torchrun --nproc_per_node=n dist_worker.py ...`: its result, or the
+    running process when not ``wait``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={n}",
-            str(WORKER),
-            mode,
-            str(store),
-            str(out),
-            str(steps),
-            str(save_at),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    cmd = [
+        sys.executable,
+        "-m",
+        launcher,
+        "--standalone",
+        f"--nproc_per_node={n}",
+        str(WORKER),
+        mode,
+        str(store),
+        str(out),
+        str(steps),
+        str(save_at),
+    ]
+    if not wait:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -94,3 +103,39 @@ def test_a_rank_killed_mid_save_leaves_no_checkpoint_listed(tmp_path: Path) -> N
     r = torchrun(2, "fsdp-train", store, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert s.list() == ["ck-3"]
+
+
+@pytest.mark.parametrize(
+    ("sig", "to"), [(signal.SIGTERM, "rank 1"), (signal.SIGUSR1, "rank 1"), (signal.SIGTERM, "torchrun")]
+)
+def test_a_signal_to_one_rank_or_the_launcher_stops_every_rank_at_the_same_step_and_the_job_resumes_exactly(
+    tmp_path: Path, sig: int, to: str
+) -> None:
+    steps = 30
+    r = torchrun(2, "ddp-train", tmp_path / "reference", tmp_path, steps=steps, save_at=steps)
+    assert r.returncode == 0, r.stderr[-3000:]
+    store = tmp_path / "store"
+    p = torchrun(2, "ddp-preempt", store, tmp_path, steps=steps, wait=False, launcher="hindsight.torchrun")
+    pid1 = tmp_path / "pid-1"
+    deadline = time.monotonic() + 120
+    while not pid1.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)  # some steps in
+    os.kill(int(pid1.read_text()) if to == "rank 1" else p.pid, sig)
+    _, err = p.communicate(timeout=240)
+    if to == "rank 1":
+        # Both ranks left with the checkpoint exit code, and so does the launcher.
+        assert "every rank that stopped (2) exited with the checkpoint code 85" in err, err[-3000:]
+        assert p.returncode == 85, err[-3000:]
+    else:
+        # torchrun passed its SIGTERM to every rank; it exits on its own terms
+        # (its SignalException), after the ranks checkpointed.
+        assert err.count("checkpointed ck-") == 1, err[-3000:]
+    s = hs.Store(store)
+    (name,) = s.list()
+    stopped = int(name.split("-")[1])
+    assert 0 < stopped < steps
+    r = torchrun(2, "ddp-preempt", store, tmp_path, steps=steps)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "resumed-0").read_text() == (tmp_path / "resumed-1").read_text() == str(stopped)
+    assert_equal(weights(tmp_path / "final-ddp-preempt-2.pt"), weights(tmp_path / "final-ddp-train-2.pt"))

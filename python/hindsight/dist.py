@@ -26,13 +26,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
-from hindsight import _native
+from hindsight import _native, _preemption
 from hindsight._store import SaveHandle, Store
 from hindsight.errors import UnsupportedTypeError, about
 
-__all__ = ["DistSave", "Loaded", "consolidate", "load", "save"]
+__all__ = ["DistSave", "Loaded", "StopOnSignal", "consolidate", "load", "save"]
 
 _STATE = "state"
 _RANK_STATE = "rank_state"
@@ -329,3 +329,68 @@ def consolidate(store: Store, name: str, out: str | os.PathLike[str]) -> dict[st
     put(store.load(name, path=[_STATE]), "")
     save_file(flat, os.fspath(out))
     return flat
+
+
+class StopOnSignal:
+    """Preemption for the whole job: a SIGTERM or SIGUSR1 that reaches any
+    rank (``torchrun`` passes its own SIGTERM to every rank) stops every
+    rank at the same step boundary.
+
+    ``agreed()`` is a collective that every rank calls at each step
+    boundary (one all_reduce of one integer; ``make bench-dist`` measures
+    it). It returns True on every rank once any rank has received a signal;
+    then save with :func:`save`, ``wait()``, and call ``leave(name)``: every
+    rank exits with the checkpoint exit code (85, or the batch system's).
+    Use it as a context manager to put the previous handlers back.
+    """
+
+    def __init__(self, group: Any = None, *, catch_sigint: bool = False, requeue: bool | None = None) -> None:
+        self.group = group
+        self.signum: int | None = None
+        self._requeue = _preemption.requeue_default() if requeue is None else requeue
+        self._signals = _preemption.StopSignals(catch_sigint)
+        self._signals.install()
+
+    def agreed(self) -> bool:
+        torch = _torch()
+        _, world = _world(self.group)
+        local = self._signals.received or 0
+        if world > 1:
+            dist = torch.distributed
+            device = "cpu"
+            if dist.get_backend(self.group) == "nccl":
+                device = f"cuda:{torch.cuda.current_device()}"
+            t = torch.tensor([local], dtype=torch.int64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            local = int(t.item())
+        if local:
+            self.signum = local
+        return bool(local)
+
+    def leave(self, checkpoint: str, code: int | None = None) -> NoReturn:
+        """Exit every rank with the checkpoint exit code once ``checkpoint``
+        is committed (rank 0 says so, and requeues a Slurm job if asked)."""
+        import signal
+        import threading
+
+        rank, _ = _world(self.group)
+        self._signals.restore()
+        if threading.current_thread() is threading.main_thread():
+            # The first rank to exit makes torchrun stop the others with
+            # SIGTERM: they are leaving with the checkpoint committed, so
+            # that signal must not turn their exit code into -15.
+            for sig in _preemption.signals(False):
+                signal.signal(sig, signal.SIG_IGN)
+        dist = _torch().distributed
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        _preemption.leave(self.signum, checkpoint, code, requeue=self._requeue and rank == 0, announce=rank == 0)
+
+    def close(self) -> None:
+        self._signals.restore()
+
+    def __enter__(self) -> StopOnSignal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
