@@ -63,6 +63,7 @@ __all__ = [
     "ProjectPaths",
     "RecordSession",
     "Region",
+    "RegionRequest",
     "ReplayCheck",
     "ReplayError",
     "ReplayPlan",
@@ -212,14 +213,9 @@ class Store:
         threads: int | None = None,
     ) -> Any: ...
     def list(self) -> builtins.list[str]: ...
-    def read_region(
-        self,
-        name: str,
-        path: builtins.list[str],
-        offset: builtins.list[int],
-        shape: builtins.list[int],
-        threads: int | None = None,
-    ) -> Region: ...
+    def read_regions(
+        self, name: str, wanted: builtins.list[RegionRequest], threads: int | None = None
+    ) -> builtins.list[Region]: ...
     def commit_parts(self, name: str, world: int, timeout: float) -> dict[str, str]: ...
     def info(self, name: str) -> dict[str, Any]: ...
     def flush(self, timeout: float | None = None) -> bool: ...
@@ -1027,6 +1023,18 @@ class Region:
     def shape(self) -> list[int]: ...
     @property
     def data(self) -> Buffer: ...
+
+@final
+class RegionRequest:
+    """Which box of which array to read."""
+
+    def __new__(cls, *, path: list[str], offset: list[int], shape: list[int]) -> Self: ...
+    @property
+    def path(self) -> list[str]: ...
+    @property
+    def offset(self) -> list[int]: ...
+    @property
+    def shape(self) -> list[int]: ...
 
 @final
 class ReplicaPlan:

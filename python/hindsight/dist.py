@@ -259,6 +259,11 @@ def load(store: Store, name: str, state: Any, *, group: Any = None) -> Loaded:
     info = store.info(name)
     saved_world = int(info["meta"].get(_native.META_WORLD, "1"))
 
+    # Every box this rank holds, read in one call (one manifest read, all
+    # chunks on the engine's threads), then copied into place.
+    targets: list[tuple[Any, str]] = []
+    wanted: list[Any] = []
+
     def fill(t: Any, key: str) -> Any:
         target = t
         if DTensor is not None and isinstance(t, DTensor):
@@ -266,18 +271,8 @@ def load(store: Store, name: str, state: Any, *, group: Any = None) -> Loaded:
         else:
             offset, shape = [0] * t.dim(), list(t.shape)
         keys = [_STATE, *key.split("/")] if key else [_STATE]
-        region = store._native.read_region(name, keys, offset, shape)
-        if region.dtype != str(target.dtype).removeprefix("torch."):
-            raise about(
-                UnsupportedTypeError(
-                    f"checkpoint '{name}' holds {region.dtype} at key '{key}', the live tensor is {target.dtype}"
-                ),
-                checkpoint=name,
-                key_path=key,
-            )
-        if target.numel():
-            with torch.no_grad():
-                target.copy_(torch.frombuffer(region.data, dtype=target.dtype).reshape(target.shape))
+        targets.append((target, key))
+        wanted.append(_native.RegionRequest(path=keys, offset=offset, shape=shape))
         return t
 
     def walk(obj: Any, key: str) -> Any:
@@ -291,6 +286,19 @@ def load(store: Store, name: str, state: Any, *, group: Any = None) -> Loaded:
         return items if isinstance(obj, list) else tuple(items)
 
     out = walk(state, "")
+    regions = store._native.read_regions(name, wanted)
+    with torch.no_grad():
+        for (target, key), region in zip(targets, regions, strict=True):
+            if region.dtype != str(target.dtype).removeprefix("torch."):
+                raise about(
+                    UnsupportedTypeError(
+                        f"checkpoint '{name}' holds {region.dtype} at key '{key}', the live tensor is {target.dtype}"
+                    ),
+                    checkpoint=name,
+                    key_path=key,
+                )
+            if target.numel():
+                target.copy_(torch.frombuffer(region.data, dtype=target.dtype).reshape(target.shape))
     rank_state = None
     if saved_world == world:
         rank_state = store.load(name, path=[_RANK_STATE, str(rank)], allow_pickle=False)

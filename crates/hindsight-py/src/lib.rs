@@ -414,25 +414,26 @@ impl Store {
         )
     }
 
-    /// The box (`offset`, `shape`) of the array at key path `path` of
-    /// checkpoint `name`, whole or sharded: only the overlapping chunks are
-    /// read, each verified.
-    #[pyo3(signature = (name, path, offset, shape, threads=None))]
-    fn read_region(
+    /// Boxes of arrays of checkpoint `name`, whole or sharded: only the
+    /// overlapping chunks are read, each verified, all on `threads` threads.
+    #[pyo3(signature = (name, wanted, threads=None))]
+    fn read_regions(
         &self,
         py: Python<'_>,
         name: String,
-        path: Vec<String>,
-        offset: Vec<u64>,
-        shape: Vec<u64>,
+        wanted: Vec<PyRef<'_, shards::RegionRequest>>,
         threads: Option<usize>,
-    ) -> PyResult<shards::Region> {
+    ) -> PyResult<Vec<shards::Region>> {
         let threads = threads.unwrap_or_else(core::checkpoint::replica::default_read_threads);
-        let r = interrupt::run(py, |intr| {
+        let wanted: Vec<core::checkpoint::parts::RegionRequest> =
+            wanted.iter().map(|w| w.to_core()).collect();
+        let got = interrupt::run(py, |intr| {
             self.replica
-                .read_region(&name, &path, &offset, &shape, threads, &|| intr.check())
+                .read_regions(&name, &wanted, threads, &|| intr.check())
         })?;
-        shards::Region::from_core(py, r)
+        got.into_iter()
+            .map(|r| shards::Region::from_core(py, r))
+            .collect()
     }
 
     /// Commit the parts `world` ranks saved of `name` as one checkpoint,

@@ -33,6 +33,37 @@ impl Region {
     }
 }
 
+/// Which box of which array to read (`Store.read_regions`).
+#[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
+pub(crate) struct RegionRequest {
+    pub(crate) path: Vec<String>,
+    pub(crate) offset: Vec<u64>,
+    pub(crate) shape: Vec<u64>,
+}
+
+#[pymethods]
+impl RegionRequest {
+    #[new]
+    #[pyo3(signature = (*, path, offset, shape))]
+    fn new(path: Vec<String>, offset: Vec<u64>, shape: Vec<u64>) -> Self {
+        RegionRequest {
+            path,
+            offset,
+            shape,
+        }
+    }
+}
+
+impl RegionRequest {
+    pub(crate) fn to_core(&self) -> core::checkpoint::parts::RegionRequest {
+        core::checkpoint::parts::RegionRequest {
+            path: self.path.clone(),
+            offset: self.offset.clone(),
+            shape: self.shape.clone(),
+        }
+    }
+}
+
 /// Which rank writes each replicated item, and the digest every rank's part
 /// carries so the commit can check that the ranks saw the same items.
 #[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
@@ -59,6 +90,7 @@ fn part_name(name: &str, rank: u64, world: u64) -> PyResult<String> {
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Region>()?;
+    m.add_class::<RegionRequest>()?;
     m.add_class::<ReplicaPlan>()?;
     m.add_function(wrap_pyfunction!(plan_replicated, m)?)?;
     m.add_function(wrap_pyfunction!(part_name, m)?)?;

@@ -4,11 +4,20 @@
 
 use std::time::{Duration, Instant};
 
-use crate::checkpoint::format::{ArrayLib, Manifest, Node};
+use crate::checkpoint::format::{ArrayLib, Manifest, Node, Sharded};
 use crate::checkpoint::shard;
 use crate::checkpoint::store::Store;
 use crate::checkpoint::writer::Cancel;
 use crate::error::{Error, Result};
+
+/// Which box of which array to read: the array's key path, and where the
+/// box starts and how far it extends in each dimension.
+#[derive(Clone, Debug)]
+pub struct RegionRequest {
+    pub path: Vec<String>,
+    pub offset: Vec<u64>,
+    pub shape: Vec<u64>,
+}
 
 /// A box of an array read from a checkpoint, row-major.
 #[derive(Debug)]
@@ -92,70 +101,95 @@ impl Store {
         Ok(merged)
     }
 
-    /// The box (`offset`, `shape`) of the array at key path `path` of
-    /// checkpoint `name` (sharded or whole), reading and verifying only the
-    /// chunks of the pieces it overlaps.
-    pub fn read_region(
+    /// Boxes of arrays of checkpoint `name` (sharded or whole), each at a
+    /// key path with an `offset` and `shape`: the manifest is read once,
+    /// and only the chunks of the pieces each box overlaps are read (and
+    /// verified), all together on up to `threads` threads.
+    pub fn read_regions(
         &self,
         name: &str,
-        path: &[String],
-        offset: &[u64],
-        shape: &[u64],
+        wanted: &[RegionRequest],
         threads: usize,
         cancel: Cancel<'_>,
-    ) -> Result<Region> {
+    ) -> Result<Vec<Region>> {
         let manifest = self.manifest(name)?;
-        let node = manifest.root.select(path).ok_or_else(|| Error::NotFound {
-            what: "key path",
-            name: path.join("/"),
-            location: format!("checkpoint '{name}' in store {}", self.location()),
-        })?;
-        let key = path.join("/");
-        let sh = shard::as_sharded(node).ok_or_else(|| {
-            Error::invalid(
-                format!("key path '{key}'"),
-                format!(
-                    "checkpoint '{name}' holds a {} there, not an array",
-                    node.kind()
-                ),
-            )
-        })?;
-        let bad =
-            |d: String| Error::invalid(format!("region of '{key}' in checkpoint '{name}'"), d);
-        let reads = shard::plan(&sh, offset, shape).map_err(bad)?;
-        // One list of the segments of every piece, read (and verified) together.
-        let mut segs: Vec<Vec<(u64, u64)>> = Vec::with_capacity(reads.len());
+        struct Planned {
+            sharded: Sharded,
+            reads: Vec<shard::PieceRead>,
+            /// (first byte in its piece, the blob read) per segment, per piece read.
+            segs: Vec<Vec<u64>>,
+        }
+        let mut planned = Vec::with_capacity(wanted.len());
         let mut items = Vec::new();
-        for r in &reads {
-            let mine = shard::segments(&sh.shards[r.shard].array.data, &r.runs);
-            segs.push(mine.iter().map(|(s, b)| (*s, b.nbytes)).collect());
-            items.extend(mine.into_iter().map(|(_, b)| Node::Bytes(b)));
+        for w in wanted {
+            let key = w.path.join("/");
+            let node = manifest
+                .root
+                .select(&w.path)
+                .ok_or_else(|| Error::NotFound {
+                    what: "key path",
+                    name: key.clone(),
+                    location: format!("checkpoint '{name}' in store {}", self.location()),
+                })?;
+            let sharded = shard::as_sharded(node)
+                .ok_or_else(|| {
+                    Error::invalid(
+                        format!("key path '{key}'"),
+                        format!(
+                            "checkpoint '{name}' holds a {} there, not an array",
+                            node.kind()
+                        ),
+                    )
+                })?
+                .into_owned();
+            let reads = shard::plan(&sharded, &w.offset, &w.shape).map_err(|d| {
+                Error::invalid(format!("region of '{key}' in checkpoint '{name}'"), d)
+            })?;
+            let mut segs = Vec::with_capacity(reads.len());
+            for r in &reads {
+                let mine = shard::segments(&sharded.shards[r.shard].array.data, &r.runs);
+                segs.push(mine.iter().map(|(s, _)| *s).collect());
+                items.extend(mine.into_iter().map(|(_, b)| Node::Bytes(b)));
+            }
+            planned.push(Planned {
+                sharded,
+                reads,
+                segs,
+            });
         }
-        let buffers = self.read_blobs(name, &Node::List(items), path, threads, cancel)?;
-        let first = sh.shards.first().map(|p| &p.array);
-        let (lib, dtype) = first.map_or((ArrayLib::Torch, String::new()), |a| {
-            (a.lib, a.dtype.clone())
-        });
-        let item = crate::checkpoint::format::itemsize(lib, &dtype).unwrap_or(1);
-        let total = usize::try_from(shape.iter().product::<u64>() * item)
-            .ok()
-            .and_then(crate::staging::try_zeroed)
-            .ok_or_else(|| bad("more bytes than can be allocated here".into()))?;
-        let mut data = total;
+        let buffers = self.read_blobs(name, &Node::List(items), &[], threads, cancel)?;
         let mut bufs = buffers.iter();
-        for (r, seg) in reads.iter().zip(&segs) {
-            let view: Vec<(u64, &[u8])> = seg
-                .iter()
-                .map(|(start, _)| (*start, bufs.next().map_or(&[][..], |b| b.as_slice())))
-                .collect();
-            shard::copy_runs(&r.runs, &view, &mut data)
-                .map_err(|d| Error::internal(d.to_string()))?;
+        let mut out = Vec::with_capacity(wanted.len());
+        for (w, p) in wanted.iter().zip(planned) {
+            let first = p.sharded.shards.first().map(|s| &s.array);
+            let (lib, dtype) = first.map_or((ArrayLib::Torch, String::new()), |a| {
+                (a.lib, a.dtype.clone())
+            });
+            let item = crate::checkpoint::format::itemsize(lib, &dtype).unwrap_or(1);
+            let mut data = usize::try_from(w.shape.iter().product::<u64>() * item)
+                .ok()
+                .and_then(crate::staging::try_zeroed)
+                .ok_or_else(|| {
+                    Error::invalid(
+                        format!("region of '{}' in checkpoint '{name}'", w.path.join("/")),
+                        "more bytes than can be allocated here",
+                    )
+                })?;
+            for (r, seg) in p.reads.iter().zip(&p.segs) {
+                let view: Vec<(u64, &[u8])> = seg
+                    .iter()
+                    .map(|start| (*start, bufs.next().map_or(&[][..], |b| b.as_slice())))
+                    .collect();
+                shard::copy_runs(&r.runs, &view, &mut data)
+                    .map_err(|d| Error::internal(d.to_string()))?;
+            }
+            out.push(Region {
+                lib,
+                dtype,
+                shape: w.shape.clone(),
+                data,
+            });
         }
-        Ok(Region {
-            lib,
-            dtype,
-            shape: shape.to_vec(),
-            data,
-        })
+        Ok(out)
     }
 }

@@ -10,7 +10,7 @@ use std::sync::{Arc, OnceLock};
 
 use crate::checkpoint::format::{Manifest, Node};
 use crate::checkpoint::naming::{self, CheckpointId};
-use crate::checkpoint::parts::Region;
+use crate::checkpoint::parts::{Region, RegionRequest};
 use crate::checkpoint::retention::{self, Entry, Retention};
 use crate::checkpoint::shard;
 use crate::checkpoint::store::{DescribeRow, GcReport, Problem, Store, StoreOptions, Usage};
@@ -225,19 +225,16 @@ impl Replica {
         })
     }
 
-    /// The box (`offset`, `shape`) of the array at `path` of checkpoint
-    /// `name` ([`Store::read_region`]).
-    pub fn read_region(
+    /// Boxes of arrays of checkpoint `name` ([`Store::read_regions`]).
+    pub fn read_regions(
         &self,
         name: &str,
-        path: &[String],
-        offset: &[u64],
-        shape: &[u64],
+        wanted: &[RegionRequest],
         threads: usize,
         cancel: Cancel<'_>,
-    ) -> Result<Region> {
+    ) -> Result<Vec<Region>> {
         self.holder(name)?
-            .read_region(name, path, offset, shape, threads, cancel)
+            .read_regions(name, wanted, threads, cancel)
     }
 
     /// Commit the parts `world` ranks saved of `name` as one checkpoint
