@@ -139,3 +139,10 @@ def test_a_signal_to_one_rank_or_the_launcher_stops_every_rank_at_the_same_step_
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "resumed-0").read_text() == (tmp_path / "resumed-1").read_text() == str(stopped)
     assert_equal(weights(tmp_path / "final-ddp-preempt-2.pt"), weights(tmp_path / "final-ddp-train-2.pt"))
+
+
+def test_a_checkpoint_may_not_take_a_parts_name(tmp_path: Path) -> None:
+    s = hs.Store(tmp_path / "store")
+    with pytest.raises(hs.InvalidArgumentError, match="reserved for the parts of multi-rank checkpoints"):
+        s.save("ck@hs-part-00000-of-00002", {"w": torch.zeros(2)})
+    assert s.list() == []

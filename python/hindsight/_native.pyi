@@ -196,6 +196,7 @@ class Store:
         skip_unchanged: bool = True,
         copy_threads: int | None = None,
         handle_out: list[SaveHandle] | None = None,
+        part: bool = False,
     ) -> SaveHandle: ...
     def check_state(
         self,

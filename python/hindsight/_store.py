@@ -161,6 +161,7 @@ class Store:
         *,
         meta: Mapping[str, object] | None,
         skip_unchanged: bool,
+        part: bool = False,
     ) -> SaveHandle:
         """`save` with the answer for objects the tree walk does not know
         given by ``describe(obj, key)`` (`hindsight.dist` adds DTensors)."""
@@ -181,6 +182,7 @@ class Store:
                 skip_unchanged,
                 None,
                 out,
+                part,
             )
             self.last_setup_seconds = h.setup_seconds + copies.setup_seconds
             return h

@@ -227,7 +227,7 @@ def save(
     meta_s[_native.META_REPLICATED] = plan.digest
     part = _native.part_name(name, rank, world)
     with torch.no_grad():
-        h = store._save_described(part, tree, describe, meta=meta_s, skip_unchanged=True)
+        h = store._save_described(part, tree, describe, meta=meta_s, skip_unchanged=True, part=True)
     ds = DistSave(store, name, rank, world, h, group, written)
     _pending[(id(store), store.path)] = ds
     return ds

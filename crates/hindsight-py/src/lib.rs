@@ -227,7 +227,7 @@ impl Store {
     }
 
     /// Snapshot `state` and return at once; the write continues in the background.
-    #[pyo3(signature = (name, state, describe, materialize, before_copy, device_fingerprint, meta=None, skip_unchanged=true, copy_threads=None, handle_out=None))]
+    #[pyo3(signature = (name, state, describe, materialize, before_copy, device_fingerprint, meta=None, skip_unchanged=true, copy_threads=None, handle_out=None, part=false))]
     #[allow(clippy::too_many_arguments)]
     fn save(
         &self,
@@ -242,6 +242,7 @@ impl Store {
         skip_unchanged: bool,
         copy_threads: Option<usize>,
         handle_out: Option<Bound<'_, PyList>>,
+        part: bool,
     ) -> PyResult<Py<SaveHandle>> {
         // Copies and fingerprints are memory-bound: a few threads saturate it.
         let copy_threads = copy_threads.unwrap_or_else(|| {
@@ -255,6 +256,15 @@ impl Store {
             return Err(errors::to_py(e));
         }
         core::checkpoint::format::validate_name(&name).py_err()?;
+        // A rank's part of a multi-rank save (`hindsight.dist`) is named by
+        // core; a checkpoint of its own may not take such a name.
+        if core::checkpoint::shard::is_part(&name) != part {
+            return Err(errors::to_py(if part {
+                Error::internal(format!("'{name}' is not a part's name"))
+            } else {
+                core::checkpoint::shard::reserved(&name)
+            }));
+        }
         let mut cache = if skip_unchanged {
             std::mem::take(&mut *lock(&self.cache))
         } else {

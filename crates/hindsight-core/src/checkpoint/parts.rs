@@ -28,7 +28,36 @@ pub struct Region {
     pub data: Vec<u8>,
 }
 
+/// A part older than this whose checkpoint never committed belongs to a
+/// job that died mid-save: gc removes it (a save takes seconds to minutes).
+pub const STALE_PART: Duration = Duration::from_secs(24 * 3600);
+
 impl Store {
+    /// Remove the parts no commit will use: those of a checkpoint committed
+    /// after them (the committing rank died before removing them) and those
+    /// older than [`STALE_PART`]. Returns how many were removed.
+    pub fn remove_stale_parts(&self, now_ms: u64) -> Result<u64> {
+        let all = self.storage().list_manifests()?;
+        let mut removed = 0;
+        for name in all.iter().filter(|n| shard::is_part(n)) {
+            let Some((base, _, _)) = shard::parse_part(name) else {
+                continue;
+            };
+            let Ok(part) = self.manifest(name) else {
+                continue; // gc names unreadable manifests itself
+            };
+            let committed_after = all.iter().any(|n| n == base)
+                && self
+                    .manifest(base)
+                    .is_ok_and(|m| m.created_ms >= part.created_ms);
+            let old = now_ms.saturating_sub(part.created_ms) > STALE_PART.as_millis() as u64;
+            if (committed_after || old) && self.storage().delete_manifest(name)? {
+                removed += 1;
+            }
+        }
+        Ok(removed)
+    }
+
     /// The ranks whose part of checkpoint `name` (saved by `world` ranks) is committed.
     pub fn parts_present(&self, name: &str, world: u64) -> Result<Vec<u64>> {
         let mut ranks: Vec<u64> = self

@@ -702,6 +702,10 @@ impl Store {
     /// manifests committed or replaced since, and spares what they
     /// reference. Chunks written since the listing are not candidates.
     pub fn gc(&self) -> Result<GcReport> {
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        self.remove_stale_parts(now_ms)?;
         let first = self.referenced(None)?;
         let candidates: Vec<(ChunkId, u64)> = self
             .storage

@@ -1,0 +1,122 @@
+//! Multi-rank checkpoints against a real store: each rank's part is saved
+//! by the background writer under its hidden name; nothing is listed until
+//! the merged manifest commits; gc keeps the chunks of parts in flight and
+//! removes parts no commit will use; a region is read from the pieces.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hindsight_core::checkpoint::format::{Array, ArrayLib, Node, Shard, Sharded};
+use hindsight_core::checkpoint::parts::RegionRequest;
+use hindsight_core::checkpoint::shard;
+use hindsight_core::{Store, StoreOptions, Writer, WriterOptions};
+
+fn store(dir: &std::path::Path) -> Arc<Store> {
+    let opts = StoreOptions {
+        chunk_size: 4096,
+        ..Default::default()
+    };
+    Arc::new(Store::open_local(dir, true, Some(opts)).unwrap())
+}
+
+/// Columns of the whole array: 8 rows of COLS float32 values, element i = i
+/// (each rank's half is 4 chunks of the store's 4 KiB).
+const COLS: u64 = 1024;
+
+fn whole() -> Vec<u8> {
+    (0..8 * COLS as u32)
+        .flat_map(|i| (i as f32).to_le_bytes())
+        .collect()
+}
+
+/// Rank `rank` of 2 saves its half of the rows, and a step both agree on.
+fn save_part(w: &Writer, name: &str, rank: u64) {
+    let half = 4 * COLS as usize * 4;
+    let rows = &whole()[rank as usize * half..(rank as usize + 1) * half];
+    let mut b = w.begin(&shard::part_name(name, rank, 2).unwrap()).unwrap();
+    let piece = Shard {
+        offset: vec![rank * 4, 0],
+        array: Array {
+            lib: ArrayLib::Torch,
+            dtype: "float32".into(),
+            shape: vec![4, COLS],
+            byte_order: "little".into(),
+            device: None,
+            data: b.stage(rows).unwrap(),
+        },
+    };
+    let root = Node::Dict(vec![
+        (
+            Node::Str("w".into()),
+            Node::Sharded(Box::new(Sharded {
+                shape: vec![8, COLS],
+                shards: vec![piece],
+            })),
+        ),
+        (Node::Str("step".into()), Node::Int(5)),
+    ]);
+    b.commit(root, BTreeMap::new()).wait().unwrap();
+}
+
+#[test]
+fn parts_commit_once_survive_gc_and_read_back_by_region() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(dir.path());
+    let w = Writer::new(s.clone(), WriterOptions::default()).unwrap();
+    save_part(&w, "ck", 0);
+    // One rank's part is durable: nothing is listed, the commit waits for
+    // the other and gives up naming it.
+    assert!(s.list().unwrap().is_empty());
+    let e = s
+        .commit_parts("ck", 2, Duration::from_millis(50), &|| false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rank(s) 1 of 2 committed no part"), "{e}");
+    // gc meanwhile keeps the chunks of the part in flight.
+    s.gc().unwrap();
+    save_part(&w, "ck", 1);
+    let m = s
+        .commit_parts("ck", 2, Duration::from_secs(5), &|| false)
+        .unwrap();
+    assert_eq!(shard::saved_world(&m.meta), Some(2));
+    assert_eq!(s.list().unwrap(), vec!["ck".to_string()]);
+    assert!(s.parts_present("ck", 2).unwrap().is_empty());
+    assert!(s.verify(&[], |_| {}).unwrap().1.is_empty());
+    // Rows 3..6, columns 1..3: across both pieces.
+    let got = s
+        .read_regions(
+            "ck",
+            &[RegionRequest {
+                path: vec!["w".into()],
+                offset: vec![3, 1],
+                shape: vec![3, 2],
+            }],
+            2,
+            &|| false,
+        )
+        .unwrap();
+    let want: Vec<u8> = (3..6u32)
+        .flat_map(|r| (1..3u32).map(move |c| r * COLS as u32 + c))
+        .flat_map(|i| (i as f32).to_le_bytes())
+        .collect();
+    assert_eq!(got[0].data, want);
+    // A leftover part of a committed checkpoint (its committer died before
+    // removing it) is removed by gc; so is one of a job long dead.
+    save_part(&w, "ck", 0);
+    let committed = s.manifest("ck").unwrap().created_ms;
+    assert_eq!(
+        s.remove_stale_parts(committed).unwrap(),
+        0,
+        "a newer save in flight stays"
+    );
+    save_part(&w, "gone", 1);
+    let later = committed + shard_stale_ms() + 1_000;
+    assert_eq!(s.remove_stale_parts(later).unwrap(), 2);
+    assert!(s.parts_present("gone", 2).unwrap().is_empty());
+}
+
+fn shard_stale_ms() -> u64 {
+    hindsight_core::checkpoint::parts::STALE_PART.as_millis() as u64
+}
