@@ -81,8 +81,13 @@ def main() -> None:
         m.load_state_dict(got.state["model"])
         opt.load_state_dict(got.state["optim"])
         start = got.state["step"]
-        if got.rank_state is not None:
+        if got.saved_world == world:
             torch.set_rng_state(got.rank_state["rng"])
+        else:
+            try:
+                got.rank_state  # noqa: B018
+            except hs.InvalidArgumentError as e:
+                (OUT / f"refused-{world}.txt").write_text(str(e))
         whole = full(m.state_dict())  # a collective: every rank
         if rank == 0:
             torch.save({"model": whole, "world": got.saved_world}, OUT / f"loaded-{MODE}-{world}.pt")

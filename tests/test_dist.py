@@ -82,6 +82,8 @@ def test_a_checkpoint_of_two_ranks_is_one_checkpoint_that_loads_on_one_two_and_f
         # What is compared on another world size: the weights right after the
         # load, gathered whole, against the weights the 2 ranks saved.
         assert_equal(weights(tmp_path / f"loaded-{resume}-{n}.pt"), saved)
+        # Per-rank state (RNG, a DistributedSampler's place) is refused there.
+        assert "was saved by 2 ranks and this job has" in (tmp_path / f"refused-{n}.txt").read_text()
     # On the same world size the run resumes exactly: optimizer state and
     # each rank's dropout stream included, the final weights are bit-identical.
     r = torchrun(2, resume, store, tmp_path)
@@ -146,3 +148,45 @@ def test_a_checkpoint_may_not_take_a_parts_name(tmp_path: Path) -> None:
     with pytest.raises(hs.InvalidArgumentError, match="reserved for the parts of multi-rank checkpoints"):
         s.save("ck@hs-part-00000-of-00002", {"w": torch.zeros(2)})
     assert s.list() == []
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return sorted(out)
+
+
+def test_the_ddp_tutorial_stops_mid_epoch_on_one_ranks_signal_and_resumes_to_the_same_weights(tmp_path: Path) -> None:
+    """The zoo's pytorch/examples DDP tutorial (tests/zoo/ddp_torchrun.py)."""
+    script = Path(__file__).parent / "zoo" / "ddp_torchrun.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def launch(store: str) -> subprocess.Popen[str]:
+        cmd = [sys.executable, "-m", "hindsight.torchrun", "--standalone", "--nproc_per_node=2"]
+        cmd += [str(script), "4", "1", "--store", store]
+        return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def final(p: subprocess.Popen[str]) -> str:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+        return next(line for line in out.splitlines() if line.startswith("FINAL"))
+
+    reference = final(launch("reference"))
+    p = launch("snaps")
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "snaps" / "manifests" / "snap-1-0.hsm").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # into the second epoch
+    os.kill(children(p.pid)[-1], signal.SIGUSR1)
+    _, err = p.communicate(timeout=240)
+    assert p.returncode == 85, err[-3000:]
+    stopped = [n for n in hs.Store(tmp_path / "snaps").list() if n.startswith("snap-") and not n.endswith("-0")]
+    assert len(stopped) == 1, stopped  # mid-epoch, one checkpoint for both ranks
+    assert final(launch("snaps")) == reference

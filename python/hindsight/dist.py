@@ -233,17 +233,35 @@ def save(
     return ds
 
 
-@dataclass
 class Loaded:
     """What ``load`` gives back besides the tensors it filled in place."""
 
-    #: The state tree: the live tensors (now holding the checkpoint's
-    #: values) and the checkpoint's plain values.
-    state: Any
-    #: This rank's ``rank_state`` when the world size is the saved one, else None.
-    rank_state: Any
-    #: How many ranks saved the checkpoint.
-    saved_world: int
+    def __init__(self, name: str, state: Any, rank_state: Any, saved_world: int, world: int) -> None:
+        #: The state tree: the live tensors (now holding the checkpoint's
+        #: values) and the checkpoint's plain values.
+        self.state = state
+        #: How many ranks saved the checkpoint.
+        self.saved_world = saved_world
+        self._name = name
+        self._rank_state = rank_state
+        self._world = world
+
+    @property
+    def rank_state(self) -> Any:
+        """This rank's ``rank_state`` as saved. Only on the saved world size:
+        on another, per-rank state (RNG streams, a ``DistributedSampler``'s
+        place in its shard of the data) has no rank to go to, and asking for
+        it is an error rather than a guess."""
+        if self._world != self.saved_world:
+            from hindsight.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(
+                f"checkpoint '{self._name}' was saved by {self.saved_world} ranks and this job has {self._world}: "
+                "per-rank state (RNG streams, a DistributedSampler's position) resumes exactly only on the same "
+                "world size. Relaunch with the saved size, or start the data epoch afresh (the weights and "
+                "optimizer state are loaded)"
+            )
+        return self._rank_state
 
 
 def load(store: Store, name: str, state: Any, *, group: Any = None) -> Loaded:
@@ -302,7 +320,7 @@ def load(store: Store, name: str, state: Any, *, group: Any = None) -> Loaded:
     rank_state = None
     if saved_world == world:
         rank_state = store.load(name, path=[_RANK_STATE, str(rank)], allow_pickle=False)
-    return Loaded(out, rank_state, saved_world)
+    return Loaded(name, out, rank_state, saved_world, world)
 
 
 def _has_tensor(obj: Any) -> bool:
