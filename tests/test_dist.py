@@ -25,7 +25,7 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 def torchrun(
     n: int,
     mode: str,
-    store: Path,
+    store: Path | str,
     out: Path,
     steps: int = 6,
     save_at: int = 3,

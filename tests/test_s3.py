@@ -303,3 +303,19 @@ def test_local_first_upload_failure_surfaces_at_flush_and_keeps_the_local_copy(s
     with hs.Store(local, create=False) as copy:
         assert copy.list() == ["a", "b"]
         assert torch.equal(copy.load("b")["x"], torch.zeros(10))
+
+
+def test_two_torchrun_ranks_commit_one_checkpoint_on_s3_that_loads_on_one_rank(prefix, tmp_path):
+    """hindsight.dist on object storage (what ranks on several nodes share):
+    each rank's part is uploaded, rank 0 finds them by listing, commits the
+    merged manifest last, and removes the parts."""
+    from test_dist import assert_equal, torchrun, weights
+
+    url = url_of(prefix)
+    r = torchrun(2, "fsdp-train", url, tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert hs.Store(url).list() == ["ck-3"]
+    assert keys(prefix, "manifests") == [f"{prefix}/manifests/ck-3.hsm"]
+    r = torchrun(1, "fsdp-load", url, tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_equal(weights(tmp_path / "loaded-fsdp-load-1.pt"), weights(tmp_path / "at-3.pt"))
