@@ -97,7 +97,7 @@ def main() -> None:
             h = hsd.save(store, f"ck-{step}", state, rank_state={"rng": torch.get_rng_state()})
             if MODE == "die-mid-save" and rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
-            h.wait(timeout=20)
+            h.wait(timeout=120)
             whole = full(m.state_dict())
             if rank == 0:
                 torch.save({"model": whole}, OUT / f"at-{step}.pt")

@@ -19,6 +19,8 @@ import torch
 
 import hindsight as hs
 
+from conftest import hindsight_cmd
+
 WORKER = Path(__file__).with_name("dist_worker.py")
 
 
@@ -50,7 +52,7 @@ def torchrun(
     ]
     if not wait:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -90,8 +92,23 @@ def test_a_checkpoint_of_two_ranks_is_one_checkpoint_that_loads_on_one_two_and_f
     assert r.returncode == 0, r.stderr[-3000:]
     assert_equal(weights(tmp_path / f"final-{resume}-2.pt"), weights(tmp_path / f"final-{kind}-train-2.pt"))
     # One process reads the whole model of a sharded checkpoint (export).
-    flat = hs.dist.consolidate(s, "ck-3", tmp_path / "model.safetensors")
-    assert_equal({k.removeprefix("model."): v for k, v in flat.items() if k.startswith("model.")}, saved)
+    from safetensors.torch import load_file
+
+    done = hs.dist.consolidate(s, "ck-3", tmp_path / "model.safetensors", path="state/model")
+    assert done["tensors"] == len(saved)
+    assert_equal(load_file(tmp_path / "model.safetensors"), saved)
+    # The same through the command line, from the whole checkpoint: plain
+    # values (the step, the optimizer's hyperparameters) are named as left out.
+    r = subprocess.run(
+        [*hindsight_cmd(), "--store", str(store), "consolidate", "ck-3", str(tmp_path / "all.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "values that are not tensors: state/optim/param_groups/0/" in r.stdout, r.stdout
+    whole = load_file(tmp_path / "all.safetensors")
+    assert_equal({k.removeprefix("state.model."): v for k, v in whole.items() if k.startswith("state.model.")}, saved)
 
 
 def test_a_rank_killed_mid_save_leaves_no_checkpoint_listed(tmp_path: Path) -> None:

@@ -334,27 +334,15 @@ def _has_tensor(obj: Any) -> bool:
     return False
 
 
-def consolidate(store: Store, name: str, out: str | os.PathLike[str]) -> dict[str, Any]:
+def consolidate(store: Store, name: str, out: str | os.PathLike[str], *, path: str = _STATE) -> dict[str, Any]:
     """Write the whole tensors of checkpoint ``name`` (however many ranks
-    saved it) to one safetensors file, keys joined with "."; returns them."""
-    from safetensors.torch import save_file
-
-    torch = _torch()
-    flat: dict[str, Any] = {}
-
-    def put(obj: Any, key: str) -> None:
-        if isinstance(obj, torch.Tensor):
-            flat[key] = obj.contiguous()
-        elif isinstance(obj, Mapping):
-            for k, v in obj.items():
-                put(v, f"{key}.{k}" if key else str(k))
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                put(v, f"{key}.{i}")
-
-    put(store.load(name, path=[_STATE]), "")
-    save_file(flat, os.fspath(out))
-    return flat
+    saved it) to one safetensors file, named by their key paths joined with
+    "." (``model.0.weight``), as ``hindsight consolidate`` does. ``path``
+    picks a sub-tree ("state/model"; default: the saved state). Returns the
+    number of ``tensors``, their ``bytes``, and the ``skipped`` key paths of
+    plain values (not tensors)."""
+    keys = [k for k in path.split("/") if k]
+    return store._native.export_safetensors(name, keys, os.fspath(out))
 
 
 class StopOnSignal:

@@ -125,6 +125,16 @@ enum Command {
         /// A run id, or a checkpoint name
         name: String,
     },
+    /// Write a checkpoint's tensors to one safetensors file (pieces saved by several ranks assembled)
+    Consolidate {
+        /// The checkpoint
+        name: String,
+        /// The .safetensors file to write
+        out: PathBuf,
+        /// Only the sub-tree at this key path ("state/model")
+        #[arg(long, value_name = "KEY/PATH")]
+        path: Option<String>,
+    },
     /// Read back and check every byte of the checkpoints
     Verify {
         /// The store directory (overrides --store)
@@ -304,6 +314,11 @@ fn execute(cli: Cli, out: &mut String, err: &mut dyn Write) -> Result<i32, Failu
     match cli.command {
         Command::Ls { store_dir, json } => cmd_ls(&places.open_store(store_dir)?, json, out, err),
         Command::Show { name } => cmd_show_any(&places, &name, out, err),
+        Command::Consolidate {
+            name,
+            out: file,
+            path,
+        } => cmd_consolidate(places.open_store(None)?, &name, &file, path.as_deref(), out),
         Command::Verify { store_dir, names } => {
             // The project's own store: its run database is checked with it.
             let db = (store_dir.is_none()
@@ -720,6 +735,54 @@ fn cmd_verify_db(path: &Path, out: &mut String) -> i32 {
             EXIT_FAILURE
         }
     }
+}
+
+fn cmd_consolidate(
+    store: Store,
+    name: &str,
+    file: &Path,
+    path: Option<&str>,
+    out: &mut String,
+) -> Result<i32, Failure> {
+    let keys: Vec<String> = path
+        .unwrap_or("")
+        .split('/')
+        .filter(|k| !k.is_empty())
+        .map(str::to_string)
+        .collect();
+    let replica = hindsight_core::Replica::single(std::sync::Arc::new(store));
+    let threads = hindsight_core::checkpoint::replica::default_read_threads();
+    let done = hindsight_core::checkpoint::export::safetensors(
+        &replica,
+        name,
+        &keys,
+        file,
+        threads,
+        &|| false,
+    )?;
+    let _ = writeln!(
+        out,
+        "wrote {} tensors ({}) of '{name}' to {}",
+        done.tensors,
+        hindsight_core::units::human_size(done.bytes),
+        file.display()
+    );
+    if !done.skipped.is_empty() {
+        let shown: Vec<&str> = done.skipped.iter().take(5).map(String::as_str).collect();
+        let more = done.skipped.len().saturating_sub(shown.len());
+        let _ = writeln!(
+            out,
+            "left out {} values that are not tensors: {}{}",
+            done.skipped.len(),
+            shown.join(", "),
+            if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            }
+        );
+    }
+    Ok(EXIT_OK)
 }
 
 fn cmd_verify(store: &Store, names: Vec<String>, out: &mut String) -> Result<i32, Failure> {

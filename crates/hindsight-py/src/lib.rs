@@ -446,6 +446,34 @@ impl Store {
             .collect()
     }
 
+    /// Write the arrays of checkpoint `name` (or of the sub-tree at `path`)
+    /// to one safetensors file (core `checkpoint::export`): the number of
+    /// tensors and bytes, and the key paths of plain values left out.
+    fn export_safetensors<'py>(
+        &self,
+        py: Python<'py>,
+        name: String,
+        path: Vec<String>,
+        out: PathBuf,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let threads = core::checkpoint::replica::default_read_threads();
+        let done = interrupt::run(py, |intr| {
+            core::checkpoint::export::safetensors(
+                &self.replica,
+                &name,
+                &path,
+                &out,
+                threads,
+                &|| intr.check(),
+            )
+        })?;
+        let d = PyDict::new(py);
+        d.set_item("tensors", done.tensors)?;
+        d.set_item("bytes", done.bytes)?;
+        d.set_item("skipped", done.skipped)?;
+        Ok(d)
+    }
+
     /// Commit the parts `world` ranks saved of `name` as one checkpoint,
     /// waiting up to `timeout` seconds for them; returns its metadata.
     fn commit_parts(

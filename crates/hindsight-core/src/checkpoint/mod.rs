@@ -6,6 +6,7 @@
 
 pub mod compare;
 pub mod device_fp;
+pub mod export;
 pub mod fingerprint;
 pub mod format;
 pub mod layout;
