@@ -207,3 +207,15 @@ def test_the_ddp_tutorial_stops_mid_epoch_on_one_ranks_signal_and_resumes_to_the
     stopped = [n for n in hs.Store(tmp_path / "snaps").list() if n.startswith("snap-") and not n.endswith("-0")]
     assert len(stopped) == 1, stopped  # mid-epoch, one checkpoint for both ranks
     assert final(launch("snaps")) == reference
+
+
+def test_a_live_tensor_of_another_shape_is_refused_not_filled_with_a_sub_box(tmp_path: Path) -> None:
+    s = hs.Store(tmp_path / "store")
+    hs.dist.save(s, "ck", {"w": torch.arange(16.0).reshape(4, 4)}).wait()
+    live = torch.zeros(2, 4)
+    with pytest.raises(hs.InvalidArgumentError, match=r"shape \[4, 4\] there; the live one has shape \[2, 4\]"):
+        hs.dist.load(s, "ck", {"w": live})
+    assert torch.equal(live, torch.zeros(2, 4))
+    got = torch.zeros(4, 4)
+    hs.dist.load(s, "ck", {"w": got})
+    assert torch.equal(got, torch.arange(16.0).reshape(4, 4))

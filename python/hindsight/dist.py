@@ -290,7 +290,7 @@ def load(store: Store, name: str, state: Any, *, group: Any = None) -> Loaded:
             offset, shape = [0] * t.dim(), list(t.shape)
         keys = [_STATE, *key.split("/")] if key else [_STATE]
         targets.append((target, key))
-        wanted.append(_native.RegionRequest(path=keys, offset=offset, shape=shape))
+        wanted.append(_native.RegionRequest(path=keys, whole=list(t.shape), offset=offset, shape=shape))
         return t
 
     def walk(obj: Any, key: str) -> Any:

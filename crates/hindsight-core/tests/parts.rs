@@ -90,6 +90,7 @@ fn parts_commit_once_survive_gc_and_read_back_by_region() {
             "ck",
             &[RegionRequest {
                 path: vec!["w".into()],
+                whole: vec![8, COLS],
                 offset: vec![3, 1],
                 shape: vec![3, 2],
             }],

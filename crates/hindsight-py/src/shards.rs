@@ -37,6 +37,7 @@ impl Region {
 #[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
 pub(crate) struct RegionRequest {
     pub(crate) path: Vec<String>,
+    pub(crate) whole: Vec<u64>,
     pub(crate) offset: Vec<u64>,
     pub(crate) shape: Vec<u64>,
 }
@@ -44,10 +45,11 @@ pub(crate) struct RegionRequest {
 #[pymethods]
 impl RegionRequest {
     #[new]
-    #[pyo3(signature = (*, path, offset, shape))]
-    fn new(path: Vec<String>, offset: Vec<u64>, shape: Vec<u64>) -> Self {
+    #[pyo3(signature = (*, path, whole, offset, shape))]
+    fn new(path: Vec<String>, whole: Vec<u64>, offset: Vec<u64>, shape: Vec<u64>) -> Self {
         RegionRequest {
             path,
+            whole,
             offset,
             shape,
         }
@@ -58,6 +60,7 @@ impl RegionRequest {
     pub(crate) fn to_core(&self) -> core::checkpoint::parts::RegionRequest {
         core::checkpoint::parts::RegionRequest {
             path: self.path.clone(),
+            whole: self.whole.clone(),
             offset: self.offset.clone(),
             shape: self.shape.clone(),
         }

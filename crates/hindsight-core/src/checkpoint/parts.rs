@@ -15,6 +15,9 @@ use crate::error::{Error, Result};
 #[derive(Clone, Debug)]
 pub struct RegionRequest {
     pub path: Vec<String>,
+    /// The whole array's shape as the reader has it: another shape than the
+    /// saved one is an error, never a sub-box read as if it were the whole.
+    pub whole: Vec<u64>,
     pub offset: Vec<u64>,
     pub shape: Vec<u64>,
 }
@@ -171,6 +174,15 @@ impl Store {
                     )
                 })?
                 .into_owned();
+            if sharded.shape != w.whole {
+                return Err(Error::invalid(
+                    format!("key path '{key}'"),
+                    format!(
+                        "checkpoint '{name}' holds an array of shape {:?} there; the live one has shape {:?}",
+                        sharded.shape, w.whole
+                    ),
+                ));
+            }
             let reads = shard::plan(&sharded, &w.offset, &w.shape).map_err(|d| {
                 Error::invalid(format!("region of '{key}' in checkpoint '{name}'"), d)
             })?;
