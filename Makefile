@@ -12,6 +12,9 @@ VENV ?= $(HOME)/.cache/hindsight/venv-$(REQ_HASH)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PIP_CACHE_DIR ?= $(HOME)/.cache/hindsight/pip
+# The Rust build lives there too, for the same reason: a fresh clone compiles
+# only the workspace's own crates, not its hundreds of dependencies again.
+export CARGO_TARGET_DIR ?= $(HOME)/.cache/hindsight/target
 PYTEST_ARGS ?=
 
 .PHONY: help
