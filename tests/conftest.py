@@ -47,6 +47,20 @@ def run_py(
     )
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a launcher's ranks), by pid."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return sorted(out)
+
+
 def hindsight_cmd() -> list[str]:
     """The `hindsight` console script installed next to this interpreter,
     else the one on PATH (a wheel installed with `pip --target`, as on the

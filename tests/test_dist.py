@@ -19,7 +19,7 @@ import torch
 
 import hindsight as hs
 
-from conftest import hindsight_cmd
+from conftest import children, hindsight_cmd
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 
@@ -165,19 +165,6 @@ def test_a_checkpoint_may_not_take_a_parts_name(tmp_path: Path) -> None:
     with pytest.raises(hs.InvalidArgumentError, match="reserved for the parts of multi-rank checkpoints"):
         s.save("ck@hs-part-00000-of-00002", {"w": torch.zeros(2)})
     assert s.list() == []
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(d.name))
-    return sorted(out)
 
 
 def test_the_ddp_tutorial_stops_mid_epoch_on_one_ranks_signal_and_resumes_to_the_same_weights(tmp_path: Path) -> None:

@@ -1,63 +1,169 @@
-"""Multi-rank launches (issue 25 builds runs that span ranks). Until then a
-recording under several ranks is refused before anything is recorded: each
-rank would record its own run, and a rerun would resume every rank from one
-rank's run with their logs mixed (wrong results with exit 0)."""
+"""An `hs.loop` recording under `torchrun` is one run of the job: rank 0
+owns it (its rows, its logged values, its decisions), every rank saves its
+part of each checkpoint, committed once. A signal to one rank stops every
+rank at one step with the checkpoint exit code; the relaunch resumes the
+same run to the weights and the values of an uninterrupted one. What
+cannot be exact is refused: a resume on another world size, a replay of a
+multi-rank run. The script is the zoo's pytorch/examples DDP tutorial,
+adapted as the README says (tests/zoo/ddp_tutorial_loop.py)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
-from conftest import hindsight_cmd
+import pytest
 
-SCRIPT = """
-import torch, hindsight as hs
-m = torch.nn.Linear(2, 2)
-with hs.checkpointing(model=m):
-    for epoch in hs.loop("epoch", range(2)):
-        hs.log("w", m.weight.sum().item())
-"""
+import hindsight as hs
+
+from conftest import children, hindsight_cmd
+
+ZOO = Path(__file__).parent / "zoo" / "ddp_tutorial_loop.py"
+EPOCHS = 3
+STEPS = 8  # 512 examples, 2 ranks, batches of 32
 
 
-def test_a_torchrun_launch_of_two_ranks_is_refused_and_records_nothing(tmp_path: Path) -> None:
-    (tmp_path / "train.py").write_text(SCRIPT)
-    home = tmp_path / ".hindsight"
-    env = {**os.environ, "HINDSIGHT_HOME": str(home), "OMP_NUM_THREADS": "1"}
+def launch(cwd: Path, n: int, *, wait: bool = True, sleep: float = 0.0) -> Any:
+    """The job under hindsight's torchrun wrapper (torchrun's arguments,
+    exit 85 when every rank that stopped checkpointed)."""
+    if not (cwd / ZOO.name).exists():
+        shutil.copy(ZOO, cwd / ZOO.name)
+    env = {
+        **os.environ,
+        "HINDSIGHT_HOME": str(cwd / ".hindsight"),
+        "HINDSIGHT_CHECKPOINT_EVERY": "1",
+        "OMP_NUM_THREADS": "1",
+        "ZOO_SLEEP": str(sleep),
+    }
+    cmd = [sys.executable, "-m", "hindsight.torchrun", "--standalone", f"--nproc_per_node={n}", ZOO.name, str(EPOCHS)]
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if not wait:
+        return p
+    out, err = p.communicate(timeout=300)
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def final(r: subprocess.CompletedProcess[str]) -> str:
+    assert r.returncode == 0, r.stderr[-4000:]
+    return next(line for line in r.stdout.splitlines() if line.startswith("FINAL"))
+
+
+def cli(cwd: Path, *args: str) -> Any:
     r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"],
-        cwd=tmp_path,
-        env=env,
+        [*hindsight_cmd(), "--home", str(cwd / ".hindsight"), *args],
+        cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=120,
     )
-    assert r.returncode != 0
-    assert "a recording under 2 ranks (RANK/WORLD_SIZE (torchrun) = " in r.stderr, r.stderr
-    runs = subprocess.run(
-        [*hindsight_cmd(), "--home", str(home), "runs", "--json"], capture_output=True, text=True, timeout=60
-    )
-    assert runs.returncode != 0 or json.loads(runs.stdout) == [], runs.stdout
-    # One rank of one (torchrun --nproc_per_node=1) records as a plain run does.
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    return r
+
+
+def runs(cwd: Path) -> list[dict[str, Any]]:
+    r = cli(cwd, "runs", "--json")
     assert r.returncode == 0, r.stderr
-    runs = subprocess.run(
-        [*hindsight_cmd(), "--home", str(home), "runs", "--json"], capture_output=True, text=True, timeout=60
+    out: list[dict[str, Any]] = json.loads(r.stdout)
+    return out
+
+
+def losses(cwd: Path) -> list[tuple[int, int, int, float]]:
+    r = cli(cwd, "logs", "loss", "--json")
+    assert r.returncode == 0, r.stderr
+    return [(x["ctx"]["epoch"], x["ctx"]["step"], x["rep"], x["values"]["loss"]) for x in json.loads(r.stdout)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The job run once without interruption: its project, its final weights."""
+    cwd = tmp_path_factory.mktemp("reference")
+    return cwd, final(launch(cwd, 2))
+
+
+def test_one_launch_is_one_run_with_rank_0s_values_and_one_committed_checkpoint_per_save(
+    reference: tuple[Path, str],
+) -> None:
+    cwd, _ = reference
+    [run] = runs(cwd)
+    assert run["status"] == "completed"
+    # One value per step: rank 0's (both ranks' would be two per step).
+    assert [(e, s, rep) for e, s, rep, _ in losses(cwd)] == [(e, s, 0) for e in range(EPOCHS) for s in range(STEPS)]
+    store = hs.Store(cwd / ".hindsight" / "store")
+    names = store.list()
+    assert names == [f"{run['id']}.epoch-{i:06d}" for i in range(EPOCHS)]
+    assert all(store.info(n)["meta"]["hs.world"] == "2" for n in names)
+    manifests = sorted(p.name for p in (cwd / ".hindsight" / "store" / "manifests").iterdir())
+    assert manifests == [f"{n}.hsm" for n in names]  # no rank's part left behind
+    # A replay would start one process with no launcher: refused, naming the run.
+    r = subprocess.run(
+        [*hindsight_cmd(), "replay", ZOO.name],
+        cwd=cwd,
+        env={**os.environ, "HINDSIGHT_HOME": str(cwd / ".hindsight")},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-    assert [x["status"] for x in json.loads(runs.stdout)] == ["completed"]
+    assert r.returncode != 0 and f"run {run['id']} was recorded by 2 ranks" in r.stderr, r.stderr
+
+
+def test_a_signal_to_one_rank_stops_the_job_and_the_relaunch_resumes_its_run_exactly(
+    tmp_path: Path, reference: tuple[Path, str]
+) -> None:
+    ref_dir, ref_final = reference
+    p = launch(tmp_path, 2, wait=False, sleep=0.1)
+    manifests = tmp_path / ".hindsight" / "store" / "manifests"
+    deadline = time.monotonic() + 120
+    while not any(manifests.glob("*.epoch-000000.hsm")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # into the second epoch's steps
+    os.kill(children(p.pid)[-1], signal.SIGUSR1)
+    _, err = p.communicate(timeout=240)
+    assert p.returncode == 85, err[-4000:]
+    [run] = runs(tmp_path)
+    assert run["status"] == "interrupted"
+    stopped = hs.Store(tmp_path / ".hindsight" / "store").list()[-1]
+    assert ".step-" in stopped, stopped  # mid-epoch: both ranks at the same step, one checkpoint
+
+    # Another world size cannot continue each rank's RNG stream and data
+    # position: refused, and the run is left to resume.
+    one = launch(tmp_path, 1)
+    assert one.returncode != 0
+    assert f"checkpoint {stopped} was saved by 2 ranks and this launch has one process" in one.stderr, one.stderr[
+        -3000:
+    ]
+    assert [r["status"] for r in runs(tmp_path)] == ["interrupted"]
+
+    assert final(launch(tmp_path, 2)) == ref_final
+    # The same run, completed; every step's value once, equal to the uninterrupted run's.
+    assert [(r["id"], r["status"]) for r in runs(tmp_path)] == [(run["id"], "completed")]
+    assert losses(tmp_path) == losses(ref_dir)
 
 
 def test_a_bad_launcher_variable_is_named(tmp_path: Path) -> None:
-    (tmp_path / "train.py").write_text(SCRIPT)
+    (tmp_path / "train.py").write_text("import hindsight as hs\nhs.arg('lr', 0.1)\n")
     env = {**os.environ, "HINDSIGHT_HOME": str(tmp_path / ".hindsight"), "RANK": "2", "WORLD_SIZE": "2"}
     r = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "RANK=2 is not a rank of WORLD_SIZE=2" in r.stderr, r.stderr
+
+
+def test_a_recording_under_several_ranks_without_a_process_group_is_refused_and_records_nothing(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "train.py").write_text(
+        "import torch, hindsight as hs\n"
+        "m = torch.nn.Linear(2, 2)\n"
+        "with hs.checkpointing(model=m):\n"
+        "    for epoch in hs.loop('epoch', range(2)):\n"
+        "        pass\n"
+    )
+    env = {**os.environ, "HINDSIGHT_HOME": str(tmp_path / ".hindsight"), "RANK": "0", "WORLD_SIZE": "2"}
+    r = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0, r.stderr
+    assert "rank 0 of 2 (RANK/WORLD_SIZE (torchrun))" in r.stderr and "init_process_group()" in r.stderr, r.stderr
+    assert runs(tmp_path) == []

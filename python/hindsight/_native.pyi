@@ -87,8 +87,10 @@ __all__ = [
     "Visit",
     "WorkerCommand",
     "WorkerPlan",
+    "World",
     "WrongProcessError",
     "batch_digest",
+    "check_resume_world",
     "checkpoint_exit_code",
     "checkpoint_names",
     "choose_fit",
@@ -98,11 +100,11 @@ __all__ = [
     "default_retention_spread",
     "device_fingerprint_of",
     "device_fingerprint_table",
+    "launch_world",
     "parse_date",
     "part_name",
     "plan_replicated",
     "project_paths",
-    "refuse_several_ranks",
     "replay_threads",
     "replay_verdict",
     "resume_key",
@@ -260,7 +262,22 @@ def project_paths(start: str, home: str | None = None) -> ProjectPaths: ...
 def checkpoint_names(location: str) -> list[str]: ...
 def store_location(location: str, what: str, local: bool = False) -> str: ...
 def checkpoint_exit_code(explicit: int | None = None) -> int: ...
-def refuse_several_ranks(what: str) -> None: ...
+
+@final
+class World:
+    """This process's place in a multi-process launch (torchrun, srun)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def leads(self) -> bool: ...
+
+def launch_world() -> World | None: ...
+def check_resume_world(checkpoint: str, saved: int | None, now: int) -> None: ...
 
 @final
 class Setting:
@@ -495,6 +512,8 @@ class RecordSession:
     def block_end(
         self, i: int, compute_secs: float, background_total: float | None, first_estimate: float
     ) -> BlockSave | None: ...
+    def block_end_decided(self, i: int, due: bool) -> BlockSave | None: ...
+    def join(self, run_id: str, now: float) -> None: ...
     def saved(self, blocked_secs: float, now: float) -> None: ...
     def block_closed(self, i: int) -> None: ...
     def iteration_continues(self) -> None: ...

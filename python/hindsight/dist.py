@@ -345,6 +345,24 @@ def consolidate(store: Store, name: str, out: str | os.PathLike[str], *, path: s
     return store._native.export_safetensors(name, keys, os.fspath(out))
 
 
+def leave_job(signum: int | None, checkpoint: str, code: int | None, *, requeue: bool, rank: int) -> NoReturn:
+    """Exit this rank with the checkpoint exit code, ``checkpoint`` being
+    committed; rank 0 says so and requeues a Slurm job if asked."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        # The first rank to exit makes torchrun stop the others with
+        # SIGTERM: they are leaving with the checkpoint committed, so
+        # that signal must not turn their exit code into -15.
+        for sig in _preemption.signals(False):
+            signal.signal(sig, signal.SIG_IGN)
+    dist = _torch().distributed
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _preemption.leave(signum, checkpoint, code, requeue=requeue and rank == 0, announce=rank == 0)
+
+
 class StopOnSignal:
     """Preemption for the whole job: a SIGTERM or SIGUSR1 that reaches any
     rank (``torchrun`` passes its own SIGTERM to every rank) stops every
@@ -384,21 +402,9 @@ class StopOnSignal:
     def leave(self, checkpoint: str, code: int | None = None) -> NoReturn:
         """Exit every rank with the checkpoint exit code once ``checkpoint``
         is committed (rank 0 says so, and requeues a Slurm job if asked)."""
-        import signal
-        import threading
-
         rank, _ = _world(self.group)
         self._signals.restore()
-        if threading.current_thread() is threading.main_thread():
-            # The first rank to exit makes torchrun stop the others with
-            # SIGTERM: they are leaving with the checkpoint committed, so
-            # that signal must not turn their exit code into -15.
-            for sig in _preemption.signals(False):
-                signal.signal(sig, signal.SIG_IGN)
-        dist = _torch().distributed
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-        _preemption.leave(self.signum, checkpoint, code, requeue=self._requeue and rank == 0, announce=rank == 0)
+        leave_job(self.signum, checkpoint, code, requeue=self._requeue, rank=rank)
 
     def close(self) -> None:
         self._signals.restore()

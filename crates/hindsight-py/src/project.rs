@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use hindsight_core::runs::project;
+use hindsight_core::runs::{project, ranks};
 use hindsight_core::{Error, Location, Store};
 use pyo3::prelude::*;
 
@@ -76,11 +76,41 @@ pub(crate) fn checkpoint_exit_code(explicit: Option<i32>) -> PyResult<i32> {
     hindsight_core::runs::preempt::exit_code(explicit).map_err(crate::errors::to_py)
 }
 
-/// Refuse a recording when this process is one of several ranks (torchrun,
-/// srun): before anything is recorded (core `runs::ranks`).
+/// This process's place in a multi-process launch (core `runs::ranks::World`).
+#[pyclass(module = "hindsight._native", name = "World", frozen)]
+#[derive(Debug)]
+pub(crate) struct World {
+    #[pyo3(get)]
+    rank: u64,
+    #[pyo3(get)]
+    size: u64,
+    /// The launcher's variables it was read from, for messages.
+    #[pyo3(get)]
+    source: &'static str,
+    /// Whether this rank owns the job's run (rank 0).
+    #[pyo3(get)]
+    leads: bool,
+}
+
+/// The launch this process is part of (`torchrun`, `srun`), or `None`; a
+/// bad launcher variable is an error naming it.
 #[pyfunction]
-pub(crate) fn refuse_several_ranks(what: &str) -> PyResult<()> {
-    hindsight_core::runs::ranks::refuse_several_ranks(what).map_err(crate::errors::to_py)
+pub(crate) fn launch_world() -> PyResult<Option<World>> {
+    let world = ranks::World::from_env().map_err(crate::errors::to_py)?;
+    Ok(world.map(|w| World {
+        leads: w.leads(),
+        rank: w.rank,
+        size: w.size,
+        source: w.source,
+    }))
+}
+
+/// Refuse a resume from `checkpoint`, saved by `saved` ranks (`None`: one
+/// process), by a launch of `now` ranks of another size (core `runs::ranks`).
+#[pyfunction]
+#[pyo3(signature = (checkpoint, saved, now))]
+pub(crate) fn check_resume_world(checkpoint: &str, saved: Option<u64>, now: u64) -> PyResult<()> {
+    ranks::check_resume_world(checkpoint, saved, now).map_err(crate::errors::to_py)
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -89,6 +119,8 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(checkpoint_names, m)?)?;
     m.add_function(wrap_pyfunction!(store_location, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoint_exit_code, m)?)?;
-    m.add_function(wrap_pyfunction!(refuse_several_ranks, m)?)?;
+    m.add_class::<World>()?;
+    m.add_function(wrap_pyfunction!(launch_world, m)?)?;
+    m.add_function(wrap_pyfunction!(check_resume_world, m)?)?;
     Ok(())
 }

@@ -348,6 +348,20 @@ impl RecordSession {
         }))
     }
 
+    /// A following rank's block end: rank 0 decided whether it is `due`.
+    fn block_end_decided(&mut self, i: u64, due: bool) -> PyResult<Option<BlockSave>> {
+        let save = self.0.block_end_decided(i, due).py_err()?;
+        Ok(save.map(|b| BlockSave {
+            name: b.name,
+            wait: b.wait,
+        }))
+    }
+
+    /// The ranks agreed on the run (rank 0's) and a clock, as the loop starts.
+    fn join(&mut self, run_id: &str, now: f64) {
+        self.0.join(run_id, now)
+    }
+
     fn saved(&mut self, blocked_secs: f64, now: f64) {
         self.0.saved(blocked_secs, now)
     }

@@ -31,6 +31,7 @@ from hindsight._run.common import (
     _to_json,
 )
 from hindsight._run.files import Written
+from hindsight._run.ranks import Ranks
 from hindsight._state import capture, capture_grads, rng_state, set_rng_state, tensor_bytes
 from hindsight.errors import CorruptError, HindsightError, InvalidArgumentError, NotFoundError, ReplayError
 
@@ -52,9 +53,16 @@ class RecordRun(Run):
     phase = "record"
 
     def __init__(self) -> None:
-        # Several ranks would each record (and resume) on their own: refused
-        # before any run row exists.
-        _native.refuse_several_ranks("a recording")
+        # Under several ranks the job records one run: rank 0 owns it (its
+        # rows, logs, retention, adaptive decisions), the others join it as
+        # the outer loop starts and follow (`ranks.py`, core `runs::ranks`).
+        world = _native.launch_world()
+        self.ranks = Ranks(world) if world is not None and world.size > 1 else None
+        self.leads = self.ranks is None or self.ranks.leads
+        # The signal the ranks agreed on (any rank's), for the exit line.
+        self.agreed_signal: int | None = None
+        # The multi-rank checkpoint whose parts are written but not yet committed.
+        self.dist_save: Any = None
         super().__init__()
         self.resume_pending = False
         # This process continues an interrupted run (a relaunch after a preemption).
@@ -93,8 +101,10 @@ class RecordRun(Run):
         self.verbose = _settings.flag(_settings.VERBOSE, False)
         self.announced = False
         self.handles: list[Any] = []
-        self.files = Written(Path.cwd(), [self.home])
-        self._start()
+        # Files the script writes are rank 0's to keep: every rank would write the same paths.
+        self.files = Written(Path.cwd(), [self.home]) if self.leads else None
+        if self.leads:
+            self._start()
         # A bad HINDSIGHT_* setting stops the run now, not at its first checkpoint or preemption.
         self.session = _native.RecordSession.from_env(self.run_id, time.monotonic())
         self._wrap_excepthook()
@@ -105,14 +115,25 @@ class RecordRun(Run):
 
     @property
     def stop_signal(self) -> int | None:
-        return self.signals.received
+        return self.agreed_signal if self.ranks is not None else self.signals.received
 
-    def _sync(self) -> None:
+    def _sync(self) -> float:
         """Tell the session what changed outside its events: a signal the
-        handler noted, objects given or dropped by hs.checkpointing."""
-        if self.signals.received is not None:
-            self.session.signal(self.signals.received)
+        handler noted, objects given or dropped by hs.checkpointing. Under
+        several ranks this is where they meet: a signal any rank got counts
+        on every rank, and they share one clock (the latest), so every
+        session takes the same step. Returns that clock."""
+        now = time.monotonic()
+        signum = self.signals.received
+        if self.ranks is not None:
+            got, now = self.ranks.agree([float(signum or 0), now])
+            signum = int(got) or None
+            if signum is not None and self.agreed_signal is None:
+                self.agreed_signal = signum
+        if signum is not None:
+            self.session.signal(signum)
         self.session.set_objects(bool(self.objects))
+        return now
 
     def configure(
         self,
@@ -159,6 +180,8 @@ class RecordRun(Run):
             "cwd": os.getcwd(),
             "executable": sys.executable,
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            # A run of several ranks is one run; a replay refuses it (core `runs::ranks`).
+            "world_size": 1 if self.ranks is None else self.ranks.size,
         }
         for mod in ("torch", "numpy"):
             m = sys.modules.get(mod)
@@ -203,7 +226,8 @@ class RecordRun(Run):
         # Recorded as plain JSON (a numpy scalar as a number; NaN and
         # infinities as Python's json writes them, which the engine accepts).
         self.args[name] = _to_json(value, name, "hs.arg")
-        self.db.set_args(self.run_id, json.dumps(self.args))
+        if self.leads:
+            self.db.set_args(self.run_id, json.dumps(self.args))
         return value
 
     def _open_store(self) -> tuple[str, str | None]:
@@ -222,7 +246,8 @@ class RecordRun(Run):
         if local == location:
             local = None
         if self.recorded_store != location:
-            self.db.set_store(self.run_id, location)
+            if self.leads:
+                self.db.set_store(self.run_id, location)
             self.recorded_store = location
         return location, local
 
@@ -238,6 +263,13 @@ class RecordRun(Run):
             # loop (the training cell was not run): the run is no more done
             # than it was, and running the notebook again must still resume it.
             status = "interrupted"
+        if not self.leads:
+            # The run, its status and its retention are rank 0's.
+            self.session.finish(status)
+            self.signals.restore()
+            if self._store is not None:
+                self._store.flush()
+            return
         try:
             end = self.session.finish(status)
             name = end.discard
@@ -291,15 +323,38 @@ class RecordRun(Run):
         state.update(extra)
         if self.start_rng is not None:
             state["start_rng"] = self.start_rng  # the same bytes every time: stored once
-        h = self.store.save(ck.name, state, meta={**ck.meta(), "run": self.run_id})
+        meta = {**ck.meta(), "run": self.run_id}
+        if self.ranks is None:
+            h = self.store.save(ck.name, state, meta=meta)
+        else:
+            # One checkpoint of the job: the objects (replicated under DDP,
+            # sharded under FSDP) split between the ranks, the rest (RNG
+            # streams, loop variables, the data position) kept per rank.
+            from hindsight import dist
+
+            objects = state.pop("objects")
+            self.dist_save = dist.save(self.store, ck.name, objects, rank_state=state, meta=meta)
+            h = self.dist_save.part
         self.handles.append(h)
         # The steady-state price: one-time set-up of the first saves (fresh
         # staging, pinned buffers) is not what later checkpoints cost.
         self.last_blocked = max(0.0, time.perf_counter() - t0 - self.store.last_setup_seconds)
-        self.session.saved(self.last_blocked, time.monotonic())
+        now = time.monotonic()
+        if self.ranks is not None:
+            # The job waits for its slowest rank: that is what a save costs it.
+            self.last_blocked, now = self.ranks.agree([self.last_blocked, now])
+        self.session.saved(self.last_blocked, now)
         if wait:
+            self._commit()
             h.wait()
             self.store.flush()
+
+    def _commit(self) -> None:
+        """Every rank: the pending multi-rank checkpoint is committed (or
+        the error of any rank is raised on all)."""
+        if self.dist_save is not None:
+            pending, self.dist_save = self.dist_save, None
+            pending.wait()
 
     def _estimate_materialize(self) -> float:
         # A first guess, refined by the first save: host tensors are copied
@@ -333,7 +388,15 @@ class RecordRun(Run):
         background = self.store.background_cpu_seconds if self._store is not None else None
         first = self._estimate_materialize() if self.last_blocked is None else 0.0
         self.session.overhead(self.own_seconds + time.perf_counter() - t0 - self.save_seconds)
-        block = self.session.block_end(i, compute, background, first)
+        block = None
+        if self.leads:
+            block = self.session.block_end(i, compute, background, first)
+        if self.ranks is not None:
+            # Rank 0's measurements decide for the job (each rank's own
+            # would differ, and so would their checkpoints).
+            (due,) = self.ranks.agree([1.0 if self.leads and block is not None else 0.0])
+            if not self.leads:
+                block = self.session.block_end_decided(i, due > 0)
         if self.verbose:
             decision = self.session.take_decision()
             if decision:
@@ -356,7 +419,7 @@ class RecordRun(Run):
     def apply_retention(self, final: bool = False) -> None:
         """The session's policy (the user's, or the loop's default) on this run's checkpoints."""
         policy = self.session.retention
-        if policy.is_empty() or self._store is None:
+        if policy.is_empty() or self._store is None or not self.leads:
             return
         metric = policy.metric
         if metric:
@@ -389,7 +452,7 @@ class RecordRun(Run):
         """The newest complete checkpoint of this run that reads back (listed = complete)."""
         for ck in reversed(self.store.checkpoints(self.run_id)):
             try:
-                state = self.store.load(ck.name)
+                state = self._load_resume(ck.name)
             except CorruptError as e:
                 # Damaged (a race with another process is not reported as
                 # corruption): fall back to the previous one, and say so.
@@ -401,6 +464,22 @@ class RecordRun(Run):
                 continue
             return ck.name, state
         return None
+
+    def _load_resume(self, name: str) -> dict[str, Any]:
+        """Checkpoint ``name`` as this rank resumes from it: refused when
+        another world size saved it (core's rule), else, for a checkpoint
+        of several ranks, the objects with this rank's own state."""
+        saved = self.store.info(name)["meta"].get(_native.META_WORLD)
+        size = 1 if self.ranks is None else self.ranks.size
+        _native.check_resume_world(name, None if saved is None else int(saved), size)
+        if saved is None:
+            whole: dict[str, Any] = self.store.load(name)
+            return whole
+        from hindsight import dist
+
+        rank = 0 if self.ranks is None else self.ranks.rank
+        mine = self.store.load(name, path=[dist._RANK_STATE, str(rank)])
+        return {**mine, "objects": self.store.load(name, path=[dist._STATE])}
 
     def parse_args(self, parser: Any, argv: list[str] | None) -> Any:
         """`hs.args(parser)`: parse as the script always did, record the result."""
@@ -414,7 +493,8 @@ class RecordRun(Run):
             raise
         for k, v in vars(ns).items():
             self.args[k] = _to_json(v, k, "hs.args")
-        self.db.set_args(self.run_id, json.dumps(self.args))
+        if self.leads:
+            self.db.set_args(self.run_id, json.dumps(self.args))
         return ns
 
     def _nothing_ran(self) -> None:
@@ -425,6 +505,8 @@ class RecordRun(Run):
         self.flush_logs()
         self.log_queue.put(None)
         self.signals.restore()
+        if not self.leads:
+            return
         if self.resume_pending:
             self.db.set_status(self.run_id, "interrupted", False)
         else:
@@ -438,6 +520,16 @@ class RecordRun(Run):
         except (InvalidArgumentError, SystemExit):
             self._nothing_ran()
             raise
+        try:
+            if self.ranks is not None:
+                latest = self._join()
+            else:
+                latest = self._latest_checkpoint() if self.resume_pending else None
+        except InvalidArgumentError:
+            # Refused before anything ran (a resume on another world size):
+            # the run stays interrupted, for a relaunch that can resume it.
+            self._nothing_ran()
+            raise
         self._sync()
         self.session.outer_start(name, length)
         if not self.resume_pending:
@@ -445,7 +537,6 @@ class RecordRun(Run):
                 self._announce()
             return
         self.resume_pending = False
-        latest = self._latest_checkpoint()
         if latest is not None:
             ck_name, state = latest
             # A block checkpoint taken at the end of an iteration without an inner hs.loop holds all of it.
@@ -453,12 +544,52 @@ class RecordRun(Run):
             self.resume_state = state
             self.start_rng = state.get("start_rng")
         where = "the start" if latest is None else f"checkpoint {latest[0]}"
-        print(
-            f"hindsight: run {self.run_id} continues from {where} (store {self.store.path})",
-            file=sys.stderr,
-            flush=True,
-        )
+        if self.leads:
+            print(
+                f"hindsight: run {self.run_id} continues from {where} (store {self.store.path})",
+                file=sys.stderr,
+                flush=True,
+            )
         self.announced = True
+
+    def _join(self) -> tuple[str, dict[str, Any]] | None:
+        """The ranks meet as the outer loop starts: rank 0 says the run, its
+        store and the checkpoint it resumes from (or the error that stops
+        it, which then stops every rank); each rank loads that checkpoint
+        for itself; they agree on a clock."""
+        ranks = self.ranks
+        assert ranks is not None
+        ranks.check()
+        latest = None
+        payload: dict[str, Any] | None = None
+        failure: BaseException | None = None
+        if ranks.leads:
+            try:
+                latest = self._latest_checkpoint() if self.resume_pending else None
+                payload = {
+                    "run": self.run_id,
+                    "store": self.store.path,
+                    "resume": self.resume_pending,
+                    "checkpoint": None if latest is None else latest[0],
+                }
+            except Exception as e:  # noqa: BLE001 - re-raised below; every rank must stop, not wait for rank 0
+                failure = e
+                payload = {"error": f"{type(e).__name__}: {e}"}
+        payload = ranks.from_leader(payload)
+        if failure is not None:
+            raise failure
+        if "error" in payload:
+            raise InvalidArgumentError(f"rank 0 could not start the job's run: {payload['error']}")
+        if not ranks.leads:
+            self.run_id = payload["run"]
+            self.recorded_store = payload["store"]
+            self.resume_pending = self.continued = bool(payload["resume"])
+            self.announced = True  # rank 0 speaks for the job
+            if payload["checkpoint"] is not None:
+                latest = payload["checkpoint"], self._load_resume(payload["checkpoint"])
+        (now,) = ranks.agree([time.monotonic()])
+        self.session.join(self.run_id, now)
+        return latest
 
     def _announce(self) -> None:
         """The first line of a new recording: the run, its home, what its
@@ -522,7 +653,14 @@ class RecordRun(Run):
                 self.outer_vars.restore(at_start)
         return visit
 
+    def _append(self, name: str, ctx: list[tuple[str, int]], rep: int, value: Any) -> None:
+        if self.leads:  # the run's values are rank 0's
+            super()._append(name, ctx, rep, value)
+
     def _outer_ends(self) -> None:
+        # The ranks are together for the last time in the loop: the last
+        # checkpoint commits now (a script may end its process group next).
+        self._commit()
         last = self.session.outer_end()
         if last is not None:
             # Interrupted after the last iteration: nothing is left to run,
@@ -575,7 +713,8 @@ class RecordRun(Run):
         return it, done
 
     def _advance_checked(self, it: Iterator[Any], i: int, n: int) -> None:
-        recorded = self.db.batch_digests(self.run_id, i)
+        # The recorded fingerprints are rank 0's batches: other ranks' differ.
+        recorded = self.db.batch_digests(self.run_id, i) if self.leads else None
         if not recorded or n == 0:
             dataiter.advance(it, n)  # recorded before fingerprints existed
             return
@@ -590,6 +729,8 @@ class RecordRun(Run):
         self.block_iterable = None
 
     def _step_starts(self, i: int, j: int, batch: Any) -> None:
+        if not self.leads:
+            return  # the run's fingerprints are rank 0's batches
         t0 = time.perf_counter()
         self.batch_rows.append((i, j, batches.digest(batch)))
         self.own_seconds += time.perf_counter() - t0
@@ -611,8 +752,8 @@ class RecordRun(Run):
             self.own_seconds += time.perf_counter() - t0
 
     def _step_boundary_timed(self, i: int, j: int) -> None:
-        self._sync()
-        act = self.session.step_boundary(i, j, time.monotonic())
+        now = self._sync()
+        act = self.session.step_boundary(i, j, now)
         if act.prepare:
             # After the first step the optimizer's state exists: pin host
             # memory for the whole state now, in the background, so the
@@ -646,15 +787,18 @@ class RecordRun(Run):
     def _end_iteration_timed(self, i: int, closing: bool) -> None:
         self._sync()
         end = self.session.iteration_end(i, closing)
-        self.db.record_iteration(
-            self.run_id,
-            self.outer_name or "",
-            i,
-            time.perf_counter() - self.iter_start,
-            end.checkpoint,
-            self.iter_materialize if end.checkpoint is not None else None,
-            None if self.outer_value is None else int(self.outer_value),
-        )
+        if self.leads:
+            self.db.record_iteration(
+                self.run_id,
+                self.outer_name or "",
+                i,
+                time.perf_counter() - self.iter_start,
+                end.checkpoint,
+                self.iter_materialize if end.checkpoint is not None else None,
+                None if self.outer_value is None else int(self.outer_value),
+            )
+        if closing:
+            self._commit()  # a `break`: the loop's last checkpoint is committed while the ranks are together
         if end.apply_retention:
             self.flush_logs()
             self.apply_retention()
@@ -668,7 +812,11 @@ class RecordRun(Run):
     def _exit_for_signal(self, code: int) -> None:
         sig = self.stop_signal
         self.interrupted()
-        _preemption.leave(sig, f"run {self.run_id}", code, requeue=self.requeue)
+        if self.ranks is None:
+            _preemption.leave(sig, f"run {self.run_id}", code, requeue=self.requeue)
+        from hindsight import dist
+
+        dist.leave_job(sig, f"run {self.run_id}", code, requeue=self.requeue, rank=self.ranks.rank)
 
     def interrupted(self) -> None:
         """Logs and checkpoints durable, the run marked `interrupted` (so the
@@ -676,7 +824,8 @@ class RecordRun(Run):
         self.flush_logs()
         if self._store is not None:
             self._store.flush()
-        self.db.set_status(self.run_id, "interrupted")
+        if self.leads:
+            self.db.set_status(self.run_id, "interrupted")
         self.finished = True
         self.signals.restore()
 

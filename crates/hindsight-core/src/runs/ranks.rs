@@ -1,12 +1,16 @@
 //! Which rank of how many this process is, as launchers say it: `torchrun`
 //! (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`) and Slurm's `srun` (`SLURM_PROCID`,
-//! `SLURM_NTASKS`).
+//! `SLURM_NTASKS`), and the rules of a run that spans ranks.
 //!
-//! A recording and a resume are one process's today: under several ranks
-//! each rank would record its own run of the same script, a rerun would
-//! resume every rank from one rank's run, and their logs would mix. Until
-//! runs span ranks, such a launch is refused before anything is recorded,
-//! naming the launcher's variables, rather than resumed wrongly.
+//! An `hs.loop` recording under several ranks is one run: rank 0 owns it
+//! (creates or resumes it, writes its rows and logs, applies retention and
+//! decides the adaptive checkpoints); the other ranks join it when the
+//! outer loop starts and follow rank 0's decisions, so every rank saves the
+//! same checkpoint, as one sharded commit. Per-rank state (RNG streams, a
+//! `DistributedSampler`'s place) resumes only on the world size that saved
+//! it, and a replay re-executes one process: both refuse what they cannot
+//! do exactly. A framework's recording (Lightning) does not span ranks yet
+//! and is refused under several.
 
 use std::ffi::OsString;
 
@@ -62,7 +66,12 @@ impl World {
         Ok(None)
     }
 
-    /// Refuse `what` (a recording, a resume) under several ranks.
+    /// Whether this rank owns the run (rank 0): the others follow it.
+    pub fn leads(&self) -> bool {
+        self.rank == 0
+    }
+
+    /// Refuse `what` (a framework's recording) under several ranks.
     pub fn refuse_several(&self, what: &str) -> Result<()> {
         if self.size <= 1 {
             return Ok(());
@@ -71,12 +80,70 @@ impl World {
             "launch",
             format!(
                 "{what} under {} ranks ({} = {}/{}) is not supported yet: every rank would record its own \
-                 run of this script, and a rerun would resume them all from one rank's run. Run it as \
-                 one process, or keep hindsight's Store/Checkpoint API for multi-rank jobs",
+                 run of this script, and a rerun would resume them all from one rank's run. Record with \
+                 hs.loop (one run per job), run it as one process, or keep hindsight.dist for multi-rank \
+                 checkpoints",
                 self.size, self.source, self.rank, self.size
             ),
         ))
     }
+}
+
+/// A resume from `checkpoint`, saved by `saved` ranks (`None`: one
+/// process's checkpoint), by a job of `now` ranks: only the same world size
+/// resumes exactly (each rank's RNG streams and data position are its
+/// own), so any other is refused, naming both sizes.
+pub fn check_resume_world(checkpoint: &str, saved: Option<u64>, now: u64) -> Result<()> {
+    let saved = saved.unwrap_or(1);
+    if saved == now {
+        return Ok(());
+    }
+    let who = |n: u64| {
+        if n == 1 {
+            "one process".to_string()
+        } else {
+            format!("{n} ranks")
+        }
+    };
+    Err(Error::invalid(
+        "launch",
+        format!(
+            "checkpoint {checkpoint} was saved by {} and this launch has {}: a resume continues every rank's \
+             RNG streams and data position exactly only on the world size that saved them. Relaunch with \
+             {} (torchrun --nproc_per_node={saved}), or start a new run (HINDSIGHT_RESUME=0) and load the \
+             weights with hindsight.dist.load, which reshards",
+            who(saved),
+            who(now),
+            who(saved)
+        ),
+    ))
+}
+
+/// The world size a run was recorded with (its `versions` JSON says
+/// `world_size`; runs recorded before ranks were known were one process).
+pub fn recorded_world(versions_json: &str) -> u64 {
+    serde_json::from_str::<serde_json::Value>(versions_json)
+        .ok()
+        .and_then(|v| v.get("world_size").and_then(|w| w.as_u64()))
+        .unwrap_or(1)
+}
+
+/// A replay re-executes the script as one process per worker: a run
+/// recorded by several ranks would reach `init_process_group` with no
+/// launcher, so it is refused before any worker starts, naming the run.
+pub fn refuse_replay(run_id: &str, versions_json: &str) -> Result<()> {
+    let n = recorded_world(versions_json);
+    if n <= 1 {
+        return Ok(());
+    }
+    Err(Error::invalid(
+        "replay",
+        format!(
+            "run {run_id} was recorded by {n} ranks (torchrun/srun): replaying a multi-rank run is not \
+             supported yet. Its checkpoints load on one process with hindsight.dist.load, or export them \
+             with `hindsight consolidate`"
+        ),
+    ))
 }
 
 /// Refuse `what` when this process is one of several ranks (see the module
@@ -117,6 +184,7 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!((two.rank, two.size), (1, 2));
+        assert!(!two.leads() && one.leads());
         let e = two.refuse_several("a recording").unwrap_err().to_string();
         assert!(
             e.contains("a recording under 2 ranks (RANK/WORLD_SIZE (torchrun) = 1/2)"),
@@ -136,5 +204,32 @@ mod tests {
             let e = world(&bad).unwrap_err().to_string();
             assert!(e.contains("RANK"), "{e}");
         }
+    }
+
+    #[test]
+    fn a_resume_needs_the_world_size_that_saved_and_a_multi_rank_run_is_not_replayed() {
+        assert!(check_resume_world("r.epoch-1", None, 1).is_ok());
+        assert!(check_resume_world("r.epoch-1", Some(2), 2).is_ok());
+        let e = check_resume_world("r.epoch-1", Some(2), 1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("r.epoch-1 was saved by 2 ranks and this launch has one process"),
+            "{e}"
+        );
+        let e = check_resume_world("r.epoch-1", None, 4)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("saved by one process and this launch has 4 ranks"),
+            "{e}"
+        );
+        assert_eq!(recorded_world(r#"{"argv": []}"#), 1);
+        assert_eq!(recorded_world("not json"), 1);
+        assert!(refuse_replay("r", r#"{"world_size": 1}"#).is_ok());
+        let e = refuse_replay("r", r#"{"world_size": 2}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("run r was recorded by 2 ranks"), "{e}");
     }
 }

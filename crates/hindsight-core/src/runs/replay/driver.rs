@@ -70,7 +70,8 @@ impl Selection {
 /// The runs `sel` names of the script now at `script_abs`, in the project
 /// rooted at `root_now` (its home `home`, for messages), with their paths
 /// where they are now. Runs named by id are looked up whatever script they
-/// recorded; none found is an error naming the script and the selection.
+/// recorded; none found is an error naming the script and the selection,
+/// and so is a run recorded by several ranks (not replayed yet).
 pub fn select_runs(
     db: &LogDb,
     script_abs: &Path,
@@ -114,6 +115,9 @@ pub fn select_runs(
     }
     if !matches!(sel.which, Which::Given(_) | Which::Latest) {
         runs.sort_by_key(|r| r.started_ms);
+    }
+    for run in &runs {
+        crate::runs::ranks::refuse_replay(&run.id, &run.versions_json)?;
     }
     Ok(runs)
 }

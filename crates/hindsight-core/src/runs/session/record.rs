@@ -216,7 +216,7 @@ impl RecordSession {
     /// keeps its own periods ([`RecordSession::set_framework_periods`]); the
     /// exit code still comes from its sources (an error names a bad one).
     pub fn for_framework(prefix: &str, now: f64) -> Result<RecordSession> {
-        crate::runs::ranks::refuse_several_ranks("a recording")?;
+        crate::runs::ranks::refuse_several_ranks("a framework's recording (Lightning)")?;
         let schedule = CheckpointSchedule::new(None, crate::runs::adaptive::DEFAULT_EPSILON)?;
         let mut s = RecordSession::new(prefix, schedule, preempt::exit_code(None)?, None, now);
         s.set_objects(true);
@@ -450,9 +450,39 @@ impl RecordSession {
         if !(due || forced) {
             return Ok(None);
         }
+        self.block_save(i, forced).map(Some)
+    }
+
+    /// The block end of a rank that follows rank 0 in a multi-rank job:
+    /// rank 0 measured the iteration and decided (`due`), every rank takes
+    /// that decision, so all save the same checkpoint or none. The signal
+    /// the ranks agreed on still forces a save where it would on one rank.
+    pub fn block_end_decided(&mut self, i: u64, due: bool) -> Result<Option<BlockSave>> {
+        self.phase = Phase::Iteration(i);
+        if !self.has_objects {
+            return Ok(None);
+        }
+        let forced = self.block_is_end && self.signal.is_some();
+        if !(due || forced) {
+            return Ok(None);
+        }
+        self.block_save(i, forced).map(Some)
+    }
+
+    fn block_save(&mut self, i: u64, wait: bool) -> Result<BlockSave> {
         let name = self.id(i, Kind::Block)?;
         self.iter_checkpoint = Some(name.clone());
-        Ok(Some(BlockSave { name, wait: forced }))
+        Ok(BlockSave { name, wait })
+    }
+
+    /// The ranks of a multi-rank job agreed, as the outer loop starts, on
+    /// their run (rank 0's) and on a clock (`now`, the same on every
+    /// rank): checkpoints are named after the run, and the safety timer
+    /// counts from that clock, so every rank's session decides alike.
+    pub fn join(&mut self, run_id: &str, now: f64) {
+        self.run_id = run_id.to_string();
+        self.started = now;
+        self.last_save = now;
     }
 
     /// A save finished blocking the training thread after `blocked_secs`, at `now`.

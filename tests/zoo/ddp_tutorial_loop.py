@@ -1,0 +1,98 @@
+# Adapted from pytorch/examples, distributed/ddp-tutorial-series/multigpu_torchrun.py
+# (https://github.com/pytorch/examples/blob/77f55b912142e11fcfdf5b530231fb9c52f181e8/distributed/ddp-tutorial-series/multigpu_torchrun.py, BSD-3-Clause).
+# Shape kept: the Trainer class, DDP, DistributedSampler with set_epoch, positional
+# argparse, torchrun. Changed as the README tells users: the loops are hs.loop, the
+# model and optimizer are given to hs.checkpointing (its own snapshot code goes: a
+# relaunch resumes the job's one run), the loss is logged. For the zoo: gloo on CPU
+# (no LOCAL_RANK device), MyTrainDataset inline and seeded, dropout (each rank draws
+# its own stream), a 20 ms sleep per batch so a test can interrupt it, the final
+# weights printed by rank 0.
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.distributed import destroy_process_group, get_rank, init_process_group
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+import hindsight as hs
+
+
+class MyTrainDataset(Dataset):
+    def __init__(self, size):
+        self.size = size
+        self.data = [(torch.rand(20), torch.rand(1)) for _ in range(size)]
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        return self.data[index]
+
+
+def ddp_setup():
+    init_process_group(backend="gloo")
+
+
+class Trainer:
+    def __init__(self, model, train_data, optimizer):
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.model = DDP(model)
+
+    def _run_batch(self, source, targets):
+        self.optimizer.zero_grad()
+        output = self.model(source)
+        loss = F.mse_loss(output, targets)
+        loss.backward()
+        self.optimizer.step()
+        return loss
+
+    def train(self, max_epochs: int):
+        with hs.checkpointing(model=self.model, optimizer=self.optimizer):
+            for epoch in hs.loop("epoch", range(max_epochs)):
+                self.train_data.sampler.set_epoch(epoch)
+                for source, targets in hs.loop("step", self.train_data):
+                    loss = self._run_batch(source, targets)
+                    hs.log("loss", loss.item())
+                    time.sleep(float(os.environ.get("ZOO_SLEEP", "0.02")))
+
+
+def load_train_objs():
+    torch.manual_seed(0)
+    train_set = MyTrainDataset(512)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return train_set, model, optimizer
+
+
+def prepare_dataloader(dataset: Dataset, batch_size: int):
+    return DataLoader(
+        dataset, batch_size=batch_size, pin_memory=False, shuffle=False, sampler=DistributedSampler(dataset)
+    )
+
+
+def main(total_epochs, batch_size):
+    ddp_setup()
+    dataset, model, optimizer = load_train_objs()
+    torch.manual_seed(100 + get_rank())  # each rank's own dropout stream
+    train_data = prepare_dataloader(dataset, batch_size)
+    trainer = Trainer(model, train_data, optimizer)
+    trainer.train(total_epochs)
+    if get_rank() == 0:
+        w = trainer.model.module.state_dict()
+        print("FINAL", repr(sum(v.double().sum().item() for v in w.values())))
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="simple distributed training job")
+    parser.add_argument("total_epochs", type=int)
+    parser.add_argument("--batch_size", default=32, type=int)
+    args = hs.args(parser)
+    main(args.total_epochs, args.batch_size)
