@@ -1,5 +1,6 @@
 """An `hs.loop` recording under `torchrun` is one run of the job: rank 0
-owns it (its rows, its logged values, its decisions), every rank saves its
+owns it (its rows, its logged values, its decisions; `rank="all"` keeps
+every rank's values with its rank), every rank saves its
 part of each checkpoint, committed once. A signal to one rank stops every
 rank at one step with the checkpoint exit code; the relaunch resumes the
 same run to the weights and the values of an uninterrupted one. What
@@ -30,11 +31,11 @@ EPOCHS = 3
 STEPS = 8  # 512 examples, 2 ranks, batches of 32
 
 
-def launch(cwd: Path, n: int, *, wait: bool = True, sleep: float = 0.0) -> Any:
+def launch(cwd: Path, n: int, *, wait: bool = True, sleep: float = 0.0, script: Path = ZOO) -> Any:
     """The job under hindsight's torchrun wrapper (torchrun's arguments,
     exit 85 when every rank that stopped checkpointed)."""
-    if not (cwd / ZOO.name).exists():
-        shutil.copy(ZOO, cwd / ZOO.name)
+    if not (cwd / script.name).exists():
+        shutil.copy(script, cwd / script.name)
     env = {
         **os.environ,
         "HINDSIGHT_HOME": str(cwd / ".hindsight"),
@@ -42,7 +43,8 @@ def launch(cwd: Path, n: int, *, wait: bool = True, sleep: float = 0.0) -> Any:
         "OMP_NUM_THREADS": "1",
         "ZOO_SLEEP": str(sleep),
     }
-    cmd = [sys.executable, "-m", "hindsight.torchrun", "--standalone", f"--nproc_per_node={n}", ZOO.name, str(EPOCHS)]
+    cmd = [sys.executable, "-m", "hindsight.torchrun", "--standalone", f"--nproc_per_node={n}", script.name]
+    cmd += [str(EPOCHS)] if script == ZOO else []
     p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if not wait:
         return p
@@ -73,10 +75,11 @@ def runs(cwd: Path) -> list[dict[str, Any]]:
     return out
 
 
-def losses(cwd: Path) -> list[tuple[int, int, int, float]]:
-    r = cli(cwd, "logs", "loss", "--json")
+def losses(cwd: Path, name: str = "loss") -> list[tuple[tuple[int, ...], int, float]]:
+    """(context, occurrence, value) of each recorded ``name``, in context order."""
+    r = cli(cwd, "logs", name, "--json")
     assert r.returncode == 0, r.stderr
-    return [(x["ctx"]["epoch"], x["ctx"]["step"], x["rep"], x["values"]["loss"]) for x in json.loads(r.stdout)]
+    return [(tuple(x["ctx"].values()), x["rep"], x["values"][name]) for x in json.loads(r.stdout)]
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +96,15 @@ def test_one_launch_is_one_run_with_rank_0s_values_and_one_committed_checkpoint_
     [run] = runs(cwd)
     assert run["status"] == "completed"
     # One value per step: rank 0's (both ranks' would be two per step).
-    assert [(e, s, rep) for e, s, rep, _ in losses(cwd)] == [(e, s, 0) for e in range(EPOCHS) for s in range(STEPS)]
+    loss = losses(cwd)
+    assert [(c, rep) for c, rep, _ in loss] == [((e, s), 0) for e in range(EPOCHS) for s in range(STEPS)]
+    # rank="all": each rank's value of each step, with its rank; rank 0's is the loss above.
+    per_rank = losses(cwd, "rank_loss")
+    assert [(c, rep) for c, rep, _ in per_rank] == [
+        ((e, s, r), 0) for e in range(EPOCHS) for s in range(STEPS) for r in (0, 1)
+    ]
+    assert [v for c, _, v in per_rank if c[2] == 0] == [v for _, _, v in loss]
+    assert [v for c, _, v in per_rank if c[2] == 1] != [v for _, _, v in loss]
     store = hs.Store(cwd / ".hindsight" / "store")
     names = store.list()
     assert names == [f"{run['id']}.epoch-{i:06d}" for i in range(EPOCHS)]
@@ -116,18 +127,9 @@ def test_a_signal_to_one_rank_stops_the_job_and_the_relaunch_resumes_its_run_exa
     tmp_path: Path, reference: tuple[Path, str]
 ) -> None:
     ref_dir, ref_final = reference
-    p = launch(tmp_path, 2, wait=False, sleep=0.1)
-    manifests = tmp_path / ".hindsight" / "store" / "manifests"
-    deadline = time.monotonic() + 120
-    while not any(manifests.glob("*.epoch-000000.hsm")) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)  # into the second epoch's steps
-    os.kill(children(p.pid)[-1], signal.SIGUSR1)
-    _, err = p.communicate(timeout=240)
-    assert p.returncode == 85, err[-4000:]
+    stopped = interrupt(tmp_path, ZOO)
     [run] = runs(tmp_path)
     assert run["status"] == "interrupted"
-    stopped = hs.Store(tmp_path / ".hindsight" / "store").list()[-1]
     assert ".step-" in stopped, stopped  # mid-epoch: both ranks at the same step, one checkpoint
 
     # Another world size cannot continue each rank's RNG stream and data
@@ -143,6 +145,36 @@ def test_a_signal_to_one_rank_stops_the_job_and_the_relaunch_resumes_its_run_exa
     # The same run, completed; every step's value once, equal to the uninterrupted run's.
     assert [(r["id"], r["status"]) for r in runs(tmp_path)] == [(run["id"], "completed")]
     assert losses(tmp_path) == losses(ref_dir)
+    assert losses(tmp_path, "rank_loss") == losses(ref_dir, "rank_loss")
+
+
+def interrupt(cwd: Path, script: Path) -> str:
+    """Launch ``script`` on 2 ranks, SIGUSR1 to rank 1 in the second epoch:
+    the checkpoint the job stopped at."""
+    p = launch(cwd, 2, wait=False, sleep=0.1, script=script)
+    manifests = cwd / ".hindsight" / "store" / "manifests"
+    deadline = time.monotonic() + 120
+    while not any(manifests.glob("*.epoch-000000.hsm")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # into the second epoch's steps
+    os.kill(children(p.pid)[-1], signal.SIGUSR1)
+    _, err = p.communicate(timeout=240)
+    assert p.returncode == 85, err[-4000:]
+    stopped: str = hs.Store(cwd / ".hindsight" / "store").list()[-1]
+    return stopped
+
+
+def test_fsdp2_shards_resume_mid_epoch_to_the_weights_of_an_uninterrupted_run(tmp_path: Path) -> None:
+    """FSDP2 under hs.loop: each rank saves its shards of the weights, the
+    AdamW state and the gradients; the relaunch cuts them back to each
+    rank's shards."""
+    script = Path(__file__).with_name("ranks_fsdp.py")
+    (tmp_path / "ref").mkdir()
+    reference = final(launch(tmp_path / "ref", 2, script=script))
+    stopped = interrupt(tmp_path, script)
+    assert ".step-" in stopped, stopped
+    assert final(launch(tmp_path, 2, script=script)) == reference
+    assert [r["status"] for r in runs(tmp_path)] == ["completed"]
 
 
 def test_a_bad_launcher_variable_is_named(tmp_path: Path) -> None:

@@ -251,6 +251,16 @@ class Store:
         )
 
     def _describe_tensor(self, torch: Any, t: Any, key: str) -> _native.ArrayView:
+        if type(t).__name__ == "DTensor":
+            # Its memory is a shard of a tensor spread over ranks: written
+            # here it would be saved as if it were the whole tensor.
+            raise about(
+                UnsupportedTypeError(
+                    f"the DTensor at key '{key}' is a shard of a tensor spread over ranks: save it with "
+                    "hindsight.dist.save (every rank), which keeps its place in the whole tensor"
+                ),
+                key_path=key,
+            )
         if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
             raise about(
                 UnsupportedTypeError(

@@ -334,6 +334,61 @@ def _has_tensor(obj: Any) -> bool:
     return False
 
 
+def _shard_like(whole: Any, like: Any, key: str) -> Any:
+    """``whole`` (a whole tensor, as a checkpoint gives it back) cut to the
+    box ``like`` (a live DTensor) holds, as a DTensor of the same layout."""
+    from torch.distributed.tensor import DTensor
+
+    if tuple(whole.shape) != tuple(like.shape):
+        raise about(
+            UnsupportedTypeError(
+                f"the checkpoint holds shape {tuple(whole.shape)} at key '{key}', the live DTensor {tuple(like.shape)}"
+            ),
+            key_path=key,
+        )
+    _, offset, shape = _local_box(like, key)
+    local = whole[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+    local = local.to(device=like.device, dtype=like.dtype).contiguous()
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
+def shard_like_live(objects: Mapping[str, Any], saved: dict[str, Any]) -> None:
+    """Cut the whole tensors of ``saved`` (``{"objects": ..., "grads": ...}``
+    as an ``hs.loop`` checkpoint holds them) to the shards the live
+    ``objects`` hold where those are DTensors (FSDP2), in place, so that
+    ``load_state_dict`` receives what each rank owns: a module's entries by
+    name, an optimizer's state by its parameters' order (its state may not
+    exist yet: a resumed process has not stepped), gradients by parameter."""
+    torch = _torch()
+    DTensor = _dtensor_type()
+    if DTensor is None:
+        return
+    states = saved.get("objects") or {}
+    for name, obj in objects.items():
+        st = states.get(name)
+        if isinstance(obj, torch.nn.Module) and isinstance(st, dict):
+            for k, v in obj.state_dict().items():
+                if isinstance(v, DTensor) and isinstance(st.get(k), torch.Tensor):
+                    st[k] = _shard_like(st[k], v, f"{name}/{k}")
+        elif isinstance(obj, torch.optim.Optimizer) and isinstance(st, dict):
+            params = [p for g in obj.param_groups for p in g["params"]]
+            for idx, per in (st.get("state") or {}).items():
+                p = params[int(idx)] if int(idx) < len(params) else None
+                if not isinstance(p, DTensor):
+                    continue
+                for k, v in per.items():
+                    if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape):
+                        per[k] = _shard_like(v, p, f"{name}/state/{idx}/{k}")
+    for name, grads in (saved.get("grads") or {}).items():
+        obj = objects.get(name)
+        params = list(obj.parameters()) if isinstance(obj, torch.nn.Module) else []
+        for i, (p, g) in enumerate(zip(params, grads, strict=False)):
+            if isinstance(p, DTensor) and isinstance(g, torch.Tensor):
+                grads[i] = _shard_like(g, p, f"grads/{name}/{i}")
+
+
 def consolidate(store: Store, name: str, out: str | os.PathLike[str], *, path: str = _STATE) -> dict[str, Any]:
     """Write the whole tensors of checkpoint ``name`` (however many ranks
     saved it) to one safetensors file, named by their key paths joined with

@@ -3,7 +3,7 @@
 # Shape kept: the Trainer class, DDP, DistributedSampler with set_epoch, positional
 # argparse, torchrun. Changed as the README tells users: the loops are hs.loop, the
 # model and optimizer are given to hs.checkpointing (its own snapshot code goes: a
-# relaunch resumes the job's one run), the loss is logged. For the zoo: gloo on CPU
+# relaunch resumes the job's one run), the loss is logged (rank 0's, and every rank's). For the zoo: gloo on CPU
 # (no LOCAL_RANK device), MyTrainDataset inline and seeded, dropout (each rank draws
 # its own stream), a 20 ms sleep per batch so a test can interrupt it, the final
 # weights printed by rank 0.
@@ -58,6 +58,7 @@ class Trainer:
                 for source, targets in hs.loop("step", self.train_data):
                     loss = self._run_batch(source, targets)
                     hs.log("loss", loss.item())
+                    hs.log("rank_loss", loss.item(), rank="all")
                     time.sleep(float(os.environ.get("ZOO_SLEEP", "0.02")))
 
 

@@ -52,8 +52,15 @@ impl ArrayView {
         version: Option<i64>,
         global_shape: Option<Vec<u64>>,
         offset: Option<Vec<u64>>,
-    ) -> Self {
-        ArrayView {
+    ) -> PyResult<Self> {
+        // The writer reads `nbytes` from `ptr`: memory that is not there
+        // (a tensor subclass without storage of its own) must never get in.
+        if ptr == 0 && nbytes > 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "ArrayView of {nbytes} bytes at a null address ({lib} {dtype} on {device})"
+            )));
+        }
+        Ok(ArrayView {
             lib,
             dtype,
             shape,
@@ -65,7 +72,7 @@ impl ArrayView {
             version,
             global_shape,
             offset,
-        }
+        })
     }
 }
 

@@ -103,9 +103,16 @@ def args(parser: Any, argv: list[str] | None = None) -> Any:
     return current().parse_args(parser, argv)
 
 
-def log(name: str, value: T) -> T:
-    """Record `value` under `name` in the current loop context; returns `value`."""
-    current().log(name, value)
+def log(name: str, value: T, *, rank: int | str = 0) -> T:
+    """Record `value` under `name` in the current loop context; returns `value`.
+
+    Under several ranks (torchrun, srun) the run keeps rank 0's values;
+    ``rank="all"`` keeps every rank's, each with its rank as the innermost
+    context (a ``rank`` column in ``hindsight logs`` and ``hs.dataframe``).
+    """
+    if rank != 0 and rank != "all":
+        raise InvalidArgumentError(f"hs.log({name!r}, ..., rank={rank!r}): rank must be 0 (the default) or 'all'")
+    current().log(name, value, every_rank=rank == "all")
     return value
 
 

@@ -152,6 +152,16 @@ def _to_json(value: Any, name: str, what: str = "hs.log") -> Any:
     )
 
 
+def _encode(name: str, value: Any) -> str:
+    """A logged value as the JSON text the database keeps."""
+    t = type(value)
+    if t is float and value == value and value not in (_INF, -_INF):
+        return repr(value)  # the JSON of a finite float, without the encoder's overhead
+    if t is int or t is bool:
+        return "true" if value is True else "false" if value is False else str(value)
+    return json.dumps(_to_json(value, name))
+
+
 def _heartbeat_fd() -> int | None:
     """The pipe `hindsight run` watches for hangs, if this process has one.
     Also arranges that SIGUSR2 (sent before a hung process is killed) dumps
@@ -373,19 +383,24 @@ class Run:
             self.log_queue.join()
         self._raise_log_error()
 
-    def log(self, name: str, value: Any) -> None:
+    #: This process's rank in a multi-rank job (the context of ``rank="all"`` values).
+    rank_index = 0
+
+    def log(self, name: str, value: Any, every_rank: bool = False) -> None:
         if not self.stack and (self.framework_ctx is not None or self.framework_drop):
             if not self.framework_drop:
                 self.log_at(self.framework_ctx or [], name, value)
             return
         ctx = [(e[0], e[1]) for e in self.stack]
+        if every_rank:
+            ctx.append(("rank", self.rank_index))
         reps = self.reps_inner if len(ctx) > 1 else self.reps_outer
         key = (name, tuple(ctx))
         rep = reps.get(key, 0)
         reps[key] = rep + 1
         if self.stale_start or self.past_plan:
             return
-        self._append(name, ctx, rep, value)
+        self._append(name, ctx, rep, value, every_rank)
 
     def log_at(self, ctx: list[tuple[str, int]], name: str, value: Any) -> None:
         """`value` at a context of loops a framework runs, not hs.loop
@@ -402,15 +417,8 @@ class Run:
         self.reps_framework[key] = rep + 1
         self._append(name, list(ctx), rep, value)
 
-    def _append(self, name: str, ctx: list[tuple[str, int]], rep: int, value: Any) -> None:
-        t = type(value)
-        if t is float and value == value and value not in (_INF, -_INF):
-            text = repr(value)  # the JSON of a finite float, without the encoder's overhead
-        elif t is int or t is bool:
-            text = "true" if value is True else "false" if value is False else str(value)
-        else:
-            text = json.dumps(_to_json(value, name))
-        self.buffer.append((name, ctx, rep, text))
+    def _append(self, name: str, ctx: list[tuple[str, int]], rep: int, value: Any, every_rank: bool = False) -> None:
+        self.buffer.append((name, ctx, rep, _encode(name, value)))
         if len(self.buffer) >= LOG_BATCH:
             self._raise_log_error()
             self._flush_buffers()

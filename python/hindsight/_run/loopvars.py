@@ -229,7 +229,8 @@ def _storages(v: Any) -> set[int]:
     """Storage addresses of the tensors in a value."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(v, torch.Tensor):
-        return {v.untyped_storage().data_ptr()} if v.numel() else set()
+        ptr = objstate.storage_of(v)
+        return set() if ptr is None else {ptr}
     if isinstance(v, (list, tuple)):
         return set().union(*(_storages(x) for x in v)) if v else set()
     if isinstance(v, dict):  # state dicts are OrderedDicts

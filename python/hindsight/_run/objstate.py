@@ -35,6 +35,15 @@ MAX_DEPTH = 8
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python
 
 
+def storage_of(t: Any) -> int | None:
+    """The address of a tensor's storage (a DTensor's: its local shard's,
+    as it has none of its own), None for an empty one."""
+    local = getattr(t, "_local_tensor", None)  # DTensor (FSDP2): only the shard has memory
+    if local is not None:
+        t = local
+    return int(t.untyped_storage().data_ptr()) if t.numel() else None
+
+
 _CODE = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 
 
@@ -121,7 +130,8 @@ class _Encoder:
         if torch is not None and isinstance(v, torch.Tensor):
             if isinstance(v, torch.nn.Parameter):
                 raise NotKept("it holds a parameter of a module that is not checkpointed")
-            if v.numel() and v.untyped_storage().data_ptr() in self.shared:
+            ptr = storage_of(v)
+            if ptr is not None and ptr in self.shared:
                 return {MARK: "ref"}  # a view of a checkpointed object's state: restored through it
             return v
         np = sys.modules.get("numpy")

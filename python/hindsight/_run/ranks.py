@@ -17,7 +17,7 @@ from hindsight.errors import InvalidArgumentError
 
 
 class Ranks:
-    """This process's place in the job, and the two collectives it uses."""
+    """This process's place in the job, and the collectives it uses."""
 
     def __init__(self, world: _native.World) -> None:
         self.rank = world.rank
@@ -65,3 +65,12 @@ class Ranks:
         box = [payload if self.leads else None]
         dist.broadcast_object_list(box, src=0, device=None if self._device is None else torch.device(self._device))
         return box[0]
+
+    def to_leader(self, payload: Any) -> list[Any] | None:
+        """Every other rank's ``payload``, on rank 0 (in rank order, its
+        own left out); None on the others."""
+        import torch.distributed as dist
+
+        got: list[Any] | None = [None] * self.size if self.leads else None
+        dist.gather_object(payload, got, dst=0)
+        return None if got is None else got[1:]

@@ -25,6 +25,7 @@ from hindsight._run.common import (
     ENV_RUN_NAME,
     Run,
     T,
+    _encode,
     _git,
     _package_version,
     _snapshot_source,
@@ -61,6 +62,10 @@ class RecordRun(Run):
         self.leads = self.ranks is None or self.ranks.leads
         # The signal the ranks agreed on (any rank's), for the exit line.
         self.agreed_signal: int | None = None
+        if self.ranks is not None:
+            self.rank_index = self.ranks.rank
+        # A following rank's values logged with rank="all", until sent to rank 0.
+        self.rank_rows: list[tuple[str, list[tuple[str, int]], int, str]] = []
         # The multi-rank checkpoint whose parts are written but not yet committed.
         self.dist_save: Any = None
         super().__init__()
@@ -332,8 +337,10 @@ class RecordRun(Run):
             # streams, loop variables, the data position) kept per rank.
             from hindsight import dist
 
-            objects = state.pop("objects")
-            self.dist_save = dist.save(self.store, ck.name, objects, rank_state=state, meta=meta)
+            shared = {"objects": state.pop("objects")}
+            if "grads" in state:  # gradients are laid out as the parameters are
+                shared["grads"] = state.pop("grads")
+            self.dist_save = dist.save(self.store, ck.name, shared, rank_state=state, meta=meta)
             h = self.dist_save.part
         self.handles.append(h)
         # The steady-state price: one-time set-up of the first saves (fresh
@@ -406,6 +413,7 @@ class RecordRun(Run):
         name = block.name
         # The values of the steps are in the database before the checkpoint
         # that covers them exists: a resume from it never re-logs them.
+        self._gather_ranks_values()
         self.flush_logs()
         extra: dict[str, Any] = {"at": at, "iter_rng": self.iter_rng}
         # After the steps may come the optimizer step of accumulated
@@ -479,7 +487,11 @@ class RecordRun(Run):
 
         rank = 0 if self.ranks is None else self.ranks.rank
         mine = self.store.load(name, path=[dist._RANK_STATE, str(rank)])
-        return {**mine, "objects": self.store.load(name, path=[dist._STATE])}
+        shared = self.store.load(name, path=[dist._STATE])
+        # Whole tensors; where the live objects are sharded (FSDP2) each
+        # rank keeps its own shards of them.
+        dist.shard_like_live(self.objects, shared)
+        return {**mine, **shared}
 
     def parse_args(self, parser: Any, argv: list[str] | None) -> Any:
         """`hs.args(parser)`: parse as the script always did, record the result."""
@@ -653,9 +665,27 @@ class RecordRun(Run):
                 self.outer_vars.restore(at_start)
         return visit
 
-    def _append(self, name: str, ctx: list[tuple[str, int]], rep: int, value: Any) -> None:
-        if self.leads:  # the run's values are rank 0's
-            super()._append(name, ctx, rep, value)
+    def _append(self, name: str, ctx: list[tuple[str, int]], rep: int, value: Any, every_rank: bool = False) -> None:
+        if every_rank and self.ranks is not None and not self.stack:
+            raise InvalidArgumentError(
+                f"hs.log({name!r}, ..., rank='all') outside hs.loop under {self.ranks.size} ranks: every rank's "
+                "values reach rank 0 at the outer loop's iteration ends and checkpoints, so log them inside the loop"
+            )
+        if self.leads:  # the run's values are rank 0's, and what every rank logs
+            super()._append(name, ctx, rep, value, every_rank)
+        elif every_rank:
+            self.rank_rows.append((name, ctx, rep, _encode(name, value)))
+
+    def _gather_ranks_values(self) -> None:
+        """Every rank: the values other ranks logged with ``rank="all"`` go
+        to rank 0's buffer. Called where the ranks are together and before
+        what they logged may be covered by a checkpoint (a save, an
+        iteration's end), so a resume neither loses nor repeats them."""
+        if self.ranks is None:
+            return
+        rows, self.rank_rows = self.rank_rows, []
+        for theirs in self.ranks.to_leader(rows) or []:
+            self.buffer.extend((name, list(ctx), rep, text) for name, ctx, rep, text in theirs)
 
     def _outer_ends(self) -> None:
         # The ranks are together for the last time in the loop: the last
@@ -774,6 +804,7 @@ class RecordRun(Run):
         grads = capture_grads(self.objects)
         if grads is not None:
             mid["grads"] = grads
+        self._gather_ranks_values()
         self.flush_logs()
         self._save_now(name, mid, wait=wait)
 
@@ -786,6 +817,7 @@ class RecordRun(Run):
 
     def _end_iteration_timed(self, i: int, closing: bool) -> None:
         self._sync()
+        self._gather_ranks_values()
         end = self.session.iteration_end(i, closing)
         if self.leads:
             self.db.record_iteration(

@@ -657,3 +657,49 @@ fn a_recording_says_what_it_checkpoints_why_and_what_it_cost() {
     let d = a.take_decision().unwrap();
     assert!(d.starts_with("epoch 0: checkpoint (adaptive: recording costs 1.0% of the compute so far, within the bound 5.0%"), "{d}");
 }
+
+/// Two ranks of one job: the follower joins rank 0's run and takes its
+/// block decisions, so both name and save the same checkpoints; a signal
+/// only one rank saw, once agreed, stops both at the same step.
+#[test]
+fn a_following_rank_saves_what_rank_0_decides_under_the_same_names() {
+    let adaptive = || {
+        let mut s = RecordSession::new(
+            "",
+            CheckpointSchedule::new(None, 0.1).unwrap(),
+            85,
+            Some(60.0),
+            5.0,
+        );
+        s.set_objects(true);
+        s
+    };
+    let (mut lead, mut follow) = (adaptive(), adaptive());
+    lead.join("job", 100.0);
+    follow.join("job", 100.0);
+    for s in [&mut lead, &mut follow] {
+        s.outer_start("epoch", Some(3));
+        assert_eq!(s.iteration_start(0), Visit::Run);
+        assert_eq!(s.block_start(0), BlockStart::Run);
+    }
+    // Only rank 0 measures; its decision reaches the other rank.
+    let decided = lead.block_end(0, 10.0, None, None, 0.0).unwrap();
+    let followed = follow.block_end_decided(0, decided.is_some()).unwrap();
+    assert_eq!(decided, followed);
+    assert_eq!(
+        followed.map(|b| b.name),
+        Some("job.epoch-000000".to_string())
+    );
+    assert_eq!(follow.block_end_decided(0, false).unwrap(), None);
+    // The safety timer counts from the agreed clock on both ranks.
+    for s in [&mut lead, &mut follow] {
+        s.iteration_end(0, false).unwrap();
+        s.iteration_start(1);
+        s.block_start(1);
+        assert_eq!(s.step_boundary(1, 0, 150.0).unwrap().save, None);
+        s.signal(10); // agreed: one rank got it, both hear it
+        let act = s.step_boundary(1, 1, 151.0).unwrap();
+        assert_eq!(act.save.as_deref(), Some("job.epoch-000001.step-000000001"));
+        assert_eq!((act.wait, act.exit), (true, Some(85)));
+    }
+}
