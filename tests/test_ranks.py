@@ -164,6 +164,39 @@ def interrupt(cwd: Path, script: Path) -> str:
     return stopped
 
 
+def test_hindsight_run_restarts_a_job_whose_rank_crashed_and_it_resumes_the_run(
+    tmp_path: Path, reference: tuple[Path, str]
+) -> None:
+    """`hindsight run -- python -m hindsight.torchrun ...`: rank 1 raises in
+    the second epoch, torchrun stops the job, the supervisor restarts it,
+    and the run continues from the first epoch's checkpoint (committed at
+    the first step boundary after it, not only at the next save)."""
+    ref_dir, ref_final = reference
+    shutil.copy(ZOO, tmp_path / ZOO.name)
+    env = {
+        **os.environ,
+        "HINDSIGHT_HOME": str(tmp_path / ".hindsight"),
+        "HINDSIGHT_CHECKPOINT_EVERY": "1",
+        "OMP_NUM_THREADS": "1",
+        "ZOO_CRASH_EPOCH": "1",
+    }
+    launcher = [sys.executable, "-m", "hindsight.torchrun", "--standalone", "--nproc_per_node=2"]
+    r = subprocess.run(
+        [*hindsight_cmd(), "run", "--", *launcher, ZOO.name, str(EPOCHS)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert final(r) == ref_final
+    assert "rank 1 crashed" in r.stderr and "restart 1 of 3" in r.stderr, r.stderr[-3000:]
+    [run] = runs(tmp_path)
+    assert f"continues from checkpoint {run['id']}.epoch-000000 " in r.stderr, r.stderr[-3000:]
+    assert run["status"] == "completed"
+    assert losses(tmp_path) == losses(ref_dir)
+
+
 def test_fsdp2_shards_resume_mid_epoch_to_the_weights_of_an_uninterrupted_run(tmp_path: Path) -> None:
     """FSDP2 under hs.loop: each rank saves its shards of the weights, the
     AdamW state and the gradients; the relaunch cuts them back to each

@@ -24,6 +24,7 @@ shards, every byte verified. ``consolidate`` writes one whole state dict
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -118,6 +119,42 @@ class DistSave:
     #: Bytes of tensors this rank wrote (its shards and replicated share).
     nbytes: int
     _done: bool = False
+    _committer: threading.Thread | None = None
+    _error: BaseException | None = None
+
+    def commit_in_background(self, timeout: float = 600.0) -> None:
+        """Commit without the ranks meeting again: rank 0 commits on a
+        thread once every part is durable; the others only write theirs.
+        For a caller whose ranks may part before a next collective (a
+        recording's loop left by an exception on one rank); rank 0 learns
+        the outcome from ``committed``."""
+        self._done = True
+        if self.rank != 0:
+            return
+
+        def commit() -> None:
+            try:
+                self.part.wait()
+                self.store._native.commit_parts(self.name, self.world, timeout)
+            except BaseException as e:  # noqa: BLE001 - raised by committed()
+                self._error = e
+
+        self._committer = threading.Thread(target=commit, name=f"hindsight-commit-{self.name}", daemon=True)
+        self._committer.start()
+
+    def committed(self, timeout: float | None = None) -> bool:
+        """Rank 0 (after ``commit_in_background``): whether the commit is
+        done, waiting up to ``timeout`` (None: as long as it takes); its
+        error is raised. Other ranks: whether their part is durable."""
+        if self._committer is None:
+            return self.part.wait(timeout) is not None
+        self._committer.join(timeout)
+        if self._committer.is_alive():
+            return False
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
+        return True
 
     def wait(self, timeout: float = 600.0) -> None:
         if self._done:
@@ -154,6 +191,7 @@ def save(
     rank_state: Any = None,
     meta: Mapping[str, object] | None = None,
     group: Any = None,
+    _background: bool = False,
 ) -> DistSave:
     """Save ``state`` (the same tree on every rank: a model's and optimizer's
     state dicts) as checkpoint ``name``, from every rank of ``group``.
@@ -229,7 +267,10 @@ def save(
     with torch.no_grad():
         h = store._save_described(part, tree, describe, meta=meta_s, skip_unchanged=True, part=True)
     ds = DistSave(store, name, rank, world, h, group, written)
-    _pending[(id(store), store.path)] = ds
+    if _background:
+        ds.commit_in_background()
+    else:
+        _pending[(id(store), store.path)] = ds
     return ds
 
 

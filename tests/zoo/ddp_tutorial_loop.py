@@ -6,7 +6,7 @@
 # relaunch resumes the job's one run), the loss is logged (rank 0's, and every rank's). For the zoo: gloo on CPU
 # (no LOCAL_RANK device), MyTrainDataset inline and seeded, dropout (each rank draws
 # its own stream), a 20 ms sleep per batch so a test can interrupt it, the final
-# weights printed by rank 0.
+# weights printed by rank 0, ZOO_CRASH_EPOCH=n: rank 1 crashes in epoch n (not after a restart).
 import os
 import time
 
@@ -57,6 +57,9 @@ class Trainer:
                 self.train_data.sampler.set_epoch(epoch)
                 for source, targets in hs.loop("step", self.train_data):
                     loss = self._run_batch(source, targets)
+                    if epoch == int(os.environ.get("ZOO_CRASH_EPOCH", "-1")) and get_rank() == 1:
+                        if not os.environ.get("HINDSIGHT_RESTART"):  # the first launch only
+                            raise RuntimeError("rank 1 crashed (ZOO_CRASH_EPOCH)")
                     hs.log("loss", loss.item())
                     hs.log("rank_loss", loss.item(), rank="all")
                     time.sleep(float(os.environ.get("ZOO_SLEEP", "0.02")))

@@ -9,6 +9,7 @@ import json
 import numbers
 import os
 import queue
+import stat
 import subprocess
 import sys
 import threading
@@ -170,7 +171,12 @@ def _heartbeat_fd() -> int | None:
         fd = _native.setting_value(_settings.HEARTBEAT_FD)
         if not isinstance(fd, int):
             return None
-        os.fstat(fd)
+        # A launcher between the supervisor and this process (torchrun
+        # closes inherited descriptors) leaves the variable without the
+        # pipe, and the number may name a socket of this process's own (a
+        # process group's): only a pipe is written to.
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return None
     except (InvalidArgumentError, OSError):
         return None  # not ours (inherited env var without the descriptor)
     import faulthandler
@@ -596,6 +602,8 @@ class Run:
         finally:
             self.stack.remove(entry)
             self._block_ends()
+            if closed and self._closed_block_ends_later():
+                closed = False  # `_outer` ends the iteration as a whole if it goes on
             if (ok or closed) and not self.block_done:
                 self._end_block(i)
                 if closed:
@@ -613,6 +621,11 @@ class Run:
 
     def _block_closed(self, i: int) -> None:
         """The steps of iteration i were left early (break or exception)."""
+
+    def _closed_block_ends_later(self) -> bool:
+        """Whether steps left early end their block only if the iteration
+        then goes on normally (as one ending the whole iteration)."""
+        return False
 
     def _iteration_starts(self, i: int) -> None:
         """Outer iteration i is about to run its body: its loop variables as

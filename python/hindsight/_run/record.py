@@ -300,6 +300,8 @@ class RecordRun(Run):
                     file=sys.stderr,
                     flush=True,
                 )
+            if self.dist_save is not None and status == "completed":
+                self._commit()  # its parts are durable once every rank is done (a failed job's may never be)
             if self._store is not None:
                 self._store.flush()
                 if end.apply_retention:
@@ -340,7 +342,10 @@ class RecordRun(Run):
             shared = {"objects": state.pop("objects")}
             if "grads" in state:  # gradients are laid out as the parameters are
                 shared["grads"] = state.pop("grads")
-            self.dist_save = dist.save(self.store, ck.name, shared, rank_state=state, meta=meta)
+            self._commit()
+            # Rank 0 commits on its own once every part is durable: the
+            # ranks need not meet again for it (one may die first).
+            self.dist_save = dist.save(self.store, ck.name, shared, rank_state=state, meta=meta, _background=True)
             h = self.dist_save.part
         self.handles.append(h)
         # The steady-state price: one-time set-up of the first saves (fresh
@@ -357,11 +362,11 @@ class RecordRun(Run):
             self.store.flush()
 
     def _commit(self) -> None:
-        """Every rank: the pending multi-rank checkpoint is committed (or
-        the error of any rank is raised on all)."""
+        """Rank 0: the pending multi-rank checkpoint is committed (its
+        error raised); another rank: its part is durable."""
         if self.dist_save is not None:
             pending, self.dist_save = self.dist_save, None
-            pending.wait()
+            pending.committed()
 
     def _estimate_materialize(self) -> float:
         # A first guess, refined by the first save: host tensors are copied
@@ -687,10 +692,13 @@ class RecordRun(Run):
         for theirs in self.ranks.to_leader(rows) or []:
             self.buffer.extend((name, list(ctx), rep, text) for name, ctx, rep, text in theirs)
 
+    def _closed_block_ends_later(self) -> bool:
+        # Under several ranks, steps left early may be a `break` on every
+        # rank or an exception on one: their block ends (collectives) wait
+        # for the iteration to go on normally, and end it as a whole.
+        return self.ranks is not None
+
     def _outer_ends(self) -> None:
-        # The ranks are together for the last time in the loop: the last
-        # checkpoint commits now (a script may end its process group next).
-        self._commit()
         last = self.session.outer_end()
         if last is not None:
             # Interrupted after the last iteration: nothing is left to run,
@@ -816,8 +824,12 @@ class RecordRun(Run):
             self.own_seconds += time.perf_counter() - t0
 
     def _end_iteration_timed(self, i: int, closing: bool) -> None:
-        self._sync()
-        self._gather_ranks_values()
+        # Left by a `break` or by an exception that may be this rank's
+        # alone: the ranks may never meet again, so no collective here.
+        apart = closing and self.ranks is not None
+        if not apart:
+            self._sync()
+            self._gather_ranks_values()
         end = self.session.iteration_end(i, closing)
         if self.leads:
             self.db.record_iteration(
@@ -829,12 +841,12 @@ class RecordRun(Run):
                 self.iter_materialize if end.checkpoint is not None else None,
                 None if self.outer_value is None else int(self.outer_value),
             )
-        if closing:
-            self._commit()  # a `break`: the loop's last checkpoint is committed while the ranks are together
         if end.apply_retention:
             self.flush_logs()
             self.apply_retention()
         self.flush_logs()
+        if apart:
+            return
         if end.save is not None:
             # After outer iteration i: the next iteration starts afresh on resume.
             self._save_now(end.save, {}, wait=True)
