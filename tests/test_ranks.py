@@ -232,3 +232,8 @@ def test_a_recording_under_several_ranks_without_a_process_group_is_refused_and_
     assert r.returncode != 0, r.stderr
     assert "rank 0 of 2 (RANK/WORLD_SIZE (torchrun))" in r.stderr and "init_process_group()" in r.stderr, r.stderr
     assert runs(tmp_path) == []
+
+
+def test_hs_log_takes_rank_0_or_all_and_names_a_bad_rank() -> None:
+    with pytest.raises(hs.InvalidArgumentError, match=r"hs.log\('loss', ..., rank=1\): rank must be 0"):
+        hs.log("loss", 0.5, rank=1)
