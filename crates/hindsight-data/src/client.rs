@@ -1071,6 +1071,14 @@ impl EpochRun {
             {
                 Ok(())
             }
+            // The connection dropped under the call (a dispatcher killed and
+            // restarting): tonic says Internal for the HTTP/2 layer's error,
+            // but the call never reached a dispatcher that could refuse it.
+            Code::Internal
+                if connection_dropped(status) && since.elapsed() < self.ctx.opts.no_worker_wait =>
+            {
+                Ok(())
+            }
             Code::Unavailable if status.message().starts_with("no live worker") => {
                 Err(Error::NoWorkers {
                     dataset: self.ctx.spec.dataset.clone(),
@@ -1222,4 +1230,10 @@ impl EpochRun {
         let mut d = self.ctx.dispatcher.clone();
         let _ = tokio::time::timeout(Duration::from_millis(500), d.progress(req)).await;
     }
+}
+
+/// A call that failed because its HTTP/2 connection went away (tonic's
+/// status for an `h2` error), not because the server answered it.
+fn connection_dropped(status: &Status) -> bool {
+    status.message().starts_with("h2 protocol error")
 }
