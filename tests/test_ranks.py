@@ -31,7 +31,7 @@ EPOCHS = 3
 STEPS = 8  # 512 examples, 2 ranks, batches of 32
 
 
-def launch(cwd: Path, n: int, *, wait: bool = True, sleep: float = 0.0, script: Path = ZOO) -> Any:
+def launch(cwd: Path, n: int, *, wait: bool = True, sleep: float = 0.0, script: Path = ZOO, **extra: str) -> Any:
     """The job under hindsight's torchrun wrapper (torchrun's arguments,
     exit 85 when every rank that stopped checkpointed)."""
     if not (cwd / script.name).exists():
@@ -42,6 +42,7 @@ def launch(cwd: Path, n: int, *, wait: bool = True, sleep: float = 0.0, script: 
         "HINDSIGHT_CHECKPOINT_EVERY": "1",
         "OMP_NUM_THREADS": "1",
         "ZOO_SLEEP": str(sleep),
+        **extra,
     }
     cmd = [sys.executable, "-m", "hindsight.torchrun", "--standalone", f"--nproc_per_node={n}", script.name]
     cmd += [str(EPOCHS)] if script == ZOO else []
@@ -140,6 +141,19 @@ def test_a_signal_to_one_rank_stops_the_job_and_the_relaunch_resumes_its_run_exa
         -3000:
     ]
     assert [r["status"] for r in runs(tmp_path)] == ["interrupted"]
+
+    # Rank 1's data order changed (its sampler's seed): its skipped batches
+    # differ from the ones it recorded. Every rank stops, naming rank 1's
+    # first one, rather than train on other data.
+    skewed = launch(tmp_path, 2, ZOO_RANK1_SEED="7")
+    assert skewed.returncode != 0
+    step = int(stopped.rsplit("-", 1)[1])
+    assert "DivergenceError" in skewed.stderr and "rank 1's batch at epoch 1, step 0 differs" in skewed.stderr, (
+        skewed.stderr[-3000:]
+    )
+    assert skewed.stderr.count("rank 1's batch at epoch 1, step 0 differs") >= 2  # on both ranks
+    assert step > 0
+    assert [r["status"] for r in runs(tmp_path)] == ["interrupted"]  # left to resume
 
     assert final(launch(tmp_path, 2)) == ref_final
     # The same run, completed; every step's value once, equal to the uninterrupted run's.

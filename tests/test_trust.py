@@ -179,17 +179,29 @@ def check_resume(
     assert got["logs"] == ref_series["logs"], f"logged values differ (signal at {at})"
 
 
-def test_a_resume_whose_data_order_cannot_be_restored_stops_naming_the_step(tmp_path):
+@pytest.mark.parametrize(
+    "loading",
+    [
+        ("--workers", "2"),
+        # No workers, the loader given to hs.loop: the resume steps over the
+        # consumed batches by their sampler indices alone, loading nothing
+        # (that used to go unchecked, and trained on other data, exit 0).
+        ("--workers", "0", "--count", "outside"),
+    ],
+    ids=["loaded", "indices"],
+)
+def test_a_resume_whose_data_order_cannot_be_restored_stops_naming_the_step(tmp_path, loading):
     """The sampler draws its order from a generator seeded by os.urandom:
     no checkpoint can restore it. The resume must not go on with other data."""
     project(tmp_path)
-    args = ("--order", "urandom", "--delay", "0.05")
+    args = ("--order", "urandom", "--delay", "0.05", *loading)
     r = interrupt(tmp_path, signal.SIGUSR1, BATCHES + 3, *args)
     assert r.returncode == 85, r.stderr
     r = run(tmp_path, *args)
     assert r.returncode != 0, r.stdout + r.stderr
     assert "DivergenceError" in r.stderr
     assert "the batch at epoch 1, step 0 differs from the recorded one" in r.stderr, r.stderr
+    assert series(tmp_path)["status"] == "interrupted"  # left to resume once the order is restored
 
 
 def replay(root: Path, *extra: str) -> subprocess.CompletedProcess[str]:

@@ -6,7 +6,8 @@
 # relaunch resumes the job's one run), the loss is logged (rank 0's, and every rank's). For the zoo: gloo on CPU
 # (no LOCAL_RANK device), MyTrainDataset inline and seeded, dropout (each rank draws
 # its own stream), a 20 ms sleep per batch so a test can interrupt it, the final
-# weights printed by rank 0, ZOO_CRASH_EPOCH=n: rank 1 crashes in epoch n (not after a restart).
+# weights printed by rank 0, ZOO_CRASH_EPOCH=n: rank 1 crashes in epoch n (not after a restart),
+# ZOO_RANK1_SEED=s: rank 1's sampler shuffles with seed s (its data order changed).
 import os
 import time
 
@@ -75,7 +76,11 @@ def load_train_objs():
 
 def prepare_dataloader(dataset: Dataset, batch_size: int):
     return DataLoader(
-        dataset, batch_size=batch_size, pin_memory=False, shuffle=False, sampler=DistributedSampler(dataset)
+        dataset,
+        batch_size=batch_size,
+        pin_memory=False,
+        shuffle=False,
+        sampler=DistributedSampler(dataset, seed=int(os.environ.get("ZOO_RANK1_SEED", "0")) if get_rank() == 1 else 0),
     )
 
 

@@ -9,7 +9,8 @@ use std::sync::Mutex;
 
 use hindsight_core::runs::dates::now_ms;
 use hindsight_core::runs::db::{
-    BatchDigest, IterationRow, LogDb as CoreDb, LogRow, NewRun, Phase, RunRow, RunStatus, Trust,
+    BatchDigest, IterationRow, LogDb as CoreDb, LogRow, NewRun, Phase, PrintKind, RunRow,
+    RunStatus, Trust,
 };
 use hindsight_core::runs::replay;
 use pyo3::buffer::PyBuffer;
@@ -323,25 +324,36 @@ impl LogDb {
         self.with(py, |db| db.finish_replay(replay_id, keep))
     }
 
-    /// Fingerprints of the steps of outer iteration `outer`: [(step, digest)].
+    /// Fingerprints of rank `rank`'s steps of outer iteration `outer`:
+    /// [(step, digest)], of `kind` (`batch` or `order`).
+    #[pyo3(signature = (run_id, outer, rank, kind, rows))]
     fn record_batches(
         &self,
         py: Python<'_>,
         run_id: String,
         outer: u64,
+        rank: u32,
+        kind: &str,
         rows: Vec<(u64, String)>,
     ) -> PyResult<()> {
-        self.with(py, |db| db.record_batches(&run_id, outer, &rows))
+        let kind = PrintKind::parse(kind).py_err()?;
+        self.with(py, |db| {
+            db.record_batches(&run_id, outer, rank, kind, &rows)
+        })
     }
 
-    /// The recorded fingerprints of outer iteration `outer`: {step: digest}.
+    /// The recorded fingerprints of `kind` of rank `rank`'s steps of outer
+    /// iteration `outer`: {step: digest}.
     fn batch_digests(
         &self,
         py: Python<'_>,
         run_id: String,
         outer: u64,
+        rank: u32,
+        kind: &str,
     ) -> PyResult<BTreeMap<u64, String>> {
-        self.with(py, |db| db.batch_digests(&run_id, outer))
+        let kind = PrintKind::parse(kind).py_err()?;
+        self.with(py, |db| db.batch_digests(&run_id, outer, rank, kind))
             .map(|rows| rows.into_iter().collect())
     }
 

@@ -388,9 +388,16 @@ impl RecordSession {
         self.0.outer_end().py_err()
     }
 
-    #[pyo3(signature = (i, j, recorded, digest))]
-    fn resumed_batch(&self, i: u64, j: u64, recorded: Option<&str>, digest: &str) -> PyResult<()> {
-        self.0.resumed_batch(i, j, recorded, digest).py_err()
+    #[pyo3(signature = (i, j, rank, recorded, digest))]
+    fn resumed_batch(
+        &self,
+        i: u64,
+        j: u64,
+        rank: Option<u32>,
+        recorded: Option<&str>,
+        digest: &str,
+    ) -> PyResult<()> {
+        self.0.resumed_batch(i, j, rank, recorded, digest).py_err()
     }
 
     /// Why the last block end saved or did not (once), for `$HINDSIGHT_VERBOSE`.

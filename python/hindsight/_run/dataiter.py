@@ -208,6 +208,22 @@ def skips_loading(it: Any) -> bool:
     return bool(it._dataset_kind == _DatasetKind.Map)
 
 
+def order_tap(it: Any) -> _Tap | None:
+    """What a step of `it` was loaded from (the tap's ``last`` index batch),
+    where a resume would step over `it` without loading (`skips_loading`):
+    recording fingerprints it, so that the resume has something to check."""
+    origin = _ORIGINS.get(it) if skips_loading(it) else None
+    return None if origin is None or it._sampler_iter is not origin.tap else origin.tap
+
+
+def skip_orders(it: Any, n: int) -> list[str]:
+    """Step over n batches of a loader that `skips_loading`, returning the
+    fingerprints of the index batches its sampler drew for them."""
+    drawn = [batches.digest(next(it._sampler_iter)) for _ in range(n)]
+    it._num_yielded += n
+    return drawn
+
+
 def advance(it: Any, n: int) -> None:
     """Step over n items of `it` (see `skips_loading`)."""
     if skips_loading(it):

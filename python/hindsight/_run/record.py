@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hindsight import _native, _preemption, _settings
 from hindsight._run import batches, cmdline, dataiter, jupyter
@@ -34,7 +34,17 @@ from hindsight._run.common import (
 from hindsight._run.files import Written
 from hindsight._run.ranks import Ranks
 from hindsight._state import capture, capture_grads, rng_state, set_rng_state, tensor_bytes
-from hindsight.errors import CorruptError, HindsightError, InvalidArgumentError, NotFoundError, ReplayError
+from hindsight.errors import (
+    CorruptError,
+    DivergenceError,
+    HindsightError,
+    InvalidArgumentError,
+    NotFoundError,
+    ReplayError,
+)
+
+#: What a recorded fingerprint is of (core `runs::db::PrintKind`).
+PrintKind = Literal["batch", "order"]
 
 
 def _stateful_loader(loader: Any) -> bool:
@@ -96,8 +106,11 @@ class RecordRun(Run):
         # `random`, NumPy's) draw as recorded.
         self.start_rng: dict[str, Any] | None = None
         self.block_iterable: Any = None
-        # Fingerprints of the current iteration's batches, until written.
-        self.batch_rows: list[tuple[int, int, str]] = []
+        # Fingerprints of the batches consumed, (rank, kind, iteration,
+        # step, digest), until written (a following rank's: until sent to
+        # rank 0); the block's loader when a resume would skip it unloaded.
+        self.batch_rows: list[tuple[int, PrintKind, int, int, str]] = []
+        self.order_tap: Any = None
         self.vars_checked = 0
         # What the run says for itself: a line when its loop starts and when
         # it ends ($HINDSIGHT_QUIET=1: none), one per checkpoint decision
@@ -682,15 +695,20 @@ class RecordRun(Run):
             self.rank_rows.append((name, ctx, rep, _encode(name, value)))
 
     def _gather_ranks_values(self) -> None:
-        """Every rank: the values other ranks logged with ``rank="all"`` go
-        to rank 0's buffer. Called where the ranks are together and before
-        what they logged may be covered by a checkpoint (a save, an
-        iteration's end), so a resume neither loses nor repeats them."""
+        """Every rank: the values other ranks logged with ``rank="all"``,
+        and the fingerprints of their batches, go to rank 0's buffers.
+        Called where the ranks are together and before what they logged
+        may be covered by a checkpoint (a save, an iteration's end), so a
+        resume neither loses nor repeats them, and checks every rank's data."""
         if self.ranks is None:
             return
-        rows, self.rank_rows = self.rank_rows, []
-        for theirs in self.ranks.to_leader(rows) or []:
-            self.buffer.extend((name, list(ctx), rep, text) for name, ctx, rep, text in theirs)
+        mine = (self.rank_rows, [] if self.leads else self.batch_rows)
+        self.rank_rows = []
+        if not self.leads:
+            self.batch_rows = []
+        for values, digests in self.ranks.to_leader(mine) or []:
+            self.buffer.extend((name, list(ctx), rep, text) for name, ctx, rep, text in values)
+            self.batch_rows.extend(digests)
 
     def _closed_block_ends_later(self) -> bool:
         # Under several ranks, steps left early may be a `break` on every
@@ -725,7 +743,9 @@ class RecordRun(Run):
         if block.kind == "resume_steps":
             return self._resume_steps(iterable, block.checkpoint, i, block.step)
         self.block_rng = rng_state()  # before iter(): a DataLoader draws its order here
-        return iter(iterable), 0
+        it = iter(iterable)
+        self.order_tap = dataiter.order_tap(it)
+        return it, 0
 
     def _resume_steps(self, iterable: Any, checkpoint: str | None, i: int, done: int) -> tuple[Iterator[Any], int]:
         """Continue an interrupted block exactly: same data order, no sample repeated or skipped."""
@@ -746,40 +766,86 @@ class RecordRun(Run):
             it = iter(iterable)
             # Step over what was consumed before the interruption, proving
             # on the way that it is what the recording consumed.
-            self._advance_checked(it, i, done)
+            try:
+                self._advance_checked(it, i, done)
+            except DivergenceError:
+                # Nothing was trained on other data: the run stays
+                # interrupted, for a relaunch with the order restored.
+                self.interrupted()
+                raise
         set_rng_state(state["rng"])
+        self.order_tap = dataiter.order_tap(it)
         return it, done
 
     def _advance_checked(self, it: Iterator[Any], i: int, n: int) -> None:
-        # The recorded fingerprints are rank 0's batches: other ranks' differ.
-        recorded = self.db.batch_digests(self.run_id, i) if self.leads else None
-        if not recorded or n == 0:
-            dataiter.advance(it, n)  # recorded before fingerprints existed
-            return
+        """Step over the n batches consumed before the interruption, proving
+        they are the recorded ones: by their fingerprints, or by their
+        sampler's indices where stepping over loads nothing. Under several
+        ranks each rank steps over its own; rank 0 compares every rank's,
+        and every rank stops on the first that differs, with the same
+        error (one rank raising alone would leave the others waiting in a
+        collective)."""
+        kind: PrintKind
         if dataiter.skips_loading(it):
-            # Nothing loaded, nothing to compare: the steps that follow are.
-            dataiter.advance(it, n)
-            return
-        for j in range(n):
-            self.session.resumed_batch(i, j, recorded.get(j), batches.digest(next(it)))
+            kind, mine = "order", dataiter.skip_orders(it, n)
+        else:
+            kind, mine = "batch", [batches.digest(next(it)) for _ in range(n)]
+        if self.ranks is None:
+            first = self._first_unlike_recorded(i, 0, kind, mine)
+        else:
+            gathered = self.ranks.to_leader((kind, mine))
+            first = None
+            for rank, (k, digests) in enumerate([(kind, mine), *gathered] if gathered is not None else []):
+                first = first or self._first_unlike_recorded(i, rank, k, digests)
+            first = self.ranks.from_leader(first)
+        if first is not None:
+            rank, j, recorded, digest = first
+            self.session.resumed_batch(i, j, None if self.ranks is None else rank, recorded, digest)
+
+    def _first_unlike_recorded(
+        self, i: int, rank: int, kind: PrintKind, digests: list[str]
+    ) -> tuple[int, int, str, str] | None:
+        """The first of ``rank``'s resumed batches that the session finds
+        unlike the recorded one, as (rank, step, recorded, digest)."""
+        if not digests:
+            return None
+        recorded = self.db.batch_digests(self.run_id, i, rank, kind)
+        if not recorded:
+            whose = f"rank {rank}'s" if self.ranks is not None else "the"
+            print(
+                f"hindsight: {whose} batches of {self.outer_name} {i} were recorded without "
+                f"{'sampler index ' if kind == 'order' else ''}fingerprints (an older hindsight, or an iterator made "
+                "before hindsight was imported): the resumed data order is not checked",
+                file=sys.stderr,
+                flush=True,
+            )
+            return None
+        for j, digest in enumerate(digests):
+            try:
+                self.session.resumed_batch(i, j, rank, recorded.get(j), digest)
+            except DivergenceError:
+                return rank, j, recorded[j], digest
+        return None
 
     def _block_ends(self) -> None:
         self.block_iterable = None
+        self.order_tap = None
 
     def _step_starts(self, i: int, j: int, batch: Any) -> None:
-        if not self.leads:
-            return  # the run's fingerprints are rank 0's batches
         t0 = time.perf_counter()
-        self.batch_rows.append((i, j, batches.digest(batch)))
+        self.batch_rows.append((self.rank_index, "batch", i, j, batches.digest(batch)))
+        if self.order_tap is not None:
+            self.batch_rows.append((self.rank_index, "order", i, j, batches.digest(self.order_tap.last)))
         self.own_seconds += time.perf_counter() - t0
 
     def _flush_buffers(self) -> None:
         super()._flush_buffers()
-        if self.batch_rows:
+        if self.batch_rows and self.leads:  # a following rank's go to rank 0
             rows, self.batch_rows = self.batch_rows, []
-            for i in sorted({r[0] for r in rows}):
-                steps = [(j, d) for k, j, d in rows if k == i]
-                self._submit(functools.partial(self.db.record_batches, self.run_id, i, steps))
+            for key in sorted({r[:3] for r in rows}):
+                rank, kind, i = key
+                steps = [(j, d) for *k, j, d in rows if tuple(k) == key]
+                self._submit(functools.partial(self.db.record_batches, self.run_id, i, rank, kind, steps))
 
     def _step_boundary(self, i: int, j: int) -> None:
         """Between two training steps: act on a signal or a due safety checkpoint."""

@@ -126,7 +126,7 @@ class ReplayRun(Run):
             self.db.append_replay_logs(self.replay_id, self.run_id, rows)
 
     def _block_starts(self, i: int, iterable: Any) -> tuple[Any, int] | None:
-        block = self.session.block_start(i, self.db.batch_digests(self.run_id, i))
+        block = self.session.block_start(i, self.db.batch_digests(self.run_id, i, 0, "batch"))
         if block.kind == "restore":
             self._restore(block.checkpoint)
             return None

@@ -1,7 +1,11 @@
 //! The `batches` table: a fingerprint of what each training step consumed,
 //! written while recording, so that a resume and every replay worker can
 //! prove they consume the same data in the same order (or stop, naming the
-//! step). The fingerprint is xxh3-128 over the batch's parts in order, each
+//! step). Each rank of a job keeps its own: its batches differ from the
+//! others' (a `DistributedSampler`'s share). Beside what a step consumed, a
+//! loader that a resume steps over by its sampler's indices alone (loading
+//! nothing) has those indices fingerprinted: the resume compares them. The
+//! fingerprint is xxh3-128 over the batch's parts in order, each
 //! part preceded by its length: a tensor's dtype and shape, then its bytes.
 
 use rusqlite::params;
@@ -9,6 +13,37 @@ use xxhash_rust::xxh3::Xxh3;
 
 use super::{to_i64, to_u64, DbResult, LogDb};
 use crate::error::Result;
+
+/// What a fingerprint is of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PrintKind {
+    /// What a training step consumed: its batch, loaded.
+    Batch,
+    /// The sampler's indices the batch was loaded from.
+    Order,
+}
+
+impl PrintKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Batch => "batch",
+            Self::Order => "order",
+        }
+    }
+
+    /// `batch` or `order`; another word is refused, naming it.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "batch" => Ok(Self::Batch),
+            "order" => Ok(Self::Order),
+            _ => Err(crate::error::Error::invalid(
+                "kind",
+                format!("{s:?} is not a fingerprint kind (batch, order)"),
+            )),
+        }
+    }
+}
 
 /// Incremental fingerprint of one batch.
 #[derive(Clone, Default)]
@@ -39,9 +74,17 @@ impl BatchDigest {
 }
 
 impl LogDb {
-    /// Record the fingerprints of steps of outer iteration `outer`:
-    /// `(step, digest)`. A step recorded again (a resumed run) replaces it.
-    pub fn record_batches(&self, run_id: &str, outer: u64, rows: &[(u64, String)]) -> Result<()> {
+    /// Record the fingerprints of rank `rank`'s steps of outer iteration
+    /// `outer`: `(step, digest)`. A step recorded again (a resumed run)
+    /// replaces it.
+    pub fn record_batches(
+        &self,
+        run_id: &str,
+        outer: u64,
+        rank: u32,
+        kind: PrintKind,
+        rows: &[(u64, String)],
+    ) -> Result<()> {
         if rows.is_empty() {
             return Ok(());
         }
@@ -49,30 +92,58 @@ impl LogDb {
             self.require_run(tx, run_id)?;
             let mut st = tx
                 .prepare_cached(
-                    "INSERT OR REPLACE INTO batches (run_id, outer, step, digest) VALUES (?1, ?2, ?3, ?4)",
+                    "INSERT OR REPLACE INTO batches (run_id, outer, rank, kind, step, digest) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
                 )
                 .db(&self.path)?;
             for (step, digest) in rows {
-                st.execute(params![run_id, to_i64(outer), to_i64(*step), digest])
-                    .db(&self.path)?;
+                st.execute(params![
+                    run_id,
+                    to_i64(outer),
+                    rank,
+                    kind.as_str(),
+                    to_i64(*step),
+                    digest
+                ])
+                .db(&self.path)?;
             }
             Ok(())
         })
     }
 
-    /// The recorded fingerprints of outer iteration `outer`'s steps, by step.
-    pub fn batch_digests(&self, run_id: &str, outer: u64) -> Result<Vec<(u64, String)>> {
+    /// The recorded fingerprints of rank `rank`'s steps of outer iteration
+    /// `outer`, by step.
+    pub fn batch_digests(
+        &self,
+        run_id: &str,
+        outer: u64,
+        rank: u32,
+        kind: PrintKind,
+    ) -> Result<Vec<(u64, String)>> {
         self.require_run(&self.conn, run_id)?;
         let mut st = self
             .conn
             .prepare_cached(
-                "SELECT step, digest FROM batches WHERE run_id = ?1 AND outer = ?2 ORDER BY step",
+                "SELECT step, digest FROM batches \
+                 WHERE run_id = ?1 AND outer = ?2 AND rank = ?3 AND kind = ?4 ORDER BY step",
             )
             .db(&self.path)?;
         let rows = st
-            .query_map(params![run_id, to_i64(outer)], |r| {
+            .query_map(params![run_id, to_i64(outer), rank, kind.as_str()], |r| {
                 Ok((to_u64(r.get::<_, i64>(0)?), r.get::<_, String>(1)?))
             })
+            .db(&self.path)?;
+        rows.collect::<rusqlite::Result<_>>().db(&self.path)
+    }
+
+    /// The ranks whose fingerprints the run holds, in order.
+    pub fn batch_ranks(&self, run_id: &str) -> Result<Vec<u32>> {
+        let mut st = self
+            .conn
+            .prepare_cached("SELECT DISTINCT rank FROM batches WHERE run_id = ?1 ORDER BY rank")
+            .db(&self.path)?;
+        let rows = st
+            .query_map([run_id], |r| r.get::<_, u32>(0))
             .db(&self.path)?;
         rows.collect::<rusqlite::Result<_>>().db(&self.path)
     }

@@ -27,7 +27,7 @@ pub const REPAIR_HINT: &str = "`hindsight repair` rebuilds it from what is still
      (the damaged file is kept beside it)";
 
 /// Schema version this build writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 6;
+pub const SCHEMA_VERSION: i64 = 7;
 
 /// How long a writer waits for another process's transaction.
 pub const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -168,6 +168,29 @@ ALTER TABLE replay_logs ADD COLUMN sum INTEGER;
 UPDATE replay_logs SET sum = hs_row_sum(run_id, name, ctx, rep, value, 'staged:' || replay_id, NULL);
 "#;
 
+/// Version 7: batch fingerprints per rank and per kind.
+/// - `rank`: a job of several ranks feeds each rank its own batches;
+///   keeping rank 0's alone left the others' data order unchecked on a
+///   resume. Single-process runs are rank 0.
+/// - `kind`: `batch` fingerprints what a step consumed; `order` the
+///   sampler's indices it was loaded from, which is all a resume sees of
+///   the batches it steps over without loading them ([`PrintKind`]).
+const SCHEMA_V7: &str = r#"
+CREATE TABLE batches_v7 (
+    run_id  TEXT NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
+    outer   INTEGER NOT NULL,
+    rank    INTEGER NOT NULL DEFAULT 0,
+    kind    TEXT NOT NULL DEFAULT 'batch' CHECK (kind IN ('batch', 'order')),
+    step    INTEGER NOT NULL,
+    digest  TEXT NOT NULL,
+    PRIMARY KEY (run_id, outer, rank, kind, step)
+) WITHOUT ROWID;
+INSERT INTO batches_v7 (run_id, outer, rank, kind, step, digest)
+    SELECT run_id, outer, 0, 'batch', step, digest FROM batches;
+DROP TABLE batches;
+ALTER TABLE batches_v7 RENAME TO batches;
+"#;
+
 /// The SQL that computes a `logs` row's checksum from its columns (`t`: the
 /// table's alias in the statement).
 fn logs_sum(t: &str) -> String {
@@ -260,7 +283,7 @@ mod spool;
 #[cfg(test)]
 mod tests;
 
-pub use batches::BatchDigest;
+pub use batches::{BatchDigest, PrintKind};
 pub use iterations::IterationRow;
 pub use logs::{ctx_json, Divergence, LogRecord, LogRow, LogValue, Phase};
 pub use repair::{repair, Repair, TableRepair};
@@ -493,6 +516,9 @@ impl LogDb {
         }
         if found < 6 {
             tx.execute_batch(SCHEMA_V6)?;
+        }
+        if found < 7 {
+            tx.execute_batch(SCHEMA_V7)?;
         }
         if found < SCHEMA_VERSION {
             tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use rusqlite::params;
 
-use super::{to_i64, DbResult, LogDb, RUN_COLUMNS};
+use super::{to_i64, DbResult, LogDb, PrintKind, RUN_COLUMNS};
 use crate::error::{Error, Result};
 
 impl LogDb {
@@ -73,12 +73,18 @@ impl LogDb {
             }
             Ok(())
         })?;
+        let ranks = self.batch_ranks(run_id)?;
         for name in self.outer_loops(run_id)? {
             let rows = self.iterations(run_id, &name)?;
             spool.record_iterations(run_id, &rows)?;
             // The worker checks the data it consumes against these.
             for it in &rows {
-                spool.record_batches(run_id, it.idx, &self.batch_digests(run_id, it.idx)?)?;
+                for &rank in &ranks {
+                    for kind in [PrintKind::Batch, PrintKind::Order] {
+                        let digests = self.batch_digests(run_id, it.idx, rank, kind)?;
+                        spool.record_batches(run_id, it.idx, rank, kind, &digests)?;
+                    }
+                }
             }
         }
         Ok(())

@@ -751,6 +751,34 @@ fn version_1_database_is_upgraded_in_place_and_keeps_its_runs() {
 }
 
 #[test]
+fn version_6_fingerprints_become_rank_0s() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v6.db");
+    {
+        let conn = old_database(&path, 2);
+        register_row_sum(&conn).unwrap();
+        for schema in [SCHEMA_V3, SCHEMA_V4, SCHEMA_V5, SCHEMA_V6] {
+            conn.execute_batch(schema).unwrap();
+        }
+        conn.pragma_update(None, "user_version", 6).unwrap();
+        conn.execute(
+            "INSERT INTO batches (run_id, outer, step, digest) VALUES ('r1', 1, 0, 'old')",
+            [],
+        )
+        .unwrap();
+    }
+    let db = LogDb::open(&path).unwrap();
+    assert_eq!(
+        db.batch_digests("r1", 1, 0, PrintKind::Batch).unwrap(),
+        [(0, "old".to_string())]
+    );
+    db.record_batches("r1", 1, 1, PrintKind::Batch, &[(0, "new".into())])
+        .unwrap();
+    assert_eq!(db.batch_ranks("r1").unwrap(), [0, 1]);
+    db.verify().unwrap();
+}
+
+#[test]
 fn newer_schema_version_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("future.db");
@@ -1004,7 +1032,17 @@ fn a_worker_database_round_trips_replay_values_through_the_same_rules() {
     db.record_iterations(&id, &[it(0), it(1)]).unwrap();
     db.append_logs(&id, Phase::Record, &[row("loss", &[("epoch", 0)], "1.0")])
         .unwrap();
-    db.record_batches(&id, 1, &[(0, "d0".into()), (1, "d1".into())])
+    db.record_batches(
+        &id,
+        1,
+        0,
+        PrintKind::Batch,
+        &[(0, "d0".into()), (1, "d1".into())],
+    )
+    .unwrap();
+    db.record_batches(&id, 1, 1, PrintKind::Batch, &[(0, "e0".into())])
+        .unwrap();
+    db.record_batches(&id, 1, 1, PrintKind::Order, &[(0, "o0".into())])
         .unwrap();
     let replay = db.begin_replay(&id, true).unwrap();
 
@@ -1032,10 +1070,14 @@ fn a_worker_database_round_trips_replay_values_through_the_same_rules() {
             .divergences
             .is_empty());
         // The worker checks its data against the recorded fingerprints.
-        assert_eq!(
-            spool.batch_digests(&id, 1).unwrap(),
-            db.batch_digests(&id, 1).unwrap()
-        );
+        for rank in [0, 1] {
+            for kind in [PrintKind::Batch, PrintKind::Order] {
+                assert_eq!(
+                    spool.batch_digests(&id, 1, rank, kind).unwrap(),
+                    db.batch_digests(&id, 1, rank, kind).unwrap()
+                );
+            }
+        }
         // The worker: two values, one logged twice in one context, and a restore time.
         spool
             .append_replay_logs(
@@ -1217,16 +1259,58 @@ fn batch_fingerprints_are_kept_per_step_and_replaced_by_a_resumed_run() {
     let (_dir, db) = temp_db();
     let id = db.create_run(&new_run("train.py")).unwrap();
     assert!(!db.has_batch_digests(&id).unwrap());
-    db.record_batches(&id, 2, &[(0, "a".into()), (1, "b".into())])
+    db.record_batches(
+        &id,
+        2,
+        0,
+        PrintKind::Batch,
+        &[(0, "a".into()), (1, "b".into())],
+    )
+    .unwrap();
+    db.record_batches(&id, 2, 0, PrintKind::Batch, &[(1, "c".into())])
         .unwrap();
-    db.record_batches(&id, 2, &[(1, "c".into())]).unwrap();
-    db.record_batches(&id, 3, &[(0, "d".into())]).unwrap();
+    db.record_batches(&id, 3, 0, PrintKind::Batch, &[(0, "d".into())])
+        .unwrap();
     assert!(db.has_batch_digests(&id).unwrap());
     assert_eq!(
-        db.batch_digests(&id, 2).unwrap(),
+        db.batch_digests(&id, 2, 0, PrintKind::Batch).unwrap(),
         [(0, "a".to_string()), (1, "c".to_string())]
     );
-    assert!(db.batch_digests(&id, 9).unwrap().is_empty());
+    assert!(db
+        .batch_digests(&id, 9, 0, PrintKind::Batch)
+        .unwrap()
+        .is_empty());
+    // Each rank keeps its own batches, at the same steps as the others'.
+    db.record_batches(&id, 2, 3, PrintKind::Batch, &[(1, "r3".into())])
+        .unwrap();
+    assert_eq!(
+        db.batch_digests(&id, 2, 3, PrintKind::Batch).unwrap(),
+        [(1, "r3".to_string())]
+    );
+    assert_eq!(
+        db.batch_digests(&id, 2, 0, PrintKind::Batch).unwrap()[1].1,
+        "c"
+    );
+    assert!(db
+        .batch_digests(&id, 2, 1, PrintKind::Batch)
+        .unwrap()
+        .is_empty());
+    assert_eq!(db.batch_ranks(&id).unwrap(), [0, 3]);
+    // A step's sampler indices are kept beside its batch, apart.
+    db.record_batches(&id, 2, 0, PrintKind::Order, &[(1, "i1".into())])
+        .unwrap();
+    assert_eq!(
+        db.batch_digests(&id, 2, 0, PrintKind::Order).unwrap(),
+        [(1, "i1".to_string())]
+    );
+    assert_eq!(
+        db.batch_digests(&id, 2, 0, PrintKind::Batch).unwrap()[1].1,
+        "c"
+    );
+    assert!(PrintKind::parse("orders")
+        .unwrap_err()
+        .to_string()
+        .contains("\"orders\""));
     // Parts are delimited: the same bytes split differently differ.
     let digest = |parts: &[&[u8]]| {
         let mut d = BatchDigest::new();

@@ -652,21 +652,24 @@ impl RecordSession {
 
     /// A resume steps over the batches consumed before the interruption:
     /// the one at step `j` of iteration `i` must be the one recorded there
-    /// (`recorded`: its fingerprint, if one was recorded).
+    /// (`recorded`: its fingerprint, if one was recorded), for each rank of
+    /// a job (`rank`: None for a single process).
     pub fn resumed_batch(
         &self,
         i: u64,
         j: u64,
+        rank: Option<u32>,
         recorded: Option<&str>,
         digest: &str,
     ) -> Result<()> {
+        let whose = rank.map_or_else(|| "the ".to_string(), |r| format!("rank {r}'s "));
         match recorded {
             Some(want) if want != digest => Err(Error::Diverged {
                 what: "resume".into(),
                 run: self.run_id.clone(),
                 at: format!("{} {i}, step {j}", self.loop_name),
                 detail: format!(
-                    "the batch at {} {i}, step {j} differs from the recorded one: the data loader's order or \
+                    "{whose}batch at {} {i}, step {j} differs from the recorded one: the data loader's order or \
                      content was not restored (a sampler or iterator drawing from a generator hindsight does \
                      not checkpoint, or data that changed on disk); use hs.data.Loader, or a DataLoader with a \
                      seeded generator, or start the epoch afresh ({}=0 starts a new run)",

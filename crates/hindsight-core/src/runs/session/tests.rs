@@ -534,12 +534,21 @@ fn a_resumed_batch_must_be_the_recorded_one() {
         every: None,
     });
     s.outer_start("epoch", Some(1));
-    s.resumed_batch(0, 0, Some("aa"), "aa").unwrap();
-    s.resumed_batch(0, 1, None, "zz").unwrap();
-    let e = s.resumed_batch(0, 1, Some("aa"), "zz").unwrap_err();
+    s.resumed_batch(0, 0, None, Some("aa"), "aa").unwrap();
+    s.resumed_batch(0, 1, None, None, "zz").unwrap();
+    let e = s.resumed_batch(0, 1, None, Some("aa"), "zz").unwrap_err();
     assert!(
         e.to_string()
             .contains("the batch at epoch 0, step 1 differs from the recorded one"),
+        "{e}"
+    );
+    // A job's ranks each consume their own batches: the error names whose.
+    let e = s
+        .resumed_batch(0, 1, Some(1), Some("aa"), "zz")
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("rank 1's batch at epoch 0, step 1 differs"),
         "{e}"
     );
 }
