@@ -4,8 +4,9 @@ every rank's values with its rank), every rank saves its
 part of each checkpoint, committed once. A signal to one rank stops every
 rank at one step with the checkpoint exit code; the relaunch resumes the
 same run to the weights and the values of an uninterrupted one. What
-cannot be exact is refused: a resume on another world size, a replay of a
-multi-rank run. The script is the zoo's pytorch/examples DDP tutorial,
+cannot be exact is refused: a resume on another world size. A replay runs
+its workers as torchrun jobs of the recorded size, each rank checking its
+own batches and state. The script is the zoo's pytorch/examples DDP tutorial,
 adapted as the README says (tests/zoo/ddp_tutorial_loop.py)."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 
 import hindsight as hs
+from hindsight import _native
 
 from conftest import children, hindsight_cmd
 
@@ -112,16 +114,6 @@ def test_one_launch_is_one_run_with_rank_0s_values_and_one_committed_checkpoint_
     assert all(store.info(n)["meta"]["hs.world"] == "2" for n in names)
     manifests = sorted(p.name for p in (cwd / ".hindsight" / "store" / "manifests").iterdir())
     assert manifests == [f"{n}.hsm" for n in names]  # no rank's part left behind
-    # A replay would start one process with no launcher: refused, naming the run.
-    r = subprocess.run(
-        [*hindsight_cmd(), "replay", ZOO.name],
-        cwd=cwd,
-        env={**os.environ, "HINDSIGHT_HOME": str(cwd / ".hindsight")},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode != 0 and f"run {run['id']} was recorded by 2 ranks" in r.stderr, r.stderr
 
 
 def test_a_signal_to_one_rank_stops_the_job_and_the_relaunch_resumes_its_run_exactly(
@@ -160,6 +152,72 @@ def test_a_signal_to_one_rank_stops_the_job_and_the_relaunch_resumes_its_run_exa
     assert [(r["id"], r["status"]) for r in runs(tmp_path)] == [(run["id"], "completed")]
     assert losses(tmp_path) == losses(ref_dir)
     assert losses(tmp_path, "rank_loss") == losses(ref_dir, "rank_loss")
+
+
+PROBES = (
+    ('                    time.sleep(float(os.environ.get("ZOO_SLEEP", "0.02")))\n'),
+    (
+        '                    time.sleep(float(os.environ.get("ZOO_SLEEP", "0.02")))\n'
+        '                    hs.log("{src}", source.sum().item(), rank="all")\n'
+        '                hs.log("wsum", sum(p.double().sum().item() for p in self.model.parameters()))\n'
+    ),
+)
+
+
+def with_probes(cwd: Path, src: str = "rank_src") -> None:
+    """The zoo script with a per-rank step probe (each rank's batch) and an
+    epoch probe (the weights after the steps) added, as a user would."""
+    cwd.mkdir(exist_ok=True)
+    text = ZOO.read_text()
+    assert PROBES[0] in text
+    (cwd / ZOO.name).write_text(text.replace(PROBES[0], PROBES[1].format(src=src)))
+
+
+def replay(cwd: Path, **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*hindsight_cmd(), "replay", ZOO.name],
+        cwd=cwd,
+        env={**os.environ, "HINDSIGHT_HOME": str(cwd / ".hindsight"), "OMP_NUM_THREADS": "1", **extra},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_multi_rank_run_replays_on_its_world_size_to_the_values_a_recording_with_the_probes_logs(
+    tmp_path: Path,
+) -> None:
+    """`hindsight replay` of a torchrun run: its workers are torchrun jobs of
+    the recorded size; every rank restores its own state, checks its own
+    batches, and the values (rank 0's, and every rank's with rank="all")
+    equal those of a recording that had the probes from the start."""
+    recorded, probed = tmp_path / "recorded", tmp_path / "probed"
+    recorded.mkdir()
+    final(launch(recorded, 2))
+    [run] = runs(recorded)
+    with_probes(recorded)
+    r = replay(recorded)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert "new values: rank_src, wsum" in r.stdout, r.stdout
+    with_probes(probed)
+    final(launch(probed, 2))
+    assert losses(recorded, "rank_src") == losses(probed, "rank_src")
+    assert [c for c, _, _ in losses(recorded, "rank_src")] == [
+        (e, s, k) for e in range(EPOCHS) for s in range(STEPS) for k in (0, 1)
+    ]
+    assert losses(recorded, "wsum") == losses(probed, "wsum")
+    assert [(x["id"], x["status"]) for x in runs(recorded)] == [(run["id"], "completed")]
+
+    # Rank 1's data order is not the recorded one: the replay stops at its
+    # first batch, naming the rank, and keeps none of its values.
+    with_probes(recorded, src="rank_src_skewed")
+    r = replay(recorded, ZOO_RANK1_SEED="7")
+    assert r.returncode == _native.EXIT_DIVERGED, r.stdout + r.stderr[-4000:]
+    assert "hindsight: rank 1: replay of run" in r.stderr and "the batch at epoch 0, step 0 differs" in r.stderr, (
+        r.stderr[-4000:]
+    )
+    kept = cli(recorded, "logs", "rank_src_skewed", "--json")
+    assert kept.returncode != 0 and "never logged 'rank_src_skewed'" in kept.stderr, kept.stderr
 
 
 def interrupt(cwd: Path, script: Path) -> str:

@@ -90,6 +90,8 @@ __all__ = [
     "World",
     "WrongProcessError",
     "batch_digest",
+    "check_replay_launcher",
+    "check_replay_world",
     "check_resume_world",
     "checkpoint_exit_code",
     "checkpoint_names",
@@ -206,6 +208,7 @@ class Store:
         state: Any,
         describe: Callable[[Any, str], Any],
         materialize: Callable[[Any], tuple[int, Any, None]],
+        path: list[str] | None = None,
     ) -> StateCheck: ...
     def load(
         self,
@@ -278,6 +281,8 @@ class World:
 
 def launch_world() -> World | None: ...
 def check_resume_world(checkpoint: str, saved: int | None, now: int) -> None: ...
+def check_replay_world(run_id: str, versions_json: str, now: int) -> None: ...
+def check_replay_launcher(run_id: str, versions_json: str, local: bool) -> None: ...
 
 @final
 class Setting:
@@ -708,7 +713,7 @@ class ReplayThreads:
     def exact(self) -> list[bool]: ...
 
 def replay_threads(
-    cores: int, jobs: int, workers: list[int], recorded: list[int | None], fast: bool, local: bool
+    cores: int, jobs: int, workers: list[int], recorded: list[int | None], ranks: list[int], fast: bool, local: bool
 ) -> ReplayThreads: ...
 
 @final
@@ -745,6 +750,8 @@ EXIT_DIVERGED: int
 class WorkerCommand:
     """How a replay worker starts: its command line and working directory."""
 
+    @property
+    def ranks(self) -> int: ...
     @property
     def argv(self) -> list[str]: ...
     @property

@@ -189,11 +189,11 @@ class Store:
         finally:
             copies.saved(out[0] if out else None)
 
-    def check_state(self, name: str, state: Any) -> _native.StateCheck:
-        """Compare ``state`` with checkpoint ``name`` without loading it:
-        the live bytes are hashed along the checkpoint's chunks (the rule is
-        the engine's ``checkpoint::compare``). Device tensors are copied to
-        the host first."""
+    def check_state(self, name: str, state: Any, path: list[str] | None = None) -> _native.StateCheck:
+        """Compare ``state`` with checkpoint ``name`` (its sub-tree at
+        ``path``) without loading it: the live bytes are hashed along the
+        checkpoint's chunks (the rule is the engine's ``checkpoint::compare``).
+        Device tensors are copied to the host first."""
 
         def describe(obj: Any, key: str) -> Any:
             return self._describe(obj, key, False)
@@ -202,7 +202,7 @@ class Store:
             h = t.detach().to("cpu").contiguous()
             return h.data_ptr(), h, None
 
-        return self._native.check_state(name, state, describe, to_host)
+        return self._native.check_state(name, state, describe, to_host, path)
 
     def prepare(self, state: Any, *, wait: bool = False) -> None:
         """Start the one-time set-up for saving ``state`` (pinning host memory

@@ -236,6 +236,8 @@ def replay(args: argparse.Namespace) -> int:
             return status
         workers = [w for j in jobs for w in j.workers]
         launch = launcher(args.launcher)
+        for job in jobs:
+            _native.check_replay_launcher(job.run_id, json.dumps(job.versions), launch.local)
         budget = _threads(args, jobs, launch.local)
         for job in jobs:
             job.replay_id = db.begin_replay(job.run_id, job.exact)
@@ -259,11 +261,15 @@ def _threads(args: argparse.Namespace, jobs: list[RunJob], local: bool) -> int:
     rule (`runs::replay::driver::threads`); this says what it chose."""
     cores = os.cpu_count() or 1
     wanted = [int(j.versions["torch_threads"]) if j.versions.get("torch_threads") else None for j in jobs]
-    plan = _native.replay_threads(cores, int(args.jobs), [len(j.workers) for j in jobs], wanted, bool(args.fast), local)
+    ranks = [j.workers[0].ranks if j.workers else 1 for j in jobs]
+    plan = _native.replay_threads(
+        cores, int(args.jobs), [len(j.workers) for j in jobs], wanted, ranks, bool(args.fast), local
+    )
     if plan.widest is not None:
         print(
             f"note: -j {args.jobs} runs {plan.budget} worker(s) at a time: each uses the recording's "
-            f"{plan.widest} torch thread(s) so that values replay exactly, and this machine has {cores} cores "
+            f"{plan.widest} torch thread(s) (over its ranks) so that values replay exactly, and this machine has "
+            f"{cores} cores "
             "(--fast runs more, with values that may differ in the last bits)",
             file=sys.stderr,
         )
@@ -349,7 +355,7 @@ def _prepare(
     # The script as it is now (the one analysed, or the recorded version with
     # the new statements placed into it), run where the recording ran.
     command = db.worker_command(run["id"], run["project_root"], str(to_run), sys.executable)
-    workers = [Worker(w.worker, w.modes, w, run["id"], command.argv, command.cwd) for w in plan.workers]
+    workers = [Worker(w.worker, w.modes, w, run["id"], command.argv, command.cwd, command.ranks) for w in plan.workers]
     total = sum(w.visits for w in workers)
     return RunJob(run["id"], names, workers, total, db.last_seq(run["id"]), versions, temp)
 

@@ -217,6 +217,12 @@ pub const HEARTBEAT_FD: Setting = internal(
     Kind::Int,
     "the descriptor `hindsight run` reads heartbeats from (hang detection)",
 );
+/// The process holding the pipes a launcher between (torchrun) closed.
+pub const PIPES_AT: Setting = internal(
+    "HINDSIGHT_PIPES_AT",
+    Kind::Int,
+    "the pid of `python -m hindsight.torchrun`: a rank reopens the heartbeat and progress pipes it holds",
+);
 /// How many times `hindsight run` restarted the command.
 pub const RESTART: Setting = internal(
     "HINDSIGHT_RESTART",
@@ -256,6 +262,7 @@ pub const ALL: &[Setting] = &[
     REPLAY,
     EXPLAIN,
     HEARTBEAT_FD,
+    PIPES_AT,
     RESTART,
     RECORDED_CWD,
     REPLAY_CONCURRENT,

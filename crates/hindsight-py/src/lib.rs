@@ -348,7 +348,9 @@ impl Store {
     /// Compare a live state with checkpoint `name` (the core's
     /// `check_state`): hashes the live bytes along the checkpoint's chunks,
     /// reads only its manifest. `materialize` copies a device tensor to the
-    /// host: (pointer, owner, None).
+    /// host: (pointer, owner, None). `path`: the checkpoint's sub-tree the
+    /// state is compared with (one rank's part of a multi-rank checkpoint).
+    #[pyo3(signature = (name, state, describe, materialize, path=None))]
     fn check_state(
         &self,
         py: Python<'_>,
@@ -356,7 +358,9 @@ impl Store {
         state: &Bound<'_, PyAny>,
         describe: &Bound<'_, PyAny>,
         materialize: &Bound<'_, PyAny>,
+        path: Option<Vec<String>>,
     ) -> PyResult<state_check::PyStateCheck> {
+        let path = path.unwrap_or_default();
         let none = py.None().into_bound(py);
         let mut cache = HashMap::new();
         let mut walk = tree::SaveWalk::new(describe, materialize, &none, &mut cache, false, None);
@@ -392,7 +396,12 @@ impl Store {
                 }
             }
             let recorded = self.replica.manifest(&name)?;
-            Ok(core::check_state(&recorded.root, &live, &bytes))
+            let node = recorded.root.select(&path).ok_or_else(|| Error::NotFound {
+                what: "checkpoint key",
+                name: path.join("/"),
+                location: name.clone(),
+            })?;
+            Ok(core::check_state(node, &live, &bytes))
         });
         drop(keepalive);
         Ok(result?.into())

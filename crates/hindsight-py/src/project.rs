@@ -113,6 +113,21 @@ pub(crate) fn check_resume_world(checkpoint: &str, saved: Option<u64>, now: u64)
     ranks::check_resume_world(checkpoint, saved, now).map_err(crate::errors::to_py)
 }
 
+/// Refuse a replay worker of `run_id` launched on `now` ranks when the run
+/// was recorded on another number (core `runs::ranks`).
+#[pyfunction]
+#[pyo3(signature = (run_id, versions_json, now))]
+pub(crate) fn check_replay_world(run_id: &str, versions_json: &str, now: u64) -> PyResult<()> {
+    ranks::check_replay_world(run_id, versions_json, now).map_err(crate::errors::to_py)
+}
+
+/// Refuse a launcher that cannot place `run_id`'s multi-rank workers (core `runs::ranks`).
+#[pyfunction]
+#[pyo3(signature = (run_id, versions_json, local))]
+pub(crate) fn check_replay_launcher(run_id: &str, versions_json: &str, local: bool) -> PyResult<()> {
+    ranks::check_replay_launcher(run_id, versions_json, local).map_err(crate::errors::to_py)
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ProjectPaths>()?;
     m.add_function(wrap_pyfunction!(project_paths, m)?)?;
@@ -122,5 +137,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<World>()?;
     m.add_function(wrap_pyfunction!(launch_world, m)?)?;
     m.add_function(wrap_pyfunction!(check_resume_world, m)?)?;
+    m.add_function(wrap_pyfunction!(check_replay_world, m)?)?;
+    m.add_function(wrap_pyfunction!(check_replay_launcher, m)?)?;
     Ok(())
 }

@@ -226,6 +226,7 @@ impl LogDb {
         Ok(WorkerCommand {
             argv: c.argv,
             cwd: c.cwd.to_string_lossy().into_owned(),
+            ranks: c.ranks,
         })
     }
 
@@ -774,16 +775,17 @@ pub(crate) struct ReplayThreads {
 }
 
 #[pyfunction]
-#[pyo3(signature = (cores, jobs, workers, recorded, fast, local))]
+#[pyo3(signature = (cores, jobs, workers, recorded, ranks, fast, local))]
 pub(crate) fn replay_threads(
     cores: usize,
     jobs: usize,
     workers: Vec<usize>,
     recorded: Vec<Option<usize>>,
+    ranks: Vec<usize>,
     fast: bool,
     local: bool,
 ) -> ReplayThreads {
-    let t = replay::driver::threads(cores, jobs, &workers, &recorded, fast, local);
+    let t = replay::driver::threads(cores, jobs, &workers, &recorded, &ranks, fast, local);
     ReplayThreads {
         budget: t.budget,
         widest: t.capped.map(|(w, _)| w),
@@ -831,6 +833,7 @@ impl PyProgress {
 pub(crate) struct WorkerCommand {
     argv: Vec<String>,
     cwd: String,
+    ranks: u64,
 }
 
 /// What one replay worker does; its JSON form is the worker protocol

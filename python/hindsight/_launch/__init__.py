@@ -26,7 +26,16 @@ from typing import Any, Protocol
 
 from hindsight import _native
 
-__all__ = ["LAUNCHERS", "LaunchContext", "Launcher", "Worker", "launcher", "progress", "progress_lines"]
+__all__ = [
+    "LAUNCHERS",
+    "LaunchContext",
+    "Launcher",
+    "Worker",
+    "launcher",
+    "progress",
+    "progress_lines",
+    "stderr_tail",
+]
 
 
 @dataclass
@@ -39,6 +48,8 @@ class Worker:
     run_id: str = ""
     argv: list[str] = field(default_factory=list)
     cwd: str = ""
+    #: Its processes: a run recorded by several ranks replays as a torchrun job of as many.
+    ranks: int = 1
     #: Its progress lines as read so far (the engine's reader of the worker protocol).
     progress: Any = field(default_factory=lambda: _native.Progress())
     returncode: int | None = None
@@ -105,6 +116,15 @@ def progress(workers: list[Worker], total: int, start: float, final: bool = Fals
     elif final:
         sys.stderr.write(line.lstrip("\r") + "\n")
     sys.stderr.flush()
+
+
+def stderr_tail(text: str, keep: int = 2000) -> str:
+    """What the report shows of a worker's standard error: its end, after
+    any line hindsight wrote before it (a divergence a rank named, ahead of
+    the other ranks' tracebacks of the connection it closed)."""
+    tail = text[-keep:]
+    ours = [line for line in text[: -keep or None].splitlines() if line.startswith("hindsight:")]
+    return "\n".join([*ours, tail]) if ours and len(text) > keep else tail
 
 
 def progress_lines(w: Worker, text: str) -> None:

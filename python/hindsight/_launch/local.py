@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from hindsight._launch import LaunchContext, Worker, progress, progress_lines
+from hindsight._launch import LaunchContext, Worker, progress, progress_lines, stderr_tail
 from hindsight._run import ENV_HOME, ENV_REPLAY, files
 
 # Bytes of a local worker's standard error kept for the report.
@@ -95,7 +95,9 @@ class LocalLauncher:
         waiting = list(workers)
         running = 0
         env0 = {**os.environ, **thread_env(workers[0].threads)}
-        starter: Starter = (start_zygote(workers, env0) if len(workers) >= 2 else None) or Spawn()
+        # A torchrun job is started afresh: its ranks are torchrun's children.
+        forks = len(workers) >= 2 and all(w.ranks == 1 for w in workers)
+        starter: Starter = (start_zygote(workers, env0) if forks else None) or Spawn()
         with tempfile.TemporaryDirectory(prefix="hindsight-replay-") as tmp:
 
             def launch(n: int, w: Worker) -> None:
@@ -153,7 +155,7 @@ class LocalLauncher:
                         p.open_pipes -= 1
                         if p.open_pipes == 0:
                             p.worker.returncode = starter.wait(p.worker)
-                            p.worker.stderr_tail = p.err.decode(errors="replace")[-2000:]
+                            p.worker.stderr_tail = stderr_tail(p.err.decode(errors="replace"))
                             running -= 1
                     progress(workers, total, ctx.start)
             finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hindsight import _native
-from hindsight._launch import LaunchContext, Worker, progress, progress_lines
+from hindsight._launch import LaunchContext, Worker, progress, progress_lines, stderr_tail
 from hindsight._run import ENV_HOME, ENV_REPLAY, files
 from hindsight.errors import HindsightError, ReplayError
 
@@ -132,7 +132,7 @@ def _finish_task(db: Any, spool: Path, i: int, w: Worker) -> None:
     """Merge a finished task's values (also a failed one's: its finished
     iterations are kept, as with local workers) and keep its output's tail."""
     out = spool / f"task-{i}.out"
-    w.stderr_tail = out.read_text(errors="replace")[-2000:] if out.exists() else ""
+    w.stderr_tail = stderr_tail(out.read_text(errors="replace")) if out.exists() else ""
     if w.returncode != 0 and not w.stderr_tail:
         w.stderr_tail = f"(no output; the task ended without an exit status: see `scontrol show job` or {out})"
     try:

@@ -24,6 +24,7 @@ from hindsight._run import jupyter
 from hindsight._run.counters import shift_enumerates
 from hindsight._run.files import Written, put_back
 from hindsight._run.loopvars import LoopVars, ModuleVars, _storages, stateful_objects
+from hindsight._run.ranks import Ranks
 from hindsight._state import apply_grads, apply_state, capture, set_rng_state
 from hindsight.errors import InvalidArgumentError
 
@@ -163,22 +164,41 @@ def _encode(name: str, value: Any) -> str:
     return json.dumps(_to_json(value, name))
 
 
+def inherited_pipe(fd: int) -> int | None:
+    """The pipe a launcher handed down as descriptor ``fd`` (the
+    supervisor's heartbeat, a replay worker's progress), open for writing;
+    None where this process has none.
+
+    torchrun closes inherited descriptors, so under ``python -m
+    hindsight.torchrun`` (which sets $HINDSIGHT_PIPES_AT to its pid and
+    keeps the pipes open) a rank reopens the launcher's own through /proc.
+    A rank's descriptor of that number is then its own (a process group's
+    socket), never written to; elsewhere only a pipe is."""
+    try:
+        at = _native.setting_value(_settings.PIPES_AT)
+        if isinstance(at, int) and at != os.getpid():
+            path = f"/proc/{at}/fd/{fd}"
+            if not stat.S_ISFIFO(os.stat(path).st_mode):
+                return None
+            return os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        return fd if stat.S_ISFIFO(os.fstat(fd).st_mode) else None
+    except (InvalidArgumentError, OSError):
+        return None  # not ours (an inherited variable without the descriptor)
+
+
 def _heartbeat_fd() -> int | None:
     """The pipe `hindsight run` watches for hangs, if this process has one.
     Also arranges that SIGUSR2 (sent before a hung process is killed) dumps
     every thread's Python stack to stderr."""
     try:
         fd = _native.setting_value(_settings.HEARTBEAT_FD)
-        if not isinstance(fd, int):
-            return None
-        # A launcher between the supervisor and this process (torchrun
-        # closes inherited descriptors) leaves the variable without the
-        # pipe, and the number may name a socket of this process's own (a
-        # process group's): only a pipe is written to.
-        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
-            return None
-    except (InvalidArgumentError, OSError):
-        return None  # not ours (inherited env var without the descriptor)
+    except InvalidArgumentError:
+        return None
+    if not isinstance(fd, int):
+        return None
+    fd = inherited_pipe(fd)
+    if fd is None:
+        return None
     import faulthandler
     import signal
 
@@ -196,6 +216,16 @@ class Run:
     phase = "record"
 
     def __init__(self) -> None:
+        # Under several ranks the job is one run: rank 0 owns it (its rows,
+        # logs, decisions), the others join it as the outer loop starts and
+        # follow (`ranks.py`, core `runs::ranks`).
+        world = _native.launch_world()
+        self.ranks = Ranks(world) if world is not None and world.size > 1 else None
+        self.leads = self.ranks is None or self.ranks.leads
+        if self.ranks is not None:
+            self.rank_index = self.ranks.rank
+        # A following rank's values logged with rank="all", until sent to rank 0.
+        self.rank_rows: list[tuple[str, list[tuple[str, int]], int, str]] = []
         self.script = _script_path()
         self.paths = _native.project_paths(str(self.script.parent))
         self.home = Path(self.paths.home)
@@ -424,10 +454,59 @@ class Run:
         self._append(name, list(ctx), rep, value)
 
     def _append(self, name: str, ctx: list[tuple[str, int]], rep: int, value: Any, every_rank: bool = False) -> None:
+        if every_rank and self.ranks is not None and not self.stack:
+            raise InvalidArgumentError(
+                f"hs.log({name!r}, ..., rank='all') outside hs.loop under {self.ranks.size} ranks: every rank's "
+                "values reach rank 0 at the outer loop's iteration ends and checkpoints, so log them inside the loop"
+            )
+        if not self.leads:  # the run's values are rank 0's, and what every rank logs
+            if every_rank:
+                self.rank_rows.append((name, ctx, rep, _encode(name, value)))
+            return
         self.buffer.append((name, ctx, rep, _encode(name, value)))
         if len(self.buffer) >= LOG_BATCH:
             self._raise_log_error()
             self._flush_buffers()
+
+    def _gather_ranks_values(self) -> None:
+        """Every rank: the values other ranks logged with ``rank="all"``,
+        and what else a rank keeps for rank 0 (`_rank_extra`), go to rank
+        0's buffers. Called where the ranks are together and before what
+        they logged may be covered by a checkpoint (a save, an iteration's
+        end), so a resume neither loses nor repeats them."""
+        if self.ranks is None:
+            return
+        mine = (self.rank_rows, self._rank_extra())
+        self.rank_rows = []
+        for values, extra in self.ranks.to_leader(mine) or []:
+            self.buffer.extend((name, list(ctx), rep, text) for name, ctx, rep, text in values)
+            self._add_rank_extra(extra)
+
+    def _rank_extra(self) -> list[Any]:
+        """A following rank's rows for rank 0 beside its values (taken)."""
+        return []
+
+    def _add_rank_extra(self, rows: list[Any]) -> None:
+        """Rank 0: another rank's `_rank_extra`."""
+
+    def load_checkpoint(self, name: str) -> dict[str, Any]:
+        """Checkpoint ``name`` as this process continues from it: refused
+        when another world size saved it (core's rule), else, for a
+        checkpoint of several ranks, the objects with this rank's own state."""
+        saved = self.store.info(name)["meta"].get(_native.META_WORLD)
+        size = 1 if self.ranks is None else self.ranks.size
+        _native.check_resume_world(name, None if saved is None else int(saved), size)
+        if saved is None:
+            whole: dict[str, Any] = self.store.load(name)
+            return whole
+        from hindsight import dist
+
+        mine = self.store.load(name, path=[dist._RANK_STATE, str(self.rank_index)])
+        shared = self.store.load(name, path=[dist._STATE])
+        # Whole tensors; where the live objects are sharded (FSDP2) each
+        # rank keeps its own shards of them.
+        dist.shard_like_live(self.objects, shared)
+        return {**mine, **shared}
 
     def arg(self, name: str, default: Any) -> Any:
         raise NotImplementedError
@@ -624,8 +703,11 @@ class Run:
 
     def _closed_block_ends_later(self) -> bool:
         """Whether steps left early end their block only if the iteration
-        then goes on normally (as one ending the whole iteration)."""
-        return False
+        then goes on normally (as one ending the whole iteration). Under
+        several ranks they may be a `break` on every rank or an exception on
+        one (a peer's closed connection): their block ends (collectives,
+        checks) wait for the iteration to go on."""
+        return self.ranks is not None
 
     def _iteration_starts(self, i: int) -> None:
         """Outer iteration i is about to run its body: its loop variables as

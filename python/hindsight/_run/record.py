@@ -32,7 +32,6 @@ from hindsight._run.common import (
     _to_json,
 )
 from hindsight._run.files import Written
-from hindsight._run.ranks import Ranks
 from hindsight._state import capture, capture_grads, rng_state, set_rng_state, tensor_bytes
 from hindsight.errors import (
     CorruptError,
@@ -64,18 +63,8 @@ class RecordRun(Run):
     phase = "record"
 
     def __init__(self) -> None:
-        # Under several ranks the job records one run: rank 0 owns it (its
-        # rows, logs, retention, adaptive decisions), the others join it as
-        # the outer loop starts and follow (`ranks.py`, core `runs::ranks`).
-        world = _native.launch_world()
-        self.ranks = Ranks(world) if world is not None and world.size > 1 else None
-        self.leads = self.ranks is None or self.ranks.leads
         # The signal the ranks agreed on (any rank's), for the exit line.
         self.agreed_signal: int | None = None
-        if self.ranks is not None:
-            self.rank_index = self.ranks.rank
-        # A following rank's values logged with rank="all", until sent to rank 0.
-        self.rank_rows: list[tuple[str, list[tuple[str, int]], int, str]] = []
         # The multi-rank checkpoint whose parts are written but not yet committed.
         self.dist_save: Any = None
         super().__init__()
@@ -478,7 +467,7 @@ class RecordRun(Run):
         """The newest complete checkpoint of this run that reads back (listed = complete)."""
         for ck in reversed(self.store.checkpoints(self.run_id)):
             try:
-                state = self._load_resume(ck.name)
+                state = self.load_checkpoint(ck.name)
             except CorruptError as e:
                 # Damaged (a race with another process is not reported as
                 # corruption): fall back to the previous one, and say so.
@@ -490,26 +479,6 @@ class RecordRun(Run):
                 continue
             return ck.name, state
         return None
-
-    def _load_resume(self, name: str) -> dict[str, Any]:
-        """Checkpoint ``name`` as this rank resumes from it: refused when
-        another world size saved it (core's rule), else, for a checkpoint
-        of several ranks, the objects with this rank's own state."""
-        saved = self.store.info(name)["meta"].get(_native.META_WORLD)
-        size = 1 if self.ranks is None else self.ranks.size
-        _native.check_resume_world(name, None if saved is None else int(saved), size)
-        if saved is None:
-            whole: dict[str, Any] = self.store.load(name)
-            return whole
-        from hindsight import dist
-
-        rank = 0 if self.ranks is None else self.ranks.rank
-        mine = self.store.load(name, path=[dist._RANK_STATE, str(rank)])
-        shared = self.store.load(name, path=[dist._STATE])
-        # Whole tensors; where the live objects are sharded (FSDP2) each
-        # rank keeps its own shards of them.
-        dist.shard_like_live(self.objects, shared)
-        return {**mine, **shared}
 
     def parse_args(self, parser: Any, argv: list[str] | None) -> Any:
         """`hs.args(parser)`: parse as the script always did, record the result."""
@@ -616,7 +585,7 @@ class RecordRun(Run):
             self.resume_pending = self.continued = bool(payload["resume"])
             self.announced = True  # rank 0 speaks for the job
             if payload["checkpoint"] is not None:
-                latest = payload["checkpoint"], self._load_resume(payload["checkpoint"])
+                latest = payload["checkpoint"], self.load_checkpoint(payload["checkpoint"])
         (now,) = ranks.agree([time.monotonic()])
         self.session.join(self.run_id, now)
         return latest
@@ -683,38 +652,15 @@ class RecordRun(Run):
                 self.outer_vars.restore(at_start)
         return visit
 
-    def _append(self, name: str, ctx: list[tuple[str, int]], rep: int, value: Any, every_rank: bool = False) -> None:
-        if every_rank and self.ranks is not None and not self.stack:
-            raise InvalidArgumentError(
-                f"hs.log({name!r}, ..., rank='all') outside hs.loop under {self.ranks.size} ranks: every rank's "
-                "values reach rank 0 at the outer loop's iteration ends and checkpoints, so log them inside the loop"
-            )
-        if self.leads:  # the run's values are rank 0's, and what every rank logs
-            super()._append(name, ctx, rep, value, every_rank)
-        elif every_rank:
-            self.rank_rows.append((name, ctx, rep, _encode(name, value)))
+    def _rank_extra(self) -> list[Any]:
+        # The fingerprints of a following rank's batches: rank 0 writes them.
+        if self.leads:
+            return []
+        rows, self.batch_rows = self.batch_rows, []
+        return rows
 
-    def _gather_ranks_values(self) -> None:
-        """Every rank: the values other ranks logged with ``rank="all"``,
-        and the fingerprints of their batches, go to rank 0's buffers.
-        Called where the ranks are together and before what they logged
-        may be covered by a checkpoint (a save, an iteration's end), so a
-        resume neither loses nor repeats them, and checks every rank's data."""
-        if self.ranks is None:
-            return
-        mine = (self.rank_rows, [] if self.leads else self.batch_rows)
-        self.rank_rows = []
-        if not self.leads:
-            self.batch_rows = []
-        for values, digests in self.ranks.to_leader(mine) or []:
-            self.buffer.extend((name, list(ctx), rep, text) for name, ctx, rep, text in values)
-            self.batch_rows.extend(digests)
-
-    def _closed_block_ends_later(self) -> bool:
-        # Under several ranks, steps left early may be a `break` on every
-        # rank or an exception on one: their block ends (collectives) wait
-        # for the iteration to go on normally, and end it as a whole.
-        return self.ranks is not None
+    def _add_rank_extra(self, rows: list[Any]) -> None:
+        self.batch_rows.extend(rows)
 
     def _outer_ends(self) -> None:
         last = self.session.outer_end()

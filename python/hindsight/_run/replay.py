@@ -21,7 +21,7 @@ from typing import Any
 
 from hindsight import _native, _settings
 from hindsight._run import batches, files
-from hindsight._run.common import Run
+from hindsight._run.common import Run, inherited_pipe
 from hindsight._state import capture_grads, set_rng_state
 from hindsight.errors import DivergenceError, HindsightError, ReplayError
 
@@ -44,8 +44,14 @@ class ReplayRun(Run):
         row = self.db.run_at(self.run_id, str(self.root))  # where the project is now
         self.recorded_store = row.get("store")
         self.args = json.loads(row["args_json"] or "{}")
+        # A run of several ranks replays on as many (the driver launches
+        # its workers under torchrun): any other number is refused here.
+        versions = self.db.run(self.run_id).get("versions_json") or "{}"
+        _native.check_replay_world(self.run_id, versions, 1 if self.ranks is None else self.ranks.size)
         self.session = _native.ReplaySession(self.plan)
-        self.progress: int | None = self.plan.progress_fd
+        # Rank 0 reports the worker's progress (and stages its values).
+        fd = self.plan.progress_fd
+        self.progress: int | None = inherited_pipe(fd) if fd is not None and self.leads else None
         # The staged values checked so far against the recording.
         self.checked_seq = 0
         self.noted_clock = False
@@ -95,6 +101,8 @@ class ReplayRun(Run):
         super()._finish(status)
 
     def _outer_starts(self, name: str, length: int | None) -> None:
+        if self.ranks is not None:
+            self.ranks.check()
         self.session.outer_start(name)
 
     def _visit(self, i: int) -> Any:
@@ -112,21 +120,30 @@ class ReplayRun(Run):
         name = next(iter(self.session.start_state_sources()), None)
         if name is None:
             return None
+        # A multi-rank checkpoint keeps each rank's start states with its own part.
+        path = ["start_rng"]
+        if self.store.info(name)["meta"].get(_native.META_WORLD) is not None:
+            from hindsight import dist
+
+            path = [dist._RANK_STATE, str(self.rank_index), *path]
         try:
-            rng: dict[str, Any] = self.store.load(name, path=["start_rng"])
+            rng: dict[str, Any] = self.store.load(name, path=path)
         except HindsightError:
             return None  # recorded before start states were kept
         return rng
 
     def _write_logs(self, rows: list[tuple[str, list[tuple[str, int]], int, str]]) -> None:
         # Staged: they become results only after the driver's check.
+        if not self.leads:
+            return
         if self.replay_id is None:
             self.db.append_logs(self.run_id, self.phase, rows)
         else:
             self.db.append_replay_logs(self.replay_id, self.run_id, rows)
 
     def _block_starts(self, i: int, iterable: Any) -> tuple[Any, int] | None:
-        block = self.session.block_start(i, self.db.batch_digests(self.run_id, i, 0, "batch"))
+        # Each rank checks its own batches against what it recorded.
+        block = self.session.block_start(i, self.db.batch_digests(self.run_id, i, self.rank_index, "batch"))
         if block.kind == "restore":
             self._restore(block.checkpoint)
             return None
@@ -139,6 +156,8 @@ class ReplayRun(Run):
             self._diverged(e)
 
     def _end_block(self, i: int, at: str = "block") -> None:
+        if self.finished:
+            return  # diverged: the block closes on the way out, nothing more to check
         super()._end_block(i, at)
         end = self.session.block_end(i, at == "iteration")
         if end.kind == "restore":
@@ -157,7 +176,7 @@ class ReplayRun(Run):
         grads = capture_grads(self.objects)
         if grads is not None:
             state["grads"] = grads
-        check = self.store.check_state(name, state)
+        check = self._check_against(name, state)
         if check.notes and not self.noted_clock:
             self.noted_clock = True
             n = check.notes[0]
@@ -170,14 +189,33 @@ class ReplayRun(Run):
         if check.first is not None:
             self._diverged(self.session.state_differs(i, name, check.first.path, check.first.detail))
 
+    def _check_against(self, name: str, state: dict[str, Any]) -> _native.StateCheck:
+        """This process's state against checkpoint ``name``: the whole of
+        it, or, for a checkpoint of several ranks, the objects against the
+        job's and the rest against this rank's own part (what the recording
+        saved where: `RecordRun._save`)."""
+        if self.ranks is None:
+            return self.store.check_state(name, state)
+        from hindsight import dist
+
+        shared = {"objects": state.pop("objects")}
+        if "grads" in state:
+            shared["grads"] = state.pop("grads")
+        check = self.store.check_state(name, shared, path=[dist._STATE])
+        if check.first is not None:
+            return check
+        return self.store.check_state(name, state, path=[dist._RANK_STATE, str(self.rank_index)])
+
     def _end_iteration(self, i: int, closing: bool = False) -> None:
+        if not (closing and self.ranks is not None):  # no collective where one rank may be alone
+            self._gather_ranks_values()
         self.flush_logs()  # the driver may read the logs as soon as it sees the line
         self._check_values()
         self._progress(self.session.iteration_end(i))
 
     def _check_values(self) -> None:
         """Stop at the first value the recording logged that this replay computed otherwise."""
-        if self.replay_id is None:
+        if self.replay_id is None or not self.leads:
             return
         check = self.db.replay_divergences(self.replay_id, self.checked_seq)
         self.checked_seq = check.last_seq
@@ -188,7 +226,9 @@ class ReplayRun(Run):
 
     def _diverged(self, e: BaseException) -> None:
         """Leave with EXIT_DIVERGED, naming the difference: what follows would be wrong."""
-        print(f"hindsight: {e}", file=sys.stderr)
+        # Every rank's standard error reaches the driver as one stream.
+        whose = f"rank {self.rank_index}: " if self.ranks is not None else ""
+        print(f"hindsight: {whose}{e}", file=sys.stderr)
         sys.stderr.flush()
         self.finished = True  # nothing more is written for this worker
         # SystemExit, not an exception the script's own `except Exception` could swallow.
@@ -198,9 +238,11 @@ class ReplayRun(Run):
         if name is None:
             raise ReplayError(f"replay plan has no checkpoint for {self.outer_name} {self.outer_idx} (a bug)")
         t0 = time.perf_counter()
-        self._apply(self.store.load(name), name)
+        self._apply(self.load_checkpoint(name), name)
         took = time.perf_counter() - t0
         self.session.restored_in(took)
+        if not self.leads:
+            return
         try:
             self.db.set_restore_seconds(self.run_id, self.outer_name or "", self.outer_idx, took)
         except HindsightError as e:  # bookkeeping only: say so, but never fail a replay for it

@@ -128,20 +128,38 @@ pub fn recorded_world(versions_json: &str) -> u64 {
         .unwrap_or(1)
 }
 
-/// A replay re-executes the script as one process per worker: a run
-/// recorded by several ranks would reach `init_process_group` with no
-/// launcher, so it is refused before any worker starts, naming the run.
-pub fn refuse_replay(run_id: &str, versions_json: &str) -> Result<()> {
-    let n = recorded_world(versions_json);
-    if n <= 1 {
+/// A replay re-executes a run on the world size that recorded it: each
+/// rank's RNG streams, data share and collectives are those of that size,
+/// and nothing else replays them exactly. A worker launched on another
+/// size is refused, naming both.
+pub fn check_replay_world(run_id: &str, versions_json: &str, now: u64) -> Result<()> {
+    let recorded = recorded_world(versions_json);
+    if recorded == now {
         return Ok(());
     }
     Err(Error::invalid(
         "replay",
         format!(
-            "run {run_id} was recorded by {n} ranks (torchrun/srun): replaying a multi-rank run is not \
-             supported yet. Its checkpoints load on one process with hindsight.dist.load, or export them \
-             with `hindsight consolidate`"
+            "run {run_id} was recorded by {recorded} rank(s) and this replay worker is one of {now}: a \
+             replay re-executes every rank on the recorded world size (hindsight replay launches its workers \
+             so; run it rather than the script)"
+        ),
+    ))
+}
+
+/// A multi-rank run's replay workers are `torchrun` jobs of this machine:
+/// a launcher whose workers run elsewhere (`--launcher slurm`) is refused
+/// for it, naming the run.
+pub fn check_replay_launcher(run_id: &str, versions_json: &str, local: bool) -> Result<()> {
+    let n = recorded_world(versions_json);
+    if n <= 1 || local {
+        return Ok(());
+    }
+    Err(Error::invalid(
+        "--launcher",
+        format!(
+            "run {run_id} was recorded by {n} ranks: its replay workers run as torchrun jobs on this \
+             machine (--launcher local); a batch launcher does not place multi-rank workers yet"
         ),
     ))
 }
@@ -226,8 +244,18 @@ mod tests {
         );
         assert_eq!(recorded_world(r#"{"argv": []}"#), 1);
         assert_eq!(recorded_world("not json"), 1);
-        assert!(refuse_replay("r", r#"{"world_size": 1}"#).is_ok());
-        let e = refuse_replay("r", r#"{"world_size": 2}"#)
+        assert!(check_replay_world("r", r#"{"world_size": 2}"#, 2).is_ok());
+        assert!(check_replay_world("r", "{}", 1).is_ok());
+        let e = check_replay_world("r", r#"{"world_size": 2}"#, 1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("run r was recorded by 2 rank(s) and this replay worker is one of 1"),
+            "{e}"
+        );
+        assert!(check_replay_launcher("r", r#"{"world_size": 1}"#, false).is_ok());
+        assert!(check_replay_launcher("r", r#"{"world_size": 2}"#, true).is_ok());
+        let e = check_replay_launcher("r", r#"{"world_size": 2}"#, false)
             .unwrap_err()
             .to_string();
         assert!(e.contains("run r was recorded by 2 ranks"), "{e}");

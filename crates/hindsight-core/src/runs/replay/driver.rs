@@ -116,9 +116,6 @@ pub fn select_runs(
     if !matches!(sel.which, Which::Given(_) | Which::Latest) {
         runs.sort_by_key(|r| r.started_ms);
     }
-    for run in &runs {
-        crate::runs::ranks::refuse_replay(&run.id, &run.versions_json)?;
-    }
     Ok(runs)
 }
 
@@ -127,13 +124,17 @@ pub fn select_runs(
 pub struct WorkerCommand {
     pub argv: Vec<String>,
     pub cwd: PathBuf,
+    /// Its processes: the recorded world size (a `torchrun` job when several).
+    pub ranks: u64,
 }
 
 /// The command of every worker of `run` (its paths where its project is
 /// now: [`RunRow::relocated`]): `python` running `script` (the script as
 /// it is now, or the recorded version with the new statements placed into
 /// it) with the recorded arguments, in the recorded working directory, or,
-/// where that directory is gone, the script's own.
+/// where that directory is gone, the script's own. A run recorded by
+/// several ranks replays on as many, under hindsight's `torchrun` (each
+/// worker its own standalone rendezvous).
 pub fn worker_command(run: &RunRow, script: &Path, python: &Path) -> WorkerCommand {
     let versions: serde_json::Value = serde_json::from_str(&run.versions_json).unwrap_or_default();
     let recorded_args = versions
@@ -152,12 +153,19 @@ pub fn worker_command(run: &RunRow, script: &Path, python: &Path) -> WorkerComma
         .map(PathBuf::from)
         .filter(|c| c.is_dir())
         .unwrap_or_else(|| script.parent().map(Path::to_path_buf).unwrap_or_default());
-    let mut argv = vec![
-        python.to_string_lossy().into_owned(),
-        script.to_string_lossy().into_owned(),
-    ];
+    let ranks = crate::runs::ranks::recorded_world(&run.versions_json);
+    let mut argv = vec![python.to_string_lossy().into_owned()];
+    if ranks > 1 {
+        argv.extend([
+            "-m".into(),
+            "hindsight.torchrun".into(),
+            "--standalone".into(),
+            format!("--nproc_per_node={ranks}"),
+        ]);
+    }
+    argv.push(script.to_string_lossy().into_owned());
     argv.extend::<Vec<String>>(recorded_args);
-    WorkerCommand { argv, cwd }
+    WorkerCommand { argv, cwd, ranks }
 }
 
 /// How many local workers run at once, and each run's torch thread count.
@@ -186,6 +194,7 @@ pub fn threads(
     jobs: usize,
     workers: &[usize],
     recorded: &[Option<usize>],
+    ranks: &[usize],
     fast: bool,
     local: bool,
 ) -> Threads {
@@ -197,7 +206,13 @@ pub fn threads(
         jobs.max(1)
     };
     let mut capped = None;
-    let widest = recorded.iter().flatten().copied().max();
+    // A worker of a multi-rank run is that many processes, each with the
+    // recording's threads.
+    let widest = recorded
+        .iter()
+        .zip(ranks.iter().chain(std::iter::repeat(&1)))
+        .filter_map(|(t, n)| t.map(|t| t * n.max(&1)))
+        .max();
     if let (false, true, Some(widest)) = (fast, local, widest) {
         let fit = (cores / widest.max(1)).max(1);
         if fit < budget {
@@ -310,27 +325,33 @@ mod tests {
     #[test]
     fn workers_run_with_the_recordings_threads_unless_fast() {
         // 8 cores, -j 4, recorded with 4 threads: 2 workers at a time, exact.
-        let t = threads(8, 4, &[4], &[Some(4)], false, true);
+        let t = threads(8, 4, &[4], &[Some(4)], &[], false, true);
         assert_eq!(
             (t.budget, t.capped, t.runs.clone()),
             (2, Some((4, 2)), vec![(4, true)])
         );
         // --fast: 4 at a time, 2 threads each, not the recording's: inexact.
-        let t = threads(8, 4, &[4], &[Some(4)], true, true);
+        let t = threads(8, 4, &[4], &[Some(4)], &[], true, true);
         assert_eq!(
             (t.budget, t.capped, t.runs.clone()),
             (4, None, vec![(2, false)])
         );
         // Unknown recording threads: a fair share, nothing to compare against.
-        let t = threads(8, 2, &[1, 3], &[None, Some(2)], false, true);
+        let t = threads(8, 2, &[1, 3], &[None, Some(2)], &[], false, true);
         assert_eq!((t.budget, t.runs.clone()), (2, vec![(4, true), (2, true)]));
         // A batch launcher: -j is the array's width, never capped by this machine.
-        let t = threads(2, 16, &[4], &[Some(8)], false, false);
+        let t = threads(2, 16, &[4], &[Some(8)], &[], false, false);
         assert_eq!((t.budget, t.capped), (16, None));
         assert_eq!(
-            threads(8, 8, &[2], &[Some(1)], false, true).budget,
+            threads(8, 8, &[2], &[Some(1)], &[], false, true).budget,
             2,
             "no more than the workers"
+        );
+        // A worker of a 2-rank run is 2 processes: 8 cores hold 2 such workers of 2 threads.
+        let t = threads(8, 4, &[4], &[Some(2)], &[2], false, true);
+        assert_eq!(
+            (t.budget, t.capped, t.runs.clone()),
+            (2, Some((4, 2)), vec![(2, true)])
         );
     }
 
