@@ -173,9 +173,9 @@ def with_probes(cwd: Path, src: str = "rank_src") -> None:
     (cwd / ZOO.name).write_text(text.replace(PROBES[0], PROBES[1].format(src=src)))
 
 
-def replay(cwd: Path, **extra: str) -> subprocess.CompletedProcess[str]:
+def replay(cwd: Path, script: str = ZOO.name, **extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*hindsight_cmd(), "replay", ZOO.name],
+        [*hindsight_cmd(), "replay", script],
         cwd=cwd,
         env={**os.environ, "HINDSIGHT_HOME": str(cwd / ".hindsight"), "OMP_NUM_THREADS": "1", **extra},
         capture_output=True,
@@ -219,6 +219,12 @@ def test_a_multi_rank_run_replays_on_its_world_size_to_the_values_a_recording_wi
     kept = cli(recorded, "logs", "rank_src_skewed", "--json")
     assert kept.returncode != 0 and "never logged 'rank_src_skewed'" in kept.stderr, kept.stderr
 
+    # Rank 1 computes otherwise (its loss scaled): the same batches, other
+    # weights after the epoch; the check against the checkpoint stops it.
+    r = replay(recorded, ZOO_RANK1_SCALE="1.5")
+    assert r.returncode == _native.EXIT_DIVERGED, r.stdout + r.stderr[-4000:]
+    assert "after epoch 0, the state differs from the recorded checkpoint" in r.stderr, r.stderr[-4000:]
+
 
 def interrupt(cwd: Path, script: Path) -> str:
     """Launch ``script`` on 2 ranks, SIGUSR1 to rank 1 in the second epoch:
@@ -244,28 +250,68 @@ def test_hindsight_run_restarts_a_job_whose_rank_crashed_and_it_resumes_the_run(
     and the run continues from the first epoch's checkpoint (committed at
     the first step boundary after it, not only at the next save)."""
     ref_dir, ref_final = reference
-    shutil.copy(ZOO, tmp_path / ZOO.name)
-    env = {
-        **os.environ,
-        "HINDSIGHT_HOME": str(tmp_path / ".hindsight"),
-        "HINDSIGHT_CHECKPOINT_EVERY": "1",
-        "OMP_NUM_THREADS": "1",
-        "ZOO_CRASH_EPOCH": "1",
-    }
-    launcher = [sys.executable, "-m", "hindsight.torchrun", "--standalone", "--nproc_per_node=2"]
-    r = subprocess.run(
-        [*hindsight_cmd(), "run", "--", *launcher, ZOO.name, str(EPOCHS)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = supervised(tmp_path, ZOO_CRASH_EPOCH="1")
     assert final(r) == ref_final
     assert "rank 1 crashed" in r.stderr and "restart 1 of 3" in r.stderr, r.stderr[-3000:]
     [run] = runs(tmp_path)
     assert f"continues from checkpoint {run['id']}.epoch-000000 " in r.stderr, r.stderr[-3000:]
     assert run["status"] == "completed"
+    assert losses(tmp_path) == losses(ref_dir)
+
+
+def running_in(cwd: Path) -> list[int]:
+    """The processes whose working directory is ``cwd``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and os.readlink(f"/proc/{entry}/cwd") == str(cwd):
+                found.append(int(entry))
+        except OSError:
+            pass
+    return found
+
+
+def supervised(cwd: Path, *options: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    """The zoo job under `hindsight run [options] -- python -m hindsight.torchrun ...`."""
+    shutil.copy(ZOO, cwd / ZOO.name)
+    env = {
+        **os.environ,
+        "HINDSIGHT_HOME": str(cwd / ".hindsight"),
+        "HINDSIGHT_CHECKPOINT_EVERY": "1",
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
+    launcher = [sys.executable, "-m", "hindsight.torchrun", "--standalone", "--nproc_per_node=2"]
+    return subprocess.run(
+        [*hindsight_cmd(), "run", *options, "--", *launcher, ZOO.name, str(EPOCHS)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_hindsight_run_finds_a_hung_rank_dumps_every_ranks_stacks_kills_the_job_and_it_resumes(
+    tmp_path: Path, reference: tuple[Path, str]
+) -> None:
+    """Rank 1 sleeps in the second epoch; rank 0 waits for it in DDP's
+    all-reduce. The ranks beat through the pipe the launcher keeps for
+    them (torchrun closes it in its workers), so the supervisor sees the
+    beats stop, has every rank dump its Python stacks, kills the job (the
+    ranks, in sessions of their own, die with their launcher: none is left
+    behind) and restarts it, and the run resumes to the uninterrupted
+    weights."""
+    ref_dir, ref_final = reference
+    r = supervised(tmp_path, "--hang-timeout", "10", "--backoff", "0.1", ZOO_HANG_EPOCH="1")
+    assert final(r) == ref_final
+    assert "no step boundary for 10 s" in r.stderr, r.stderr[-3000:]
+    dump = r.stderr.split("no step boundary")[1].split("hung and was killed")[0]
+    # Both ranks' stacks: rank 1 in its sleep, rank 0 in the step waiting for it.
+    assert dump.count(f'{ZOO.name}", line') >= 6 and dump.count(" in train\n") == 2, dump
+    assert "restart 1 of 3" in r.stderr
+    assert not running_in(tmp_path)  # no rank of the killed job outlives it
+    assert [x["status"] for x in runs(tmp_path)] == ["completed"]
     assert losses(tmp_path) == losses(ref_dir)
 
 
@@ -280,6 +326,27 @@ def test_fsdp2_shards_resume_mid_epoch_to_the_weights_of_an_uninterrupted_run(tm
     assert ".step-" in stopped, stopped
     assert final(launch(tmp_path, 2, script=script)) == reference
     assert [r["status"] for r in runs(tmp_path)] == ["completed"]
+
+    # Its replay: every rank restores its shards, executes the steps, and
+    # its sharded state is checked against the checkpoints' pieces.
+    ref = tmp_path / "ref" / script.name
+    text = ref.read_text()
+    step_line = '            hs.log("loss", loss.item())\n'
+    assert step_line in text
+    ref.write_text(
+        text.replace(step_line, step_line + '            hs.log("rank_loss", loss.item(), rank="all")\n').replace(
+            "whole = {",
+            '        hs.log("wsum", sum(v.full_tensor().double().sum().item() for v in m.state_dict().values()))\n'
+            "whole = {",
+        )
+    )
+    r = replay(tmp_path / "ref", script.name)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert "new values: rank_loss, wsum" in r.stdout, r.stdout
+    assert repr(losses(tmp_path / "ref", "wsum")[-1][2]) == reference.split()[1]
+    assert [v for c, _, v in losses(tmp_path / "ref", "rank_loss") if c[2] == 0] == [
+        v for _, _, v in losses(tmp_path / "ref")
+    ]
 
 
 def test_a_bad_launcher_variable_is_named(tmp_path: Path) -> None:

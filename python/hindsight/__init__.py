@@ -8,6 +8,7 @@ state = store.load("epoch-3")
 
 from __future__ import annotations
 
+from hindsight import torchrun as _torchrun
 from hindsight._query import dataframe
 from hindsight._run import arg, args, checkpointing, log, loop, notebook, run_id
 from hindsight._store import SaveHandle, Store
@@ -65,6 +66,9 @@ __all__ = [
     "run_id",
 ]
 __version__ = "0.1.0"
+
+# A rank of `python -m hindsight.torchrun` dies with it (see there).
+_torchrun.tie_rank_to_launcher()
 
 
 def __getattr__(name: str) -> object:

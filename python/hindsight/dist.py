@@ -430,6 +430,26 @@ def shard_like_live(objects: Mapping[str, Any], saved: dict[str, Any]) -> None:
                 grads[i] = _shard_like(g, p, f"grads/{name}/{i}")
 
 
+def whole_tensors(tree: Any) -> Any:
+    """``tree`` with each DTensor replaced by its whole tensor (a
+    collective: every rank calls it on the same structure, in step), for
+    comparing a sharded live state with a checkpoint (a replay's check)."""
+    DTensor = _dtensor_type()
+    if DTensor is None:
+        return tree
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, DTensor):
+            return x.full_tensor()
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+            return type(x)(walk(v) for v in x)
+        return x
+
+    return walk(tree)
+
+
 def consolidate(store: Store, name: str, out: str | os.PathLike[str], *, path: str = _STATE) -> dict[str, Any]:
     """Write the whole tensors of checkpoint ``name`` (however many ranks
     saved it) to one safetensors file, named by their key paths joined with

@@ -14,9 +14,65 @@ a replay driver handed down within reach of the ranks.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 
 from hindsight import _native, _preemption, _settings
+
+
+def _children() -> list[int]:
+    """The pids of this process's children (torchrun's ranks)."""
+    me, found = str(os.getpid()), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # pid (comm) state ppid ...: comm may hold spaces, not ")".
+                ppid = f.read().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
+            continue
+        if ppid == me:
+            found.append(int(entry))
+    return found
+
+
+def _forward_stack_dumps() -> None:
+    """SIGUSR2 (the supervisor's "hung: dump your stacks", before it kills
+    the job) reaches the ranks too: torchrun starts them in sessions of
+    their own, out of reach of a signal to this process group."""
+
+    def forward(signum: int, frame: object) -> None:
+        ranks = _children()
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGUSR2)
+            except OSError:
+                continue
+            # One rank at a time: dumps written at once interleave on the
+            # shared stderr; all within the supervisor's grace (3 s).
+            time.sleep(min(0.5, 2.0 / len(ranks)))
+
+    signal.signal(signal.SIGUSR2, forward)
+
+
+def tie_rank_to_launcher() -> None:
+    """In a rank of this launcher: die with it. A supervisor kills a hung
+    job's process group, which the ranks (sessions of their own) are not
+    in: without this they would outlive it, holding their ports and
+    devices (Linux's parent-death signal; elsewhere nothing)."""
+    at = os.environ.get(_settings.PIPES_AT)
+    if not at or not sys.platform.startswith("linux") or at == str(os.getpid()):
+        return
+    if str(os.getppid()) != at:
+        return  # not this launcher's own rank (a process the rank started)
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if str(os.getppid()) != at:  # the launcher died before the call took effect
+        os._exit(128 + signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     # heartbeat, a replay worker's progress): torchrun closes them in its
     # workers (`_run.common.inherited_pipe`).
     os.environ[_settings.PIPES_AT] = str(os.getpid())
+    _forward_stack_dumps()
     try:
         torchrun(argv)
     except ChildFailedError as e:

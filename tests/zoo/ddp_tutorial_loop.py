@@ -7,7 +7,9 @@
 # (no LOCAL_RANK device), MyTrainDataset inline and seeded, dropout (each rank draws
 # its own stream), a 20 ms sleep per batch so a test can interrupt it, the final
 # weights printed by rank 0, ZOO_CRASH_EPOCH=n: rank 1 crashes in epoch n (not after a restart),
-# ZOO_RANK1_SEED=s: rank 1's sampler shuffles with seed s (its data order changed).
+# ZOO_RANK1_SEED=s: rank 1's sampler shuffles with seed s (its data order changed),
+# ZOO_RANK1_SCALE=x: rank 1 scales its loss by x (it computes otherwise),
+# ZOO_HANG_EPOCH=n: rank 1 hangs in epoch n (not after a restart).
 import os
 import time
 
@@ -48,6 +50,8 @@ class Trainer:
         self.optimizer.zero_grad()
         output = self.model(source)
         loss = F.mse_loss(output, targets)
+        if get_rank() == 1:
+            loss = loss * float(os.environ.get("ZOO_RANK1_SCALE", "1"))
         loss.backward()
         self.optimizer.step()
         return loss
@@ -61,6 +65,9 @@ class Trainer:
                     if epoch == int(os.environ.get("ZOO_CRASH_EPOCH", "-1")) and get_rank() == 1:
                         if not os.environ.get("HINDSIGHT_RESTART"):  # the first launch only
                             raise RuntimeError("rank 1 crashed (ZOO_CRASH_EPOCH)")
+                    if epoch == int(os.environ.get("ZOO_HANG_EPOCH", "-1")) and get_rank() == 1:
+                        if not os.environ.get("HINDSIGHT_RESTART"):
+                            time.sleep(3600)  # rank 1 hangs; rank 0 waits in its next all-reduce
                     hs.log("loss", loss.item())
                     hs.log("rank_loss", loss.item(), rank="all")
                     time.sleep(float(os.environ.get("ZOO_SLEEP", "0.02")))

@@ -124,7 +124,11 @@ pub(crate) fn check_replay_world(run_id: &str, versions_json: &str, now: u64) ->
 /// Refuse a launcher that cannot place `run_id`'s multi-rank workers (core `runs::ranks`).
 #[pyfunction]
 #[pyo3(signature = (run_id, versions_json, local))]
-pub(crate) fn check_replay_launcher(run_id: &str, versions_json: &str, local: bool) -> PyResult<()> {
+pub(crate) fn check_replay_launcher(
+    run_id: &str,
+    versions_json: &str,
+    local: bool,
+) -> PyResult<()> {
     ranks::check_replay_launcher(run_id, versions_json, local).map_err(crate::errors::to_py)
 }
 

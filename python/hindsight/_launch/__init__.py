@@ -17,6 +17,7 @@ progress lines (`progress_lines`) and sets `returncode`/`stderr_tail`."""
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -118,13 +119,22 @@ def progress(workers: list[Worker], total: int, start: float, final: bool = Fals
     sys.stderr.flush()
 
 
+# A line that names why a process failed: hindsight's own, or the last line
+# of a traceback (a rank's, prefixed by torchrun).
+_CAUSE = re.compile(r"^(\[rank\d+\]: )?(hindsight: |[\w.]*(Error|Exception|Interrupt): )")
+
+
 def stderr_tail(text: str, keep: int = 2000) -> str:
     """What the report shows of a worker's standard error: its end, after
-    any line hindsight wrote before it (a divergence a rank named, ahead of
-    the other ranks' tracebacks of the connection it closed)."""
+    the lines before it that name a cause (a divergence a rank named, a
+    rank's exception), ahead of the noise a torchrun job ends with (the
+    other ranks' tracebacks of the connection that closed, the launcher's
+    summary)."""
     tail = text[-keep:]
-    ours = [line for line in text[: -keep or None].splitlines() if line.startswith("hindsight:")]
-    return "\n".join([*ours, tail]) if ours and len(text) > keep else tail
+    if len(text) <= keep:
+        return tail
+    causes = list(dict.fromkeys(line for line in text[:-keep].splitlines() if _CAUSE.match(line)))
+    return "\n".join([*causes[:10], tail])
 
 
 def progress_lines(w: Worker, text: str) -> None:

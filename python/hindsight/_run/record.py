@@ -25,7 +25,6 @@ from hindsight._run.common import (
     ENV_RUN_NAME,
     Run,
     T,
-    _encode,
     _git,
     _package_version,
     _snapshot_source,

@@ -23,6 +23,7 @@ from hindsight import _native, _settings
 from hindsight._run import batches, files
 from hindsight._run.common import Run, inherited_pipe
 from hindsight._state import capture_grads, set_rng_state
+from hindsight._store import Store
 from hindsight.errors import DivergenceError, HindsightError, ReplayError
 
 #: A worker's exit status when what it computed differs from the recording (the engine's).
@@ -194,17 +195,19 @@ class ReplayRun(Run):
         it, or, for a checkpoint of several ranks, the objects against the
         job's and the rest against this rank's own part (what the recording
         saved where: `RecordRun._save`)."""
+        store: Store = self.store
         if self.ranks is None:
-            return self.store.check_state(name, state)
+            return store.check_state(name, state)
         from hindsight import dist
 
         shared = {"objects": state.pop("objects")}
         if "grads" in state:
             shared["grads"] = state.pop("grads")
-        check = self.store.check_state(name, shared, path=[dist._STATE])
+        # FSDP2's shards, whole: the checkpoint's pieces are compared with their regions.
+        check = store.check_state(name, dist.whole_tensors(shared), path=[dist._STATE])
         if check.first is not None:
             return check
-        return self.store.check_state(name, state, path=[dist._RANK_STATE, str(self.rank_index)])
+        return store.check_state(name, state, path=[dist._RANK_STATE, str(self.rank_index)])
 
     def _end_iteration(self, i: int, closing: bool = False) -> None:
         if not (closing and self.ranks is not None):  # no collective where one rank may be alone

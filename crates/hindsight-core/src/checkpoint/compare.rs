@@ -25,9 +25,10 @@
 //!   compared, the entries beside it (the iterator's position and its last
 //!   draw) are;
 //! - everything else compares exactly: same kind, same value bits, same
-//!   dtype, shape and bytes.
+//!   dtype, shape and bytes. An array the ranks saved in pieces (FSDP2) is
+//!   compared piece by piece with the live whole array's regions.
 
-use super::format::{ChunkId, Node};
+use super::format::{itemsize, Array, ChunkId, Node, Sharded};
 
 /// Top-level keys of a run's checkpoint that a replay must reproduce.
 pub const COMPARED: [&str; 5] = ["objects", "rng", "grads", "loop", "vars"];
@@ -128,22 +129,113 @@ impl Walk<'_> {
     /// Whether the next live blob holds what the recorded blob's chunks name.
     fn same_bytes(&mut self, recorded: &super::format::Blob) -> bool {
         let live = self.take_bytes();
-        if live.len() as u64 != recorded.nbytes {
-            return false;
-        }
-        let mut off = 0usize;
-        for c in &recorded.chunks {
-            let Some(seg) = live.get(off..off + c.len as usize) else {
-                return false;
-            };
-            if ChunkId::of(seg) != c.content_id() {
-                return false;
-            }
-            off += c.len as usize;
-        }
-        off == live.len()
+        blob_holds(recorded, live)
     }
 
+    /// A live whole array against the pieces the ranks saved of it: each
+    /// piece's region of the live bytes must be that piece.
+    fn same_pieces(&mut self, rec: &Sharded, live: &Array) -> Result<(), String> {
+        let bytes = self.take_bytes();
+        let Some(item) = itemsize(live.lib, &live.dtype) else {
+            return Err(format!("dtype {} has no known size", live.dtype));
+        };
+        for piece in &rec.shards {
+            let a = &piece.array;
+            if a.lib != live.lib || a.dtype != live.dtype {
+                return Err(format!(
+                    "recorded pieces of {:?} {}, live a {:?} {} array",
+                    a.lib, a.dtype, live.lib, live.dtype
+                ));
+            }
+            let region =
+                region(bytes, &rec.shape, &piece.offset, &a.shape, item).ok_or_else(|| {
+                    format!("a piece at {:?} does not fit the live array", piece.offset)
+                })?;
+            if !blob_holds(&a.data, &region) {
+                return Err(format!(
+                    "the {} values of the piece at {:?} (shape {:?}) differ from the recorded ones",
+                    a.dtype, piece.offset, a.shape
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The bytes of the region at `offset` of extent `extent` in a row-major
+/// array of `shape` whose bytes are `whole` (`item` bytes per element);
+/// None when the region does not fit.
+fn region(
+    whole: &[u8],
+    shape: &[u64],
+    offset: &[u64],
+    extent: &[u64],
+    item: u64,
+) -> Option<Vec<u8>> {
+    let n = shape.len();
+    if offset.len() != n || extent.len() != n || (0..n).any(|d| offset[d] + extent[d] > shape[d]) {
+        return None;
+    }
+    if whole.len() as u64 != shape.iter().product::<u64>() * item {
+        return None;
+    }
+    let Some(last) = n.checked_sub(1) else {
+        return Some(whole.to_vec()); // a 0-d array is its one element
+    };
+    let mut out = Vec::with_capacity((extent.iter().product::<u64>() * item) as usize);
+    if extent.contains(&0) {
+        return Some(out);
+    }
+    // Row-major strides in elements.
+    let mut stride = vec![1u64; n];
+    for d in (0..last).rev() {
+        stride[d] = stride[d + 1] * shape[d + 1];
+    }
+    let run = (extent[last] * item) as usize;
+    let mut idx = vec![0u64; last]; // position within the extent, all but the last dim
+    loop {
+        let start: u64 = (0..last)
+            .map(|d| (offset[d] + idx[d]) * stride[d])
+            .sum::<u64>()
+            + offset[last];
+        let at = (start * item) as usize;
+        out.extend_from_slice(whole.get(at..at + run)?);
+        // The next index, last dimension fastest.
+        let mut d = last;
+        loop {
+            if d == 0 {
+                return Some(out);
+            }
+            d -= 1;
+            idx[d] += 1;
+            if idx[d] < extent[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+}
+
+/// Whether `live` holds what the recorded blob's chunks name.
+fn blob_holds(recorded: &super::format::Blob, live: &[u8]) -> bool {
+    if live.len() as u64 != recorded.nbytes {
+        return false;
+    }
+    let mut off = 0usize;
+    for c in &recorded.chunks {
+        let Some(seg) = live.get(off..off + c.len as usize) else {
+            return false;
+        };
+        if ChunkId::of(seg) != c.content_id() {
+            return false;
+        }
+        off += c.len as usize;
+    }
+    off == live.len()
+}
+
+impl Walk<'_> {
+    /// Compare one recorded node with the live one at `path`.
     fn node(&mut self, rec: &Node, live: &Node, path: &mut Vec<String>) {
         if self.out.first.is_some() {
             return;
@@ -208,6 +300,21 @@ impl Walk<'_> {
                             r.dtype, r.shape
                         ),
                     );
+                }
+            }
+            (Node::Sharded(r), Node::Array(l)) => {
+                if r.shape != l.shape {
+                    self.next += 1;
+                    return self.differ(
+                        path,
+                        format!(
+                            "recorded an array of shape {:?} in pieces, live one of shape {:?}",
+                            r.shape, l.shape
+                        ),
+                    );
+                }
+                if let Err(detail) = self.same_pieces(r, l) {
+                    self.differ(path, detail);
                 }
             }
             (Node::Bytes(r), Node::Bytes(_)) | (Node::Pickle(r), Node::Pickle(_)) => {
@@ -315,6 +422,78 @@ mod tests {
         let rec = state(recorded_array(&W, 5), 3, 1.5);
         let live = state(array(Blob::default()), 3, 1.5);
         assert_eq!(check_state(&rec, &live, &[&W]), StateCheck::default());
+    }
+
+    /// A 3x4 float32 array (48 bytes) recorded in pieces at `cuts`: (offset, extent).
+    fn recorded_pieces(whole: &[u8], cuts: &[([u64; 2], [u64; 2])]) -> Node {
+        let shards = cuts
+            .iter()
+            .map(|(offset, extent)| {
+                let bytes = region(whole, &[3, 4], offset, extent, 4).unwrap();
+                let Node::Array(mut a) = recorded_array(&bytes, 7) else {
+                    unreachable!()
+                };
+                a.shape = extent.to_vec();
+                crate::checkpoint::format::Shard {
+                    offset: offset.to_vec(),
+                    array: *a,
+                }
+            })
+            .collect();
+        Node::Sharded(Box::new(Sharded {
+            shape: vec![3, 4],
+            shards,
+        }))
+    }
+
+    #[test]
+    fn an_array_saved_in_pieces_is_compared_piece_by_piece_with_the_live_whole() {
+        let whole: Vec<u8> = (0..48u8).collect();
+        let live = Node::Array(Box::new(Array {
+            shape: vec![3, 4],
+            ..match array(Blob::default()) {
+                Node::Array(a) => *a,
+                _ => unreachable!(),
+            }
+        }));
+        // Rows (FSDP2's dim-0 shards, uneven) and blocks across both dimensions.
+        for cuts in [
+            vec![([0, 0], [2, 4]), ([2, 0], [1, 4])],
+            vec![([0, 0], [3, 1]), ([0, 1], [3, 3])],
+            vec![([0, 0], [2, 2]), ([0, 2], [2, 2]), ([2, 0], [1, 4])],
+        ] {
+            let rec = recorded_pieces(&whole, &cuts);
+            assert_eq!(check_state(&rec, &live, &[&whole]).first, None, "{cuts:?}");
+            // One byte changed in each piece in turn: named, with the piece.
+            for (offset, _) in &cuts {
+                let mut other = whole.clone();
+                let at = ((offset[0] * 4 + offset[1]) * 4) as usize;
+                other[at] ^= 1;
+                let d = check_state(&rec, &live, &[&other]).first.unwrap();
+                assert!(
+                    d.detail.contains(&format!("piece at {offset:?}")),
+                    "{cuts:?}: {}",
+                    d.detail
+                );
+            }
+        }
+        // Another live shape, or a live buffer of the wrong size: a difference, not a panic.
+        let rec = recorded_pieces(&whole, &[([0, 0], [3, 4])]);
+        let d = check_state(&rec, &live, &[&whole[..40]]).first.unwrap();
+        assert!(
+            d.detail.contains("does not fit the live array"),
+            "{}",
+            d.detail
+        );
+        let wide = Node::Array(Box::new(Array {
+            shape: vec![4, 3],
+            ..match array(Blob::default()) {
+                Node::Array(a) => *a,
+                _ => unreachable!(),
+            }
+        }));
+        let d = check_state(&rec, &wide, &[&whole]).first.unwrap();
+        assert!(d.detail.contains("in pieces"), "{}", d.detail);
     }
 
     #[test]
