@@ -226,6 +226,36 @@ def test_a_multi_rank_run_replays_on_its_world_size_to_the_values_a_recording_wi
     assert "after epoch 0, the state differs from the recorded checkpoint" in r.stderr, r.stderr[-4000:]
 
 
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_relaunch_on_another_world_size_reshards_when_asked_from_the_newest_checkpoint_between_iterations(
+    tmp_path: Path, reference: tuple[Path, str], n: int
+) -> None:
+    """$HINDSIGHT_RESHARD=1: the job stopped mid-epoch on 2 ranks resumes on
+    n. The mid-epoch checkpoint holds each rank's share of the epoch, which
+    n ranks do not have: it is skipped, said so, for the epoch-end one.
+    What is exact, and compared: the weights the resumed ranks start the
+    next epoch with equal the uninterrupted run's at that point. What is
+    not (said so): the data order and new ranks' RNG streams from there on."""
+    ref_dir, _ = reference
+    stopped = interrupt(tmp_path, ZOO)
+    [run] = runs(tmp_path)
+    epoch0 = f"{run['id']}.epoch-000000"
+    r = launch(tmp_path, n, HINDSIGHT_RESHARD="1")
+    final(r)
+    assert (
+        f"HINDSIGHT_RESHARD=1: checkpoint {epoch0} was saved by 2 rank(s) and this launch has {n}" in r.stderr
+        and f"skipped, inside an iteration: {stopped}" in r.stderr
+    ), r.stderr[-3000:]
+    assert f"continues from checkpoint {epoch0} " in r.stderr
+    assert [(x["id"], x["status"]) for x in runs(tmp_path)] == [(run["id"], "completed")]
+    start = {c: v for c, _, v in losses(tmp_path, "w_start")}
+    want = {c: v for c, _, v in losses(ref_dir, "w_start")}
+    assert start[(1,)] == want[(1,)] and start[(0,)] == want[(0,)]
+    store = hs.Store(tmp_path / ".hindsight" / "store")
+    later = store.info(f"{run['id']}.epoch-000001")["meta"].get("hs.world")
+    assert later == (None if n == 1 else str(n))  # saved by the new world
+
+
 def interrupt(cwd: Path, script: Path) -> str:
     """Launch ``script`` on 2 ranks, SIGUSR1 to rank 1 in the second epoch:
     the checkpoint the job stopped at."""

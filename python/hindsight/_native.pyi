@@ -92,7 +92,6 @@ __all__ = [
     "batch_digest",
     "check_replay_launcher",
     "check_replay_world",
-    "check_resume_world",
     "checkpoint_exit_code",
     "checkpoint_names",
     "choose_fit",
@@ -109,6 +108,7 @@ __all__ = [
     "project_paths",
     "replay_threads",
     "replay_verdict",
+    "resume_fit",
     "resume_key",
     "run_cli",
     "run_data_dispatcher",
@@ -280,7 +280,7 @@ class World:
     def leads(self) -> bool: ...
 
 def launch_world() -> World | None: ...
-def check_resume_world(checkpoint: str, saved: int | None, now: int) -> None: ...
+def resume_fit(checkpoint: str, saved: int | None, now: int, reshard: bool) -> Literal["same", "reshard", "skip"]: ...
 def check_replay_world(run_id: str, versions_json: str, now: int) -> None: ...
 def check_replay_launcher(run_id: str, versions_json: str, local: bool) -> None: ...
 

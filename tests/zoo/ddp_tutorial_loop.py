@@ -60,6 +60,7 @@ class Trainer:
         with hs.checkpointing(model=self.model, optimizer=self.optimizer):
             for epoch in hs.loop("epoch", range(max_epochs)):
                 self.train_data.sampler.set_epoch(epoch)
+                hs.log("w_start", sum(p.double().sum().item() for p in self.model.parameters()))
                 for source, targets in hs.loop("step", self.train_data):
                     loss = self._run_batch(source, targets)
                     if epoch == int(os.environ.get("ZOO_CRASH_EPOCH", "-1")) and get_rank() == 1:

@@ -143,6 +143,14 @@ pub const RESUME: Setting = user(
     "1",
     "0: start a new run instead of resuming the script's interrupted one",
 );
+/// A relaunch on another world size resumes by resharding.
+pub const RESHARD: Setting = user(
+    "HINDSIGHT_RESHARD",
+    Kind::Flag,
+    "0",
+    "1: a relaunch on another number of ranks resumes from the newest checkpoint between iterations, \
+     the model and optimizer resharded (not exact: new ranks' RNG streams and the data order are new)",
+);
 /// The run a relaunch resumes, by name.
 pub const RUN_NAME: Setting = user(
     "HINDSIGHT_RUN_NAME",
@@ -251,6 +259,7 @@ pub const ALL: &[Setting] = &[
     EPSILON,
     SAFETY_MINUTES,
     RESUME,
+    RESHARD,
     RUN_NAME,
     EXIT_CODE,
     SLURM_REQUEUE,

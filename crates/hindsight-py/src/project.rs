@@ -105,12 +105,30 @@ pub(crate) fn launch_world() -> PyResult<Option<World>> {
     }))
 }
 
-/// Refuse a resume from `checkpoint`, saved by `saved` ranks (`None`: one
-/// process), by a launch of `now` ranks of another size (core `runs::ranks`).
+/// How a launch of `now` ranks resumes from `checkpoint`, saved by `saved`
+/// ranks (`None`: one process): "same", "reshard" or "skip"; another size
+/// not opted into (`reshard`) is refused (core `runs::ranks::resume_fit`).
 #[pyfunction]
-#[pyo3(signature = (checkpoint, saved, now))]
-pub(crate) fn check_resume_world(checkpoint: &str, saved: Option<u64>, now: u64) -> PyResult<()> {
-    ranks::check_resume_world(checkpoint, saved, now).map_err(crate::errors::to_py)
+#[pyo3(signature = (checkpoint, saved, now, reshard))]
+pub(crate) fn resume_fit(
+    checkpoint: &str,
+    saved: Option<u64>,
+    now: u64,
+    reshard: bool,
+) -> PyResult<&'static str> {
+    let fit = ranks::resume_fit(checkpoint, saved, now, reshard).map_err(crate::errors::to_py)?;
+    Ok(match fit {
+        ranks::WorldFit::Same => "same",
+        ranks::WorldFit::Reshard => "reshard",
+        ranks::WorldFit::Skip => "skip",
+        other => {
+            return Err(crate::errors::to_py(
+                hindsight_core::error::Error::Internal {
+                    detail: format!("resume_fit: {other:?} has no name here"),
+                },
+            ))
+        }
+    })
 }
 
 /// Refuse a replay worker of `run_id` launched on `now` ranks when the run
@@ -140,7 +158,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(checkpoint_exit_code, m)?)?;
     m.add_class::<World>()?;
     m.add_function(wrap_pyfunction!(launch_world, m)?)?;
-    m.add_function(wrap_pyfunction!(check_resume_world, m)?)?;
+    m.add_function(wrap_pyfunction!(resume_fit, m)?)?;
     m.add_function(wrap_pyfunction!(check_replay_world, m)?)?;
     m.add_function(wrap_pyfunction!(check_replay_launcher, m)?)?;
     Ok(())

@@ -206,6 +206,10 @@ def _heartbeat_fd() -> int | None:
     return fd
 
 
+#: The RNG states a checkpoint keeps per rank (see `RecordRun._save`).
+_RNG_KEYS = ("rng", "iter_rng", "block_rng", "start_rng")
+
+
 class Run:
     """The process's run, created by the first hs.* call: a `RecordRun` for a
     plain `python train.py`, a `ReplayRun` in a worker started by
@@ -489,20 +493,36 @@ class Run:
     def _add_rank_extra(self, rows: list[Any]) -> None:
         """Rank 0: another rank's `_rank_extra`."""
 
-    def load_checkpoint(self, name: str) -> dict[str, Any]:
-        """Checkpoint ``name`` as this process continues from it: refused
-        when another world size saved it (core's rule), else, for a
-        checkpoint of several ranks, the objects with this rank's own state."""
+    def load_checkpoint(self, name: str, reshard: bool = False) -> dict[str, Any] | None:
+        """Checkpoint ``name`` as this process continues from it: for a
+        checkpoint of several ranks, the objects with this rank's own state.
+        Another world size is refused (core's rule, `resume_fit`) unless
+        ``reshard`` opts in: the objects are then cut to this job's ranks,
+        a rank the checkpoint has continues its state, a new rank takes
+        rank 0's without its RNG streams (it keeps those the script seeded);
+        None for a checkpoint inside an iteration, which cannot reshard."""
         saved = self.store.info(name)["meta"].get(_native.META_WORLD)
         size = 1 if self.ranks is None else self.ranks.size
-        _native.check_resume_world(name, None if saved is None else int(saved), size)
-        if saved is None:
+        fit = _native.resume_fit(name, None if saved is None else int(saved), size, reshard)
+        if fit == "skip":
+            return None
+        if saved is None and fit == "same":
             whole: dict[str, Any] = self.store.load(name)
             return whole
         from hindsight import dist
 
-        mine = self.store.load(name, path=[dist._RANK_STATE, str(self.rank_index)])
-        shared = self.store.load(name, path=[dist._STATE])
+        if saved is None:  # one process's checkpoint, onto several ranks
+            whole = self.store.load(name)
+            shared: dict[str, Any] = {k: whole.pop(k) for k in ("objects", "grads") if k in whole}
+            mine, own = whole, self.rank_index == 0
+        else:
+            own = self.rank_index < int(saved)
+            src = self.rank_index if own else 0
+            mine = self.store.load(name, path=[dist._RANK_STATE, str(src)])
+            shared = self.store.load(name, path=[dist._STATE])
+        if not own:
+            for key in _RNG_KEYS:
+                mine.pop(key, None)
         # Whole tensors; where the live objects are sharded (FSDP2) each
         # rank keeps its own shards of them.
         dist.shard_like_live(self.objects, shared)
@@ -796,5 +816,5 @@ class Run:
         self._apply_vars(state)
         if "files" in state:
             put_back(dict(zip(state["files"]["paths"], state["files"]["data"], strict=True)), Path.cwd(), name)
-        if rng:
+        if rng and "rng" in state:  # a new rank of a resharded resume keeps its own
             set_rng_state(state["rng"])

@@ -105,6 +105,8 @@ class RecordRun(Run):
         # ($HINDSIGHT_VERBOSE=1), and the saves whose bytes the end line sums.
         self.quiet = _settings.flag(_settings.QUIET, False)
         self.verbose = _settings.flag(_settings.VERBOSE, False)
+        # A relaunch on another world size resumes by resharding (opt-in: not exact).
+        self.reshard = _settings.flag(_settings.RESHARD, False)
         self.announced = False
         self.handles: list[Any] = []
         # Files the script writes are rank 0's to keep: every rank would write the same paths.
@@ -463,10 +465,16 @@ class RecordRun(Run):
 
     # -- preemption and resume ----------------------------------------------------
     def _latest_checkpoint(self) -> tuple[str, dict[str, Any]] | None:
-        """The newest complete checkpoint of this run that reads back (listed = complete)."""
+        """The newest complete checkpoint of this run that reads back
+        (listed = complete); under $HINDSIGHT_RESHARD on another world size,
+        the newest between iterations."""
+        skipped: list[str] = []
         for ck in reversed(self.store.checkpoints(self.run_id)):
             try:
-                state = self.load_checkpoint(ck.name)
+                state = self.load_checkpoint(ck.name, self.reshard)
+                if state is None:
+                    skipped.append(ck.name)
+                    continue
             except CorruptError as e:
                 # Damaged (a race with another process is not reported as
                 # corruption): fall back to the previous one, and say so.
@@ -476,8 +484,24 @@ class RecordRun(Run):
                     flush=True,
                 )
                 continue
+            self._say_resharded(ck.name, skipped)
             return ck.name, state
         return None
+
+    def _say_resharded(self, name: str, skipped: list[str]) -> None:
+        """Rank 0: what a resume on another world size keeps and what not."""
+        saved = self.store.info(name)["meta"].get(_native.META_WORLD)
+        size = 1 if self.ranks is None else self.ranks.size
+        if int(saved or 1) == size:
+            return
+        print(
+            f"hindsight: {_settings.RESHARD}=1: checkpoint {name} was saved by {int(saved or 1)} rank(s) and this "
+            f"launch has {size}: the model and optimizer are resharded onto it exactly; ranks the checkpoint has "
+            "continue their RNG streams, new ranks keep the ones the script seeded, and the data order from here "
+            "on is this world size's" + (f" (skipped, inside an iteration: {', '.join(skipped)})" if skipped else ""),
+            file=sys.stderr,
+            flush=True,
+        )
 
     def parse_args(self, parser: Any, argv: list[str] | None) -> Any:
         """`hs.args(parser)`: parse as the script always did, record the result."""
@@ -584,7 +608,9 @@ class RecordRun(Run):
             self.resume_pending = self.continued = bool(payload["resume"])
             self.announced = True  # rank 0 speaks for the job
             if payload["checkpoint"] is not None:
-                latest = payload["checkpoint"], self.load_checkpoint(payload["checkpoint"])
+                state = self.load_checkpoint(payload["checkpoint"], self.reshard)
+                assert state is not None, payload  # rank 0 chose one that loads here
+                latest = payload["checkpoint"], state
         (now,) = ranks.agree([time.monotonic()])
         self.session.join(self.run_id, now)
         return latest

@@ -241,7 +241,9 @@ class ReplayRun(Run):
         if name is None:
             raise ReplayError(f"replay plan has no checkpoint for {self.outer_name} {self.outer_idx} (a bug)")
         t0 = time.perf_counter()
-        self._apply(self.load_checkpoint(name), name)
+        state = self.load_checkpoint(name)
+        assert state is not None  # the recorded world size: never skipped
+        self._apply(state, name)
         took = time.perf_counter() - t0
         self.session.restored_in(took)
         if not self.leads:

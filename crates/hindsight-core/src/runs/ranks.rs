@@ -14,6 +14,7 @@
 
 use std::ffi::OsString;
 
+use crate::checkpoint::naming::{CheckpointId, Kind};
 use crate::error::{Error, Result};
 
 /// This process's place in a multi-process launch.
@@ -89,14 +90,47 @@ impl World {
     }
 }
 
+/// How a job of `now` ranks may resume from a checkpoint saved by another
+/// number ([`resume_fit`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WorldFit {
+    /// The world size that saved it: every rank continues its own state.
+    Same,
+    /// Another size, opted into ([`crate::settings::RESHARD`]): the objects
+    /// are resharded onto this job's ranks; ranks the checkpoint has
+    /// continue their RNG streams, new ranks keep the ones the script
+    /// seeded; the loop variables are rank 0's.
+    Reshard,
+    /// Another size, opted into, but a checkpoint inside an iteration: its
+    /// data position is each saved rank's share of the epoch, which no
+    /// other world size has. An older one, between iterations, is used.
+    Skip,
+}
+
 /// A resume from `checkpoint`, saved by `saved` ranks (`None`: one
-/// process's checkpoint), by a job of `now` ranks: only the same world size
-/// resumes exactly (each rank's RNG streams and data position are its
-/// own), so any other is refused, naming both sizes.
-pub fn check_resume_world(checkpoint: &str, saved: Option<u64>, now: u64) -> Result<()> {
+/// process's checkpoint), by a job of `now` ranks. Only the same world size
+/// resumes exactly (each rank's RNG streams and data position are its own),
+/// so another is refused, naming both sizes, unless `reshard` opts into
+/// resuming from the objects ([`WorldFit::Reshard`]).
+pub fn resume_fit(
+    checkpoint: &str,
+    saved: Option<u64>,
+    now: u64,
+    reshard: bool,
+) -> Result<WorldFit> {
     let saved = saved.unwrap_or(1);
     if saved == now {
-        return Ok(());
+        return Ok(WorldFit::Same);
+    }
+    if reshard {
+        let inside =
+            CheckpointId::parse(checkpoint).is_some_and(|c| matches!(c.kind, Kind::Step(_)));
+        return Ok(if inside {
+            WorldFit::Skip
+        } else {
+            WorldFit::Reshard
+        });
     }
     let who = |n: u64| {
         if n == 1 {
@@ -110,11 +144,13 @@ pub fn check_resume_world(checkpoint: &str, saved: Option<u64>, now: u64) -> Res
         format!(
             "checkpoint {checkpoint} was saved by {} and this launch has {}: a resume continues every rank's \
              RNG streams and data position exactly only on the world size that saved them. Relaunch with \
-             {} (torchrun --nproc_per_node={saved}), or start a new run (HINDSIGHT_RESUME=0) and load the \
-             weights with hindsight.dist.load, which reshards",
+             {} (torchrun --nproc_per_node={saved}); or set {}=1 to resume from the newest checkpoint between \
+             iterations with the model and optimizer resharded onto this launch (new ranks keep the RNG \
+             streams the script seeds, and the data order of what follows is this world size's)",
             who(saved),
             who(now),
-            who(saved)
+            who(saved),
+            crate::settings::RESHARD.name,
         ),
     ))
 }
@@ -225,22 +261,43 @@ mod tests {
     }
 
     #[test]
-    fn a_resume_needs_the_world_size_that_saved_and_a_multi_rank_run_is_not_replayed() {
-        assert!(check_resume_world("r.epoch-1", None, 1).is_ok());
-        assert!(check_resume_world("r.epoch-1", Some(2), 2).is_ok());
-        let e = check_resume_world("r.epoch-1", Some(2), 1)
+    fn a_resume_needs_the_world_size_that_saved_unless_it_reshards_between_iterations() {
+        assert_eq!(
+            resume_fit("r.epoch-000001", None, 1, false).unwrap(),
+            WorldFit::Same
+        );
+        assert_eq!(
+            resume_fit("r.epoch-000001", Some(2), 2, true).unwrap(),
+            WorldFit::Same
+        );
+        let e = resume_fit("r.epoch-000001", Some(2), 1, false)
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("r.epoch-1 was saved by 2 ranks and this launch has one process"),
+            e.contains("r.epoch-000001 was saved by 2 ranks and this launch has one process")
+                && e.contains("HINDSIGHT_RESHARD=1"),
             "{e}"
         );
-        let e = check_resume_world("r.epoch-1", None, 4)
+        let e = resume_fit("r.epoch-000001", None, 4, false)
             .unwrap_err()
             .to_string();
         assert!(
             e.contains("saved by one process and this launch has 4 ranks"),
             "{e}"
+        );
+        // Opted in: between iterations the objects reshard; inside one, the
+        // data position is per rank: skipped for an older checkpoint.
+        assert_eq!(
+            resume_fit("r.epoch-000001", Some(2), 4, true).unwrap(),
+            WorldFit::Reshard
+        );
+        assert_eq!(
+            resume_fit("r.epoch-000001.end", Some(2), 1, true).unwrap(),
+            WorldFit::Reshard
+        );
+        assert_eq!(
+            resume_fit("r.epoch-000001.step-000000003", Some(2), 1, true).unwrap(),
+            WorldFit::Skip
         );
         assert_eq!(recorded_world(r#"{"argv": []}"#), 1);
         assert_eq!(recorded_world("not json"), 1);
