@@ -8,7 +8,7 @@ state = store.load("epoch-3")
 
 from __future__ import annotations
 
-from hindsight import torchrun as _torchrun
+from hindsight._launcher import tie_rank_to_launcher as _tie_rank_to_launcher
 from hindsight._query import dataframe
 from hindsight._run import arg, args, checkpointing, log, loop, notebook, run_id
 from hindsight._store import SaveHandle, Store
@@ -67,8 +67,8 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-# A rank of `python -m hindsight.torchrun` dies with it (see there).
-_torchrun.tie_rank_to_launcher()
+# A rank of `python -m hindsight.torchrun` dies with it (see `_launcher`).
+_tie_rank_to_launcher()
 
 
 def __getattr__(name: str) -> object:

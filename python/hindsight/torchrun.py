@@ -57,24 +57,6 @@ def _forward_stack_dumps() -> None:
     signal.signal(signal.SIGUSR2, forward)
 
 
-def tie_rank_to_launcher() -> None:
-    """In a rank of this launcher: die with it. A supervisor kills a hung
-    job's process group, which the ranks (sessions of their own) are not
-    in: without this they would outlive it, holding their ports and
-    devices (Linux's parent-death signal; elsewhere nothing)."""
-    at = os.environ.get(_settings.PIPES_AT)
-    if not at or not sys.platform.startswith("linux") or at == str(os.getpid()):
-        return
-    if str(os.getppid()) != at:
-        return  # not this launcher's own rank (a process the rank started)
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if str(os.getppid()) != at:  # the launcher died before the call took effect
-        os._exit(128 + signal.SIGKILL)
-
-
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun

@@ -63,11 +63,14 @@ class Trainer:
                 hs.log("w_start", sum(p.double().sum().item() for p in self.model.parameters()))
                 for source, targets in hs.loop("step", self.train_data):
                     loss = self._run_batch(source, targets)
+                    first = not os.environ.get("HINDSIGHT_RESTART") and os.environ.get(
+                        "TORCHELASTIC_RESTART_COUNT"
+                    ) in (None, "0")
                     if epoch == int(os.environ.get("ZOO_CRASH_EPOCH", "-1")) and get_rank() == 1:
-                        if not os.environ.get("HINDSIGHT_RESTART"):  # the first launch only
+                        if first:  # the first launch only (not after hindsight run's or torchrun's restart)
                             raise RuntimeError("rank 1 crashed (ZOO_CRASH_EPOCH)")
                     if epoch == int(os.environ.get("ZOO_HANG_EPOCH", "-1")) and get_rank() == 1:
-                        if not os.environ.get("HINDSIGHT_RESTART"):
+                        if first:
                             time.sleep(3600)  # rank 1 hangs; rank 0 waits in its next all-reduce
                     hs.log("loss", loss.item())
                     hs.log("rank_loss", loss.item(), rank="all")

@@ -6,7 +6,8 @@
 //! same Slurm job id (a requeued job; the earlier attempt cannot be alive),
 //! or the same host with its process dead (kill -9, OOM). A live run of the
 //! same command is left alone and the new process starts a new run. A run
-//! that failed (crashed) resumes only when `hindsight run` restarts it.
+//! that failed (crashed) resumes only when `hindsight run`, or torchrun's
+//! agent, restarts it.
 
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
@@ -31,12 +32,26 @@ impl Here {
         Here {
             host: hostname(),
             slurm_job: std::env::var("SLURM_JOB_ID").ok().filter(|s| !s.is_empty()),
-            restarted: std::env::var(crate::runs::supervise::RESTART_ENV)
-                .ok()
-                .and_then(|v| v.parse::<u32>().ok())
-                .is_some_and(|n| n > 0),
+            restarted: restarted(|name| std::env::var(name).ok()),
         }
     }
+}
+
+/// Whether this process restarts a command that crashed or hung: started
+/// again by `hindsight run` ([`RESTART_ENV`](crate::runs::supervise::RESTART_ENV)), or by
+/// torchrun's own agent (`--max-restarts`, an elastic membership change:
+/// `TORCHELASTIC_RESTART_COUNT`), which stops every worker first.
+fn restarted(var: impl Fn(&str) -> Option<String>) -> bool {
+    [
+        crate::runs::supervise::RESTART_ENV,
+        "TORCHELASTIC_RESTART_COUNT",
+    ]
+    .iter()
+    .any(|name| {
+        var(name)
+            .and_then(|v| v.parse::<u32>().ok())
+            .is_some_and(|n| n > 0)
+    })
 }
 
 fn hostname() -> String {
@@ -304,6 +319,26 @@ mod tests {
             false,
             &job
         ));
+    }
+
+    #[test]
+    fn a_restart_is_the_supervisors_or_torchruns() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert!(!restarted(env(&[])));
+        assert!(!restarted(env(&[
+            ("TORCHELASTIC_RESTART_COUNT", "0"),
+            ("HINDSIGHT_RESTART", "0")
+        ])));
+        assert!(restarted(env(&[("TORCHELASTIC_RESTART_COUNT", "1")])));
+        assert!(restarted(env(&[("HINDSIGHT_RESTART", "2")])));
+        assert!(!restarted(env(&[("TORCHELASTIC_RESTART_COUNT", "x")])));
     }
 
     #[test]
