@@ -289,6 +289,32 @@ def test_hindsight_run_restarts_a_job_whose_rank_crashed_and_it_resumes_the_run(
     assert losses(tmp_path) == losses(ref_dir)
 
 
+def test_torchruns_own_restart_of_a_crashed_rank_resumes_the_run(tmp_path: Path, reference: tuple[Path, str]) -> None:
+    """`torchrun --max-restarts=1`: rank 1 raises in the second epoch, the
+    agent stops the workers and starts them again; the restarted job resumes
+    the run (it used to start a new one from scratch: a run that failed
+    resumed only under `hindsight run`)."""
+    ref_dir, ref_final = reference
+    shutil.copy(ZOO, tmp_path / ZOO.name)
+    env = {
+        **os.environ,
+        "HINDSIGHT_HOME": str(tmp_path / ".hindsight"),
+        "HINDSIGHT_CHECKPOINT_EVERY": "1",
+        "OMP_NUM_THREADS": "1",
+        "ZOO_CRASH_EPOCH": "1",
+    }
+    cmd = [sys.executable, "-m", "hindsight.torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
+    r = subprocess.run(
+        [*cmd, ZOO.name, str(EPOCHS)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert final(r) == ref_final
+    assert "rank 1 crashed" in r.stderr
+    [run] = runs(tmp_path)
+    assert f"continues from checkpoint {run['id']}.epoch-000000 " in r.stderr, r.stderr[-3000:]
+    assert run["status"] == "completed"
+    assert losses(tmp_path) == losses(ref_dir)
+
+
 def running_in(cwd: Path) -> list[int]:
     """The processes whose working directory is ``cwd``."""
     found = []

@@ -8,7 +8,8 @@ and exits 1, so a scheduler keyed on 85 would not requeue the job. This
 launcher exits with the checkpoint code when every failed rank left with it,
 with a replay's divergence code when a rank of a replay worker diverged,
 and as ``torchrun`` does otherwise. It also keeps the pipes a supervisor or
-a replay driver handed down within reach of the ranks.
+a replay driver handed down within reach of the ranks, and makes torchrun's
+own restarts meet the restarted peers.
 """
 
 from __future__ import annotations
@@ -65,6 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     # heartbeat, a replay worker's progress): torchrun closes them in its
     # workers (`_run.common.inherited_pipe`).
     os.environ[_settings.PIPES_AT] = str(os.getpid())
+    # A restart (`--max-restarts`, an elastic re-rendezvous) must meet its
+    # peers, not the previous attempt's: with the rendezvous store shared
+    # with the workers' process group (torch's default since 2.5), a
+    # restarted rank may read a dead peer's address left by the previous
+    # attempt and fail to connect (pytorch/pytorch#135712; here 4 restarts
+    # in 6 failed, none in 5 with the store kept apart). A user's own
+    # setting stands.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     _forward_stack_dumps()
     try:
         torchrun(argv)
