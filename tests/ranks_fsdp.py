@@ -14,7 +14,9 @@ import hindsight as hs
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
-m = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 4))
+# Wide enough that each rank's piece of the first weight (320 KB) is a chunk
+# of its own, not packed with the rank's small items.
+m = torch.nn.Sequential(torch.nn.Linear(8, 20000), torch.nn.Dropout(0.1), torch.nn.Linear(20000, 4))
 for layer in m:
     if isinstance(layer, torch.nn.Linear):
         fully_shard(layer)

@@ -4,7 +4,8 @@ every rank's values with its rank), every rank saves its
 part of each checkpoint, committed once. A signal to one rank stops every
 rank at one step with the checkpoint exit code; the relaunch resumes the
 same run to the weights and the values of an uninterrupted one. What
-cannot be exact is refused: a resume on another world size. A replay runs
+cannot be exact is refused: a resume on another world size (unless asked
+to reshard; an elastic job that loses a node does). A replay runs
 its workers as torchrun jobs of the recorded size, each rank checking its
 own batches and state. The script is the zoo's pytorch/examples DDP tutorial,
 adapted as the README says (tests/zoo/ddp_tutorial_loop.py)."""
@@ -15,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -315,6 +317,86 @@ def test_torchruns_own_restart_of_a_crashed_rank_resumes_the_run(tmp_path: Path,
     assert losses(tmp_path) == losses(ref_dir)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_an_elastic_job_that_loses_a_node_resumes_on_the_one_left(tmp_path: Path, reference: tuple[Path, str]) -> None:
+    """Two torchrun agents (elastic, `--nnodes=1:2`, c10d rendezvous on
+    loopback), one rank each. The second agent is killed in the second
+    epoch; the first restarts its worker on the one node left, and with
+    $HINDSIGHT_RESHARD=1 it resumes the run on one rank from the first
+    epoch's checkpoint: the weights it starts the second epoch with are the
+    uninterrupted 2-rank run's."""
+    ref_dir, _ = reference
+    shutil.copy(ZOO, tmp_path / ZOO.name)
+    port = free_port()
+    env = {
+        **os.environ,
+        "HINDSIGHT_HOME": str(tmp_path / ".hindsight"),
+        "HINDSIGHT_CHECKPOINT_EVERY": "1",
+        "HINDSIGHT_RESHARD": "1",
+        "OMP_NUM_THREADS": "1",
+        "ZOO_SLEEP": "0.1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "hindsight.torchrun",
+        "--nnodes=1:2",
+        "--nproc_per_node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=zoo",
+        "--rdzv-conf=last_call_timeout=1",
+        "--max-restarts=1",
+        ZOO.name,
+        str(EPOCHS),
+    ]
+
+    def agent() -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            cmd,
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+
+    first = agent()
+    # The first agent hosts the rendezvous store (the agent that binds the
+    # endpoint's port does): the one killed must not be it.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    second = agent()
+    manifests = tmp_path / ".hindsight" / "store" / "manifests"
+    deadline = time.monotonic() + 120
+    while not any(manifests.glob("*.epoch-000000.hsm")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    os.killpg(second.pid, signal.SIGKILL)
+    second.communicate(timeout=60)
+    out, err = first.communicate(timeout=300)
+    r = subprocess.CompletedProcess(cmd, first.returncode, out, err)
+    final(r)
+    [run] = runs(tmp_path)
+    epoch0 = f"{run['id']}.epoch-000000"
+    assert f"HINDSIGHT_RESHARD=1: checkpoint {epoch0} was saved by 2 rank(s) and this launch has 1" in err, err[-4000:]
+    assert run["status"] == "completed"
+    start = {c: v for c, _, v in losses(tmp_path, "w_start")}
+    want = {c: v for c, _, v in losses(ref_dir, "w_start")}
+    assert start[(1,)] == want[(1,)] and start[(0,)] == want[(0,)]
+
+
 def running_in(cwd: Path) -> list[int]:
     """The processes whose working directory is ``cwd``."""
     found = []
@@ -380,7 +462,26 @@ def test_fsdp2_shards_resume_mid_epoch_to_the_weights_of_an_uninterrupted_run(tm
     reference = final(launch(tmp_path / "ref", 2, script=script))
     stopped = interrupt(tmp_path, script)
     assert ".step-" in stopped, stopped
-    assert final(launch(tmp_path, 2, script=script)) == reference
+    # Each rank reads only its own shards: with rank 1's piece of a weight
+    # damaged, rank 1 alone finds it (naming the checkpoint and the key;
+    # rank 0 used to read every whole tensor), and the whole job resumes
+    # from the checkpoint before (ranks on different checkpoints would
+    # train on silently).
+    store = tmp_path / ".hindsight" / "store"
+    names = hs.Store(store).list()
+    for f in pieces_past_the_first(store, stopped, "state/objects/model/0.weight"):
+        data = f.read_bytes()
+        f.chmod(0o644)
+        f.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    r = launch(tmp_path, 2, script=script)
+    assert final(r) == reference
+    warned = [line for line in r.stderr.splitlines() if f"checkpoint {stopped} is damaged" in line]
+    # Rank 1's line names the key; rank 0 (which speaks for the job) read
+    # nothing damaged.
+    assert len(warned) == 2, r.stderr[-4000:]
+    assert sum("at key 'state/objects/model/0.weight'" in w for w in warned) == 1, warned
+    assert sum("(another rank's part)" in w for w in warned) == 1, warned
+    assert f"continues from checkpoint {names[names.index(stopped) - 1]} " in r.stderr, r.stderr[-3000:]
     assert [r["status"] for r in runs(tmp_path)] == ["completed"]
 
     # Its replay: every rank restores its shards, executes the steps, and
@@ -403,6 +504,19 @@ def test_fsdp2_shards_resume_mid_epoch_to_the_weights_of_an_uninterrupted_run(tm
     assert [v for c, _, v in losses(tmp_path / "ref", "rank_loss") if c[2] == 0] == [
         v for _, _, v in losses(tmp_path / "ref")
     ]
+
+
+def pieces_past_the_first(store: Path, name: str, key: str) -> list[Path]:
+    """The chunk files of the pieces of the sharded array at ``key`` of
+    checkpoint ``name`` that do not start at the origin (rank 1's, of 2)."""
+    raw = (store / "manifests" / f"{name}.hsm").read_bytes()
+    manifest, _ = json.JSONDecoder().raw_decode(raw[raw.index(b'{"format"') :].decode(errors="replace"))
+    node = manifest["root"]
+    for k in key.split("/"):
+        node = next(v for kk, v in node["v"] if kk["v"] == k)
+    assert node["t"] == "sharded", node["t"]
+    ids = [c["id"] for piece in node["v"]["shards"] if any(piece["offset"]) for c in piece["array"]["data"]["chunks"]]
+    return [store / "chunks" / i[:2] / i[2:] for i in ids]
 
 
 def test_a_bad_launcher_variable_is_named(tmp_path: Path) -> None:

@@ -52,12 +52,14 @@ __all__ = [
     "IterationEnd",
     "JobSpec",
     "LeaseLostError",
+    "LeftOut",
     "LogDb",
     "LogRecord",
     "LogValue",
     "NoDataWorkersError",
     "NonDeterministicDataError",
     "NotFoundError",
+    "PartialTree",
     "Pickled",
     "Progress",
     "ProjectPaths",
@@ -218,6 +220,14 @@ class Store:
         path: list[str] | None = None,
         threads: int | None = None,
     ) -> Any: ...
+    def load_leaving_out(
+        self,
+        name: str,
+        make_array: Callable[..., Any],
+        unpickle: Callable[[bytes, str], Any],
+        path: builtins.list[str],
+        skip: builtins.list[builtins.list[str]],
+    ) -> PartialTree: ...
     def list(self) -> builtins.list[str]: ...
     def read_regions(
         self, name: str, wanted: builtins.list[RegionRequest], threads: int | None = None
@@ -1053,6 +1063,26 @@ class Region:
     def shape(self) -> list[int]: ...
     @property
     def data(self) -> Buffer: ...
+
+@final
+class LeftOut:
+    """An array a load left out: its key path from the root, its whole shape."""
+
+    @property
+    def path(self) -> list[str]: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> list[int]: ...
+
+@final
+class PartialTree:
+    """A load without some of its arrays (None in their places)."""
+
+    @property
+    def tree(self) -> Any: ...
+    @property
+    def left_out(self) -> list[LeftOut]: ...
 
 @final
 class RegionRequest:

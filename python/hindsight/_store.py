@@ -318,6 +318,20 @@ class Store:
             keys = [p for p in path.split("/") if p]
         else:
             keys = [str(p) for p in path]
+        make_array, unpickle = self._builders(name, map_location, allow_pickle)
+        return self._native.load(name, make_array, unpickle, keys, threads)
+
+    def _load_leaving_out(
+        self, name: str, path: Sequence[str], skip: builtins.list[builtins.list[str]]
+    ) -> _native.PartialTree:
+        """``load`` of the sub-tree at ``path`` without the arrays at the key
+        paths ``skip`` (None in their places; listed with their whole shapes
+        for ``read_regions`` to read only the boxes a rank holds)."""
+        make_array, unpickle = self._builders(name, None, False)
+        return self._native.load_leaving_out(name, make_array, unpickle, list(path), skip)
+
+    def _builders(self, name: str, map_location: MapLocation, allow_pickle: bool) -> tuple[Any, Any]:
+        """What a load calls for each array and each pickled object."""
 
         def make_array(lib: str, dtype: str, shape: tuple[int, ...], buf: Any, device: str | None, key: str) -> Any:
             return _make_array(lib, dtype, shape, buf, device, map_location)
@@ -334,7 +348,7 @@ class Store:
                 )
             return pickle.loads(data)
 
-        return self._native.load(name, make_array, unpickle, keys, threads)
+        return make_array, unpickle
 
     # -- housekeeping ---------------------------------------------------------
     def list(self) -> builtins.list[str]:

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from hindsight import _native, _preemption
-from hindsight._store import SaveHandle, Store
+from hindsight._store import SaveHandle, Store, _make_array
 from hindsight.errors import UnsupportedTypeError, about
 
 __all__ = ["DistSave", "Loaded", "StopOnSignal", "consolidate", "load", "save"]
@@ -375,59 +375,102 @@ def _has_tensor(obj: Any) -> bool:
     return False
 
 
-def _shard_like(whole: Any, like: Any, key: str) -> Any:
-    """``whole`` (a whole tensor, as a checkpoint gives it back) cut to the
-    box ``like`` (a live DTensor) holds, as a DTensor of the same layout."""
-    from torch.distributed.tensor import DTensor
+def load_onto_live(
+    store: Store, name: str, path: list[str], objects: Mapping[str, Any], entries: Iterable[str]
+) -> dict[str, Any]:
+    """The sub-tree at ``path`` of an ``hs.loop`` checkpoint (``{"objects":
+    ..., "grads": ...}``) as ``load_state_dict`` of the live ``objects``
+    takes it. Where those hold DTensors (FSDP2), this rank reads only its
+    own box of each saved array (verified), never the whole one, and gets a
+    DTensor of the live layout: a module's entries by name, an optimizer's
+    state by its parameters' order (its state may not exist yet: a resumed
+    process has not stepped), gradients by parameter. ``entries``: the
+    checkpoint's key paths (``Store.info``)."""
+    DTensor = _dtensor_type()
+    live = {} if DTensor is None else _live_shards(objects, path, entries)
+    part = store._load_leaving_out(name, path, [list(k) for k in live])
+    tree: dict[str, Any] = part.tree
+    requests: list[Any] = []
+    places: list[tuple[tuple[str, ...], Any]] = []
+    for out in part.left_out:
+        rel = tuple(out.path[len(path) :])
+        like, strict = live[rel]
+        key = "/".join(rel)
+        if list(out.shape) == list(like.shape):
+            _, offset, shape = _local_box(like, key)
+        elif strict:
+            raise about(
+                UnsupportedTypeError(
+                    f"the checkpoint holds shape {tuple(out.shape)} at key '{key}', the live DTensor {tuple(like.shape)}"
+                ),
+                key_path=key,
+            )
+        else:  # a per-parameter value of another shape (Adam's step): whole
+            offset, shape, like = [0] * len(out.shape), list(out.shape), None
+        requests.append(_native.RegionRequest(path=list(out.path), whole=list(out.shape), offset=offset, shape=shape))
+        places.append((rel, like))
+    regions = store._native.read_regions(name, requests) if requests else []
+    for (rel, like), region in zip(places, regions, strict=True):
+        t = _make_array(region.lib, region.dtype, tuple(region.shape), region.data, None, None)
+        if like is not None:
+            t = DTensor.from_local(
+                t.to(device=like.device, dtype=like.dtype).contiguous(),
+                like.device_mesh,
+                like.placements,
+                run_check=False,
+                shape=like.shape,
+                stride=like.stride(),
+            )
+        _set_at(tree, rel, t)
+    return tree
 
-    if tuple(whole.shape) != tuple(like.shape):
-        raise about(
-            UnsupportedTypeError(
-                f"the checkpoint holds shape {tuple(whole.shape)} at key '{key}', the live DTensor {tuple(like.shape)}"
-            ),
-            key_path=key,
-        )
-    _, offset, shape = _local_box(like, key)
-    local = whole[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
-    local = local.to(device=like.device, dtype=like.dtype).contiguous()
-    return DTensor.from_local(
-        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
-    )
 
-
-def shard_like_live(objects: Mapping[str, Any], saved: dict[str, Any]) -> None:
-    """Cut the whole tensors of ``saved`` (``{"objects": ..., "grads": ...}``
-    as an ``hs.loop`` checkpoint holds them) to the shards the live
-    ``objects`` hold where those are DTensors (FSDP2), in place, so that
-    ``load_state_dict`` receives what each rank owns: a module's entries by
-    name, an optimizer's state by its parameters' order (its state may not
-    exist yet: a resumed process has not stepped), gradients by parameter."""
+def _live_shards(
+    objects: Mapping[str, Any], path: list[str], entries: Iterable[str]
+) -> dict[tuple[str, ...], tuple[Any, bool]]:
+    """Key paths (under ``path``) of the checkpoint's arrays that live
+    DTensors hold, each with that DTensor and whether the saved array must
+    have its shape (an optimizer's state may hold other values per
+    parameter)."""
     torch = _torch()
     DTensor = _dtensor_type()
-    if DTensor is None:
-        return
-    states = saved.get("objects") or {}
+    found: dict[tuple[str, ...], tuple[Any, bool]] = {}
+    keys = [k.split("/") for k in entries]
     for name, obj in objects.items():
-        st = states.get(name)
-        if isinstance(obj, torch.nn.Module) and isinstance(st, dict):
+        if isinstance(obj, torch.nn.Module):
             for k, v in obj.state_dict().items():
-                if isinstance(v, DTensor) and isinstance(st.get(k), torch.Tensor):
-                    st[k] = _shard_like(st[k], v, f"{name}/{k}")
-        elif isinstance(obj, torch.optim.Optimizer) and isinstance(st, dict):
+                if isinstance(v, DTensor):
+                    found[("objects", name, k)] = (v, True)
+            for i, p in enumerate(obj.parameters()):
+                if isinstance(p, DTensor):
+                    found[("grads", name, str(i))] = (p, True)
+        elif isinstance(obj, torch.optim.Optimizer):
             params = [p for g in obj.param_groups for p in g["params"]]
-            for idx, per in (st.get("state") or {}).items():
-                p = params[int(idx)] if int(idx) < len(params) else None
-                if not isinstance(p, DTensor):
+            head = [*path, "objects", name, "state"]
+            for parts in keys:
+                if len(parts) != len(head) + 2 or parts[: len(head)] != head:
                     continue
-                for k, v in per.items():
-                    if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape):
-                        per[k] = _shard_like(v, p, f"{name}/state/{idx}/{k}")
-    for name, grads in (saved.get("grads") or {}).items():
-        obj = objects.get(name)
-        params = list(obj.parameters()) if isinstance(obj, torch.nn.Module) else []
-        for i, (p, g) in enumerate(zip(params, grads, strict=False)):
-            if isinstance(p, DTensor) and isinstance(g, torch.Tensor):
-                grads[i] = _shard_like(g, p, f"grads/{name}/{i}")
+                idx = parts[len(head)]
+                if idx.isdigit() and int(idx) < len(params) and isinstance(params[int(idx)], DTensor):
+                    found[("objects", name, "state", idx, parts[-1])] = (params[int(idx)], False)
+    return found
+
+
+def _set_at(tree: Any, rel: tuple[str, ...], value: Any) -> None:
+    """Put ``value`` at key path ``rel`` of a loaded tree (dict keys match
+    by their labels: an optimizer's state is keyed by int)."""
+
+    def key(node: Any, label: str) -> Any:
+        if isinstance(node, list):
+            return int(label)
+        if label in node:
+            return label
+        return next(k for k in node if str(k) == label)
+
+    node = tree
+    for label in rel[:-1]:
+        node = node[key(node, label)]
+    node[key(node, rel[-1])] = value
 
 
 def whole_tensors(tree: Any) -> Any:

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use hindsight_core::checkpoint::format::{Array, ArrayLib, Node, Shard, Sharded};
 use hindsight_core::checkpoint::parts::RegionRequest;
+use hindsight_core::checkpoint::replica::{LeftOut, Replica};
 use hindsight_core::checkpoint::shard;
 use hindsight_core::{Store, StoreOptions, Writer, WriterOptions};
 
@@ -116,6 +117,71 @@ fn parts_commit_once_survive_gc_and_read_back_by_region() {
     let later = committed + shard_stale_ms() + 1_000;
     assert_eq!(s.remove_stale_parts(later).unwrap(), 2);
     assert!(s.parts_present("gone", 2).unwrap().is_empty());
+}
+
+/// A rank resuming a sharded model reads its own box of each sharded
+/// array, never the whole one: the tree comes back without the arrays it
+/// asks to leave out (their whole shapes listed), the rest read as usual.
+#[test]
+fn a_read_leaves_out_the_arrays_asked_and_reads_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(dir.path());
+    let w = Writer::new(s.clone(), WriterOptions::default()).unwrap();
+    save_part(&w, "ck", 0);
+    save_part(&w, "ck", 1);
+    s.commit_parts("ck", 2, Duration::from_secs(5), &|| false)
+        .unwrap();
+    let r = Replica::single(s.clone());
+    let path = |p: &[&str]| p.iter().map(|k| k.to_string()).collect::<Vec<_>>();
+    // "step" is no array and "nope" is not there: both read as usual.
+    let skip = [path(&["w"]), path(&["step"]), path(&["nope"])];
+    let read = r.read_leaving_out("ck", &[], &skip, 2, &|| false).unwrap();
+    assert_eq!(
+        read.left_out,
+        vec![LeftOut {
+            path: path(&["w"]),
+            dtype: "float32".into(),
+            shape: vec![8, COLS],
+        }]
+    );
+    assert!(
+        read.buffers.is_empty(),
+        "no byte of the array left out was read"
+    );
+    assert_eq!(read.node.select(&path(&["w"])), Some(&Node::None));
+    assert_eq!(read.node.select(&path(&["step"])), Some(&Node::Int(5)));
+    // Without `skip`, the same read consolidates the pieces into the whole.
+    let all = r.read("ck", &[], 2, &|| false).unwrap();
+    assert!(all.left_out.is_empty());
+    assert_eq!(all.buffers, vec![whole()]);
+    // Rank 1's piece damaged: rank 0's box reads without touching it; a
+    // box over it fails naming the array, not a position in the read.
+    let m = s.manifest("ck").unwrap();
+    let Some(Node::Sharded(w_node)) = m.root.select(&path(&["w"])) else {
+        panic!("w is sharded")
+    };
+    let piece = w_node.shards.iter().find(|p| p.offset[0] == 4).unwrap();
+    let file = s.storage().chunk_path(&piece.array.data.chunks[0].id);
+    let mut bytes = std::fs::read(&file).unwrap();
+    *bytes.last_mut().unwrap() ^= 0xFF;
+    let mut perms = std::fs::metadata(&file).unwrap().permissions();
+    #[allow(clippy::permissions_set_readonly_false)]
+    perms.set_readonly(false);
+    std::fs::set_permissions(&file, perms).unwrap();
+    std::fs::write(&file, bytes).unwrap();
+    let rows = |from: u64| RegionRequest {
+        path: path(&["w"]),
+        whole: vec![8, COLS],
+        offset: vec![from, 0],
+        shape: vec![4, COLS],
+    };
+    let mine = s.read_regions("ck", &[rows(0)], 2, &|| false).unwrap();
+    assert_eq!(mine[0].data, whole()[..4 * COLS as usize * 4]);
+    let e = s
+        .read_regions("ck", &[rows(4)], 2, &|| false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("checkpoint 'ck' at key 'w'"), "{e}");
 }
 
 fn shard_stale_ms() -> u64 {

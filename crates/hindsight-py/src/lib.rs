@@ -433,6 +433,42 @@ impl Store {
         )
     }
 
+    /// [`Self::load`] without the arrays at the key paths `skip` (relative
+    /// to `path`): None in their places, listed with their whole shapes for
+    /// `read_regions` to read only the boxes the caller holds.
+    fn load_leaving_out<'py>(
+        &self,
+        py: Python<'py>,
+        name: String,
+        make_array: &Bound<'py, PyAny>,
+        unpickle: &Bound<'py, PyAny>,
+        path: Vec<String>,
+        skip: Vec<Vec<String>>,
+    ) -> PyResult<shards::PartialTree> {
+        let threads = core::checkpoint::replica::default_read_threads();
+        let read = interrupt::run(py, |intr| {
+            self.replica
+                .read_leaving_out(&name, &path, &skip, threads, &|| intr.check())
+        })?;
+        let tree = tree::build(
+            py,
+            &read.node,
+            &mut read.buffers.into_iter(),
+            make_array,
+            unpickle,
+            &mut path.clone(),
+        )?;
+        let left_out = read
+            .left_out
+            .into_iter()
+            .map(|l| Py::new(py, shards::LeftOut::from_core(l)))
+            .collect::<PyResult<_>>()?;
+        Ok(shards::PartialTree {
+            tree: tree.unbind(),
+            left_out,
+        })
+    }
+
     /// Boxes of arrays of checkpoint `name`, whole or sharded: only the
     /// overlapping chunks are read, each verified, all on `threads` threads.
     #[pyo3(signature = (name, wanted, threads=None))]

@@ -33,6 +33,33 @@ impl Region {
     }
 }
 
+/// An array a load left out, for the caller to read its own boxes of
+/// (core `replica::LeftOut`): the key path from the root, the whole shape.
+#[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
+pub(crate) struct LeftOut {
+    pub(crate) path: Vec<String>,
+    pub(crate) dtype: String,
+    pub(crate) shape: Vec<u64>,
+}
+
+impl LeftOut {
+    pub(crate) fn from_core(l: core::checkpoint::replica::LeftOut) -> Self {
+        LeftOut {
+            path: l.path,
+            dtype: l.dtype,
+            shape: l.shape,
+        }
+    }
+}
+
+/// A load without some of its arrays: the tree (None in their places) and
+/// the arrays left out.
+#[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
+pub(crate) struct PartialTree {
+    pub(crate) tree: Py<PyAny>,
+    pub(crate) left_out: Vec<Py<LeftOut>>,
+}
+
 /// Which box of which array to read (`Store.read_regions`).
 #[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
 pub(crate) struct RegionRequest {
@@ -94,6 +121,8 @@ fn part_name(name: &str, rank: u64, world: u64) -> PyResult<String> {
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Region>()?;
     m.add_class::<RegionRequest>()?;
+    m.add_class::<LeftOut>()?;
+    m.add_class::<PartialTree>()?;
     m.add_class::<ReplicaPlan>()?;
     m.add_function(wrap_pyfunction!(plan_replicated, m)?)?;
     m.add_function(wrap_pyfunction!(part_name, m)?)?;

@@ -501,7 +501,8 @@ class Run:
         a rank the checkpoint has continues its state, a new rank takes
         rank 0's without its RNG streams (it keeps those the script seeded);
         None for a checkpoint inside an iteration, which cannot reshard."""
-        saved = self.store.info(name)["meta"].get(_native.META_WORLD)
+        info = self.store.info(name)
+        saved = info["meta"].get(_native.META_WORLD)
         size = 1 if self.ranks is None else self.ranks.size
         fit = _native.resume_fit(name, None if saved is None else int(saved), size, reshard)
         if fit == "skip":
@@ -511,21 +512,21 @@ class Run:
             return whole
         from hindsight import dist
 
+        # Where the live objects are sharded (FSDP2), each rank reads only
+        # its own shards of them.
+        entries = [e[0] for e in info["entries"]]
         if saved is None:  # one process's checkpoint, onto several ranks
-            whole = self.store.load(name)
+            whole = dist.load_onto_live(self.store, name, [], self.objects, entries)
             shared: dict[str, Any] = {k: whole.pop(k) for k in ("objects", "grads") if k in whole}
             mine, own = whole, self.rank_index == 0
         else:
             own = self.rank_index < int(saved)
             src = self.rank_index if own else 0
             mine = self.store.load(name, path=[dist._RANK_STATE, str(src)])
-            shared = self.store.load(name, path=[dist._STATE])
+            shared = dist.load_onto_live(self.store, name, [dist._STATE], self.objects, entries)
         if not own:
             for key in _RNG_KEYS:
                 mine.pop(key, None)
-        # Whole tensors; where the live objects are sharded (FSDP2) each
-        # rank keeps its own shards of them.
-        dist.shard_like_live(self.objects, shared)
         return {**mine, **shared}
 
     def arg(self, name: str, default: Any) -> Any:

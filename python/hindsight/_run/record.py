@@ -464,28 +464,42 @@ class RecordRun(Run):
         return values
 
     # -- preemption and resume ----------------------------------------------------
-    def _latest_checkpoint(self) -> tuple[str, dict[str, Any]] | None:
+    def _latest_checkpoint(self, names: list[str] | None = None) -> tuple[str, dict[str, Any]] | None:
         """The newest complete checkpoint of this run that reads back
         (listed = complete); under $HINDSIGHT_RESHARD on another world size,
-        the newest between iterations."""
+        the newest between iterations. Under several ranks every rank walks
+        rank 0's ``names`` (newest first), each loading its own part: a
+        part damaged on any rank sends the whole job to an older one."""
+        if names is None:
+            names = [ck.name for ck in reversed(self.store.checkpoints(self.run_id))]
         skipped: list[str] = []
-        for ck in reversed(self.store.checkpoints(self.run_id)):
+        for name in names:
+            damage: CorruptError | None = None
             try:
-                state = self.load_checkpoint(ck.name, self.reshard)
-                if state is None:
-                    skipped.append(ck.name)
-                    continue
+                state = self.load_checkpoint(name, self.reshard)
             except CorruptError as e:
                 # Damaged (a race with another process is not reported as
                 # corruption): fall back to the previous one, and say so.
-                print(
-                    f"hindsight: WARNING: checkpoint {ck.name} is damaged ({e}); resuming from an older one",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                state, damage = None, e
+            elsewhere = False
+            if self.ranks is not None:
+                (worst,) = self.ranks.agree([float(damage is not None)])
+                elsewhere = damage is None and worst > 0
+            if damage is not None or elsewhere:
+                if damage is not None or self.leads:
+                    why = f"({damage})" if damage is not None else "(another rank's part)"
+                    print(
+                        f"hindsight: WARNING: checkpoint {name} is damaged {why}; resuming from an older one",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 continue
-            self._say_resharded(ck.name, skipped)
-            return ck.name, state
+            if state is None:
+                skipped.append(name)
+                continue
+            if self.leads:
+                self._say_resharded(name, skipped)
+            return name, state
         return None
 
     def _say_resharded(self, name: str, skipped: list[str]) -> None:
@@ -587,12 +601,12 @@ class RecordRun(Run):
         failure: BaseException | None = None
         if ranks.leads:
             try:
-                latest = self._latest_checkpoint() if self.resume_pending else None
+                names = [ck.name for ck in reversed(self.store.checkpoints(self.run_id))] if self.resume_pending else []
                 payload = {
                     "run": self.run_id,
                     "store": self.store.path,
                     "resume": self.resume_pending,
-                    "checkpoint": None if latest is None else latest[0],
+                    "checkpoints": names,
                 }
             except Exception as e:  # noqa: BLE001 - re-raised below; every rank must stop, not wait for rank 0
                 failure = e
@@ -607,10 +621,8 @@ class RecordRun(Run):
             self.recorded_store = payload["store"]
             self.resume_pending = self.continued = bool(payload["resume"])
             self.announced = True  # rank 0 speaks for the job
-            if payload["checkpoint"] is not None:
-                state = self.load_checkpoint(payload["checkpoint"], self.reshard)
-                assert state is not None, payload  # rank 0 chose one that loads here
-                latest = payload["checkpoint"], state
+        if payload["checkpoints"]:
+            latest = self._latest_checkpoint(payload["checkpoints"])
         (now,) = ranks.agree([time.monotonic()])
         self.session.join(self.run_id, now)
         return latest

@@ -367,6 +367,38 @@ impl Node {
         }
     }
 
+    /// The sub-tree at a key path, to change in place.
+    fn select_mut(&mut self, path: &[String]) -> Option<&mut Node> {
+        let Some((first, rest)) = path.split_first() else {
+            return Some(self);
+        };
+        match self {
+            Node::Dict(items) => items
+                .iter_mut()
+                .find(|(k, _)| &k.key_label() == first)?
+                .1
+                .select_mut(rest),
+            Node::List(items) | Node::Tuple(items) => items
+                .get_mut(first.parse::<usize>().ok()?)?
+                .select_mut(rest),
+            _ => None,
+        }
+    }
+
+    /// Take the array at `path` (whole or in pieces) out of the tree, None
+    /// in its place: its dtype and whole shape. None where `path` holds no
+    /// array (the tree is left as it is).
+    pub fn take_array(&mut self, path: &[String]) -> Option<(String, Vec<u64>)> {
+        let node = self.select_mut(path)?;
+        let found = match &*node {
+            Node::Array(a) => (a.dtype.clone(), a.shape.clone()),
+            Node::Sharded(s) => (s.shards.first()?.array.dtype.clone(), s.shape.clone()),
+            _ => return None,
+        };
+        *node = Node::None;
+        Some(found)
+    }
+
     /// The sub-tree at a key path (each element matches a dict key label or a list index).
     pub fn select(&self, path: &[String]) -> Option<&Node> {
         let Some((first, rest)) = path.split_first() else {

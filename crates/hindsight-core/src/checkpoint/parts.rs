@@ -190,7 +190,11 @@ impl Store {
             for r in &reads {
                 let mine = shard::segments(&sharded.shards[r.shard].array.data, &r.runs);
                 segs.push(mine.iter().map(|(s, _)| *s).collect());
-                items.extend(mine.into_iter().map(|(_, b)| Node::Bytes(b)));
+                // Keyed by the array's path: a damaged chunk is reported there.
+                items.extend(
+                    mine.into_iter()
+                        .map(|(_, b)| (Node::Str(key.clone()), Node::Bytes(b))),
+                );
             }
             planned.push(Planned {
                 sharded,
@@ -198,7 +202,7 @@ impl Store {
                 segs,
             });
         }
-        let buffers = self.read_blobs(name, &Node::List(items), &[], threads, cancel)?;
+        let buffers = self.read_blobs(name, &Node::Dict(items), &[], threads, cancel)?;
         let mut bufs = buffers.iter();
         let mut out = Vec::with_capacity(wanted.len());
         for (w, p) in wanted.iter().zip(planned) {

@@ -53,6 +53,20 @@ pub struct ReadTree {
     pub node: Node,
     /// The bytes of every blob under `node`, in tree order.
     pub buffers: Vec<Vec<u8>>,
+    /// The arrays the read was asked to leave out (None in their places).
+    pub left_out: Vec<LeftOut>,
+}
+
+/// An array a read left out for its caller to read only the boxes it
+/// holds (`read_regions`): a rank's shards of a sharded model, say,
+/// without the whole array in memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeftOut {
+    /// Its key path from the checkpoint's root.
+    pub path: Vec<String>,
+    pub dtype: String,
+    /// The whole array's shape.
+    pub shape: Vec<u64>,
 }
 
 /// Threads a load reads and verifies on: hashing is the bottleneck of a
@@ -169,6 +183,20 @@ impl Replica {
         threads: usize,
         cancel: Cancel<'_>,
     ) -> Result<ReadTree> {
+        self.read_leaving_out(name, path, &[], threads, cancel)
+    }
+
+    /// [`Self::read`], except for the arrays at the key paths `skip`
+    /// (relative to `path`), which are not read but listed
+    /// ([`ReadTree::left_out`]); a path holding no array is read as usual.
+    pub fn read_leaving_out(
+        &self,
+        name: &str,
+        path: &[String],
+        skip: &[Vec<String>],
+        threads: usize,
+        cancel: Cancel<'_>,
+    ) -> Result<ReadTree> {
         let store = self.holder(name)?;
         // Another process may replace (save again) or remove the checkpoint
         // and gc its old chunks while we read. A failed read is damage only
@@ -177,7 +205,7 @@ impl Replica {
         const ATTEMPTS: usize = 3;
         for _ in 0..ATTEMPTS {
             let manifest = store.manifest(name)?;
-            let node = manifest
+            let mut node = manifest
                 .root
                 .select(path)
                 .cloned()
@@ -186,6 +214,14 @@ impl Replica {
                     name: path.join("/"),
                     location: format!("checkpoint '{name}' in store {}", store.location()),
                 })?;
+            let left_out: Vec<LeftOut> = skip
+                .iter()
+                .filter_map(|rel| {
+                    let (dtype, shape) = node.take_array(rel)?;
+                    let path = path.iter().chain(rel).cloned().collect();
+                    Some(LeftOut { path, dtype, shape })
+                })
+                .collect();
             let err = match store.read_blobs(name, &node, path, threads, cancel) {
                 Ok(buffers) => {
                     // Sharded arrays come back whole (a load on one process).
@@ -197,6 +233,7 @@ impl Replica {
                         manifest,
                         node,
                         buffers,
+                        left_out,
                     });
                 }
                 Err(e @ (Error::Corrupt { .. } | Error::NotFound { .. })) => e,
