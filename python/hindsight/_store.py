@@ -198,6 +198,14 @@ class Store:
         def describe(obj: Any, key: str) -> Any:
             return self._describe(obj, key, False)
 
+        return self._check_described(name, state, describe, path)
+
+    def _check_described(
+        self, name: str, state: Any, describe: Any, path: builtins.list[str] | None
+    ) -> _native.StateCheck:
+        """``check_state`` with the caller's ``describe`` (one that says
+        which arrays are pieces of sharded ones: ``hindsight.dist``)."""
+
         def to_host(t: Any) -> tuple[int, Any, None]:
             h = t.detach().to("cpu").contiguous()
             return h.data_ptr(), h, None

@@ -241,6 +241,24 @@ def save(
 
     part_state = _walk(state, "", mine)
     tree = {_STATE: part_state, _RANK_STATE: {rank: rank_state}}
+    describe = _describe_pieces(store, pieces)
+    meta_s: dict[str, object] = dict(meta or {})
+    meta_s[_native.META_REPLICATED] = plan.digest
+    part = _native.part_name(name, rank, world)
+    with torch.no_grad():
+        h = store._save_described(part, tree, describe, meta=meta_s, skip_unchanged=True, part=True)
+    ds = DistSave(store, name, rank, world, h, group, written)
+    if _background:
+        ds.commit_in_background()
+    else:
+        _pending[(id(store), store.path)] = ds
+    return ds
+
+
+def _describe_pieces(store: Store, pieces: Mapping[int, tuple[list[int], list[int]]]) -> Any:
+    """The engine's ``describe`` hook for a tree holding DTensors' local
+    boxes: each box (by ``id``) is a piece of its whole array, at its place
+    (``pieces``: the whole shape and the offset)."""
 
     def describe(obj: Any, key: str) -> Any:
         view = store._describe(obj, key, False)
@@ -261,17 +279,25 @@ def save(
             offset=where[1],
         )
 
-    meta_s: dict[str, object] = dict(meta or {})
-    meta_s[_native.META_REPLICATED] = plan.digest
-    part = _native.part_name(name, rank, world)
-    with torch.no_grad():
-        h = store._save_described(part, tree, describe, meta=meta_s, skip_unchanged=True, part=True)
-    ds = DistSave(store, name, rank, world, h, group, written)
-    if _background:
-        ds.commit_in_background()
-    else:
-        _pending[(id(store), store.path)] = ds
-    return ds
+    return describe
+
+
+def check_own_pieces(store: Store, name: str, state: Any, path: list[str]) -> _native.StateCheck:
+    """The live ``state`` against checkpoint ``name``'s sub-tree at ``path``
+    (a replay's check), each DTensor by this rank's own box, compared with
+    the piece the recording saved there: nothing is gathered whole."""
+    DTensor = _dtensor_type()
+    pieces: dict[int, tuple[list[int], list[int]]] = {}
+
+    def own(t: Any, key: str, keep: bool = False) -> Any:
+        if DTensor is None or not isinstance(t, DTensor):
+            return t
+        local, offset, _ = _local_box(t, key)
+        pieces[id(local)] = (list(t.shape), offset)
+        return local
+
+    live = _walk(state, "", own)
+    return store._check_described(name, live, _describe_pieces(store, pieces), path)
 
 
 class Loaded:
@@ -471,26 +497,6 @@ def _set_at(tree: Any, rel: tuple[str, ...], value: Any) -> None:
     for label in rel[:-1]:
         node = node[key(node, label)]
     node[key(node, rel[-1])] = value
-
-
-def whole_tensors(tree: Any) -> Any:
-    """``tree`` with each DTensor replaced by its whole tensor (a
-    collective: every rank calls it on the same structure, in step), for
-    comparing a sharded live state with a checkpoint (a replay's check)."""
-    DTensor = _dtensor_type()
-    if DTensor is None:
-        return tree
-
-    def walk(x: Any) -> Any:
-        if isinstance(x, DTensor):
-            return x.full_tensor()
-        if isinstance(x, dict):
-            return {k: walk(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
-            return type(x)(walk(v) for v in x)
-        return x
-
-    return walk(tree)
 
 
 def consolidate(store: Store, name: str, out: str | os.PathLike[str], *, path: str = _STATE) -> dict[str, Any]:

@@ -203,8 +203,8 @@ class ReplayRun(Run):
         shared = {"objects": state.pop("objects")}
         if "grads" in state:
             shared["grads"] = state.pop("grads")
-        # FSDP2's shards, whole: the checkpoint's pieces are compared with their regions.
-        check = store.check_state(name, dist.whole_tensors(shared), path=[dist._STATE])
+        # FSDP2's shards: each rank's own, against the pieces the recording saved.
+        check = dist.check_own_pieces(store, name, shared, [dist._STATE])
         if check.first is not None:
             return check
         return store.check_state(name, state, path=[dist._RANK_STATE, str(self.rank_index)])

@@ -162,6 +162,50 @@ impl Walk<'_> {
     }
 }
 
+impl Walk<'_> {
+    /// A rank's own live pieces (its FSDP2 shards, never gathered whole)
+    /// against the pieces the ranks saved: each must be one of them, byte
+    /// for byte. The same world size cuts the same pieces; another cut is
+    /// named as such, not compared.
+    fn same_own_pieces(&mut self, rec: &Sharded, live: &Sharded) -> Result<(), String> {
+        let mut first = None;
+        for piece in &live.shards {
+            let bytes = self.take_bytes();
+            if first.is_some() {
+                continue; // the rest of the live blobs still count
+            }
+            let a = &piece.array;
+            first = if rec.shape != live.shape {
+                Some(format!(
+                    "recorded an array of shape {:?} in pieces, live a piece of one of shape {:?}",
+                    rec.shape, live.shape
+                ))
+            } else {
+                match rec
+                    .shards
+                    .iter()
+                    .find(|r| r.offset == piece.offset && r.array.shape == a.shape)
+                {
+                    None => Some(format!(
+                        "the live piece at {:?} (shape {:?}) is not one the recording saved: another sharding",
+                        piece.offset, a.shape
+                    )),
+                    Some(r) if r.array.lib != a.lib || r.array.dtype != a.dtype => Some(format!(
+                        "recorded pieces of {:?} {}, live a {:?} {} piece",
+                        r.array.lib, r.array.dtype, a.lib, a.dtype
+                    )),
+                    Some(r) if !blob_holds(&r.array.data, bytes) => Some(format!(
+                        "the {} values of the piece at {:?} (shape {:?}) differ from the recorded ones",
+                        a.dtype, piece.offset, a.shape
+                    )),
+                    Some(_) => None,
+                }
+            };
+        }
+        first.map_or(Ok(()), Err)
+    }
+}
+
 /// The bytes of the region at `offset` of extent `extent` in a row-major
 /// array of `shape` whose bytes are `whole` (`item` bytes per element);
 /// None when the region does not fit.
@@ -314,6 +358,11 @@ impl Walk<'_> {
                     );
                 }
                 if let Err(detail) = self.same_pieces(r, l) {
+                    self.differ(path, detail);
+                }
+            }
+            (Node::Sharded(r), Node::Sharded(l)) => {
+                if let Err(detail) = self.same_own_pieces(r, l) {
                     self.differ(path, detail);
                 }
             }
@@ -494,6 +543,45 @@ mod tests {
         }));
         let d = check_state(&rec, &wide, &[&whole]).first.unwrap();
         assert!(d.detail.contains("in pieces"), "{}", d.detail);
+    }
+
+    #[test]
+    fn a_ranks_own_pieces_are_compared_with_the_recorded_ones_without_the_whole() {
+        let whole: Vec<u8> = (0..48u8).collect();
+        let cuts = [([0, 0], [2, 4]), ([2, 0], [1, 4])];
+        let rec = recorded_pieces(&whole, &cuts);
+        // Each rank's live piece: the same cut, with its own bytes only.
+        let live_piece = |offset: [u64; 2], extent: [u64; 2]| {
+            let Node::Array(mut a) = array(Blob::default()) else {
+                unreachable!()
+            };
+            a.shape = extent.to_vec();
+            Node::Sharded(Box::new(Sharded {
+                shape: vec![3, 4],
+                shards: vec![crate::checkpoint::format::Shard {
+                    offset: offset.to_vec(),
+                    array: *a,
+                }],
+            }))
+        };
+        for (offset, extent) in cuts {
+            let mine = region(&whole, &[3, 4], &offset, &extent, 4).unwrap();
+            let live = live_piece(offset, extent);
+            assert_eq!(check_state(&rec, &live, &[&mine]).first, None, "{offset:?}");
+            let mut other = mine.clone();
+            other[3] ^= 1;
+            let d = check_state(&rec, &live, &[&other]).first.unwrap();
+            assert!(
+                d.detail.contains(&format!("piece at {offset:?}")),
+                "{}",
+                d.detail
+            );
+        }
+        // Another cut is named, not compared.
+        let live = live_piece([1, 0], [2, 4]);
+        let some = region(&whole, &[3, 4], &[1, 0], &[2, 4], 4).unwrap();
+        let d = check_state(&rec, &live, &[&some]).first.unwrap();
+        assert!(d.detail.contains("another sharding"), "{}", d.detail);
     }
 
     #[test]
