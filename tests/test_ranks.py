@@ -228,6 +228,30 @@ def test_a_multi_rank_run_replays_on_its_world_size_to_the_values_a_recording_wi
     assert "after epoch 0, the state differs from the recorded checkpoint" in r.stderr, r.stderr[-4000:]
 
 
+def test_an_epoch_level_probe_of_a_multi_rank_run_replays_on_one_process(tmp_path: Path) -> None:
+    """A probe after the inner loop needs no training step: the replay
+    restores each epoch's checkpoint of the FSDP2 job, saved by 2 ranks, on
+    one process (the shards resharded onto it), and logs what a recording
+    with the probe from the start logged on 2."""
+    script = Path(__file__).with_name("ranks_fsdp.py")
+    inner_end = '            time.sleep(float(os.environ.get("ZOO_SLEEP", "0")))\n'
+    probe = '        hs.log("wsum", sum(v.full_tensor().double().sum().item() for v in m.state_dict().values()))\n'
+    text = script.read_text()
+    assert inner_end in text
+    probed = text.replace(inner_end, inner_end + probe)
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "ref" / script.name).write_text(probed)
+    final(launch(tmp_path / "ref", 2, script=script))
+    final(launch(tmp_path, 2, script=script))
+    (tmp_path / script.name).write_text(probed)
+    r = replay(tmp_path, script.name)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert "partial replay of wsum" in r.stdout and "0 inner-loop steps executed" in r.stdout, r.stdout
+    assert "only restores run" in r.stderr and "on one process" in r.stderr, r.stderr[-3000:]
+    assert losses(tmp_path, "wsum") == losses(tmp_path / "ref", "wsum")
+    assert len(losses(tmp_path, "wsum")) == 3
+
+
 @pytest.mark.parametrize("n", [1, 4])
 def test_a_relaunch_on_another_world_size_reshards_when_asked_from_the_newest_checkpoint_between_iterations(
     tmp_path: Path, reference: tuple[Path, str], n: int

@@ -354,8 +354,13 @@ def _prepare(
     versions = json.loads(run["versions_json"] or "{}")
     # The script as it is now (the one analysed, or the recorded version with
     # the new statements placed into it), run where the recording ran.
-    command = db.worker_command(run["id"], run["project_root"], str(to_run), sys.executable)
-    workers = [Worker(w.worker, w.modes, w, run["id"], command.argv, command.cwd, command.ranks) for w in plan.workers]
+    # A worker of a multi-rank run that only restores runs on one process.
+    workers = []
+    for w in plan.workers:
+        command = db.worker_command(run["id"], run["project_root"], str(to_run), sys.executable, w.restores_only)
+        workers.append(
+            Worker(w.worker, w.modes, w, run["id"], command.argv, command.cwd, command.ranks, torchrun=command.torchrun)
+        )
     total = sum(w.visits for w in workers)
     return RunJob(run["id"], names, workers, total, db.last_seq(run["id"]), versions, temp)
 

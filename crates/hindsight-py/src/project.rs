@@ -134,9 +134,18 @@ pub(crate) fn resume_fit(
 /// Refuse a replay worker of `run_id` launched on `now` ranks when the run
 /// was recorded on another number (core `runs::ranks`).
 #[pyfunction]
-#[pyo3(signature = (run_id, versions_json, now))]
-pub(crate) fn check_replay_world(run_id: &str, versions_json: &str, now: u64) -> PyResult<()> {
-    ranks::check_replay_world(run_id, versions_json, now).map_err(crate::errors::to_py)
+#[pyo3(signature = (run_id, versions_json, now, restores_only))]
+pub(crate) fn check_replay_world(
+    run_id: &str,
+    versions_json: &str,
+    now: u64,
+    restores_only: bool,
+) -> PyResult<&'static str> {
+    match ranks::check_replay_world(run_id, versions_json, now, restores_only) {
+        Ok(ranks::ReplayWorld::Recorded) => Ok("recorded"),
+        Ok(ranks::ReplayWorld::OneProcess) => Ok("one_process"),
+        Err(e) => Err(crate::errors::to_py(e)),
+    }
 }
 
 /// Refuse a launcher that cannot place `run_id`'s multi-rank workers (core `runs::ranks`).

@@ -220,13 +220,15 @@ impl LogDb {
         root: PathBuf,
         script: PathBuf,
         python: PathBuf,
+        restores_only: bool,
     ) -> PyResult<WorkerCommand> {
         let run = self.with(py, |db| db.run(&run_id))?.relocated(&root);
-        let c = replay::driver::worker_command(&run, &script, &python);
+        let c = replay::driver::worker_command(&run, &script, &python, restores_only);
         Ok(WorkerCommand {
             argv: c.argv,
             cwd: c.cwd.to_string_lossy().into_owned(),
             ranks: c.ranks,
+            torchrun: c.torchrun,
         })
     }
 
@@ -834,6 +836,7 @@ pub(crate) struct WorkerCommand {
     argv: Vec<String>,
     cwd: String,
     ranks: u64,
+    torchrun: bool,
 }
 
 /// What one replay worker does; its JSON form is the worker protocol
@@ -907,6 +910,12 @@ impl WorkerPlan {
     #[getter]
     fn loop_name(&self) -> &str {
         &self.0.loop_name
+    }
+
+    /// The worker only restores checkpoints (core `WorkerPlan::restores_only`).
+    #[getter]
+    fn restores_only(&self) -> bool {
+        self.0.restores_only()
     }
 
     /// iteration -> "restore" | "execute"; iterations not listed are skipped.

@@ -49,8 +49,11 @@ class Worker:
     run_id: str = ""
     argv: list[str] = field(default_factory=list)
     cwd: str = ""
-    #: Its processes: a run recorded by several ranks replays as a torchrun job of as many.
+    #: Its processes: a run recorded by several ranks replays as a torchrun job of as many
+    #: (of one, where the worker only restores).
     ranks: int = 1
+    #: Started by hindsight's torchrun (a job of its own, not forked from a zygote).
+    torchrun: bool = False
     #: Its progress lines as read so far (the engine's reader of the worker protocol).
     progress: Any = field(default_factory=lambda: _native.Progress())
     returncode: int | None = None

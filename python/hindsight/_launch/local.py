@@ -96,7 +96,7 @@ class LocalLauncher:
         running = 0
         env0 = {**os.environ, **thread_env(workers[0].threads)}
         # A torchrun job is started afresh: its ranks are torchrun's children.
-        forks = len(workers) >= 2 and all(w.ranks == 1 for w in workers)
+        forks = len(workers) >= 2 and not any(w.torchrun for w in workers)
         starter: Starter = (start_zygote(workers, env0) if forks else None) or Spawn()
         with tempfile.TemporaryDirectory(prefix="hindsight-replay-") as tmp:
 

@@ -46,10 +46,24 @@ class ReplayRun(Run):
         self.recorded_store = row.get("store")
         self.args = json.loads(row["args_json"] or "{}")
         # A run of several ranks replays on as many (the driver launches
-        # its workers under torchrun): any other number is refused here.
+        # its workers under torchrun), or on one process where the worker
+        # only restores: any other number is refused here.
         versions = self.db.run(self.run_id).get("versions_json") or "{}"
-        _native.check_replay_world(self.run_id, versions, 1 if self.ranks is None else self.ranks.size)
+        size = 1 if self.ranks is None else self.ranks.size
+        world = _native.check_replay_world(self.run_id, versions, size, self.plan.restores_only)
         self.session = _native.ReplaySession(self.plan)
+        # The checkpoints resharded onto this one process; it must never
+        # execute training (the cost rule would: the ranks are not here).
+        self.reshard = world == "one_process"
+        if self.reshard:
+            self.session.set_cost_rule(False)
+            print(
+                f"hindsight: this replay worker only restores run {self.run_id}'s checkpoints (saved by "
+                f"{json.loads(versions).get('world_size')} ranks): on one process, resharded onto it; values "
+                'logged with rank="all" are its own',
+                file=sys.stderr,
+                flush=True,
+            )
         # Rank 0 reports the worker's progress (and stages its values).
         fd = self.plan.progress_fd
         self.progress: int | None = inherited_pipe(fd) if fd is not None and self.leads else None
@@ -241,8 +255,10 @@ class ReplayRun(Run):
         if name is None:
             raise ReplayError(f"replay plan has no checkpoint for {self.outer_name} {self.outer_idx} (a bug)")
         t0 = time.perf_counter()
-        state = self.load_checkpoint(name)
-        assert state is not None  # the recorded world size: never skipped
+        state = self.load_checkpoint(name, self.reshard)
+        # The recorded world size, or a checkpoint between iterations
+        # resharded onto one process: never skipped.
+        assert state is not None, name
         self._apply(state, name)
         took = time.perf_counter() - t0
         self.session.restored_in(took)

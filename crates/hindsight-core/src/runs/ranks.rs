@@ -168,10 +168,18 @@ pub fn recorded_world(versions_json: &str) -> u64 {
 /// rank's RNG streams, data share and collectives are those of that size,
 /// and nothing else replays them exactly. A worker launched on another
 /// size is refused, naming both.
-pub fn check_replay_world(run_id: &str, versions_json: &str, now: u64) -> Result<()> {
+pub fn check_replay_world(
+    run_id: &str,
+    versions_json: &str,
+    now: u64,
+    restores_only: bool,
+) -> Result<ReplayWorld> {
     let recorded = recorded_world(versions_json);
     if recorded == now {
-        return Ok(());
+        return Ok(ReplayWorld::Recorded);
+    }
+    if now == replay_world(recorded, restores_only) {
+        return Ok(ReplayWorld::OneProcess);
     }
     Err(Error::invalid(
         "replay",
@@ -181,6 +189,28 @@ pub fn check_replay_world(run_id: &str, versions_json: &str, now: u64) -> Result
              so; run it rather than the script)"
         ),
     ))
+}
+
+/// The world a replay worker runs on: the recorded one where it executes
+/// training steps (every rank computes its share), one process where it
+/// only restores checkpoints (the outer loop's probes), resharded onto it.
+pub fn replay_world(recorded: u64, restores_only: bool) -> u64 {
+    if restores_only {
+        1
+    } else {
+        recorded.max(1)
+    }
+}
+
+/// How a replay worker stands to its run's recorded world.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReplayWorld {
+    /// The recorded world size.
+    Recorded,
+    /// One process restoring a multi-rank run's checkpoints, resharded: it
+    /// must never execute training (no cost rule turning a restore into an
+    /// execution), and values logged with `rank="all"` come from rank 0 only.
+    OneProcess,
 }
 
 /// A multi-rank run's replay workers are `torchrun` jobs of this machine:
@@ -301,15 +331,32 @@ mod tests {
         );
         assert_eq!(recorded_world(r#"{"argv": []}"#), 1);
         assert_eq!(recorded_world("not json"), 1);
-        assert!(check_replay_world("r", r#"{"world_size": 2}"#, 2).is_ok());
-        assert!(check_replay_world("r", "{}", 1).is_ok());
-        let e = check_replay_world("r", r#"{"world_size": 2}"#, 1)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("run r was recorded by 2 rank(s) and this replay worker is one of 1"),
-            "{e}"
+        let two = r#"{"world_size": 2}"#;
+        assert_eq!(
+            check_replay_world("r", two, 2, false).unwrap(),
+            ReplayWorld::Recorded
         );
+        assert_eq!(
+            check_replay_world("r", "{}", 1, false).unwrap(),
+            ReplayWorld::Recorded
+        );
+        // A worker that only restores replays a multi-rank run on one process.
+        assert_eq!(
+            check_replay_world("r", two, 1, true).unwrap(),
+            ReplayWorld::OneProcess
+        );
+        assert_eq!((replay_world(2, true), replay_world(2, false)), (1, 2));
+        for (now, restores_only) in [(1, false), (4, true), (4, false)] {
+            let e = check_replay_world("r", two, now, restores_only)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!(
+                    "run r was recorded by 2 rank(s) and this replay worker is one of {now}"
+                )),
+                "{e}"
+            );
+        }
         assert!(check_replay_launcher("r", r#"{"world_size": 1}"#, false).is_ok());
         assert!(check_replay_launcher("r", r#"{"world_size": 2}"#, true).is_ok());
         let e = check_replay_launcher("r", r#"{"world_size": 2}"#, false)

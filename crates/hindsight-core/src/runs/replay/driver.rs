@@ -124,8 +124,12 @@ pub fn select_runs(
 pub struct WorkerCommand {
     pub argv: Vec<String>,
     pub cwd: PathBuf,
-    /// Its processes: the recorded world size (a `torchrun` job when several).
+    /// Its processes: the recorded world size, or one for a worker of a
+    /// multi-rank run that only restores.
     pub ranks: u64,
+    /// Started by hindsight's `torchrun` (a multi-rank run's worker, on
+    /// any number of ranks): a job of its own, never forked from a zygote.
+    pub torchrun: bool,
 }
 
 /// The command of every worker of `run` (its paths where its project is
@@ -133,9 +137,15 @@ pub struct WorkerCommand {
 /// it is now, or the recorded version with the new statements placed into
 /// it) with the recorded arguments, in the recorded working directory, or,
 /// where that directory is gone, the script's own. A run recorded by
-/// several ranks replays on as many, under hindsight's `torchrun` (each
-/// worker its own standalone rendezvous).
-pub fn worker_command(run: &RunRow, script: &Path, python: &Path) -> WorkerCommand {
+/// several ranks replays under hindsight's `torchrun` (each worker its own
+/// standalone rendezvous), on as many ranks, or on one where the worker
+/// only restores (`restores_only`, [`crate::runs::ranks::replay_world`]).
+pub fn worker_command(
+    run: &RunRow,
+    script: &Path,
+    python: &Path,
+    restores_only: bool,
+) -> WorkerCommand {
     let versions: serde_json::Value = serde_json::from_str(&run.versions_json).unwrap_or_default();
     let recorded_args = versions
         .get("argv")
@@ -153,9 +163,11 @@ pub fn worker_command(run: &RunRow, script: &Path, python: &Path) -> WorkerComma
         .map(PathBuf::from)
         .filter(|c| c.is_dir())
         .unwrap_or_else(|| script.parent().map(Path::to_path_buf).unwrap_or_default());
-    let ranks = crate::runs::ranks::recorded_world(&run.versions_json);
+    let recorded = crate::runs::ranks::recorded_world(&run.versions_json);
+    let ranks = crate::runs::ranks::replay_world(recorded, restores_only);
     let mut argv = vec![python.to_string_lossy().into_owned()];
-    if ranks > 1 {
+    if recorded > 1 {
+        // The script sets up its process group even on one rank.
         argv.extend([
             "-m".into(),
             "hindsight.torchrun".into(),
@@ -165,7 +177,12 @@ pub fn worker_command(run: &RunRow, script: &Path, python: &Path) -> WorkerComma
     }
     argv.push(script.to_string_lossy().into_owned());
     argv.extend::<Vec<String>>(recorded_args);
-    WorkerCommand { argv, cwd, ranks }
+    WorkerCommand {
+        argv,
+        cwd,
+        ranks,
+        torchrun: recorded > 1,
+    }
 }
 
 /// How many local workers run at once, and each run's torch thread count.
@@ -419,7 +436,7 @@ mod tests {
             resume_key: None,
             store: None,
         };
-        let c = worker_command(&run, &script, Path::new("/usr/bin/python3"));
+        let c = worker_command(&run, &script, Path::new("/usr/bin/python3"), false);
         assert_eq!(
             c.argv,
             ["/usr/bin/python3", script.to_str().unwrap(), "--lr", "0.1"]
@@ -427,8 +444,24 @@ mod tests {
         assert_eq!(c.cwd, dir.path());
         // The directory it ran in is gone (a moved project whose cwd was elsewhere).
         run.versions_json = r#"{"argv": ["train.py"], "cwd": "/no/such/dir"}"#.into();
-        let c = worker_command(&run, &script, Path::new("python"));
+        let c = worker_command(&run, &script, Path::new("python"), false);
         assert_eq!((c.argv.len(), c.cwd.as_path()), (2, dir.path()));
+        // A run of 2 ranks: torchrun on 2, or on 1 for a worker that only restores.
+        run.versions_json = r#"{"argv": ["train.py"], "world_size": 2}"#.into();
+        for (restores_only, n) in [(false, 2), (true, 1)] {
+            let c = worker_command(&run, &script, Path::new("python"), restores_only);
+            assert_eq!((c.ranks, c.torchrun), (n, true));
+            assert_eq!(
+                c.argv[..5],
+                [
+                    "python",
+                    "-m",
+                    "hindsight.torchrun",
+                    "--standalone",
+                    &format!("--nproc_per_node={n}")
+                ]
+            );
+        }
     }
 
     #[test]

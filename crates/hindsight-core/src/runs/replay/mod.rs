@@ -115,6 +115,12 @@ impl WorkerPlan {
 }
 
 impl WorkerPlan {
+    /// Whether the worker only restores checkpoints (every probe at the
+    /// outer loop's level): nothing of the training re-executes.
+    pub fn restores_only(&self) -> bool {
+        self.modes.values().all(|m| *m == Mode::Restore)
+    }
+
     /// Whether to execute iteration `i` rather than restore it, as planned:
     /// only where the worker runs exactly as recorded and its state is
     /// already the one before `i` (the plan visits `i - 1`; not the first
