@@ -506,3 +506,40 @@ def test_a_for_over_a_name_bound_to_hs_loop_is_that_loop() -> None:
     found, outer = probes(src)
     assert [(p.name, p.loops) for p in found] == [("x", ("epoch", "step"))]
     assert outer == ["epoch"]
+
+
+def test_a_method_of_a_class_the_script_defines_is_followed_through_its_instance() -> None:
+    """The DDP tutorial's shape: `trainer = Trainer(...); trainer.train(n)`
+    runs the loops in a method. Its probes have a place (a probe after the
+    inner loop restores, not re-executes), while `model.train()`, torch's
+    own method of the same name, is no call into the script."""
+    from hindsight._analysis import probes
+
+    src = (
+        "import hindsight as hs\n"
+        "class Trainer:\n"
+        "    def train(self, n):\n"
+        "        for epoch in hs.loop('epoch', range(n)):\n"
+        "            hs.log('before', 1)\n"
+        "            for x in hs.loop('step', range(3)):\n"
+        "                hs.log('x', x)\n"
+        "            hs.log('after', 2)\n"
+        "def main():\n"
+        "    model = make()\n"
+        "    for _ in range(2):\n"
+        "        model.train()\n"
+        "    trainer = Trainer()\n"
+        "    trainer.train(2)\n"
+        "main()\n"
+    )
+    found, outer = probes(src)
+    assert outer == ["epoch"]
+    got = {p.name: (p.loops, p.in_function, p.before_inner) for p in found}
+    assert got == {
+        "before": (("epoch",), False, True),
+        "x": (("epoch", "step"), False, False),
+        "after": (("epoch",), False, False),
+    }
+    # Rebound to something else, the name no longer calls the method.
+    found, outer = probes(src.replace("    trainer.train(2)\n", "    trainer = other\n    trainer.train(2)\n"))
+    assert outer == [] and all(p.in_function for p in found)

@@ -252,6 +252,27 @@ def test_an_epoch_level_probe_of_a_multi_rank_run_replays_on_one_process(tmp_pat
     assert len(losses(tmp_path, "wsum")) == 3
 
 
+def test_the_ddp_tutorials_epoch_probe_in_its_trainer_method_replays_on_one_process(tmp_path: Path) -> None:
+    """The zoo's DDP tutorial runs its loops in `Trainer.train`, called as
+    `trainer.train(n)`: a probe after the inner loop has a place (it was
+    re-executed on every rank before), so the replay restores each epoch's
+    checkpoint on one process; the weights it logs are the ones the 2-rank
+    job started the next epoch with."""
+    recorded = final(launch(tmp_path, 2))
+    start = {c: v for c, _, v in losses(tmp_path, "w_start")}
+    text = (tmp_path / ZOO.name).read_text()
+    step_end = '                    time.sleep(float(os.environ.get("ZOO_SLEEP", "0.02")))\n'
+    probe = '                hs.log("w_end", sum(p.double().sum().item() for p in self.model.parameters()))\n'
+    assert text.count(step_end) == 1
+    (tmp_path / ZOO.name).write_text(text.replace(step_end, step_end + probe))
+    r = replay(tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert "partial replay of w_end" in r.stdout and "0 inner-loop steps executed" in r.stdout, r.stdout
+    assert "on one process" in r.stderr, r.stderr[-3000:]
+    end = {c: v for c, _, v in losses(tmp_path, "w_end")}
+    assert end == {(0,): start[(1,)], (1,): start[(2,)], (2,): float(recorded.split()[1])}
+
+
 @pytest.mark.parametrize("n", [1, 4])
 def test_a_relaunch_on_another_world_size_reshards_when_asked_from_the_newest_checkpoint_between_iterations(
     tmp_path: Path, reference: tuple[Path, str], n: int

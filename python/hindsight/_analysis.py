@@ -303,6 +303,9 @@ class _Scope:
     logs: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)
     loops: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)
     calls: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)
+    # Names bound to an instance of a class the script defines (`trainer =
+    # Trainer(...)`), so that `trainer.train()` is followed into its method.
+    instances: dict[str, str] = field(default_factory=dict)
 
 
 def _loop_name(node: ast.For | ast.AsyncFor, aliases: _Aliases) -> str | None:
@@ -317,21 +320,56 @@ def _loop_name(node: ast.For | ast.AsyncFor, aliases: _Aliases) -> str | None:
     return None
 
 
-def _callee(call: ast.Call) -> str | None:
+def _callee(call: ast.Call, scope: _Scope, classes: dict[str, set[str]]) -> str | None:
     f = call.func
     if isinstance(f, ast.Name):
         return f.id
-    if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
-        return f.attr  # self.train_epoch(...); not model.train() or opt.step()
+    if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name):
+        if f.value.id == "self":
+            return f.attr  # self.train_epoch(...); not model.train() or opt.step()
+        # trainer.train(...) where `trainer = Trainer(...)` and the script's
+        # class Trainer defines train; model.train() stays torch's.
+        cls = scope.instances.get(f.value.id)
+        if cls is not None and f.attr in classes.get(cls, set()):
+            return f.attr
     return None
+
+
+def _classes(tree: ast.AST) -> dict[str, set[str]]:
+    """The classes the script defines (at any depth), with their methods."""
+    found: dict[str, set[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            methods = {s.name for s in node.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            found.setdefault(node.name, set()).update(methods)
+    return found
+
+
+def _bind(scope: _Scope, stmt: ast.Assign | ast.AnnAssign, classes: dict[str, set[str]]) -> None:
+    """Note (or forget) which names hold an instance of a script's class."""
+    targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+    value = stmt.value
+    cls = None
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in classes:
+        cls = value.func.id
+    for t in targets:
+        for n in ast.walk(t):
+            if isinstance(n, ast.Name):
+                if cls is not None and t is n:
+                    scope.instances[n.id] = cls
+                else:
+                    scope.instances.pop(n.id, None)
 
 
 def _scopes(tree: ast.AST, aliases: _Aliases) -> dict[str, list[_Scope]]:
     """Scopes by function name ("" = the module); a name defined twice has two."""
     scopes: dict[str, list[_Scope]] = {}
+    classes = _classes(tree)
 
     def walk(node: ast.AST, scope: _Scope, loops: tuple[str, ...]) -> None:
         for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Assign, ast.AnnAssign)):
+                _bind(scope, child, classes)
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 inner = _Scope()
                 scopes.setdefault(child.name, []).append(inner)
@@ -351,7 +389,7 @@ def _scopes(tree: ast.AST, aliases: _Aliases) -> dict[str, list[_Scope]]:
                 assert isinstance(child.value, ast.Call)
                 scope.logs.append((_const_str(child.value) or "?", loops, child.lineno))
             elif isinstance(child, ast.Call) and not aliases.is_call(child, "loop"):
-                callee = _callee(child)
+                callee = _callee(child, scope, classes)
                 if callee is not None:
                     scope.calls.append((callee, loops, child.lineno))
             walk(child, scope, loops)
