@@ -423,14 +423,7 @@ impl Store {
         let read = interrupt::run(py, |intr| {
             self.replica.read(&name, &path, threads, &|| intr.check())
         })?;
-        tree::build(
-            py,
-            &read.node,
-            &mut read.buffers.into_iter(),
-            make_array,
-            unpickle,
-            &mut path.clone(),
-        )
+        Ok(built(py, read, &path, make_array, unpickle)?.tree)
     }
 
     /// [`Self::load`] without the arrays at the key paths `skip` (relative
@@ -450,21 +443,14 @@ impl Store {
             self.replica
                 .read_leaving_out(&name, &path, &skip, threads, &|| intr.check())
         })?;
-        let tree = tree::build(
-            py,
-            &read.node,
-            &mut read.buffers.into_iter(),
-            make_array,
-            unpickle,
-            &mut path.clone(),
-        )?;
-        let left_out = read
+        let b = built(py, read, &path, make_array, unpickle)?;
+        let left_out = b
             .left_out
             .into_iter()
             .map(|l| Py::new(py, shards::LeftOut::from_core(l)))
             .collect::<PyResult<_>>()?;
         Ok(shards::PartialTree {
-            tree: tree.unbind(),
+            tree: b.tree.unbind(),
             left_out,
         })
     }
@@ -679,6 +665,33 @@ impl Store {
     fn forget_unchanged(&self) {
         lock(&self.cache).clear();
     }
+}
+
+/// A read checkpoint as Python objects, with the arrays it left out.
+struct Built<'py> {
+    tree: Bound<'py, PyAny>,
+    left_out: Vec<core::checkpoint::replica::LeftOut>,
+}
+
+fn built<'py>(
+    py: Python<'py>,
+    read: core::checkpoint::replica::ReadTree,
+    path: &[String],
+    make_array: &Bound<'py, PyAny>,
+    unpickle: &Bound<'py, PyAny>,
+) -> PyResult<Built<'py>> {
+    let tree = tree::build(
+        py,
+        &read.node,
+        &mut read.buffers.into_iter(),
+        make_array,
+        unpickle,
+        &mut path.to_vec(),
+    )?;
+    Ok(Built {
+        tree,
+        left_out: read.left_out,
+    })
 }
 
 /// How many checkpoints a recording keeps by default (spread over the run)

@@ -60,7 +60,9 @@ class ReplayRun(Run):
             print(
                 f"hindsight: this replay worker only restores run {self.run_id}'s checkpoints (saved by "
                 f"{json.loads(versions).get('world_size')} ranks): on one process, resharded onto it; values "
-                'logged with rank="all" are its own',
+                'logged with rank="all" are its own, and code that depends on the world size (a '
+                "DistributedSampler's share, an all_reduce) computes this one process's; recorded values are "
+                "still checked",
                 file=sys.stderr,
                 flush=True,
             )
