@@ -56,6 +56,9 @@ STEADY_SAVES = 3
 # --quick: one save per baseline (torch.save, DCP async's first and one
 # steady) and one no-op run, for a short GPU lease; the same metrics.
 BASELINE_SAVES = {"torch": 2, "dcp": 1 + STEADY_SAVES, "plain": 2}
+# --profile PATH: the last steady save runs under cProfile and CUDA sync
+# debugging, the report appended to PATH (its blocked time then includes it).
+PROFILE: Path | None = None
 
 
 def sync(device: str) -> None:
@@ -186,7 +189,10 @@ def hindsight_saves(
         os.sync()
         state = state_of(params, opt)
         t0 = now()
-        h = store.save(f"s{i}", state)
+        if PROFILE is not None and prepared and i == STEADY_SAVES:
+            h = profiled_save(store, f"s{i}", state, PROFILE)  # the last steady save: where its time goes
+        else:
+            h = store.save(f"s{i}", state)
         blocked.append(now() - t0)
         setup.append(store.last_setup_seconds)
         h.wait()
@@ -203,6 +209,46 @@ def hindsight_saves(
     tab_rows["load"] = now() - t0
     del got
     store.close()
+
+
+def profiled_save(store: Any, name: str, state: Any, path: Path) -> Any:
+    """``store.save`` under cProfile with torch's CUDA sync debugging on:
+    each host-device synchronization the save makes is written with its
+    stack, then the functions that held the thread (appended to ``path``).
+    The blocked time it reports includes the profiler's overhead."""
+    import cProfile
+    import io
+    import pstats
+    import traceback
+    import warnings
+
+    syncs: list[str] = []
+
+    def note(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        syncs.append(f"{message}\n{''.join(traceback.format_stack(limit=12)[:-1])}")
+
+    prof = cProfile.Profile()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        debug = torch.cuda.is_available()  # --smoke on a CPU: the profile alone
+        if debug:
+            torch.cuda.set_sync_debug_mode("warn")
+        t0 = now()
+        try:
+            h = prof.runcall(store.save, name, state)
+        finally:
+            if debug:
+                torch.cuda.set_sync_debug_mode("default")
+        took = now() - t0
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    with path.open("a") as f:
+        f.write(f"== steady save {name}: {took * 1000:.1f} ms under the profiler, {len(syncs)} synchronizations\n")
+        for s in syncs[:20]:
+            f.write(s + "\n")
+        f.write(out.getvalue())
+    return h
 
 
 def torch_saves(rows: dict[str, Any], params: list[Any], opt: Any, device: str, root: Path) -> None:
@@ -488,8 +534,13 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: checks the script only")
     ap.add_argument("--quick", action="store_true", help="one save per baseline and one no-op run (short leases)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--no-record", action="store_true", help="part 1 only (saves and loads), not the training script")
+    ap.add_argument("--profile", metavar="PATH", help="profile the last steady save of each size into PATH")
     ap.add_argument("--keep", action="store_true", help="leave bench-out/gpu/ in place")
     args = ap.parse_args()
+    if args.profile:
+        global PROFILE
+        PROFILE = Path(args.profile)
     if args.quick:
         BASELINE_SAVES.update(torch=1, dcp=2, plain=1)
     if args.smoke:
@@ -512,7 +563,8 @@ def main() -> int:
     try:
         for gib in sizes:
             part_save(tab, raw, gib, device)
-        part_record(tab, raw, epochs, steps, width, device)
+        if not args.no_record:
+            part_record(tab, raw, epochs, steps, width, device)
     finally:
         with contextlib.suppress(Exception):
             import torch.distributed as dist

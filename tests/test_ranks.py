@@ -303,10 +303,10 @@ def test_a_relaunch_on_another_world_size_reshards_when_asked_from_the_newest_ch
     assert later == (None if n == 1 else str(n))  # saved by the new world
 
 
-def interrupt(cwd: Path, script: Path) -> str:
-    """Launch ``script`` on 2 ranks, SIGUSR1 to rank 1 in the second epoch:
-    the checkpoint the job stopped at."""
-    p = launch(cwd, 2, wait=False, sleep=0.1, script=script)
+def interrupt(cwd: Path, script: Path, n: int = 2, **extra: str) -> str:
+    """Launch ``script`` on ``n`` ranks, SIGUSR1 to the last rank in the
+    second epoch: the checkpoint the job stopped at."""
+    p = launch(cwd, n, wait=False, sleep=0.1, script=script, **extra)
     manifests = cwd / ".hindsight" / "store" / "manifests"
     deadline = time.monotonic() + 120
     while not any(manifests.glob("*.epoch-000000.hsm")) and time.monotonic() < deadline:
@@ -596,3 +596,62 @@ def test_a_recording_under_several_ranks_without_a_process_group_is_refused_and_
 def test_hs_log_takes_rank_0_or_all_and_names_a_bad_rank() -> None:
     with pytest.raises(hs.InvalidArgumentError, match=r"hs.log\('loss', ..., rank=1\): rank must be 0"):
         hs.log("loss", 0.5, rank=1)
+
+
+# -- FSDP2 on one rank, and on a GPU (`make test-cuda`) ----------------------
+
+CUDA = {"ZOO_DEVICE": "cuda", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_fsdp2_on_one_rank_resumes_mid_epoch_and_replays_exactly(tmp_path: Path, device: str) -> None:
+    """The FSDP2 job launched by torchrun on one rank (one GPU: NCCL
+    refuses two ranks on one device), as a one-GPU user of a multi-GPU
+    script does. Its parameters are DTensors even so: they are saved the
+    job's way (a plain save refused them, and the run failed at its first
+    checkpoint), on the GPU through the pinned arena, and the collectives
+    of the step agreement run on NCCL. Interrupted mid-epoch, relaunched:
+    the uninterrupted run's weights. Replayed with a step probe: its
+    workers run the script under torchrun too (as a plain process it died
+    on torchrun's missing variables), every step and state checked."""
+    script = Path(__file__).with_name("ranks_fsdp.py")
+    env = CUDA if device == "cuda" else {}
+    (tmp_path / "ref").mkdir()
+    reference = final(launch(tmp_path / "ref", 1, script=script, **env))
+    stopped = interrupt(tmp_path, script, 1, **env)
+    assert ".step-" in stopped, stopped
+    r = launch(tmp_path, 1, script=script, **env)
+    assert final(r) == reference
+    [run] = runs(tmp_path)
+    assert run["status"] == "completed"
+    assert losses(tmp_path) == losses(tmp_path / "ref")
+
+    text = (tmp_path / script.name).read_text()
+    step_line = '            hs.log("loss", loss.item())\n'
+    assert step_line in text
+    (tmp_path / script.name).write_text(
+        text.replace(step_line, step_line + '            hs.log("loss2", 2 * loss.item())\n')
+    )
+    r = replay(tmp_path, script.name, **env)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert "new values: loss2" in r.stdout, r.stdout
+    assert [v for _, _, v in losses(tmp_path, "loss2")] == [2 * v for _, _, v in losses(tmp_path)]
+    # Computing otherwise is caught by the check of its DTensors' pieces.
+    r = replay(tmp_path, script.name, ZOO_RANK1_SCALE="1", ZOO_RANK0_SCALE="1.5", **env)
+    assert r.returncode == _native.EXIT_DIVERGED, r.stdout + r.stderr[-4000:]
+    assert "the state differs from the recorded checkpoint" in r.stderr, r.stderr[-4000:]
+
+
+@pytest.mark.cuda
+def test_ddp_on_the_gpu_with_two_ranks_stops_together_and_resumes_exactly(tmp_path: Path) -> None:
+    """The zoo DDP tutorial with its model and batches on the GPU, two ranks
+    sharing it (gloo carries CUDA tensors): a signal to rank 1 stops both at
+    one step, the relaunch resumes the run to the uninterrupted weights and
+    per-rank values (each rank's CUDA dropout stream restored)."""
+    (tmp_path / "ref").mkdir()
+    reference = final(launch(tmp_path / "ref", 2, **CUDA))
+    stopped = interrupt(tmp_path, ZOO, **CUDA)
+    assert ".step-" in stopped, stopped
+    assert final(launch(tmp_path, 2, **CUDA)) == reference
+    assert [r["status"] for r in runs(tmp_path)] == ["completed"]
+    assert losses(tmp_path, "rank_loss") == losses(tmp_path / "ref", "rank_loss")

@@ -234,7 +234,7 @@ def test_device_fingerprint_sees_swaps_and_spans_blocks():
     v = t.clone()
     v[_staging._BLOCK_WORDS :] = t[: 2 * _staging._BLOCK_WORDS].clone()  # a block moved
     assert not torch.equal(fp, _staging.fingerprint(v))
-    assert _staging.device_fingerprint(t) == fp.tolist()
+    assert _staging.device_fingerprints([t, u]) == [fp.tolist(), _staging.fingerprint(u).tolist()]
 
 
 @pytest.mark.parametrize(
@@ -255,7 +255,7 @@ def test_the_engine_computes_the_device_fingerprint_from_the_host_copy(dtype, nu
     g = torch.Generator().manual_seed(numel)
     base = torch.randint(-100, 100, (numel + offset,), generator=g).to(dtype)
     t = base[offset:]
-    on_device = _staging.device_fingerprint(t)  # the torch reductions (here on the CPU)
+    [on_device] = _staging.device_fingerprints([t])  # the torch reductions (here on the CPU)
     host = _native.device_fingerprint_of(t.contiguous().view(torch.uint8).numpy())
     assert list(host) == on_device
     assert on_device[3] == numel * t.element_size()

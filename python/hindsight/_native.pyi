@@ -197,7 +197,7 @@ class Store:
         describe: Callable[[Any, str], Any],
         materialize: Callable[[Any], tuple[int, Any, Callable[[], object] | None]],
         before_copy: Callable[[], None],
-        device_fingerprint: Callable[[Any], list[int]],
+        device_fingerprints: Callable[[list[Any]], list[list[int]]],
         meta: dict[str, str] | None = None,
         skip_unchanged: bool = True,
         copy_threads: int | None = None,
@@ -286,6 +286,8 @@ class World:
     def size(self) -> int: ...
     @property
     def source(self) -> str: ...
+    @property
+    def launcher(self) -> str: ...
     @property
     def leads(self) -> bool: ...
 

@@ -82,15 +82,27 @@ def fingerprint(t: Any) -> Any:
     if head < n:
         tail = flat[head:].to(torch.int64)
         acc[2] += (tail * mult[0, : tail.numel()]).sum()
-    acc[3] = n
+    acc[3].fill_(n)  # a kernel argument: `acc[3] = n` copies from the host, and waits
     return acc
 
 
-def device_fingerprint(t: Any) -> list[int]:
-    """``t``'s fingerprint, read back to the host (waits for the queued work
-    to reach it): asked only for a tensor whose version counter says
-    unchanged, to compare with the fingerprint of its last saved copy."""
-    return [int(v) for v in fingerprint(t).tolist()]
+def device_fingerprints(ts: list[Any]) -> list[list[int]]:
+    """Each tensor's fingerprint, read back to the host once per device
+    (each read waits for the queued work to reach it): asked, before the
+    save enqueues its copies, for the tensors whose version counter says
+    unchanged, to compare with the fingerprints of their last saved copies."""
+    import torch
+
+    accs = [fingerprint(t) for t in ts]
+    by_device: dict[Any, list[int]] = {}
+    for i, t in enumerate(ts):
+        by_device.setdefault(t.device, []).append(i)
+    out: list[list[int]] = [[] for _ in ts]
+    for idx in by_device.values():
+        rows = torch.stack([accs[i] for i in idx]).tolist()
+        for i, row in zip(idx, rows, strict=True):
+            out[i] = [int(v) for v in row]
+    return out
 
 
 # -- device-to-host copies of a save ---------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 
 from hindsight import _native
 from hindsight._native import SaveHandle as SaveHandle
-from hindsight._staging import DeviceCopies, cuda_nbytes, device_fingerprint
+from hindsight._staging import DeviceCopies, cuda_nbytes, device_fingerprints
 from hindsight.errors import HindsightError, UnsupportedTypeError, WrongProcessError, about
 
 MapLocation = Any  # None | str | torch.device | Mapping[str, str] | Callable
@@ -177,7 +177,7 @@ class Store:
                 describe,
                 copies.copy,
                 copies.end,
-                device_fingerprint,
+                device_fingerprints,
                 meta_s,
                 skip_unchanged,
                 None,

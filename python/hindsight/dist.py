@@ -390,6 +390,23 @@ def load(store: Store, name: str, state: Any, *, group: Any = None) -> Loaded:
     return Loaded(name, out, rank_state, saved_world, world)
 
 
+def holds_dtensor(obj: Any) -> bool:
+    """Whether ``obj`` (a state tree: state dicts, modules' and optimizers')
+    holds a DTensor, which only this module's save keeps whole."""
+    DTensor = _dtensor_type()
+    if DTensor is None:
+        return False
+    found = False
+
+    def visit(t: Any, key: str, keep: bool = False) -> Any:
+        nonlocal found
+        found = found or isinstance(t, DTensor)
+        return t
+
+    _walk(obj, "", visit)
+    return found
+
+
 def _has_tensor(obj: Any) -> bool:
     torch = _torch()
     if isinstance(obj, torch.Tensor):

@@ -9,7 +9,9 @@
 # weights printed by rank 0, ZOO_CRASH_EPOCH=n: rank 1 crashes in epoch n (not after a restart),
 # ZOO_RANK1_SEED=s: rank 1's sampler shuffles with seed s (its data order changed),
 # ZOO_RANK1_SCALE=x: rank 1 scales its loss by x (it computes otherwise),
-# ZOO_HANG_EPOCH=n: rank 1 hangs in epoch n (not after a restart).
+# ZOO_HANG_EPOCH=n: rank 1 hangs in epoch n (not after a restart),
+# ZOO_DEVICE=cuda: the model and the batches on the GPU of LOCAL_RANK (modulo the
+# GPUs there: ranks may share one; gloo carries CUDA tensors).
 import os
 import time
 
@@ -42,11 +44,16 @@ def ddp_setup():
 class Trainer:
     def __init__(self, model, train_data, optimizer):
         self.local_rank = int(os.environ["LOCAL_RANK"])
+        self.device = torch.device(os.environ.get("ZOO_DEVICE", "cpu"))
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
         self.train_data = train_data
         self.optimizer = optimizer
-        self.model = DDP(model)
+        self.model = DDP(model.to(self.device), device_ids=[self.device] if self.device.type == "cuda" else None)
 
     def _run_batch(self, source, targets):
+        source, targets = source.to(self.device), targets.to(self.device)
         self.optimizer.zero_grad()
         output = self.model(source)
         loss = F.mse_loss(output, targets)

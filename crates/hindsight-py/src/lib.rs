@@ -227,7 +227,7 @@ impl Store {
     }
 
     /// Snapshot `state` and return at once; the write continues in the background.
-    #[pyo3(signature = (name, state, describe, materialize, before_copy, device_fingerprint, meta=None, skip_unchanged=true, copy_threads=None, handle_out=None, part=false))]
+    #[pyo3(signature = (name, state, describe, materialize, before_copy, device_fingerprints, meta=None, skip_unchanged=true, copy_threads=None, handle_out=None, part=false))]
     #[allow(clippy::too_many_arguments)]
     fn save(
         &self,
@@ -237,7 +237,7 @@ impl Store {
         describe: &Bound<'_, PyAny>,
         materialize: &Bound<'_, PyAny>,
         before_copy: &Bound<'_, PyAny>,
-        device_fingerprint: &Bound<'_, PyAny>,
+        device_fingerprints: &Bound<'_, PyAny>,
         meta: Option<BTreeMap<String, String>>,
         skip_unchanged: bool,
         copy_threads: Option<usize>,
@@ -281,12 +281,13 @@ impl Store {
         let mut walk = tree::SaveWalk::new(
             describe,
             materialize,
-            device_fingerprint,
+            device_fingerprints,
             &mut cache,
             skip_unchanged,
             reuse.as_mut(),
         );
         let root = walk.node(state, &mut Vec::new())?;
+        walk.finish()?;
         let tree::SaveWalk {
             slots,
             sources,

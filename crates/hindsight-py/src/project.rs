@@ -87,6 +87,9 @@ pub(crate) struct World {
     /// The launcher's variables it was read from, for messages.
     #[pyo3(get)]
     source: &'static str,
+    /// "torchrun" or "srun", which a recording notes for its replay.
+    #[pyo3(get)]
+    launcher: &'static str,
     /// Whether this rank owns the job's run (rank 0).
     #[pyo3(get)]
     leads: bool,
@@ -102,6 +105,7 @@ pub(crate) fn launch_world() -> PyResult<Option<World>> {
         rank: w.rank,
         size: w.size,
         source: w.source,
+        launcher: w.launcher,
     }))
 }
 

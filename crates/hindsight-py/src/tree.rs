@@ -144,7 +144,7 @@ impl Lent for PyLent {
 pub(crate) struct SaveWalk<'a, 'w, 'py> {
     describe: &'a Bound<'py, PyAny>,
     materialize: &'a Bound<'py, PyAny>,
-    device_fingerprint: &'a Bound<'py, PyAny>,
+    device_fingerprints: &'a Bound<'py, PyAny>,
     old: &'a mut HashMap<CacheKey, CacheEntry>,
     skip: bool,
     /// Confirms that an old entry's blob may still be reused (None: no cache).
@@ -156,7 +156,26 @@ pub(crate) struct SaveWalk<'a, 'w, 'py> {
     pub lent: Vec<Arc<dyn Lent>>,
     /// One gate per Python waiter (by identity): all tensors of a device share one.
     gates: HashMap<usize, Arc<Gate>>,
+    /// Device arrays, in slot order: their proofs and copies wait until the
+    /// walk is done ([`SaveWalk::finish`]).
+    device: Vec<DeviceWork>,
     pub any_materialized: bool,
+}
+
+/// A device array's work, done after the walk: every "unchanged" proof
+/// first, read back at once, then the copies of the rest. Interleaved, each
+/// proof's read-back queued behind the copies already enqueued on the
+/// device's one copy engine (1.4 ms per 64 MiB tensor on an H100, most of a
+/// steady save's blocked time).
+struct DeviceWork {
+    slot: usize,
+    keep: Py<PyAny>,
+    nbytes: usize,
+    /// The last save's blob and the fingerprint of its copy, to compare
+    /// with the tensor's now (its version counter says unchanged).
+    prove: Option<(Blob, core::DeviceFingerprint, DeviceFp)>,
+    /// Its entry in `tracked`, whose proof follows the outcome.
+    tracked: Option<usize>,
 }
 
 fn unsupported(path: &[String], type_name: String, hint: &str) -> PyErr {
@@ -171,7 +190,7 @@ impl<'a, 'w, 'py> SaveWalk<'a, 'w, 'py> {
     pub(crate) fn new(
         describe: &'a Bound<'py, PyAny>,
         materialize: &'a Bound<'py, PyAny>,
-        device_fingerprint: &'a Bound<'py, PyAny>,
+        device_fingerprints: &'a Bound<'py, PyAny>,
         old: &'a mut HashMap<CacheKey, CacheEntry>,
         skip: bool,
         reuse: Option<&'a mut core::ReuseCheck<'w>>,
@@ -179,7 +198,7 @@ impl<'a, 'w, 'py> SaveWalk<'a, 'w, 'py> {
         SaveWalk {
             describe,
             materialize,
-            device_fingerprint,
+            device_fingerprints,
             old,
             skip,
             reuse,
@@ -189,6 +208,7 @@ impl<'a, 'w, 'py> SaveWalk<'a, 'w, 'py> {
             keepalive: Vec::new(),
             lent: Vec::new(),
             gates: HashMap::new(),
+            device: Vec::new(),
             any_materialized: false,
         }
     }
@@ -231,7 +251,7 @@ impl<'a, 'w, 'py> SaveWalk<'a, 'w, 'py> {
             let mut w = SaveWalk::new(
                 self.describe,
                 self.materialize,
-                self.device_fingerprint,
+                self.device_fingerprints,
                 &mut dummy,
                 false,
                 None,
@@ -439,34 +459,18 @@ impl<'a, 'w, 'py> SaveWalk<'a, 'w, 'py> {
             // its last copy in hand, is fingerprinted on the device (the
             // Python layer reads 4 integers back); a changed one is copied
             // and proven later from the copy, with no device work here.
-            let proven = match old {
+            // Both after the walk: `finish`.
+            let prove = match old {
                 Some(CacheEntry {
                     content: Content::Device(fp),
                     blob,
                     ..
-                }) => match fp.get() {
-                    Some(want) => {
-                        let now: core::DeviceFingerprint =
-                            self.device_fingerprint.call1((&keep,))?.extract()?;
-                        (now == want).then_some((blob, fp))
-                    }
-                    None => None,
-                },
+                }) => fp.get().map(|want| (blob, want, fp)),
                 _ => None,
             };
-            let fp = match proven {
-                Some((blob, fp)) => {
-                    self.slots.push(Slot::Reuse(blob));
-                    slot = self.slots.len() - 1;
-                    fp
-                }
-                None => {
-                    let fp = Arc::new(core::DeviceFpSum::new(nbytes));
-                    slot = self.lend_copy(&keep, nbytes, Some(fp.clone()))?;
-                    fp
-                }
-            };
-            proof = Proof::Device(fp);
+            slot = self.defer(&keep, nbytes, prove, Some(self.tracked.len()));
+            // Until `finish`: proven by the fingerprint of this save's copy.
+            proof = Proof::Device(Arc::new(core::DeviceFpSum::new(nbytes)));
         }
         self.tracked.push(Tracked {
             key,
@@ -488,7 +492,75 @@ impl<'a, 'w, 'py> SaveWalk<'a, 'w, 'py> {
         if host {
             return Ok(self.stage(ptr, nbytes, keep.clone().unbind()));
         }
-        self.lend_copy(keep, nbytes, None)
+        Ok(self.defer(keep, nbytes, None, None))
+    }
+
+    /// A slot for a device array, filled by `finish`.
+    fn defer(
+        &mut self,
+        keep: &Bound<'py, PyAny>,
+        nbytes: usize,
+        prove: Option<(Blob, core::DeviceFingerprint, DeviceFp)>,
+        tracked: Option<usize>,
+    ) -> usize {
+        self.slots.push(Slot::Lend);
+        self.device.push(DeviceWork {
+            slot: self.slots.len() - 1,
+            keep: keep.clone().unbind(),
+            nbytes,
+            prove,
+            tracked,
+        });
+        self.slots.len() - 1
+    }
+
+    /// After the walk: the device arrays' proofs, all computed and read
+    /// back in one call, then the copies of those not proven, in slot
+    /// order (the order the engine takes the lent buffers in).
+    pub(crate) fn finish(&mut self) -> PyResult<()> {
+        let py = self.describe.py();
+        let work = std::mem::take(&mut self.device);
+        let asked: Vec<&Py<PyAny>> = work
+            .iter()
+            .filter(|w| w.prove.is_some())
+            .map(|w| &w.keep)
+            .collect();
+        let mut now = if asked.is_empty() {
+            Vec::new()
+        } else {
+            let got: Vec<core::DeviceFingerprint> = self
+                .device_fingerprints
+                .call1((PyList::new(py, asked)?,))?
+                .extract()?;
+            got
+        }
+        .into_iter();
+        for w in work {
+            let proven = match w.prove {
+                Some((blob, want, fp)) => {
+                    let now = now
+                        .next()
+                        .ok_or_else(|| to_py(internal("fewer device fingerprints than asked")))?;
+                    (now == want).then_some((blob, fp))
+                }
+                None => None,
+            };
+            let fp = match proven {
+                Some((blob, fp)) => {
+                    self.slots[w.slot] = Slot::Reuse(blob);
+                    fp
+                }
+                None => {
+                    let fp = Arc::new(core::DeviceFpSum::new(w.nbytes));
+                    self.lend_copy(w.keep.bind(py), w.nbytes, w.tracked.map(|_| fp.clone()))?;
+                    fp
+                }
+            };
+            if let Some(t) = w.tracked {
+                self.tracked[t].proof = Proof::Device(fp);
+            }
+        }
+        Ok(())
     }
 
     /// Device memory: the Python layer enqueues a copy into host memory it
@@ -499,7 +571,7 @@ impl<'a, 'w, 'py> SaveWalk<'a, 'w, 'py> {
         keep: &Bound<'py, PyAny>,
         nbytes: usize,
         fingerprint: Option<DeviceFp>,
-    ) -> PyResult<usize> {
+    ) -> PyResult<()> {
         let r = self.materialize.call1((keep,))?;
         let hptr: usize = r.get_item(0)?.extract()?;
         let owner = r.get_item(1)?.unbind();
@@ -528,8 +600,7 @@ impl<'a, 'w, 'py> SaveWalk<'a, 'w, 'py> {
             gate,
             fingerprint,
         }));
-        self.slots.push(Slot::Lend);
-        Ok(self.slots.len() - 1)
+        Ok(())
     }
 }
 

@@ -223,7 +223,7 @@ class Run:
         # Under several ranks the job is one run: rank 0 owns it (its rows,
         # logs, decisions), the others join it as the outer loop starts and
         # follow (`ranks.py`, core `runs::ranks`).
-        world = _native.launch_world()
+        world = self.world = _native.launch_world()
         self.ranks = Ranks(world) if world is not None and world.size > 1 else None
         self.leads = self.ranks is None or self.ranks.leads
         if self.ranks is not None:

@@ -190,6 +190,8 @@ class RecordRun(Run):
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             # A run of several ranks is one run; a replay refuses it (core `runs::ranks`).
             "world_size": 1 if self.ranks is None else self.ranks.size,
+            # torchrun even on one rank: its replay runs the script under it (core `runs::ranks`).
+            "launcher": None if self.world is None else self.world.launcher,
         }
         for mod in ("torch", "numpy"):
             m = sys.modules.get(mod)
@@ -334,14 +336,16 @@ class RecordRun(Run):
         if self.start_rng is not None:
             state["start_rng"] = self.start_rng  # the same bytes every time: stored once
         meta = {**ck.meta(), "run": self.run_id}
-        if self.ranks is None:
+        from hindsight import dist
+
+        # FSDP2 on one rank (one GPU) is sharded too: its DTensors are saved
+        # the job's way, which a plain save refuses.
+        if self.ranks is None and not dist.holds_dtensor(state["objects"]):
             h = self.store.save(ck.name, state, meta=meta)
         else:
             # One checkpoint of the job: the objects (replicated under DDP,
             # sharded under FSDP) split between the ranks, the rest (RNG
             # streams, loop variables, the data position) kept per rank.
-            from hindsight import dist
-
             shared = {"objects": state.pop("objects")}
             if "grads" in state:  # gradients are laid out as the parameters are
                 shared["grads"] = state.pop("grads")

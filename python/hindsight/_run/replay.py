@@ -212,7 +212,9 @@ class ReplayRun(Run):
         job's and the rest against this rank's own part (what the recording
         saved where: `RecordRun._save`)."""
         store: Store = self.store
-        if self.ranks is None:
+        # Checked as it was saved: by the job's layout where several ranks,
+        # or DTensors on one, saved it (`RecordRun._save`).
+        if self.ranks is None and store.info(name)["meta"].get(_native.META_WORLD) is None:
             return store.check_state(name, state)
         from hindsight import dist
 

@@ -24,6 +24,9 @@ pub struct World {
     pub size: u64,
     /// The variables it was read from, for messages.
     pub source: &'static str,
+    /// The launcher that set them ("torchrun" or "srun"): a recording
+    /// notes it, so that its replay relaunches the script the same way.
+    pub launcher: &'static str,
 }
 
 impl World {
@@ -35,12 +38,18 @@ impl World {
     /// From `get` (a variable's value): `torchrun`'s variables first, then
     /// `srun`'s. `None` when no launcher set them.
     pub fn from_vars(get: impl Fn(&str) -> Option<OsString>) -> Result<Option<World>> {
-        for (rank, size, source) in [
-            ("RANK", "WORLD_SIZE", "RANK/WORLD_SIZE (torchrun)"),
+        for (rank, size, source, launcher) in [
+            (
+                "RANK",
+                "WORLD_SIZE",
+                "RANK/WORLD_SIZE (torchrun)",
+                "torchrun",
+            ),
             (
                 "SLURM_PROCID",
                 "SLURM_NTASKS",
                 "SLURM_PROCID/SLURM_NTASKS (srun)",
+                "srun",
             ),
         ] {
             let (Some(r), Some(n)) = (get(rank), get(size)) else {
@@ -62,6 +71,7 @@ impl World {
                 rank: rank_v,
                 size: size_v,
                 source,
+                launcher,
             }));
         }
         Ok(None)
@@ -162,6 +172,18 @@ pub fn recorded_world(versions_json: &str) -> u64 {
         .ok()
         .and_then(|v| v.get("world_size").and_then(|w| w.as_u64()))
         .unwrap_or(1)
+}
+
+/// Whether a run's replay workers run the script under hindsight's
+/// `torchrun`: a run of several ranks, and one recorded under `torchrun`
+/// with one rank (a one-GPU job launched as multi-GPU ones are: its script
+/// reads `LOCAL_RANK` and sets up a process group, and would fail as a plain
+/// process).
+pub fn replays_under_torchrun(versions_json: &str) -> bool {
+    recorded_world(versions_json) > 1
+        || serde_json::from_str::<serde_json::Value>(versions_json)
+            .ok()
+            .is_some_and(|v| v.get("launcher").and_then(|l| l.as_str()) == Some("torchrun"))
 }
 
 /// A replay re-executes a run on the world size that recorded it: each
@@ -278,9 +300,10 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(
-            (srun.rank, srun.size, srun.source),
-            (3, 4, "SLURM_PROCID/SLURM_NTASKS (srun)")
+            (srun.rank, srun.size, srun.source, srun.launcher),
+            (3, 4, "SLURM_PROCID/SLURM_NTASKS (srun)", "srun")
         );
+        assert_eq!(one.launcher, "torchrun");
         for bad in [
             [("RANK", "x"), ("WORLD_SIZE", "2")],
             [("RANK", "2"), ("WORLD_SIZE", "2")],

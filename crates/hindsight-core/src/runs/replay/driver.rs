@@ -165,8 +165,9 @@ pub fn worker_command(
         .unwrap_or_else(|| script.parent().map(Path::to_path_buf).unwrap_or_default());
     let recorded = crate::runs::ranks::recorded_world(&run.versions_json);
     let ranks = crate::runs::ranks::replay_world(recorded, restores_only);
+    let torchrun = crate::runs::ranks::replays_under_torchrun(&run.versions_json);
     let mut argv = vec![python.to_string_lossy().into_owned()];
-    if recorded > 1 {
+    if torchrun {
         // The script sets up its process group even on one rank.
         argv.extend([
             "-m".into(),
@@ -181,7 +182,7 @@ pub fn worker_command(
         argv,
         cwd,
         ranks,
-        torchrun: recorded > 1,
+        torchrun,
     }
 }
 
@@ -461,6 +462,16 @@ mod tests {
                     &format!("--nproc_per_node={n}")
                 ]
             );
+        }
+        // One rank under torchrun (a one-GPU job written for several): its
+        // script needs torchrun's variables and process group, so torchrun
+        // of 1; one srun task, or a plain process, runs as itself.
+        for (launcher, under) in [("torchrun", true), ("srun", false)] {
+            run.versions_json =
+                format!(r#"{{"argv": ["train.py"], "world_size": 1, "launcher": "{launcher}"}}"#);
+            let c = worker_command(&run, &script, Path::new("python"), false);
+            assert_eq!((c.ranks, c.torchrun), (1, under), "{launcher}");
+            assert_eq!(c.argv.len(), if under { 6 } else { 2 }, "{:?}", c.argv);
         }
     }
 
