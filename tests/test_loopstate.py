@@ -513,6 +513,7 @@ class Meter:
         self.by_int = {0: torch.ones(2)}
         self.scalars = (np.float64(0.25), np.int32(3))  # an environment's state tuple
         self.kind = signal.Signals.SIGTERM  # an Enum member (pytorch/examples imagenet's Summary)
+        self.device, self.dtype = torch.device("cpu", 0), torch.bfloat16  # a Trainer's self.device
 
 
 def test_object_state_round_trips_in_place_and_refuses_what_it_cannot_keep():
@@ -535,10 +536,12 @@ def test_object_state_round_trips_in_place_and_refuses_what_it_cannot_keep():
     assert torch.equal(m.by_int[0], torch.ones(2))
     assert [(type(x), x) for x in m.scalars] == [(np.float64, 0.25), (np.int32, 3)]
     assert m.kind is signal.Signals.SIGTERM
+    assert (m.device, m.dtype) == (torch.device("cpu", 0), torch.bfloat16)
     assert (m.g.normal(), torch.rand(1, generator=m.t).item(), m.r.random()) == draws
     # A fresh process has no such object yet: a plain instance is built.
     fresh = objstate.restore(objstate.MISSING, saved, "m")
     assert type(fresh) is Meter and fresh.vals == [1.5]
+    assert (fresh.device, fresh.dtype) == (torch.device("cpu", 0), torch.bfloat16)
 
     class Holder:
         def __init__(self) -> None:

@@ -175,9 +175,11 @@ def with_probes(cwd: Path, src: str = "rank_src") -> None:
     (cwd / ZOO.name).write_text(text.replace(PROBES[0], PROBES[1].format(src=src)))
 
 
-def replay(cwd: Path, script: str = ZOO.name, **extra: str) -> subprocess.CompletedProcess[str]:
+def replay(
+    cwd: Path, script: str = ZOO.name, args: tuple[str, ...] = (), **extra: str
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*hindsight_cmd(), "replay", script],
+        [*hindsight_cmd(), "replay", script, *args],
         cwd=cwd,
         env={**os.environ, "HINDSIGHT_HOME": str(cwd / ".hindsight"), "OMP_NUM_THREADS": "1", **extra},
         capture_output=True,
@@ -226,6 +228,28 @@ def test_a_multi_rank_run_replays_on_its_world_size_to_the_values_a_recording_wi
     r = replay(recorded, ZOO_RANK1_SCALE="1.5")
     assert r.returncode == _native.EXIT_DIVERGED, r.stdout + r.stderr[-4000:]
     assert "after epoch 0, the state differs from the recorded checkpoint" in r.stderr, r.stderr[-4000:]
+
+
+@pytest.mark.slurm
+def test_a_multi_rank_run_replays_as_a_slurm_job_array(slurm: dict[str, str], tmp_path: Path) -> None:
+    """`--launcher slurm`: each replay worker of the 2-rank run is a torchrun
+    job of 2 ranks inside its array task (which asks for both ranks'
+    threads); the per-rank and epoch values equal those of a recording
+    that had the probes from the start, and the run is still one run."""
+    recorded, probed = tmp_path / "recorded", tmp_path / "probed"
+    recorded.mkdir()
+    final(launch(recorded, 2))
+    [run] = runs(recorded)
+    with_probes(recorded)
+    r = replay(recorded, args=("--launcher", "slurm", "-j", "2"))
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert "Slurm job array" in r.stdout and "new values: rank_src, wsum" in r.stdout, r.stdout
+    with_probes(probed)
+    final(launch(probed, 2))
+    assert losses(recorded, "rank_src") == losses(probed, "rank_src")
+    assert {c[2] for c, _, _ in losses(recorded, "rank_src")} == {0, 1}
+    assert losses(recorded, "wsum") == losses(probed, "wsum")
+    assert [(x["id"], x["status"]) for x in runs(recorded)] == [(run["id"], "completed")]
 
 
 def test_an_epoch_level_probe_of_a_multi_rank_run_replays_on_one_process(tmp_path: Path) -> None:

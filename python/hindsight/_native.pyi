@@ -92,7 +92,6 @@ __all__ = [
     "World",
     "WrongProcessError",
     "batch_digest",
-    "check_replay_launcher",
     "check_replay_world",
     "checkpoint_exit_code",
     "checkpoint_names",
@@ -294,7 +293,6 @@ class World:
 def launch_world() -> World | None: ...
 def resume_fit(checkpoint: str, saved: int | None, now: int, reshard: bool) -> Literal["same", "reshard", "skip"]: ...
 def check_replay_world(run_id: str, versions_json: str, now: int, restores_only: bool) -> str: ...
-def check_replay_launcher(run_id: str, versions_json: str, local: bool) -> None: ...
 
 @final
 class Setting:
@@ -725,6 +723,8 @@ class ReplayThreads:
     def threads(self) -> list[int]: ...
     @property
     def exact(self) -> list[bool]: ...
+    @property
+    def task_cpus(self) -> int: ...
 
 def replay_threads(
     cores: int, jobs: int, workers: list[int], recorded: list[int | None], ranks: list[int], fast: bool, local: bool

@@ -236,15 +236,16 @@ def replay(args: argparse.Namespace) -> int:
             return status
         workers = [w for j in jobs for w in j.workers]
         launch = launcher(args.launcher)
-        for job in jobs:
-            _native.check_replay_launcher(job.run_id, json.dumps(job.versions), launch.local)
-        budget = _threads(args, jobs, launch.local)
+        plan = _threads(args, jobs, launch.local)
         for job in jobs:
             job.replay_id = db.begin_replay(job.run_id, job.exact)
             for w in job.workers:
                 w.replay_id = job.replay_id
         start = time.monotonic()
-        launch.run(workers, LaunchContext(home, db, budget, start, bool(args.quiet), list(args.sbatch or [])))
+        launch.run(
+            workers,
+            LaunchContext(home, db, plan.budget, start, bool(args.quiet), list(args.sbatch or []), plan.task_cpus),
+        )
         for job in jobs:
             status |= _report(args, db, job, start)
         launch.finish(all(w.returncode == 0 for w in workers))
@@ -255,7 +256,7 @@ def replay(args: argparse.Namespace) -> int:
                 job.temp_script.unlink(missing_ok=True)
 
 
-def _threads(args: argparse.Namespace, jobs: list[RunJob], local: bool) -> int:
+def _threads(args: argparse.Namespace, jobs: list[RunJob], local: bool) -> _native.ReplayThreads:
     """Each worker's torch thread count, whether its run's values can be
     compared bit for bit, and how many workers run at once: the engine's
     rule (`runs::replay::driver::threads`); this says what it chose."""
@@ -285,7 +286,7 @@ def _threads(args: argparse.Namespace, jobs: list[RunJob], local: bool) -> int:
         for w in job.workers:
             w.threads = threads
             w.exact = exact
-    return int(plan.budget)
+    return plan
 
 
 def _prepare(

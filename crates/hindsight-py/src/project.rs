@@ -152,17 +152,6 @@ pub(crate) fn check_replay_world(
     }
 }
 
-/// Refuse a launcher that cannot place `run_id`'s multi-rank workers (core `runs::ranks`).
-#[pyfunction]
-#[pyo3(signature = (run_id, versions_json, local))]
-pub(crate) fn check_replay_launcher(
-    run_id: &str,
-    versions_json: &str,
-    local: bool,
-) -> PyResult<()> {
-    ranks::check_replay_launcher(run_id, versions_json, local).map_err(crate::errors::to_py)
-}
-
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ProjectPaths>()?;
     m.add_function(wrap_pyfunction!(project_paths, m)?)?;
@@ -173,6 +162,5 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(launch_world, m)?)?;
     m.add_function(wrap_pyfunction!(resume_fit, m)?)?;
     m.add_function(wrap_pyfunction!(check_replay_world, m)?)?;
-    m.add_function(wrap_pyfunction!(check_replay_launcher, m)?)?;
     Ok(())
 }

@@ -774,6 +774,8 @@ pub(crate) struct ReplayThreads {
     threads: Vec<usize>,
     /// Per run: whether that is the recording's count (values compared exactly).
     exact: Vec<bool>,
+    /// CPUs a batch launcher's task asks for (a worker's ranks x threads).
+    task_cpus: usize,
 }
 
 #[pyfunction]
@@ -793,6 +795,7 @@ pub(crate) fn replay_threads(
         widest: t.capped.map(|(w, _)| w),
         threads: t.runs.iter().map(|r| r.0).collect(),
         exact: t.runs.iter().map(|r| r.1).collect(),
+        task_cpus: t.task_cpus,
     }
 }
 

@@ -94,6 +94,8 @@ class LaunchContext:
     quiet: bool = False
     #: Options for the batch system (`--sbatch=...`).
     options: list[str] = field(default_factory=list)
+    #: CPUs each batch task asks for: its worker's ranks x threads (core `runs::replay::driver::threads`).
+    task_cpus: int = 1
 
 
 class Launcher(Protocol):

@@ -23,6 +23,8 @@ _SLURM_GRACE_S = 15.0
 
 class SlurmLauncher:
     """The workers (of every run) as one Slurm job array, followed to its end.
+    A worker of a multi-rank run is a torchrun job of its ranks inside its
+    task (its command line says so: core `worker_command`), on one node.
     Each task writes its values into a database of its own in the spool
     directory (under the project home, which the nodes must see); they are
     merged into logs.db as tasks finish, so no SQLite file is shared over
@@ -83,8 +85,9 @@ def _run(workers: list[Worker], ctx: LaunchContext) -> Path:
         f"--array=0-{len(workers) - 1}",
         f"--job-name=hindsight-replay-{runs[0]}" + (f"+{len(runs) - 1}" if len(runs) > 1 else ""),
         f"--output={spool}/task-%a.out",
-        # The recording's thread count, so values replay exactly.
-        f"--cpus-per-task={max(w.threads for w in workers)}",
+        # The recording's thread count, so values replay exactly, for each
+        # rank of a multi-rank run's worker (a torchrun job on the task's node).
+        f"--cpus-per-task={ctx.task_cpus}",
         *ctx.options,
         str(spool / "replay.sbatch"),
     ]

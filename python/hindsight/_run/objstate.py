@@ -169,6 +169,9 @@ class _Encoder:
             return {MARK: "numpy.RandomState", "state": self(v.get_state(legacy=False), depth)}
         if torch is not None and isinstance(v, torch.Generator):
             return {MARK: "torch.Generator", "device": str(v.device), "state": v.get_state()}
+        if torch is not None and isinstance(v, (torch.device, torch.dtype)):
+            # Values (a Trainer's `self.device`): kept by name.
+            return {MARK: "torch.device" if t is torch.device else "torch.dtype", "v": str(v)}
         if isinstance(v, random.Random):
             return {MARK: "random.Random", "type": _qualname(t), "state": self(v.getstate(), depth)}
         if isinstance(v, enum.Enum):
@@ -316,6 +319,13 @@ def restore(current: Any, saved: Any, name: str) -> Any:
             current = np.random.RandomState()
         current.set_state(restore(MISSING, state, name))
         return current
+    if kind == "torch.device":
+        return sys.modules["torch"].device(saved["v"])
+    if kind == "torch.dtype":
+        dtype = getattr(sys.modules["torch"], saved["v"].removeprefix("torch."), None)
+        if not isinstance(dtype, sys.modules["torch"].dtype):
+            raise ReplayError(f"'{name}' held {saved['v']}, which this torch does not have")
+        return dtype
     if kind == "torch.Generator":
         torch = sys.modules["torch"]
         if not isinstance(current, torch.Generator) or str(current.device) != saved["device"]:

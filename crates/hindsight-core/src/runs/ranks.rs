@@ -235,23 +235,6 @@ pub enum ReplayWorld {
     OneProcess,
 }
 
-/// A multi-rank run's replay workers are `torchrun` jobs of this machine:
-/// a launcher whose workers run elsewhere (`--launcher slurm`) is refused
-/// for it, naming the run.
-pub fn check_replay_launcher(run_id: &str, versions_json: &str, local: bool) -> Result<()> {
-    let n = recorded_world(versions_json);
-    if n <= 1 || local {
-        return Ok(());
-    }
-    Err(Error::invalid(
-        "--launcher",
-        format!(
-            "run {run_id} was recorded by {n} ranks: its replay workers run as torchrun jobs on this \
-             machine (--launcher local); a batch launcher does not place multi-rank workers yet"
-        ),
-    ))
-}
-
 /// Refuse `what` when this process is one of several ranks (see the module
 /// header); a bad launcher variable is an error naming it.
 pub fn refuse_several_ranks(what: &str) -> Result<()> {
@@ -380,11 +363,5 @@ mod tests {
                 "{e}"
             );
         }
-        assert!(check_replay_launcher("r", r#"{"world_size": 1}"#, false).is_ok());
-        assert!(check_replay_launcher("r", r#"{"world_size": 2}"#, true).is_ok());
-        let e = check_replay_launcher("r", r#"{"world_size": 2}"#, false)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("run r was recorded by 2 ranks"), "{e}");
     }
 }

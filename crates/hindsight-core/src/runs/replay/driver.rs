@@ -197,6 +197,10 @@ pub struct Threads {
     /// Per run: each worker's thread count, and whether that is the
     /// recording's (only then are its values compared bit for bit).
     pub runs: Vec<(usize, bool)>,
+    /// CPUs a batch launcher's task asks for: the widest worker's
+    /// processes (a multi-rank run's worker is a torchrun job of its ranks
+    /// on the task's node) times each one's threads.
+    pub task_cpus: usize,
 }
 
 /// The thread rule of a replay. Exactness needs the recording's thread
@@ -239,7 +243,7 @@ pub fn threads(
         }
     }
     let fair = (cores / budget).max(1);
-    let runs = recorded
+    let runs: Vec<(usize, bool)> = recorded
         .iter()
         .map(|want| match (want, fast) {
             (Some(w), false) => (*w, true),
@@ -247,10 +251,17 @@ pub fn threads(
             (None, _) => (fair, true),
         })
         .collect();
+    let task_cpus = runs
+        .iter()
+        .zip(ranks.iter().chain(std::iter::repeat(&1)))
+        .map(|((t, _), n)| t * n.max(&1))
+        .max()
+        .unwrap_or(1);
     Threads {
         budget,
         capped,
         runs,
+        task_cpus,
     }
 }
 
@@ -368,9 +379,13 @@ mod tests {
         // A worker of a 2-rank run is 2 processes: 8 cores hold 2 such workers of 2 threads.
         let t = threads(8, 4, &[4], &[Some(2)], &[2], false, true);
         assert_eq!(
-            (t.budget, t.capped, t.runs.clone()),
-            (2, Some((4, 2)), vec![(2, true)])
+            (t.budget, t.capped, t.runs.clone(), t.task_cpus),
+            (2, Some((4, 2)), vec![(2, true)], 4)
         );
+        // A batch task holds its worker's ranks, each with its threads: the
+        // widest over the runs (a 4-rank run of 3 threads, a 1-process one of 8).
+        let t = threads(2, 8, &[2, 1], &[Some(3), Some(8)], &[4, 1], false, false);
+        assert_eq!((t.budget, t.task_cpus), (8, 12));
     }
 
     #[test]
