@@ -276,6 +276,42 @@ def test_an_epoch_level_probe_of_a_multi_rank_run_replays_on_one_process(tmp_pat
     assert len(losses(tmp_path, "wsum")) == 3
 
 
+def test_an_epoch_probe_that_all_reduces_stops_on_one_process_and_replays_on_the_recorded_ranks(
+    tmp_path: Path,
+) -> None:
+    """The epoch code all_reduces a value over the ranks (a validation
+    loss's shape) and a new probe logs it: on one process it would be one
+    process's sum, a wrong value no recording can check. The one-process
+    worker stops at the call, naming it and --recorded-ranks; with it, the
+    restore-only worker runs on the 2 recorded ranks and logs what a
+    recording with the probe logged."""
+    recorded, probed = tmp_path / "recorded", tmp_path / "probed"
+    text = ZOO.read_text()
+    assert PROBES[0] in text
+    reduced = (
+        "                t = torch.tensor([sum(p.double().sum().item() for p in self.model.parameters())])\n"
+        "                torch.distributed.all_reduce(t)\n"
+    )
+    base = text.replace(PROBES[0], PROBES[0] + reduced)
+    with_probe = base.replace(reduced, reduced + '                hs.log("w_all", t.item())\n')
+    for d in (recorded, probed):
+        d.mkdir()
+    (probed / ZOO.name).write_text(with_probe)
+    final(launch(probed, 2))
+    (recorded / ZOO.name).write_text(base)
+    final(launch(recorded, 2))
+    (recorded / ZOO.name).write_text(with_probe)
+    r = replay(recorded)
+    assert r.returncode != 0, r.stdout + r.stderr[-4000:]
+    assert "calls torch.distributed.all_reduce, whose value depends on the world size" in r.stderr, r.stderr[-4000:]
+    assert "hindsight replay --recorded-ranks" in r.stderr
+    r = replay(recorded, args=("--recorded-ranks",))
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert "partial replay of w_all" in r.stdout and "0 inner-loop steps executed" in r.stdout, r.stdout
+    assert losses(recorded, "w_all") == losses(probed, "w_all")
+    assert len(losses(recorded, "w_all")) == EPOCHS
+
+
 def test_the_ddp_tutorials_epoch_probe_in_its_trainer_method_replays_on_one_process(tmp_path: Path) -> None:
     """The zoo's DDP tutorial runs its loops in `Trainer.train`, called as
     `trainer.train(n)`: a probe after the inner loop has a place (it was

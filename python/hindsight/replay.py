@@ -2,6 +2,7 @@
 their values without re-training.
 
     hindsight replay train.py [--run ID ...] [-j G] [--where "epoch >= 10"] [--force] [--fast] [--allow-divergence]
+                              [--recorded-ranks]
                               [--launcher slurm [--sbatch=--partition=P ...]]
 
 New statements outside the inner loops: partial replay (the training steps
@@ -355,10 +356,12 @@ def _prepare(
     versions = json.loads(run["versions_json"] or "{}")
     # The script as it is now (the one analysed, or the recorded version with
     # the new statements placed into it), run where the recording ran.
-    # A worker of a multi-rank run that only restores runs on one process.
+    # A worker of a multi-rank run that only restores runs on one process
+    # (unless --recorded-ranks).
     workers = []
     for w in plan.workers:
-        command = db.worker_command(run["id"], run["project_root"], str(to_run), sys.executable, w.restores_only)
+        one = w.restores_only and not args.recorded_ranks
+        command = db.worker_command(run["id"], run["project_root"], str(to_run), sys.executable, one)
         workers.append(
             Worker(w.worker, w.modes, w, run["id"], command.argv, command.cwd, command.ranks, torchrun=command.torchrun)
         )
@@ -441,6 +444,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run -j workers at once with cores/j threads each, even where the recording used more threads: "
         "values may differ in the last bits (compared within a tolerance, kept marked 'inexact')",
+    )
+    p.add_argument(
+        "--recorded-ranks",
+        action="store_true",
+        help="a multi-rank run's workers that only restore checkpoints (new values at the outer loop's level) run "
+        "on the recorded ranks too, not on one process: for epoch code whose values depend on the world size "
+        "(an all_reduce, a DistributedSampler's share)",
     )
     p.add_argument("--strict", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
     p.add_argument("--home", help="project home (default: $HINDSIGHT_HOME or <git root>/.hindsight)")

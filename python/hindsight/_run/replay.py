@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import functools
 import io
 import json
 import os
@@ -57,15 +58,17 @@ class ReplayRun(Run):
         self.reshard = world == "one_process"
         if self.reshard:
             self.session.set_cost_rule(False)
+            n = json.loads(versions).get("world_size")
             print(
                 f"hindsight: this replay worker only restores run {self.run_id}'s checkpoints (saved by "
-                f"{json.loads(versions).get('world_size')} ranks): on one process, resharded onto it; values "
-                'logged with rank="all" are its own, and code that depends on the world size (a '
-                "DistributedSampler's share, an all_reduce) computes this one process's; recorded values are "
+                f'{n} ranks): on one process, resharded onto it; values logged with rank="all" are its own, '
+                "and epoch code that depends on the world size (a DistributedSampler's share) computes this one "
+                "process's (hindsight replay --recorded-ranks runs it on the recorded ranks); recorded values are "
                 "still checked",
                 file=sys.stderr,
                 flush=True,
             )
+            _refuse_world_values((self.root, self.script.parent), self.run_id, n)
         # Rank 0 reports the worker's progress (and stages its values).
         fd = self.plan.progress_fd
         self.progress: int | None = inherited_pipe(fd) if fd is not None and self.leads else None
@@ -288,3 +291,56 @@ def _parse_quietly(parser: Any, argv: list[str]) -> Any:
         if action.dest is not argparse.SUPPRESS and action.default is not argparse.SUPPRESS:
             setattr(ns, action.dest, action.default)
     return ns
+
+
+# Collectives whose result depends on how many ranks take part.
+_WORLD_VALUES = (
+    "all_reduce",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "gather",
+    "gather_object",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+)
+
+
+def _refuse_world_values(project: tuple[Path, ...], run_id: str, world: object) -> None:
+    """On one process standing for a multi-rank run: a collective that the
+    project's own code calls would compute one process's value where the
+    recording's ranks computed the job's (an all_reduce of a validation
+    loss), a wrong value with no recorded one to check it against. It stops
+    the worker, naming the call and the way to replay it exactly. Calls
+    from torch itself (FSDP gathering its shards) compute the same on any
+    world size and go through."""
+    import torch.distributed as dist
+
+    here = tuple(str(d.resolve()) + os.sep for d in project)
+
+    def own(filename: str) -> bool:
+        """The project's code (the script, its modules), not a library's."""
+        path = os.path.realpath(filename)
+        return path.startswith(here) and "-packages" + os.sep not in path
+
+    for name in _WORLD_VALUES:
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def trap(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+            caller = sys._getframe(1)
+            if own(caller.f_code.co_filename):
+                raise ReplayError(
+                    f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno} calls "
+                    f"torch.distributed.{_name}, whose value depends on the world size: this replay worker runs "
+                    f"run {run_id} (recorded by {world} ranks) on one process, where it would compute one "
+                    "process's value. Replay with hindsight replay --recorded-ranks to run it on the recorded ranks"
+                )
+            return _original(*args, **kwargs)
+
+        functools.update_wrapper(trap, original)
+        setattr(dist, name, trap)
