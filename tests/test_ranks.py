@@ -276,15 +276,16 @@ def test_an_epoch_level_probe_of_a_multi_rank_run_replays_on_one_process(tmp_pat
     assert len(losses(tmp_path, "wsum")) == 3
 
 
-def test_an_epoch_probe_that_all_reduces_stops_on_one_process_and_replays_on_the_recorded_ranks(
+def test_epoch_probes_whose_values_need_the_ranks_stop_on_one_process_and_replay_on_the_recorded_ranks(
     tmp_path: Path,
 ) -> None:
     """The epoch code all_reduces a value over the ranks (a validation
-    loss's shape) and a new probe logs it: on one process it would be one
-    process's sum, a wrong value no recording can check. The one-process
-    worker stops at the call, naming it and --recorded-ranks; with it, the
-    restore-only worker runs on the 2 recorded ranks and logs what a
-    recording with the probe logged."""
+    loss's shape) and a new probe logs it, or a new probe passes over the
+    rank's share of the data: on one process each would be one process's
+    value, wrong, with no recorded one to check it. The one-process worker
+    stops, naming the call and --recorded-ranks; with it, the restore-only
+    worker runs on the 2 recorded ranks and logs what a recording with the
+    probes logged."""
     recorded, probed = tmp_path / "recorded", tmp_path / "probed"
     text = ZOO.read_text()
     assert PROBES[0] in text
@@ -293,23 +294,33 @@ def test_an_epoch_probe_that_all_reduces_stops_on_one_process_and_replays_on_the
         "                torch.distributed.all_reduce(t)\n"
     )
     base = text.replace(PROBES[0], PROBES[0] + reduced)
-    with_probe = base.replace(reduced, reduced + '                hs.log("w_all", t.item())\n')
+    w_all = reduced + '                hs.log("w_all", t.item())\n'
+    # An epoch-end pass over the rank's share of the training set.
+    seen = '                hs.log("seen", sum(len(x) for x, _ in self.train_data))\n'
     for d in (recorded, probed):
         d.mkdir()
-    (probed / ZOO.name).write_text(with_probe)
+    # (The pass draws the loader's seed from the global RNG: a recording
+    # with it trains otherwise; its value is each rank's share, 512 / 2.)
+    (probed / ZOO.name).write_text(base.replace(reduced, w_all))
     final(launch(probed, 2))
     (recorded / ZOO.name).write_text(base)
     final(launch(recorded, 2))
-    (recorded / ZOO.name).write_text(with_probe)
+    (recorded / ZOO.name).write_text(base.replace(reduced, w_all))
     r = replay(recorded)
     assert r.returncode != 0, r.stdout + r.stderr[-4000:]
     assert "calls torch.distributed.all_reduce, whose value depends on the world size" in r.stderr, r.stderr[-4000:]
     assert "hindsight replay --recorded-ranks" in r.stderr
+    (recorded / ZOO.name).write_text(base.replace(reduced, seen + reduced))
+    r = replay(recorded)
+    assert r.returncode != 0, r.stdout + r.stderr[-4000:]
+    assert "epoch code iterates a DistributedSampler over 1 replica(s)" in r.stderr, r.stderr[-4000:]
+    (recorded / ZOO.name).write_text(base.replace(reduced, w_all + seen))
     r = replay(recorded, args=("--recorded-ranks",))
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    assert "partial replay of w_all" in r.stdout and "0 inner-loop steps executed" in r.stdout, r.stdout
+    assert "partial replay of seen, w_all" in r.stdout and "0 inner-loop steps executed" in r.stdout, r.stdout
     assert losses(recorded, "w_all") == losses(probed, "w_all")
     assert len(losses(recorded, "w_all")) == EPOCHS
+    assert [v for _, _, v in losses(recorded, "seen")] == [256] * EPOCHS
 
 
 def test_the_ddp_tutorials_epoch_probe_in_its_trainer_method_replays_on_one_process(tmp_path: Path) -> None:
@@ -715,3 +726,32 @@ def test_ddp_on_the_gpu_with_two_ranks_stops_together_and_resumes_exactly(tmp_pa
     assert final(launch(tmp_path, 2, **CUDA)) == reference
     assert [r["status"] for r in runs(tmp_path)] == ["completed"]
     assert losses(tmp_path, "rank_loss") == losses(tmp_path / "ref", "rank_loss")
+
+
+def test_hs_run_id_on_a_following_rank_is_refused_before_the_ranks_meet_and_agrees_after(tmp_path: Path) -> None:
+    """Rank 1 learns the job's run as the outer loop starts: before that its
+    hs.run_id() was "" (a file named from it went astray); now it is
+    refused, naming why. Inside the loop every rank has rank 0's id."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, torch.distributed as dist, hindsight as hs\n"
+        'dist.init_process_group("gloo")\n'
+        "m = torch.nn.Linear(2, 2)\n"
+        "try:\n"
+        "    early = hs.run_id()\n"
+        "except hs.InvalidArgumentError as e:\n"
+        "    early = str(e)\n"
+        "with hs.checkpointing(model=m):\n"
+        '    for epoch in hs.loop("epoch", range(1)):\n'
+        "        ids = [None, None]\n"
+        "        dist.all_gather_object(ids, hs.run_id())\n"
+        'print("RANK", dist.get_rank(), early, "|", " ".join(ids), flush=True)\n'
+        "dist.destroy_process_group()\n"
+    )
+    r = launch(tmp_path, 2, script=script)
+    assert r.returncode == 0, r.stderr[-3000:]
+    [run] = runs(tmp_path)
+    lines = sorted(line for line in r.stdout.splitlines() if line.startswith("RANK"))
+    assert lines[0] == f"RANK 0 {run['id']} | {run['id']} {run['id']}", lines
+    assert lines[1].startswith("RANK 1 hs.run_id() on rank 1 before the outer hs.loop starts"), lines
+    assert lines[1].endswith(f"| {run['id']} {run['id']}"), lines

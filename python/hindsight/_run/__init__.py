@@ -221,7 +221,15 @@ def checkpointing(
 
 
 def run_id() -> str:
-    return str(current().run_id)
+    run = current()
+    if not run.run_id:
+        # A following rank learns the job's run when the ranks meet (the
+        # outer loop's start): an empty id would name files wrongly.
+        raise InvalidArgumentError(
+            f"hs.run_id() on rank {run.rank_index} before the outer hs.loop starts: the ranks agree on the "
+            "job's one run there (rank 0 creates or resumes it); call it inside or after the loop"
+        )
+    return str(run.run_id)
 
 
 def notebook(path: str | os.PathLike[str]) -> None:

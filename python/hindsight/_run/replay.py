@@ -62,8 +62,8 @@ class ReplayRun(Run):
             print(
                 f"hindsight: this replay worker only restores run {self.run_id}'s checkpoints (saved by "
                 f'{n} ranks): on one process, resharded onto it; values logged with rank="all" are its own, '
-                "and epoch code that depends on the world size (a DistributedSampler's share) computes this one "
-                "process's (hindsight replay --recorded-ranks runs it on the recorded ranks); recorded values are "
+                "and epoch code whose values depend on the world size (a collective, a DistributedSampler) "
+                "stops it (hindsight replay --recorded-ranks runs it on the recorded ranks); recorded values are "
                 "still checked",
                 file=sys.stderr,
                 flush=True,
@@ -313,7 +313,8 @@ def _refuse_world_values(project: tuple[Path, ...], run_id: str, world: object) 
     """On one process standing for a multi-rank run: a collective that the
     project's own code calls would compute one process's value where the
     recording's ranks computed the job's (an all_reduce of a validation
-    loss), a wrong value with no recorded one to check it against. It stops
+    loss), and a DistributedSampler iterated would give one process's share;
+    wrong values with no recorded ones to check them against. They stop
     the worker, naming the call and the way to replay it exactly. Calls
     from torch itself (FSDP gathering its shards) compute the same on any
     world size and go through."""
@@ -344,3 +345,22 @@ def _refuse_world_values(project: tuple[Path, ...], run_id: str, world: object) 
 
         functools.update_wrapper(trap, original)
         setattr(dist, name, trap)
+
+    # A DistributedSampler's share: one process's is the whole data set. The
+    # inner loop's is never iterated here (it is restored); a loader that
+    # is (a validation set's, an epoch-end pass) gives other values.
+    from torch.utils.data.distributed import DistributedSampler
+
+    sampler_iter = DistributedSampler.__iter__
+
+    def share(self: Any) -> Any:
+        if str(self.num_replicas) != str(world):
+            raise ReplayError(
+                f"epoch code iterates a DistributedSampler over {self.num_replicas} replica(s): this replay worker "
+                f"runs run {run_id} (recorded by {world} ranks) on one process, where each share is another "
+                "set of examples than the recording's ranks saw. Replay with hindsight replay --recorded-ranks "
+                "to run it on the recorded ranks"
+            )
+        return sampler_iter(self)
+
+    DistributedSampler.__iter__ = functools.update_wrapper(share, sampler_iter)  # type: ignore[method-assign]
