@@ -321,11 +321,12 @@ def _refuse_world_values(project: tuple[Path, ...], run_id: str, world: object) 
     import torch.distributed as dist
 
     here = tuple(str(d.resolve()) + os.sep for d in project)
+    ours = str(Path(__file__).resolve().parents[1]) + os.sep  # hindsight's own gathers (an editable install)
 
     def own(filename: str) -> bool:
         """The project's code (the script, its modules), not a library's."""
         path = os.path.realpath(filename)
-        return path.startswith(here) and "-packages" + os.sep not in path
+        return path.startswith(here) and "-packages" + os.sep not in path and not path.startswith(ours)
 
     for name in _WORLD_VALUES:
         original = getattr(dist, name, None)
