@@ -394,27 +394,18 @@ def holds_dtensor(obj: Any) -> bool:
     """Whether ``obj`` (a state tree: state dicts, modules' and optimizers')
     holds a DTensor, which only this module's save keeps whole."""
     DTensor = _dtensor_type()
-    if DTensor is None:
-        return False
-    found = False
-
-    def visit(t: Any, key: str, keep: bool = False) -> Any:
-        nonlocal found
-        found = found or isinstance(t, DTensor)
-        return t
-
-    _walk(obj, "", visit)
-    return found
+    return DTensor is not None and _has_tensor(obj, lambda t: isinstance(t, DTensor))
 
 
-def _has_tensor(obj: Any) -> bool:
+def _has_tensor(obj: Any, which: Any = None) -> bool:
+    """Whether ``obj`` holds a tensor (one ``which`` accepts), stopping at the first."""
     torch = _torch()
     if isinstance(obj, torch.Tensor):
-        return True
+        return which is None or bool(which(obj))
     if isinstance(obj, Mapping):
-        return any(_has_tensor(v) for v in obj.values())
+        return any(_has_tensor(v, which) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return any(_has_tensor(v) for v in obj)
+        return any(_has_tensor(v, which) for v in obj)
     return False
 
 

@@ -66,6 +66,8 @@ class RecordRun(Run):
         self.agreed_signal: int | None = None
         # The multi-rank checkpoint whose parts are written but not yet committed.
         self.dist_save: Any = None
+        # Whether checkpoints are saved the job's way (`hindsight.dist`): set at the first save.
+        self.sharded: bool | None = None
         super().__init__()
         self.resume_pending = False
         # This process continues an interrupted run (a relaunch after a preemption).
@@ -339,8 +341,11 @@ class RecordRun(Run):
         from hindsight import dist
 
         # FSDP2 on one rank (one GPU) is sharded too: its DTensors are saved
-        # the job's way, which a plain save refuses.
-        if self.ranks is None and not dist.holds_dtensor(state["objects"]):
+        # the job's way, which a plain save refuses. Looked for once: a
+        # model is sharded before it trains.
+        if self.sharded is None:
+            self.sharded = self.ranks is not None or dist.holds_dtensor(state["objects"])
+        if not self.sharded:
             h = self.store.save(ck.name, state, meta=meta)
         else:
             # One checkpoint of the job: the objects (replicated under DDP,
