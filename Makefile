@@ -74,9 +74,15 @@ slurm: ## Install Debian's Slurm (slurmctld, slurmd, client) and munge for the c
 		|| { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends $(SLURM_PACKAGES) >/dev/null; }; \
 	fi
 
+# Two workers, a test file on one (docs/testing.md); then the tests that
+# measure the machine, alone. Exit 5 is "no test selected" (PYTEST_ARGS
+# naming a file without serial tests).
+PYTEST_PARALLEL ?= -n 2 --dist loadgroup
+
 .PHONY: test-python
 test-python: develop slurm ## pytest suite against real torch (and a real single-node Slurm cluster)
-	cd tests && $(PY) -m pytest -q $(PYTEST_ARGS)
+	cd tests && $(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not serial and not matrix" $(PYTEST_ARGS)
+	cd tests && { $(PY) -m pytest -q -p no:xdist -m "serial and not matrix" $(PYTEST_ARGS) || test $$? = 5; }
 
 .PHONY: test
 test: venv lint test-rust test-python ## Everything CI runs: lint, Rust tests (+ S3 conformance), pytest
@@ -119,8 +125,9 @@ wheel: $(STAMP) ## Release wheel in dist/ (abi3), e.g. to carry to a GPU machine
 	VIRTUAL_ENV=$(VENV) PATH=$(VENV)/bin:$$PATH $(VENV)/bin/maturin build --quiet --release -o dist
 
 .PHONY: chaos
-chaos: develop-release ## Fault injection (kill -9, gc vs writers, corruption, manifest fuzzer): table of trials and failures
+chaos: develop-release ## Fault injection (kill -9, gc vs writers, corruption, manifest fuzzer): table of trials and failures; the signal matrices (pytest -m matrix)
 	$(PY) benches/chaos.py
+	cd tests && $(PY) -m pytest -q $(PYTEST_PARALLEL) -m matrix $(PYTEST_ARGS)
 
 .PHONY: zoo
 zoo: develop-release ## Acceptance suite: public training scripts (tests/zoo/) resumed after signals and replayed with probes (table)

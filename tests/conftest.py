@@ -5,18 +5,96 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import forkserver
 from s3util import prefix, s3_server  # noqa: F401  (fixtures: the loopback S3 server)
 from slurmutil import slurm  # noqa: F401  (fixture: the single-node Slurm cluster)
 
 REPO = Path(__file__).resolve().parent.parent
 
 
+_FORKS: forkserver.ForkServer | None = None
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--no-fork", action="store_true", help="start every test script in a fresh interpreter (tests/forkserver.py)"
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Scripts the tests run to completion start forked from a pre-imported
+    interpreter (tests/forkserver.py says which, and when not)."""
+    global _FORKS
+    if config.getoption("--no-fork"):
+        return
+    import torch
+
+    _FORKS = forkserver.ForkServer(default_threads=torch.get_num_threads())
+    subprocess.run = forkserver.routed_run(_FORKS, subprocess.run)  # type: ignore[assignment]
+
+
+_WORKER_COUNTS: list[dict[str, Any]] = []  # from pytest-xdist's workers, when they end
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _FORKS is not None and hasattr(session.config, "workeroutput"):  # an xdist worker
+        session.config.workeroutput["forks"] = {"forked": _FORKS.forked, "zygotes": _FORKS.started, "fresh": _FORKS.fresh}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    if "forks" in getattr(node, "workeroutput", {}):
+        _WORKER_COUNTS.append(node.workeroutput["forks"])
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How many scripts started forked, and why the others started afresh."""
+    mine = {"forked": _FORKS.forked, "zygotes": _FORKS.started, "fresh": _FORKS.fresh} if _FORKS else None
+    counts = [*_WORKER_COUNTS, *([mine] if mine else [])]
+    if not counts:
+        return
+    fresh: dict[str, int] = {}
+    for c in counts:
+        for why, n in c["fresh"].items():
+            fresh[why] = fresh.get(why, 0) + n
+    listed = ", ".join(f"{n} ({why})" for why, n in sorted(fresh.items(), key=lambda kv: -kv[1]))
+    forked, zygotes = sum(c["forked"] for c in counts), sum(c["zygotes"] for c in counts)
+    terminalreporter.write_line(f"forked scripts: {forked} (from {zygotes} zygotes); fresh interpreters: {listed or 0}")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _FORKS is not None:
+        _FORKS.close()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_marker(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test marked `fresh_process` starts every subprocess.run interpreter afresh."""
+    if _FORKS is None or request.node.get_closest_marker("fresh_process") is None:
+        yield
+        return
+    _FORKS.enabled = False
+    try:
+        yield
+    finally:
+        _FORKS.enabled = True
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`cuda` tests run where a GPU is; elsewhere they are skipped, saying why."""
+    """Under `-n 2 --dist loadgroup` (make test), a test file runs on one
+    worker (its module fixtures, such as a reference recording, are made
+    once), and every test on the Slurm cluster on one worker (one cluster).
+    `cuda` tests run where a GPU is; elsewhere they are skipped, saying why."""
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            group = "slurm" if item.get_closest_marker("slurm") else item.path.stem
+            item.add_marker(pytest.mark.xdist_group(group))
     import torch
 
     if torch.cuda.is_available():

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hindsight import _native
 
 SCRIPT = """\
@@ -36,6 +38,7 @@ with hs.checkpointing(model=net, optimizer=opt):
 """
 
 
+@pytest.mark.serial  # it needs the cores idle: not beside another test
 def test_a_loop_that_leaves_the_cores_idle_checkpoints_every_epoch(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)

@@ -453,7 +453,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]
     return torch.load(d / "final.pt")
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGUSR1", "kill-9"])
+@pytest.mark.parametrize("how", ["SIGTERM", pytest.param("SIGUSR1", marks=pytest.mark.matrix), "kill-9"])
 def test_training_fed_by_the_service_resumes_bit_identical_after_preemption(tmp_path, trained, how):
     """40 steps in 2 epochs; interrupt at a random step, run again: the
     weights equal those of the uninterrupted run."""

@@ -125,7 +125,12 @@ def test_a_rank_killed_mid_save_leaves_no_checkpoint_listed(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(
-    ("sig", "to"), [(signal.SIGTERM, "rank 1"), (signal.SIGUSR1, "rank 1"), (signal.SIGTERM, "torchrun")]
+    ("sig", "to"),
+    [
+        (signal.SIGTERM, "rank 1"),
+        pytest.param(signal.SIGUSR1, "rank 1", marks=pytest.mark.matrix),  # the same path as SIGTERM's
+        (signal.SIGTERM, "torchrun"),
+    ],
 )
 def test_a_signal_to_one_rank_or_the_launcher_stops_every_rank_at_the_same_step_and_the_job_resumes_exactly(
     tmp_path: Path, sig: int, to: str

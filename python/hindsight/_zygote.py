@@ -9,7 +9,7 @@ of heavy packages without import-time effects, then forks one child per
 worker request. The child takes the request's standard output, standard
 error and progress descriptors (passed over a Unix socket), environment,
 directory and argv, sets torch's thread count, and runs the script as
-`__main__`, as `python script.py` would. Each child's exit status comes back
+`__main__`, as `python script.py` (or `-c`, `-m`) would. Each child's exit status comes back
 over the socket. Nothing in the zygote runs in parallel before a fork (an
 import starts no OpenMP or CUDA work), so the children start clean.
 
@@ -24,6 +24,8 @@ from __future__ import annotations
 import ast
 import atexit
 import contextlib
+import gc
+import io
 import json
 import os
 import selectors
@@ -60,7 +62,8 @@ def preload_modules(source: str) -> list[str]:
 
 # -- the driver's side ---------------------------------------------------------------
 class Zygote:
-    """A started zygote: `fork()` a worker, `wait()` for its status."""
+    """A started zygote: `fork()` a worker, `wait()` for its status. A worker's
+    argv is a script's, `-c CODE` or `-m MODULE`, after the interpreter."""
 
     def __init__(self, modules: list[str], env: dict[str, str]) -> None:
         self.sock, theirs = socket.socketpair()
@@ -134,6 +137,49 @@ class Zygote:
 
 
 # -- the zygote's side -------------------------------------------------------------------
+def _fresh_interpreter_state(env: dict[str, str]) -> None:
+    """What a new interpreter would differ in from a fork: the import path
+    from `env`'s PYTHONPATH, unbuffered output under PYTHONUNBUFFERED, and
+    random streams seeded anew (`random` and numpy seed from the OS at
+    import; a fork would hand every child the zygote's state, so unseeded
+    draws would repeat across workers)."""
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[1:1] = [os.path.abspath(p) for p in extra if os.path.abspath(p) not in sys.path]
+    if env.get("PYTHONUNBUFFERED"):
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            old = getattr(sys, name)
+            raw = open(fd, "wb", buffering=0, closefd=False)  # the process's own stream, kept open
+            setattr(sys, name, io.TextIOWrapper(raw, old.encoding, old.errors, write_through=True))
+    import random
+
+    random.seed()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()
+
+
+def _run_main(argv: list[str]) -> None:
+    """Run `argv` (the interpreter's arguments) as `__main__`, as `python
+    <argv>` would: a script, `-c CODE` or `-m MODULE`."""
+    import runpy
+    import types
+
+    if argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        sys.path[0] = ""
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        exec(compile(argv[1], "<string>", "exec"), main.__dict__)  # what `python -c` does
+    elif argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's file in argv[0]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
 def _child(request: dict[str, Any], fds: list[int]) -> None:
     """In the forked child: become `python <argv>` and never return."""
     code = 1
@@ -149,16 +195,12 @@ def _child(request: dict[str, Any], fds: list[int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        script = request["argv"][0]
-        sys.argv = list(request["argv"])
-        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        _fresh_interpreter_state(request["env"])
         torch = sys.modules.get("torch")
         if torch is not None:
             torch.set_num_threads(int(request["threads"]))
-        import runpy
-
         try:
-            runpy.run_path(script, run_name="__main__")
+            _run_main(list(request["argv"]))
             code = 0
         except SystemExit as e:
             if e.code is None:
@@ -255,8 +297,18 @@ def main() -> None:
     if torch is not None and torch.cuda.is_initialized():
         sock.sendall(json.dumps({"ready": False, "why": "an import initialized CUDA"}).encode() + b"\n")
         return
+    # The imported modules' objects go to the collector's permanent
+    # generation: a child's collections then walk only its own objects, and
+    # never touch (so never copy) the pages it shares with the zygote.
+    gc.collect()
+    gc.freeze()
     serve(sock)
 
 
 if __name__ == "__main__":
     main()
+    # Nothing of the zygote's needs finalizing, and some extensions' teardown
+    # prints warnings (nanobind's leak report) that are not the user's.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
