@@ -44,7 +44,11 @@ _WORKER_COUNTS: list[dict[str, Any]] = []  # from pytest-xdist's workers, when t
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if _FORKS is not None and hasattr(session.config, "workeroutput"):  # an xdist worker
-        session.config.workeroutput["forks"] = {"forked": _FORKS.forked, "zygotes": _FORKS.started, "fresh": _FORKS.fresh}
+        session.config.workeroutput["forks"] = {
+            "forked": _FORKS.forked,
+            "zygotes": _FORKS.started,
+            "fresh": _FORKS.fresh,
+        }
 
 
 @pytest.hookimpl(optionalhook=True)

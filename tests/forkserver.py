@@ -78,7 +78,7 @@ class ForkServer:
             return "not an argv list"
         args = [os.fspath(a) for a in argv]
         if args[0] == sys.executable:
-            if args[1] in ("-c", "-m") and len(args) < 3 or args[1].startswith("-") and args[1] not in ("-c", "-m"):
+            if (args[1] in ("-c", "-m") and len(args) < 3) or (args[1].startswith("-") and args[1] not in ("-c", "-m")):
                 return f"interpreter option {args[1]}"
         elif not _is_console_script(args[0]):
             return "not python"

@@ -95,6 +95,9 @@ def recorded(tmp_path: Path) -> Path:
     return script
 
 
+# The replay prices a restore against the step it saves from measured times:
+# beside another test's load it may rightly execute.
+@pytest.mark.serial
 def test_epoch_level_probes_in_main_and_in_a_helper_replay_without_training(recorded, reference):
     script = recorded
     project(script.parent, IN_MAIN, IN_TEST)

@@ -305,6 +305,9 @@ def test_local_first_upload_failure_surfaces_at_flush_and_keeps_the_local_copy(s
         assert torch.equal(copy.load("b")["x"], torch.zeros(10))
 
 
+# Beside another test's load a rank aborted once (C++ terminate, exit -6;
+# not seen alone): alone until that is understood (docs/testing.md).
+@pytest.mark.serial
 def test_two_torchrun_ranks_commit_one_checkpoint_on_s3_that_loads_on_one_rank(prefix, tmp_path):
     """hindsight.dist on object storage (what ranks on several nodes share):
     each rank's part is uploaded, rank 0 finds them by listing, commits the

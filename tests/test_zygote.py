@@ -77,3 +77,34 @@ def test_preloaded_modules_are_the_heavy_top_level_imports() -> None:
     src += "def f():\n    import pandas\n"
     assert preload_modules(src) == ["torch", "lightning.pytorch", "numpy"]
     assert preload_modules("this is not python(") == []
+
+
+def _run(z: Zygote, argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str]:
+    out_r, out_w = os.pipe()
+    with open(os.devnull, "wb") as devnull:
+        n = z.fork([sys.executable, *argv], str(cwd), env, (out_w, devnull.fileno(), devnull.fileno()), 1)
+    os.close(out_w)
+    return z.wait(n), _read_all(out_r)
+
+
+def test_a_forked_child_is_python_c_or_m_with_its_pythonpath_and_its_own_random_streams(tmp_path: Path) -> None:
+    """What a new interpreter would differ in: `-c` and `-m` run as
+    `__main__`, the request's PYTHONPATH is importable, and `random` and
+    numpy draw other numbers in each child (a fork would repeat the zygote's
+    streams: unseeded draws equal across workers)."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "zyg_mod.py").write_text("import sys\nprint('module', __name__, sys.argv[1:])\n")
+    draw = "import random, sys, numpy; print(__name__, sys.argv[1:], random.random(), numpy.random.rand())"
+    env = {**os.environ, "PYTHONPATH": str(lib)}
+    z = Zygote(["numpy"], dict(os.environ))
+    try:
+        status, out = _run(z, ["-m", "zyg_mod", "a"], tmp_path, env)
+        assert (status, out.strip()) == (0, "module __main__ ['a']")
+        draws = [_run(z, ["-c", draw, "b"], tmp_path, env) for _ in range(2)]
+        assert [s for s, _ in draws] == [0, 0]
+        (first, second) = (o.split() for _, o in draws)
+        assert first[:2] == second[:2] == ["__main__", "['b']"]
+        assert first[2] != second[2] and first[3] != second[3]
+    finally:
+        z.close()

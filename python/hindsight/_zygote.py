@@ -293,6 +293,11 @@ def main() -> None:
         # itself, which then reports its error as a fresh interpreter would.
         with contextlib.suppress(Exception):
             __import__(name)
+    # This module is hindsight's, so `import hindsight` ran before the
+    # imports above; tag DataLoader iterators as it would have after them.
+    from hindsight._run import dataiter
+
+    dataiter.install()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         sock.sendall(json.dumps({"ready": False, "why": "an import initialized CUDA"}).encode() + b"\n")
