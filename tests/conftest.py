@@ -5,7 +5,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,17 +76,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         _FORKS.close()
 
 
-@pytest.fixture(autouse=True)
-def _fresh_process_marker(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A test marked `fresh_process` starts every subprocess.run interpreter afresh."""
-    if _FORKS is None or request.node.get_closest_marker("fresh_process") is None:
-        yield
-        return
-    _FORKS.enabled = False
-    try:
-        yield
-    finally:
-        _FORKS.enabled = True
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked `fresh_process` starts every subprocess.run interpreter
+    afresh, its module fixtures included (they are set up after this)."""
+    if _FORKS is not None:
+        _FORKS.enabled = item.get_closest_marker("fresh_process") is None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

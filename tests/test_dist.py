@@ -22,8 +22,9 @@ import hindsight as hs
 from conftest import children, hindsight_cmd
 
 # Several ranks per test on 2 cores: beside another test's load a rank aborted
-# at exit (C++ terminate, exit -6), so these run alone (docs/testing.md).
-pytestmark = pytest.mark.serial
+# at exit (C++ terminate, exit -6), so these run alone; their launchers start
+# afresh (a forked launcher failed in the serial phase; docs/testing.md).
+pytestmark = [pytest.mark.serial, pytest.mark.fresh_process]
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 

@@ -31,8 +31,9 @@ from hindsight import _native
 from conftest import children, hindsight_cmd
 
 # Several ranks per test on 2 cores: beside another test's load a rank aborted
-# at exit (C++ terminate, exit -6), so these run alone (docs/testing.md).
-pytestmark = pytest.mark.serial
+# at exit (C++ terminate, exit -6), so these run alone; their launchers start
+# afresh (a forked launcher failed in the serial phase; docs/testing.md).
+pytestmark = [pytest.mark.serial, pytest.mark.fresh_process]
 
 ZOO = Path(__file__).parent / "zoo" / "ddp_tutorial_loop.py"
 EPOCHS = 3
