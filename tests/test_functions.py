@@ -143,6 +143,8 @@ HANDS_FREE = (
 )
 
 
+# Asserts the plan (every epoch restored): the cost rule, as above.
+@pytest.mark.serial
 def test_hands_free_checkpointing_finds_the_objects_and_explains_them(tmp_path, reference):
     script = project(tmp_path / "proj", HANDS_FREE)
     r = subprocess.run(
