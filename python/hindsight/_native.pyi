@@ -22,6 +22,7 @@ __all__ = [
     "TORCH_DTYPES",
     "AbandonedError",
     "ArrayView",
+    "BatchPrinter",
     "BlockEnd",
     "BlockSave",
     "BlockStart",
@@ -956,6 +957,19 @@ def run_data_dispatcher(
 ) -> None: ...
 def parse_date(text: str) -> int: ...
 def batch_digest(parts: list[str | Any]) -> str: ...
+
+class BatchPrinter:
+    """Fingerprints what one training step consumed (`_run.batches`)."""
+
+    def __init__(
+        self,
+        plain_tensors: list[type],
+        leaf_types: list[type],
+        strided: object | None,
+        full_bytes: int,
+        leaf: Callable[[Any], list[Any]],
+    ) -> None: ...
+    def digest(self, batch: object) -> str: ...
 def resume_key(script: str, root: str, args: list[str]) -> str: ...
 
 # Exception classes, created by the binding (errors.rs); hindsight.errors re-exports them.

@@ -6,6 +6,7 @@ mod buffer;
 mod data;
 mod describe;
 mod errors;
+mod fingerprint;
 mod interrupt;
 mod naming;
 mod project;
@@ -782,6 +783,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(data::serve_data_worker, m)?)?;
     m.add_function(wrap_pyfunction!(data::run_data_dispatcher, m)?)?;
     runs::register(m)?;
+    fingerprint::register(m)?;
     project::register(m)?;
     settings::register(m)?;
     shards::register(m)?;

@@ -5,13 +5,14 @@ stores one fingerprint per step; a resume and every replay worker compare
 theirs with it, so data in another order or with other content is caught
 at the first step it differs, whatever the cause.
 
-Only this walk is Python's (it knows torch and numpy); the hash and the
-table are the engine's."""
+The walk and the hash are the engine's (`_native.BatchPrinter`, one call
+per step): it reads a small contiguous CPU tensor in place and hands every
+other tensor or array to `_leaf`, the only part that knows torch and numpy
+(sampling, device copies)."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
 from typing import Any
 
 from hindsight import _native
@@ -23,17 +24,15 @@ _FULL_BYTES = 16 << 20
 _SAMPLE_ELEMENTS = 1 << 20
 # Device tensors are sampled small: their bytes must first reach the host.
 _DEVICE_SAMPLE_ELEMENTS = 4096
-_MAX_DEPTH = 8
 
 
-def _tensor(t: Any, parts: list[Any]) -> None:
+def _tensor(t: Any) -> list[Any]:
     import torch
 
     t = t.detach()
     if t.layout != torch.strided:
-        parts.append(f"tensor {t.layout} {t.dtype} {tuple(t.shape)}")
-        return
-    parts.append(f"tensor {t.dtype} {tuple(t.shape)}")
+        return [f"tensor {t.layout} {t.dtype} {tuple(t.shape)}"]
+    parts: list[Any] = [f"tensor {t.dtype} {tuple(t.shape)}"]
     flat = t.reshape(-1)
     limit = _DEVICE_SAMPLE_ELEMENTS if t.device.type != "cpu" else None
     nbytes = flat.numel() * flat.element_size()
@@ -44,43 +43,42 @@ def _tensor(t: Any, parts: list[Any]) -> None:
     flat = flat.contiguous().cpu()
     if flat.numel():
         parts.append(flat.view(torch.uint8).numpy())
+    return parts
 
 
-def _walk(x: Any, parts: list[Any], depth: int) -> None:
+def _leaf(x: Any) -> list[Any]:
+    """The parts of what the native walk does not read itself: a tensor it
+    cannot read in place, or a numpy array."""
     torch = sys.modules.get("torch")
-    np = sys.modules.get("numpy")
     if torch is not None and isinstance(x, torch.Tensor):
-        _tensor(x, parts)
-    elif np is not None and isinstance(x, np.ndarray):
-        parts.append(f"array {x.dtype} {x.shape}")
-        if x.dtype.hasobject:
-            parts.append(repr(x.tolist())[:4096])
-        elif x.size:
-            parts.append(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
-    elif x is None or isinstance(x, (bool, int, float, str, bytes)):
-        parts.append(f"{type(x).__name__} {x!r}"[:4096])
-    elif depth >= _MAX_DEPTH:
-        parts.append(type(x).__qualname__)
-    elif isinstance(x, (list, tuple)):
-        parts.append(f"{type(x).__qualname__} {len(x)}")
-        for v in x:
-            _walk(v, parts, depth + 1)
-    elif isinstance(x, Mapping):
-        parts.append(f"{type(x).__qualname__} {len(x)}")
-        for k, v in x.items():
-            parts.append(str(k))
-            _walk(v, parts, depth + 1)
-    else:
-        # Another object (a framework's batch class): its attributes, if
-        # plain, else only its type.
-        fields = getattr(x, "__dict__", None)
-        parts.append(type(x).__qualname__)
-        if isinstance(fields, dict) and len(fields) <= 64:
-            _walk(fields, parts, depth + 1)
+        return _tensor(x)
+    parts: list[Any] = [f"array {x.dtype} {x.shape}"]
+    if x.dtype.hasobject:
+        parts.append(repr(x.tolist())[:4096])
+    elif x.size:
+        np = sys.modules["numpy"]
+        parts.append(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
+    return parts
+
+
+_printer: tuple[tuple[bool, bool], _native.BatchPrinter] | None = None
+
+
+def _current() -> _native.BatchPrinter:
+    """The printer for the frameworks loaded now (torch or numpy may be
+    imported after hindsight: a printer made before knows neither)."""
+    global _printer
+    loaded = ("torch" in sys.modules, "numpy" in sys.modules)
+    if _printer is None or _printer[0] != loaded:
+        torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
+        plain = [] if torch is None else [torch.Tensor, torch.nn.Parameter]
+        leaves = [m for m in (getattr(torch, "Tensor", None), getattr(np, "ndarray", None)) if m is not None]
+        strided = None if torch is None else torch.strided
+        _printer = (loaded, _native.BatchPrinter(plain, leaves, strided, _FULL_BYTES, _leaf))
+    return _printer[1]
 
 
 def digest(batch: Any) -> str:
-    """The fingerprint of what one step consumed."""
-    parts: list[Any] = []
-    _walk(batch, parts, 0)
-    return str(_native.batch_digest(parts))
+    """The fingerprint of what one step consumed (one native call: the walk
+    and the hash are the engine's; only `_leaf` is Python's)."""
+    return _current().digest(batch)

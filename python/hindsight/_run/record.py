@@ -890,19 +890,33 @@ class RecordRun(Run):
             self._gather_ranks_values()
         end = self.session.iteration_end(i, closing)
         if self.leads:
-            self.db.record_iteration(
-                self.run_id,
-                self.outer_name or "",
-                i,
-                time.perf_counter() - self.iter_start,
-                end.checkpoint,
-                self.iter_materialize if end.checkpoint is not None else None,
-                None if self.outer_value is None else int(self.outer_value),
+            # Queued behind the iteration's values: the log thread writes
+            # them in order, so a row naming a checkpoint never lands before
+            # the values that checkpoint covers (those were written before
+            # its save: `_end_block`).
+            self._submit(
+                functools.partial(
+                    self.db.record_iteration,
+                    self.run_id,
+                    self.outer_name or "",
+                    i,
+                    time.perf_counter() - self.iter_start,
+                    end.checkpoint,
+                    self.iter_materialize if end.checkpoint is not None else None,
+                    None if self.outer_value is None else int(self.outer_value),
+                )
             )
         if end.apply_retention:
             self.flush_logs()
             self.apply_retention()
-        self.flush_logs()
+        if apart or end.save is not None or end.exit is not None:
+            self.flush_logs()
+        else:
+            # Handed to the log thread, not waited for: the training thread
+            # goes on (a write's error surfaces at the next call). The
+            # values are durable at every checkpoint, signal and exit.
+            self._flush_buffers()
+            self._raise_log_error()
         if apart:
             return
         if end.save is not None:

@@ -4,6 +4,12 @@
 /// Default record-overhead bound ε of the adaptive policy (1/15 ≈ 6.67%, Flor).
 pub const DEFAULT_EPSILON: f64 = 1.0 / 15.0;
 
+/// The most of the budget the recording's fixed work (its loop hooks) may
+/// take from checkpoints. Charged in full, hooks that alone exceed ε (a loop
+/// of sub-millisecond steps) would leave a run with no checkpoint at all,
+/// however cheap one is; capped, checkpoints always keep half the budget.
+pub const HOOKS_SHARE: f64 = 0.5;
+
 /// Adaptive checkpointing period: Flor's *Joint Invariant* (seed 001, §3.2).
 ///
 /// A block (loop iteration) is tested after it executed and before its
@@ -55,6 +61,9 @@ pub struct AdaptivePolicy {
     /// Σ materialize seconds over the `k` checkpoints (expected, or actual
     /// once corrected by [`observe_materialize`](Self::observe_materialize)).
     pub total_materialize_secs: f64,
+    /// Σ seconds of the recording's own work outside checkpoints
+    /// ([`observe_overhead`](Self::observe_overhead)).
+    pub total_hooks_secs: f64,
     /// Restore observations that `c` is the mean of (0: `c` is the prior).
     pub restore_observations: u64,
     /// Expected materialization of the latest checkpoint, until corrected.
@@ -77,6 +86,7 @@ impl AdaptivePolicy {
             k: 0,
             total_compute_secs: 0.0,
             total_materialize_secs: 0.0,
+            total_hooks_secs: 0.0,
             restore_observations: 0,
             pending_materialize_secs: None,
         }
@@ -92,10 +102,25 @@ impl AdaptivePolicy {
         (1.0 / (1.0 + c)).min(self.epsilon)
     }
 
-    /// Materialization seconds / compute seconds so far (0 before any compute).
+    /// Everything the recording cost (checkpoints and hooks) / compute
+    /// seconds so far (0 before any compute).
     pub fn overhead(&self) -> f64 {
-        if self.total_compute_secs > 0.0 {
-            self.total_materialize_secs / self.total_compute_secs
+        self.checkpoint_share() + self.hooks_share()
+    }
+
+    /// Checkpoints' seconds / compute seconds so far.
+    pub fn checkpoint_share(&self) -> f64 {
+        Self::share(self.total_materialize_secs, self.total_compute_secs)
+    }
+
+    /// The hooks' seconds / compute seconds so far.
+    pub fn hooks_share(&self) -> f64 {
+        Self::share(self.total_hooks_secs, self.total_compute_secs)
+    }
+
+    fn share(secs: f64, compute: f64) -> f64 {
+        if compute > 0.0 {
+            secs / compute
         } else {
             0.0
         }
@@ -115,9 +140,11 @@ impl AdaptivePolicy {
             return false;
         }
         let m = expected_materialize_secs.max(0.0);
-        // (ΣM + M) / (k + 1)  /  (ΣC / n)  <  n / (k + 1) · threshold, multiplied out.
-        let checkpoint =
-            self.total_materialize_secs + m < self.total_compute_secs * self.threshold();
+        // (ΣM + M) / (k + 1)  /  (ΣC / n)  <  n / (k + 1) · threshold, multiplied
+        // out, with the hooks' time charged up to their share of the budget.
+        let budget = self.total_compute_secs * self.threshold();
+        let hooks = self.total_hooks_secs.min(budget * HOOKS_SHARE);
+        let checkpoint = self.total_materialize_secs + m + hooks < budget;
         if checkpoint {
             self.k += 1;
             self.total_materialize_secs += m;
@@ -140,13 +167,14 @@ impl AdaptivePolicy {
     }
 
     /// The recording's own work outside checkpoints (its loop hooks: RNG
-    /// states, loop variables, batch fingerprints, log flushes) took `secs`
+    /// states, loop variables, batch fingerprints, log hand-offs) took `secs`
     /// more: it comes out of the same ε budget, so the bound holds for
-    /// everything recording adds, not only for the checkpoints. Ignored
+    /// everything recording adds, up to [`HOOKS_SHARE`] of it (beyond that
+    /// the hooks alone are over ε, and checkpoints keep the rest). Ignored
     /// unless finite and positive.
     pub fn observe_overhead(&mut self, secs: f64) {
         if secs.is_finite() && secs > 0.0 {
-            self.total_materialize_secs += secs;
+            self.total_hooks_secs += secs;
         }
     }
 
@@ -296,8 +324,64 @@ mod tests {
         assert!((p.threshold() - 0.25).abs() < 1e-12);
     }
 
+    #[test]
+    fn hooks_over_epsilon_leave_checkpoints_half_the_budget() {
+        // 25 ms iterations whose hooks alone cost 10% (over ε = 6.7%), and a
+        // 0.5 ms checkpoint (2% of an iteration): charged in full, the hooks
+        // starved every checkpoint.
+        let mut p = AdaptivePolicy::default();
+        let mut k = 0;
+        for _ in 0..100 {
+            p.observe_overhead(0.0025);
+            if p.observe_iteration(0.025, 0.0005) {
+                k += 1;
+                p.observe_materialize(0.0005);
+            }
+        }
+        assert!(k > 0);
+        // The checkpoints stay within the half of ε the hooks leave them.
+        assert!(p.checkpoint_share() <= DEFAULT_EPSILON * HOOKS_SHARE + 1e-12);
+        assert!((p.hooks_share() - 0.1).abs() < 1e-9);
+        // Hooks under their share are charged in full: the total stays within ε.
+        let mut q = AdaptivePolicy::default();
+        for _ in 0..100 {
+            q.observe_overhead(0.0005);
+            if q.observe_iteration(0.025, 0.0005) {
+                q.observe_materialize(0.0005);
+            }
+        }
+        assert!(q.overhead() <= DEFAULT_EPSILON + 1e-12, "{}", q.overhead());
+        assert!(q.k > 50, "{}", q.k);
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Never zero checkpoints where one fits: whatever the hooks cost,
+        /// a checkpoint costing at most ε/2 of an iteration's compute is
+        /// taken within the first two iterations, and checkpoints with the
+        /// hooks (up to their share) stay within ε.
+        #[test]
+        fn a_checkpoint_that_fits_is_taken_whatever_the_hooks_cost(
+            compute in 0.001f64..10.0,
+            frac in 0.0f64..0.99,
+            hooks in 0.0f64..5.0,
+            n in 2usize..50,
+        ) {
+            let mut p = AdaptivePolicy::default();
+            let m = compute * DEFAULT_EPSILON * HOOKS_SHARE * frac;
+            let mut first = None;
+            for i in 0..n {
+                p.observe_overhead(compute * hooks);
+                if p.observe_iteration(compute, m) {
+                    first.get_or_insert(i);
+                    p.observe_materialize(m);
+                }
+                let charged = p.total_hooks_secs.min(p.total_compute_secs * DEFAULT_EPSILON * HOOKS_SHARE);
+                prop_assert!(p.total_materialize_secs + charged <= p.total_compute_secs * DEFAULT_EPSILON * (1.0 + 1e-12));
+            }
+            prop_assert!(matches!(first, Some(0 | 1)), "{first:?}");
+        }
 
         /// The Record Overhead invariant: Σ M(checkpointed) / Σ C never exceeds ε,
         /// after every iteration, for arbitrary (known) M and C.

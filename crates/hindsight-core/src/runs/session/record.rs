@@ -4,6 +4,7 @@ use super::{BlockStart, Phase, ResumePoint, Visit};
 use crate::checkpoint::naming::{CheckpointId, Kind};
 use crate::checkpoint::retention::Retention;
 use crate::error::{Error, Result};
+use crate::runs::adaptive::HOOKS_SHARE;
 use crate::runs::preempt;
 use crate::runs::schedule::CheckpointSchedule;
 use crate::settings;
@@ -421,13 +422,20 @@ impl RecordSession {
                     Some(n) => format!("every {n}"),
                     None => {
                         let p = self.schedule.policy();
-                        let (o, t) = (p.overhead(), p.threshold());
+                        let (h, t) = (p.hooks_share(), p.threshold());
                         format!(
-                            "adaptive: recording costs {:.1}% of the compute so far, {} the bound \
-                             {:.1}%; this iteration computed {compute_secs:.3} s",
-                            100.0 * o,
-                            if o <= t { "within" } else { "over" },
-                            100.0 * t
+                            "adaptive: recording costs {:.1}% of the compute so far (checkpoints \
+                             {:.1}%, hooks {:.1}%), bound {:.1}%{}; this iteration computed \
+                             {compute_secs:.3} s",
+                            100.0 * p.overhead(),
+                            100.0 * p.checkpoint_share(),
+                            100.0 * h,
+                            100.0 * t,
+                            if h > t * HOOKS_SHARE {
+                                " (the hooks alone take over half of it: checkpoints keep the other half)"
+                            } else {
+                                ""
+                            },
                         )
                     }
                 };

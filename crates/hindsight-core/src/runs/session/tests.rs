@@ -664,7 +664,7 @@ fn a_recording_says_what_it_checkpoints_why_and_what_it_cost() {
     a.block_start(0);
     a.block_end(0, 10.0, None, None, 0.1).unwrap();
     let d = a.take_decision().unwrap();
-    assert!(d.starts_with("epoch 0: checkpoint (adaptive: recording costs 1.0% of the compute so far, within the bound 5.0%"), "{d}");
+    assert!(d.starts_with("epoch 0: checkpoint (adaptive: recording costs 1.0% of the compute so far (checkpoints 1.0%, hooks 0.0%), bound 5.0%;"), "{d}");
 }
 
 /// Two ranks of one job: the follower joins rank 0's run and takes its

@@ -1,0 +1,264 @@
+//! The batch fingerprint's walk (`runs::db::BatchDigest`), native: one call
+//! per step instead of a Python recursion over the batch.
+//!
+//! The walk emits the same parts as it always has (recordings made before
+//! it stay comparable): a description per node, and the bytes of every
+//! tensor or array. Containers, scalars and plain objects are walked here;
+//! a CPU tensor that is contiguous and small enough to hash whole is read
+//! in place. Everything else tensor- or array-like (numpy arrays, device,
+//! sparse or sampled tensors, tensor subclasses) goes to the `leaf`
+//! callable Python gives, which knows torch and numpy and returns its parts.
+
+use hindsight_core::runs::db::BatchDigest;
+use pyo3::buffer::PyBuffer;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMapping, PyString, PyTuple};
+
+use crate::interrupt;
+
+/// Nesting below this is described by its type only.
+const MAX_DEPTH: usize = 8;
+/// A scalar's description is cut at this many characters.
+const MAX_TEXT: usize = 4096;
+/// Below this many bytes hashing is quicker than releasing the GIL.
+const DETACH_BYTES: usize = 256 << 10;
+/// An object's attributes are walked when it has at most this many.
+const MAX_FIELDS: usize = 64;
+
+enum Part {
+    Text(String),
+    /// A CPU tensor's memory, read in place (`_owner` keeps it alive).
+    Raw {
+        ptr: usize,
+        len: usize,
+        _owner: Py<PyAny>,
+    },
+    Buffer(PyBuffer<u8>),
+}
+
+impl Part {
+    fn len(&self) -> usize {
+        match self {
+            Part::Text(t) => t.len(),
+            Part::Raw { len, .. } => *len,
+            Part::Buffer(b) => b.len_bytes(),
+        }
+    }
+}
+
+/// Fingerprints what one training step consumed (`hindsight._run.batches`).
+#[pyclass(module = "hindsight._native", frozen)]
+pub(crate) struct BatchPrinter {
+    /// Exact types read in place when CPU, strided and contiguous.
+    plain_tensors: Vec<Py<PyAny>>,
+    /// Types handed to `leaf` (torch.Tensor, numpy.ndarray, as loaded).
+    leaf_types: Vec<Py<PyAny>>,
+    strided: Option<Py<PyAny>>,
+    /// A tensor above this is sampled (by `leaf`), not hashed whole.
+    full_bytes: usize,
+    leaf: Py<PyAny>,
+}
+
+#[pymethods]
+impl BatchPrinter {
+    #[new]
+    #[pyo3(signature = (plain_tensors, leaf_types, strided, full_bytes, leaf))]
+    fn new(
+        plain_tensors: Vec<Py<PyAny>>,
+        leaf_types: Vec<Py<PyAny>>,
+        strided: Option<Py<PyAny>>,
+        full_bytes: usize,
+        leaf: Py<PyAny>,
+    ) -> Self {
+        Self {
+            plain_tensors,
+            leaf_types,
+            strided,
+            full_bytes,
+            leaf,
+        }
+    }
+
+    /// The fingerprint of `batch`, as 32 hex digits.
+    fn digest(&self, py: Python<'_>, batch: &Bound<'_, PyAny>) -> PyResult<String> {
+        let mut parts = Vec::new();
+        self.walk(batch, &mut parts, 0)?;
+        let total: usize = parts.iter().map(Part::len).sum();
+        let hash = |parts: &[Part]| {
+            let mut d = BatchDigest::new();
+            for p in parts {
+                match p {
+                    Part::Text(t) => d.part(t.as_bytes()),
+                    // SAFETY: the tensor is held by `_owner` and was
+                    // contiguous over `len` bytes from `ptr` when read.
+                    Part::Raw { ptr, len, .. } => {
+                        d.part(unsafe { std::slice::from_raw_parts(*ptr as *const u8, *len) })
+                    }
+                    // SAFETY: checked C-contiguous when taken; the buffer
+                    // stays exported while `parts` lives.
+                    Part::Buffer(b) => d.part(unsafe {
+                        std::slice::from_raw_parts(b.buf_ptr() as *const u8, b.len_bytes())
+                    }),
+                }
+            }
+            d.finish()
+        };
+        if total < DETACH_BYTES {
+            return Ok(hash(&parts));
+        }
+        let parts = SendParts(parts);
+        interrupt::run(py, move |_| Ok::<_, hindsight_core::Error>(hash(&parts.0)))
+    }
+}
+
+/// The parts cross into the GIL-free hash; nothing touches their Python
+/// owners there.
+struct SendParts(Vec<Part>);
+// SAFETY: only the raw pointers and buffers are read off the GIL; the
+// `Py` owners are dropped after `interrupt::run` returns, with the GIL.
+unsafe impl Send for SendParts {}
+unsafe impl Sync for SendParts {}
+
+impl BatchPrinter {
+    fn walk(&self, x: &Bound<'_, PyAny>, parts: &mut Vec<Part>, depth: usize) -> PyResult<()> {
+        let py = x.py();
+        let ty = x.get_type();
+        if self.plain_tensors.iter().any(|t| ty.is(t.bind(py))) && self.read_in_place(x, parts)? {
+            return Ok(());
+        }
+        if x.is_exact_instance_of::<PyInt>() {
+            // A sampler's indices: Python's repr of an int is its digits.
+            if let Ok(v) = x.extract::<i64>() {
+                parts.push(Part::Text(format!("int {v}")));
+                return Ok(());
+            }
+        }
+        // Scalars before the leaf types: no type is both, and an
+        // isinstance check against torch.Tensor is the dearer one.
+        if x.is_none()
+            || x.is_instance_of::<PyBool>()
+            || x.is_instance_of::<PyInt>()
+            || x.is_instance_of::<PyFloat>()
+            || x.is_instance_of::<PyString>()
+            || x.is_instance_of::<PyBytes>()
+        {
+            let text = format!("{} {}", ty.name()?, x.repr()?);
+            parts.push(Part::Text(cut(text)));
+            return Ok(());
+        }
+        let plain_container = x.is_exact_instance_of::<PyList>()
+            || x.is_exact_instance_of::<PyTuple>()
+            || x.is_exact_instance_of::<PyDict>();
+        if !plain_container {
+            for t in &self.leaf_types {
+                if x.is_instance(t.bind(py))? {
+                    return self.leaf(x, parts);
+                }
+            }
+        }
+        if depth >= MAX_DEPTH {
+            parts.push(Part::Text(ty.qualname()?.to_string()));
+        } else if x.is_instance_of::<PyList>() || x.is_instance_of::<PyTuple>() {
+            parts.push(Part::Text(format!("{} {}", ty.qualname()?, x.len()?)));
+            for v in x.try_iter()? {
+                self.walk(&v?, parts, depth + 1)?;
+            }
+        } else if let Ok(m) = x.cast::<PyMapping>() {
+            parts.push(Part::Text(format!("{} {}", ty.qualname()?, m.len()?)));
+            for kv in x.call_method0(intern!(py, "items"))?.try_iter()? {
+                let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = kv?.extract()?;
+                parts.push(Part::Text(k.str()?.to_string()));
+                self.walk(&v, parts, depth + 1)?;
+            }
+        } else {
+            // Another object (a framework's batch class): its attributes,
+            // if plain, else only its type.
+            parts.push(Part::Text(ty.qualname()?.to_string()));
+            if let Some(fields) = x.getattr_opt(intern!(py, "__dict__"))? {
+                if let Ok(d) = fields.cast::<PyDict>() {
+                    if d.len() <= MAX_FIELDS {
+                        self.walk(&fields, parts, depth + 1)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A plain CPU tensor's description and bytes, read in place; false
+    /// (nothing pushed) where `leaf` must do it.
+    fn read_in_place(&self, t: &Bound<'_, PyAny>, parts: &mut Vec<Part>) -> PyResult<bool> {
+        let py = t.py();
+        let Some(strided) = &self.strided else {
+            return Ok(false);
+        };
+        if !t.getattr(intern!(py, "layout"))?.is(strided.bind(py))
+            || !t.getattr(intern!(py, "is_cpu"))?.is_truthy()?
+            || !t.call_method0(intern!(py, "is_contiguous"))?.is_truthy()?
+        {
+            return Ok(false);
+        }
+        let shape: Vec<usize> = t.getattr(intern!(py, "shape"))?.extract()?;
+        let len = shape.iter().product::<usize>()
+            * t.call_method0(intern!(py, "element_size"))?
+                .extract::<usize>()?;
+        if len > self.full_bytes {
+            return Ok(false);
+        }
+        let dtype = t.getattr(intern!(py, "dtype"))?.str()?.to_string();
+        parts.push(Part::Text(format!("tensor {dtype} {}", tuple_repr(&shape))));
+        if len > 0 {
+            let ptr: usize = t.call_method0(intern!(py, "data_ptr"))?.extract()?;
+            parts.push(Part::Raw {
+                ptr,
+                len,
+                _owner: t.clone().unbind(),
+            });
+        }
+        Ok(true)
+    }
+
+    fn leaf(&self, x: &Bound<'_, PyAny>, parts: &mut Vec<Part>) -> PyResult<()> {
+        let out = self.leaf.bind(x.py()).call1((x,))?;
+        for p in out.try_iter()? {
+            let p = p?;
+            if let Ok(s) = p.cast::<PyString>() {
+                parts.push(Part::Text(s.to_string()));
+                continue;
+            }
+            let b = PyBuffer::<u8>::get(&p)?;
+            if !b.is_c_contiguous() {
+                return Err(pyo3::exceptions::PyValueError::new_err(
+                    "batch fingerprint: a leaf's buffers must be C-contiguous",
+                ));
+            }
+            parts.push(Part::Buffer(b));
+        }
+        Ok(())
+    }
+}
+
+/// Python's repr of a tuple of ints: `()`, `(8,)`, `(8, 32)`.
+fn tuple_repr(shape: &[usize]) -> String {
+    match shape {
+        [] => "()".into(),
+        [n] => format!("({n},)"),
+        _ => {
+            let inner: Vec<String> = shape.iter().map(usize::to_string).collect();
+            format!("({})", inner.join(", "))
+        }
+    }
+}
+
+/// The first `MAX_TEXT` characters (Python's `text[:4096]`).
+fn cut(text: String) -> String {
+    match text.char_indices().nth(MAX_TEXT) {
+        Some((at, _)) => text[..at].to_string(),
+        None => text,
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<BatchPrinter>()
+}
