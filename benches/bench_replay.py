@@ -33,6 +33,12 @@ durable; not Python/torch start-up) and prints it as JSON on its last line.
    $HINDSIGHT_CHECKPOINT_EVERY); plain (hindsight replaced by the zoo's no-op
    shim) and rec alternated twice; then the zoo's epoch probe (after the
    micro-steps) replayed: whole command and process CPU against the recording.
+6. per-step cost: in one process, epochs of a bare loop over a shuffling
+   DataLoader of two 8 x 32 float tensors alternate with epochs of the same
+   loop under hs.loop (recorded, hs.checkpointing of a small model): process
+   CPU time per step, median over the pairs; the target bounds what hindsight
+   adds per step (fingerprints of the batch and of the sampler's indices,
+   the step events), in microseconds.
 4. worker start-up across runs: record RUNS one-epoch runs (other seeds), add
    the weight_norm probe and `hindsight replay rec.py --runs all -j 2`, with
    workers forked from the zygote that imported torch (the default) and with
@@ -173,6 +179,56 @@ for epoch in hs.loop("epoch", range(6)):
         res["range_append"].append(time.perf_counter() - t)
 print(json.dumps({{k: min(v) / N * 1e9 for k, v in res.items()}}))
 """
+
+
+STEP_TARGET_US = 20.0  # added per step, CPU time
+STEPS = 4000
+STEP_PAIRS = 7
+PER_STEP = f"""\
+import json, statistics, time
+import torch
+import hindsight as hs
+
+torch.set_num_threads(1)
+N, PAIRS = {STEPS}, {STEP_PAIRS}
+g = torch.Generator().manual_seed(0)
+data = torch.utils.data.TensorDataset(torch.randn(N * 8, 32, generator=g), torch.randn(N * 8, 32, generator=g))
+loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
+model = torch.nn.Linear(32, 32)
+bare, rec = [], []
+with hs.checkpointing(model=model):
+    for epoch in hs.loop("epoch", range(2 * PAIRS + 1)):
+        t = time.process_time()
+        if epoch % 2:
+            for x, y in hs.loop("step", loader):
+                pass
+            rec.append((time.process_time() - t) / N * 1e6)
+        elif epoch:  # epoch 0 warms up
+            for x, y in loader:
+                pass
+            bare.append((time.process_time() - t) / N * 1e6)
+print(json.dumps({{"bare_us": bare, "rec_us": rec}}))
+"""
+
+
+def part_steps(tab: Table, raw: dict[str, Any]) -> None:
+    d = OUT / "steps"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "steps.py").write_text(PER_STEP)
+    r = run([PY, "steps.py"], d, child_env(HINDSIGHT_HOME=str(d / ".hindsight"), OMP_NUM_THREADS="1"), "per-step")
+    got = last_json(r["stdout"])
+    added = statistics.median(h - b for h, b in zip(got["rec_us"], got["bare_us"], strict=True))
+    tab.section(f"6. per-step cost: DataLoader of two 8 x 32 float tensors, {STEPS} steps an epoch, CPU time")
+    tab.add(
+        "added per step (ratio column: us added)",
+        statistics.median(got["rec_us"]),
+        statistics.median(got["bare_us"]),
+        unit="us",
+        ratio=added,
+        target=STEP_TARGET_US,
+        note=f"median of {STEP_PAIRS} epoch pairs",
+    )
+    raw["steps"] = {**got, "added_us": added}
 
 
 # --------------------------------------------------------------------------
@@ -655,6 +711,7 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="leave bench-out/replay/ in place")
     ap.add_argument("--epochs", type=int, default=20, help="epochs of the recorded training (default 20)")
     ap.add_argument("--only-iterations", action="store_true", help="part 5 only (the iteration loop)")
+    ap.add_argument("--only-steps", action="store_true", help="part 6 only (the per-step cost)")
     ap.add_argument("--only-partial", action="store_true", help="parts 1 and 2 only (record overhead, partial replay)")
     ap.add_argument("--reps", type=int, default=REPS, help=f"plain / rec alternations of part 1 (default {REPS})")
     ap.add_argument(
@@ -701,6 +758,10 @@ def main() -> int:
             part_iterations(tab, raw)
             print(tab.render())
             return 0
+        if args.only_steps:
+            part_steps(tab, raw)
+            print(tab.render())
+            return 0
         proj = part_record(tab, raw, args.epochs, args.reps)
         print(f"  (part 1 took {now() - t0:.0f} s)", file=sys.stderr, flush=True)
         t0 = now()
@@ -716,6 +777,7 @@ def main() -> int:
         t0 = now()
         part_iterations(tab, raw)
         print(f"  (part 5 took {now() - t0:.0f} s)", file=sys.stderr, flush=True)
+        part_steps(tab, raw)
         raw.pop("_last_rec", None)
 
         print(tab.render())

@@ -152,6 +152,7 @@ class Table:
             "s": fmt_s,
             "B": fmt_b,
             "ns": lambda v: "-" if v is None else f"{v:.0f} ns",
+            "us": lambda v: "-" if v is None else f"{v:.1f} us",
             "x": lambda v: "-" if v is None else f"{v:.3f}",
             "MiB": lambda v: "-" if v is None else f"{v:.1f} MiB",
         }

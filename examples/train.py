@@ -13,6 +13,8 @@ lr = hs.arg("lr", 1e-2)
 epochs = hs.arg("epochs", 8)
 batches = hs.arg("batches", 16)
 seed = hs.arg("seed", 0)
+width = hs.arg("width", 64)  # hidden units
+depth = hs.arg("depth", 0)  # extra hidden layers of width x width
 
 torch.manual_seed(seed)
 g = torch.Generator().manual_seed(1234)
@@ -23,7 +25,8 @@ data = torch.utils.data.TensorDataset(x_all, y_all)
 loader = torch.utils.data.DataLoader(data, batch_size=32, shuffle=True)
 val_x, val_y = x_all[:64], y_all[:64]
 
-net = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4))
+hidden = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())]
+net = nn.Sequential(nn.Linear(20, width), nn.ReLU(), nn.Dropout(0.1), *hidden, nn.Linear(width, 4))
 opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 

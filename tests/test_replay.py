@@ -230,6 +230,21 @@ def test_missing_checkpoints_are_recomputed_from_the_nearest_earlier_one(tmp_pat
             assert got[ctx]["weight_norm"] == v["weight_norm"], ctx
 
 
+def test_a_run_that_took_no_checkpoint_says_so_and_replays_every_step(tmp_path, reference):
+    script = make_project(tmp_path / "proj")
+    home = tmp_path / "proj" / ".hindsight"
+    # No period, and a bound no checkpoint fits in.
+    record(script, home, HINDSIGHT_CHECKPOINT_EVERY="", HINDSIGHT_EPSILON="0.000001")
+    shutil.rmtree(home / "store", ignore_errors=True)  # as where none was ever created
+    edit(script, OUTER_PROBE)
+    r = replay(script, home, "--strict")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "took no checkpoint" in r.stderr and "removed" not in r.stderr, r.stderr
+    assert "0 restored from checkpoints, 30 inner-loop steps executed" in r.stdout, r.stdout
+    got, want = values(home, "weight_norm"), values(reference, "weight_norm")
+    assert {c: v for c, v in got.items() if v} == {c: v for c, v in want.items() if "weight_norm" in v}
+
+
 def test_a_probe_before_the_inner_loop_gets_the_state_the_previous_epoch_left(recorded, reference):
     script, home = recorded
     edit(script, PRE_PROBE)

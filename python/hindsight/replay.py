@@ -213,7 +213,17 @@ def replay(args: argparse.Namespace) -> int:
         for run in runs:
             # Each run's checkpoints are where it wrote them (recorded in logs.db).
             location = run.get("store") or str(paths.store)
-            if location not in names_at and "://" not in location and not Path(location).is_dir():
+            recorded = [it for loop in db.outer_loops(run["id"]) for it in db.iterations(run["id"], loop)]
+            if recorded and not any(it.checkpoint for it in recorded):
+                # No store was ever created: nothing was removed.
+                print(
+                    f"note: run {run['id']} took no checkpoint (no objects to save, or none fit the adaptive "
+                    "bound; HINDSIGHT_CHECKPOINT_EVERY=N takes one every N iterations): every iteration is "
+                    "re-executed",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            elif location not in names_at and "://" not in location and not Path(location).is_dir():
                 print(
                     f"note: run {run['id']}: its checkpoint store is not at {location} (removed, or a store outside "
                     "a project that moved): every iteration is re-executed, none restored from or checked against "
