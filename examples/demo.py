@@ -166,12 +166,14 @@ def main() -> None:
         f"{t_parallel:.1f} s ({t_parallel / t_record:.0%}). Wall times, including Python and torch start-up."
     )
     if taken < epochs:
-        print(
-            f"why not every epoch: the adaptive policy took {plural(taken, 'checkpoint')}, those whose cost fit "
-            "within its bound on the recording's time (HINDSIGHT_VERBOSE=1 prints each decision; a busy machine "
-            "makes epochs slower and checkpoints dearer)"
+        every = os.environ.get("HINDSIGHT_CHECKPOINT_EVERY", "").strip()
+        why = (
+            f"HINDSIGHT_CHECKPOINT_EVERY={every} set the period"
+            if every
+            else "the adaptive policy took those whose cost fit within its bound on the recording's time "
+            "(HINDSIGHT_VERBOSE=1 prints each decision; a busy machine makes checkpoints dearer)"
         )
-
+        print(f"why not every epoch: {plural(taken, 'checkpoint')} in {plural(epochs, 'epoch')}: {why}")
 
 if __name__ == "__main__":
     main()
