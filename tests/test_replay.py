@@ -118,6 +118,8 @@ def recorded(tmp_path: Path) -> tuple[Path, Path]:
     return record_project(tmp_path / "proj")
 
 
+# Asserts the plan: beside another test's load the cost rule may rightly execute an epoch instead.
+@pytest.mark.serial
 def test_outer_loop_probe_replays_without_running_any_step(recorded, reference):
     script, home = recorded
     edit(script, OUTER_PROBE)
@@ -174,7 +176,7 @@ def test_a_worker_writing_more_than_a_pipe_holds_to_stderr_does_not_stall(record
     edit(script, (old, new + "        import sys\n        print('w' * 100_000 + ' end', file=sys.stderr)\n"))
     r = replay(script, home, "--strict")
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
-    assert "5 restored from checkpoints" in r.stdout
+    assert "replayed 5 iteration(s)" in r.stdout
     assert r.stderr.count("w" * 1000 + " end") >= 1
 
 
@@ -195,7 +197,7 @@ def test_home_given_before_the_subcommand(tmp_path, reference):
         cwd=tmp_path,
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "5 restored from checkpoints" in r.stdout
+    assert "restored from checkpoints" in r.stdout and " 0 restored" not in r.stdout, r.stdout
     assert not (tmp_path / "proj" / ".hindsight").exists()  # nothing created where H is not
     got, want = values(home, "weight_norm"), values(reference, "weight_norm")
     assert {c: v for c, v in got.items() if "weight_norm" in v} == {c: v for c, v in want.items() if "weight_norm" in v}
@@ -216,6 +218,8 @@ def test_inner_loop_probe_with_two_workers_matches_reference(recorded, reference
         assert got[ctx]["loss"] == v["loss"], ctx  # record-time losses equal the reference's
 
 
+# Asserts the plan: beside another test's load the cost rule may rightly execute an epoch instead.
+@pytest.mark.serial
 def test_missing_checkpoints_are_recomputed_from_the_nearest_earlier_one(tmp_path, reference):
     script = make_project(tmp_path / "proj")
     home = tmp_path / "proj" / ".hindsight"

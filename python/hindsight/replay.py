@@ -410,10 +410,12 @@ def _report(args: argparse.Namespace, db: Any, job: RunJob, start: float) -> int
     db.finish_replay(job.replay_id, verdict.keep)
     steps = sum(w.steps for w in job.workers)
     restored = sum(w.restored for w in job.workers)
+    wall = time.monotonic() - start
     print(
-        f"replayed {job.total} iteration(s) in {time.monotonic() - start:.1f}s: {restored} restored from "
+        f"replayed {job.total} iteration(s) in {wall:.1f}s: {restored} restored from "
         f"checkpoints, {steps} inner-loop steps executed; new values: {job.names}"
     )
+    print(_native.replay_time_breakdown(wall, [w.progress for w in job.workers]))
     if not failed and not verdict.diverged:
         # Nothing is no wrong value, but it must not pass unnoticed.
         have = set(db.log_names(job.run_id))

@@ -832,6 +832,13 @@ impl PyProgress {
     }
 }
 
+/// Where a replay's time went (`runs::replay::driver::time_breakdown`).
+#[pyfunction]
+fn replay_time_breakdown(wall_secs: f64, workers: Vec<PyRef<'_, PyProgress>>) -> String {
+    let progress: Vec<_> = workers.iter().map(|w| w.0).collect();
+    replay::driver::time_breakdown(wall_secs, &progress)
+}
+
 /// How a replay worker starts: its command line and working directory.
 #[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
 #[derive(Clone, Debug)]
@@ -986,6 +993,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ReplayThreads>()?;
     m.add_function(wrap_pyfunction!(replay_threads, m)?)?;
     m.add_function(wrap_pyfunction!(replay_verdict, m)?)?;
+    m.add_function(wrap_pyfunction!(replay_time_breakdown, m)?)?;
     m.add("EXIT_DIVERGED", replay::driver::EXIT_DIVERGED)?;
     Ok(())
 }

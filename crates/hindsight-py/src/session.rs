@@ -524,8 +524,8 @@ impl ReplaySession {
     }
 
     /// The worker's last progress line.
-    fn summary(&mut self) -> String {
-        self.0.summary()
+    fn summary(&mut self, run_secs: f64) -> String {
+        self.0.summary(run_secs)
     }
 }
 

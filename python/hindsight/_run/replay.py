@@ -37,6 +37,8 @@ class ReplayRun(Run):
     (`_native.ReplaySession`, core `runs::session`)."""
 
     phase = "replay"
+    #: When the outer loop first started (the worker's time before it is start-up).
+    outer_t0: float | None = None
 
     def __init__(self, plan_path: str) -> None:
         with open(plan_path) as f:
@@ -117,10 +119,13 @@ class ReplayRun(Run):
             self.progress = None  # the driver went away; replay still finishes
 
     def _finish(self, status: str) -> None:
-        self._progress(self.session.summary())
+        run = 0.0 if self.outer_t0 is None else time.perf_counter() - self.outer_t0
+        self._progress(self.session.summary(run))
         super()._finish(status)
 
     def _outer_starts(self, name: str, length: int | None) -> None:
+        if self.outer_t0 is None:
+            self.outer_t0 = time.perf_counter()
         if self.ranks is not None:
             self.ranks.check()
         self.session.outer_start(name)

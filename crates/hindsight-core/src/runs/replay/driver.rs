@@ -267,29 +267,56 @@ pub fn threads(
 
 /// A worker's progress, as the driver reads it from its lines (the
 /// worker protocol of `runs::replay`; the worker's session writes them).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Progress {
     /// Iterations finished.
     pub done: u64,
     /// From the worker's last line: inner-loop steps executed, checkpoints restored.
     pub steps: u64,
     pub restored: u64,
+    /// Seconds spent restoring them, and in the outer loop as a whole.
+    pub restore_secs: f64,
+    pub run_secs: f64,
 }
 
 impl Progress {
-    /// Read whole lines: one per finished iteration, then `steps N restored M`.
+    /// Read whole lines: one per finished iteration, then
+    /// `steps N restored M restore_s R run_s T`.
     pub fn read(&mut self, text: &str) {
         for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
             let words: Vec<&str> = line.split_whitespace().collect();
             match words.as_slice() {
-                ["steps", steps, "restored", restored] => {
+                ["steps", steps, "restored", restored, "restore_s", restore, "run_s", run] => {
                     self.steps = steps.parse().unwrap_or(self.steps);
                     self.restored = restored.parse().unwrap_or(self.restored);
+                    self.restore_secs = restore.parse().unwrap_or(self.restore_secs);
+                    self.run_secs = run.parse().unwrap_or(self.run_secs);
                 }
                 _ => self.done += 1,
             }
         }
     }
+}
+
+/// Where a replay's time went, from its workers' summaries and its wall
+/// time: the line `hindsight replay` ends with.
+pub fn time_breakdown(wall_secs: f64, workers: &[Progress]) -> String {
+    let run = workers.iter().map(|w| w.run_secs).fold(0.0, f64::max);
+    let restore = workers.iter().fold(0.0, |a, w| a + w.restore_secs);
+    let restored: u64 = workers.iter().map(|w| w.restored).sum();
+    let steps: u64 = workers.iter().map(|w| w.steps).sum();
+    format!(
+        "time: {:.1}s planning, starting and ending {} worker(s), {run:.1}s in the replayed \
+         iterations{}: {restore:.2}s restoring {restored} checkpoint(s), the rest executing {steps} \
+         step(s), the probes and the code between",
+        (wall_secs - run).max(0.0),
+        workers.len(),
+        if workers.len() > 1 {
+            " (the longest worker; restores summed over all)"
+        } else {
+            ""
+        },
+    )
 }
 
 /// What a run's replay is worth, once its workers ended.
@@ -392,14 +419,27 @@ mod tests {
     fn progress_lines_count_iterations_and_carry_the_summary() {
         let mut p = Progress::default();
         p.read("0\n1\n");
-        p.read("\n2\nsteps 40 restored 2\n");
+        p.read("\n2\nsteps 40 restored 2 restore_s 0.250000 run_s 1.500000\n");
         assert_eq!(
             p,
             Progress {
                 done: 3,
                 steps: 40,
-                restored: 2
+                restored: 2,
+                restore_secs: 0.25,
+                run_secs: 1.5,
             }
+        );
+        let other = Progress {
+            run_secs: 2.0,
+            restore_secs: 0.5,
+            ..p
+        };
+        assert_eq!(
+            time_breakdown(3.0, &[p, other]),
+            "time: 1.0s planning, starting and ending 2 worker(s), 2.0s in the replayed iterations \
+             (the longest worker; restores summed over all): 0.75s restoring 4 checkpoint(s), the rest \
+             executing 80 step(s), the probes and the code between"
         );
     }
 

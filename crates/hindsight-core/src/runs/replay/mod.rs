@@ -84,6 +84,10 @@ fn exact_default() -> bool {
     true
 }
 
+/// How many times the iteration's recorded time a restore must cost before
+/// the iteration is executed instead.
+pub const EXECUTE_MARGIN: f64 = 2.0;
+
 impl WorkerPlan {
     pub fn to_json(&self) -> Result<String> {
         serde_json::to_string(self)
@@ -129,6 +133,9 @@ impl WorkerPlan {
     /// cost is `measured` (this worker's mean so far), else the earlier
     /// replays' mean; unknown: restore (and measure). Returns the checkpoint
     /// the executed state is then compared with (the one it replaces).
+    /// "Costs more" is by [`EXECUTE_MARGIN`]: the executed state must also be
+    /// captured and hashed for that comparison, and a restore measured beside
+    /// other load must not flip the plan on noise.
     pub fn execute_instead(&self, i: u64, measured: Option<f64>) -> Option<&str> {
         let seconds = *self.seconds.get(&i)?;
         let restore = measured.or(self.restore_seconds)?;
@@ -136,7 +143,7 @@ impl WorkerPlan {
             && i > 0
             && self.modes.get(&i) == Some(&Mode::Restore)
             && self.modes.contains_key(&(i - 1))
-            && restore > seconds;
+            && restore > EXECUTE_MARGIN * seconds;
         may.then(|| self.checkpoints.get(&i).map(String::as_str))
             .flatten()
     }
@@ -520,16 +527,18 @@ mod tests {
         let w = &p.workers[0];
         // Nothing measured yet: restore, and measure.
         assert_eq!(w.execute_instead(2, None), None);
-        // A restore measured dearer than the recorded 1 s iteration.
-        assert_eq!(w.execute_instead(2, Some(1.5)), Some("r.epoch-000002"));
+        // A restore measured dearer than twice the recorded 1 s iteration.
+        assert_eq!(w.execute_instead(2, Some(2.5)), Some("r.epoch-000002"));
+        // About as dear, or cheaper: restored (executing must also check).
+        assert_eq!(w.execute_instead(2, Some(1.5)), None);
         assert_eq!(w.execute_instead(2, Some(0.5)), None);
         // Never the first iteration (its start state is set before its code runs).
         assert_eq!(w.execute_instead(0, Some(9.0)), None);
         // Earlier replays' measurements are the prior.
-        it[1].restore_seconds = Some(3.0);
-        it[3].restore_seconds = Some(1.0);
+        it[1].restore_seconds = Some(4.0);
+        it[3].restore_seconds = Some(2.0);
         let p = req(&it);
-        assert_eq!(p.workers[0].restore_seconds, Some(2.0));
+        assert_eq!(p.workers[0].restore_seconds, Some(3.0));
         assert_eq!(
             p.workers[0].execute_instead(1, None),
             Some("r.epoch-000001")

@@ -227,10 +227,17 @@ impl ReplaySession {
         format!("{i}\n")
     }
 
-    /// The worker's last progress line.
-    pub fn summary(&mut self) -> String {
+    /// The worker's last progress line; `run_secs`: its time from the
+    /// outer loop's start to its end (the rest of its life is start-up).
+    pub fn summary(&mut self, run_secs: f64) -> String {
         self.phase = Phase::Finished;
-        format!("steps {} restored {}\n", self.steps_executed, self.restored)
+        let restore = self.restore_secs.iter().fold(0.0, |a, b| a + b);
+        format!(
+            "steps {} restored {} restore_s {restore:.6} run_s {:.6}\n",
+            self.steps_executed,
+            self.restored,
+            run_secs.max(0.0)
+        )
     }
 
     pub fn steps_executed(&self) -> u64 {

@@ -486,7 +486,10 @@ fn a_replay_restores_or_executes_instead_by_cost_and_checks_what_it_executed() {
             checkpoint: "r1.epoch-000002".into()
         }
     );
-    assert_eq!(s.summary(), "steps 0 restored 1\n");
+    assert_eq!(
+        s.summary(3.0),
+        "steps 0 restored 1 restore_s 2.000000 run_s 3.000000\n"
+    );
     // A front end that cannot check an executed state keeps the plan's restores.
     unchecked.set_cost_rule(false);
     for i in 0..2 {
