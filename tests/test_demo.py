@@ -20,8 +20,16 @@ from conftest import REPO, hindsight_cmd
 def test_the_demo_summary_follows_the_numbers(tmp_path: Path, every: str) -> None:
     proj = tmp_path / "demo"
     r = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "demo.py"), "--dir", str(proj), "--epochs", "4"]
-        + ["--model", "--batches 4"],
+        [
+            sys.executable,
+            str(REPO / "examples" / "demo.py"),
+            "--dir",
+            str(proj),
+            "--epochs",
+            "4",
+            "--model",
+            "--batches 4",
+        ],
         env={**os.environ, "HINDSIGHT_CHECKPOINT_EVERY": every},
         capture_output=True,
         text=True,

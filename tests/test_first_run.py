@@ -48,7 +48,7 @@ def test_a_recording_says_what_it_does_and_what_it_cost(tmp_path: Path) -> None:
     assert run[2] == str(tmp_path / ".hindsight")
     assert run[3] == (
         "checkpoints of model, optimizer, RNG states, loop variables (hindsight record --explain train.py); "
-        "every 2 iterations of the outer loop"
+        "every 2 iterations of the outer loop; kept within 16.0 GiB (HINDSIGHT_CHECKPOINT_BUDGET), spread over the run"
     )
     assert decisions == [
         "hindsight: epoch 0: checkpoint (every 2)",

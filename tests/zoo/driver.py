@@ -843,7 +843,7 @@ def check_script(
 def table(results: dict[str, dict[str, Outcome]]) -> str:
     cols = [c for c in COLUMNS if any(c in r for r in results.values())]
     w0 = max([len("script"), *map(len, results)])
-    head = ["script".ljust(w0), *(c.ljust(max(len(c), 8)) for c in cols), "rec/plain cpu", "replay wall s"]
+    head = ["script".ljust(w0), *(c.ljust(max(len(c), 8)) for c in cols), "record cpu", "replay/record"]
     lines = [" ".join(head)]
     for name, r in results.items():
         cells = [name.ljust(w0)]
@@ -853,12 +853,15 @@ def table(results: dict[str, dict[str, Outcome]]) -> str:
             cell = (o.status + flag) if o else SKIP
             cells.append(cell.ljust(max(len(c), 8)))
         t = r.get("_timing")
+        # Record CPU against the plain script's; each replay's wall time
+        # against the recording's (over 1: slower than training again).
         if t and t.extra.get("plain_cpu"):
-            cells.append(f"{t.extra['recorded_cpu']:.1f}/{t.extra['plain_cpu']:.1f}s".ljust(13))
+            cells.append(f"{t.extra['recorded_cpu'] / t.extra['plain_cpu']:.2f}x".ljust(10))
         else:
-            cells.append("-".ljust(13))
+            cells.append("-".ljust(10))
         reps = [v for k, v in (t.extra.items() if t else []) if k.startswith("replay_") and k.endswith("_s")]
-        cells.append(("/".join(f"{s:.1f}" for s in reps)) or "-")
+        rec_s = t.extra.get("recorded_s") if t else None
+        cells.append(("/".join(f"{s / rec_s:.2f}" for s in reps)) if reps and rec_s else "-")
         lines.append(" ".join(cells))
     return "\n".join(lines)
 

@@ -27,6 +27,8 @@ pub enum Kind {
     Int,
     /// A finite number.
     Float,
+    /// A byte count (`500MB`, `16GiB`; [`crate::units::parse_size`]).
+    Bytes,
     /// Free text.
     Text,
 }
@@ -40,6 +42,7 @@ impl Kind {
             Kind::Flag => "flag",
             Kind::Int => "int",
             Kind::Float => "float",
+            Kind::Bytes => "bytes",
             Kind::Text => "text",
         }
     }
@@ -55,6 +58,8 @@ pub enum Value {
     Flag(bool),
     /// [`Kind::Int`].
     Int(i64),
+    /// [`Kind::Bytes`].
+    Bytes(u64),
     /// [`Kind::Float`].
     Float(f64),
 }
@@ -128,6 +133,14 @@ pub const EPSILON: Setting = user(
     Kind::Float,
     "1/15",
     "the most recording may add to training time (fraction), between 0 and 1",
+);
+/// How much of the store a run's checkpoints may keep.
+pub const CHECKPOINT_BUDGET: Setting = user(
+    "HINDSIGHT_CHECKPOINT_BUDGET",
+    Kind::Bytes,
+    "16GiB",
+    "the most a recording's checkpoints keep in the store (e.g. 500MB, 16GiB): beyond it they are thinned \
+     to a spread over the run, never below 8; a retention chosen in hs.checkpointing replaces it",
 );
 /// The period of safety checkpoints inside long iterations.
 pub const SAFETY_MINUTES: Setting = user(
@@ -257,6 +270,7 @@ pub const ALL: &[Setting] = &[
     LOCAL_FIRST,
     CHECKPOINT_EVERY,
     EPSILON,
+    CHECKPOINT_BUDGET,
     SAFETY_MINUTES,
     RESUME,
     RESHARD,
@@ -319,6 +333,10 @@ impl Setting {
                 Ok(x) if x.is_finite() => Value::Float(x),
                 _ => return Err(self.bad(t, "is not a finite number")),
             },
+            Kind::Bytes => Value::Bytes(
+                crate::units::parse_size(t)
+                    .ok_or_else(|| self.bad(t, "is not a size: give e.g. 500MB or 16GiB"))?,
+            ),
         };
         Ok(Some(v))
     }
@@ -335,6 +353,14 @@ impl Setting {
     pub fn int(&self) -> Result<Option<i64>> {
         Ok(match self.get()? {
             Some(Value::Int(i)) => Some(i),
+            _ => None,
+        })
+    }
+
+    /// A size's value in bytes (`None`: unset).
+    pub fn bytes(&self) -> Result<Option<u64>> {
+        Ok(match self.get()? {
+            Some(Value::Bytes(b)) => Some(b),
             _ => None,
         })
     }

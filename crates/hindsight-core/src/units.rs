@@ -17,9 +17,48 @@ pub fn human_size(bytes: u64) -> String {
     format!("{value:.1} {}", UNITS[unit])
 }
 
+/// A byte count as people write it: `4096`, `500MB`, `1.5 GiB`, `16g`
+/// (K/M/G/T: powers of 1000 with `B`, of 1024 with `iB` or alone). `None`
+/// where it is not one.
+pub fn parse_size(text: &str) -> Option<u64> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let value: f64 = number.parse().ok()?;
+    let unit = unit.trim().to_ascii_lowercase();
+    let scale = match unit.as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => 1024f64.powi(2),
+        "g" | "gib" => 1024f64.powi(3),
+        "t" | "tib" => 1024f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        _ => return None,
+    };
+    let bytes = value * scale;
+    (value.is_finite() && bytes < u64::MAX as f64).then(|| bytes.round() as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_parse_as_people_write_them() {
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size(" 500MB "), Some(500_000_000));
+        assert_eq!(parse_size("1.5 GiB"), Some(3 << 29));
+        assert_eq!(parse_size("16g"), Some(16 << 30));
+        assert_eq!(parse_size("2TiB"), Some(2 << 40));
+        for bad in ["", "GiB", "1.2.3G", "-5G", "5 parsecs", "1e400"] {
+            assert_eq!(parse_size(bad), None, "{bad}");
+        }
+    }
 
     #[test]
     fn sizes_are_human() {

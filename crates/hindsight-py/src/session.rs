@@ -366,6 +366,11 @@ impl RecordSession {
         self.0.saved(blocked_secs, now)
     }
 
+    /// The checkpoint just saved holds `nbytes` of state (the budget's measure).
+    fn checkpoint_size(&mut self, nbytes: u64) {
+        self.0.checkpoint_size(nbytes)
+    }
+
     fn block_closed(&mut self, i: u64) {
         self.0.block_closed(i)
     }

@@ -61,6 +61,7 @@ pub(crate) fn setting_value(py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
         None => Ok(py.None()),
         Some(Value::Flag(b)) => b.into_py_any(py),
         Some(Value::Int(i)) => i.into_py_any(py),
+        Some(Value::Bytes(b)) => b.into_py_any(py),
         Some(Value::Float(x)) => x.into_py_any(py),
         Some(Value::Text(t)) => t.into_py_any(py),
         Some(other) => Err(crate::errors::to_py(Error::invalid(

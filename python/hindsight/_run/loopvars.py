@@ -13,11 +13,11 @@ Values are kept when the store can hold them (numbers, strings, bytes,
 tensors, arrays and containers of them), and so are objects the loop changes
 through their methods whose state can be kept exactly (objstate.py: plain
 Python objects, objects with a state_dict, numpy/torch/random generators),
-restored in place. A variable the loop assigns
-and later code reads that the store cannot hold is refused when the first
-block ends, naming it, its line and the one-line fix: checkpoint it through
-its ``state_dict``, or declare it ``transient`` (its value need not survive
-a resume: a progress bar, an open file).
+restored in place. A variable the loop assigns and later code reads
+(before assigning it again: `_read_later`) that the store cannot hold is
+refused when the first block ends, naming it, its line and the one-line
+fix: checkpoint it through its ``state_dict``, or declare it ``transient``
+(its value need not survive a resume: a progress bar, an open file).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import os
 import sys
 import types
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 from hindsight._run import objstate
 from hindsight.errors import ReplayError, UnsupportedTypeError
@@ -179,16 +179,33 @@ def _is_data(v: Any) -> bool:
     return (torch is not None and isinstance(v, torch.Tensor)) or (np is not None and isinstance(v, np.ndarray))
 
 
-def _live(scope: ast.AST, loop: ast.For | ast.AsyncFor, into: set[str]) -> set[str]:
+def _live(
+    scope: ast.AST, loop: ast.For | ast.AsyncFor, into: set[str], assigned: set[str], cell: bool = False
+) -> set[str]:
     """Names the recorded program reads after a change by the loop: outside
-    the loop (nested functions included), or in the loop before its first
-    assignment there (carried to the next iteration); an object the loop
-    stores into (``into``), wherever it is read (the next iteration reads
-    the changed object)."""
-    inside = {id(n) for n in ast.walk(loop)}
-    live = {
-        n.id for n in ast.walk(scope) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in inside
-    }
+    the loop where code after it may read the loop's value before assigning
+    its own (_read_later), or in the loop before its first assignment there
+    (carried to the next iteration); an object the loop stores into
+    (``into``), wherever it is read (the next iteration reads the changed
+    object). ``assigned``: the names the loop assigns; ``cell``: the scope
+    is a notebook cell's."""
+    # The loop's `else:` runs after its last iteration: code after the loop.
+    inside = {id(n) for n in ast.walk(loop)} - {id(n) for s in loop.orelse for n in ast.walk(s)}
+    outside: set[str] = set()
+    for n in ast.walk(scope):
+        if id(n) in inside:
+            continue
+        # `del x` and `x += 1` read x too (x unset by a resume fails them, or worse).
+        if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Store):
+            outside.add(n.id)
+        elif isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name):
+            outside.add(n.target.id)
+    # A name the loop assigns, read outside but always assigned again first
+    # (an evaluation loop reusing the training step's `outputs`), is not read
+    # later (issue 41). An object the loop changes in place (`x.a = 1`,
+    # `x.append(...)`) may be read through another name: read later as before.
+    later = _read_later(scope, loop, frozenset(outside & assigned), cell)
+    live = (outside - assigned) | later
     first: dict[str, tuple[int, int]] = {}
     loads: list[ast.Name] = []
     for n in ast.walk(loop):
@@ -204,6 +221,298 @@ def _live(scope: ast.AST, loop: ast.For | ast.AsyncFor, into: set[str]) -> set[s
     # x += 1 reads x before it stores it.
     live.update(n.target.id for n in ast.walk(loop) if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name))
     return live
+
+
+# -- read later: where the loop's value may still be read --------------------
+# A checkpoint is taken where the loop's iterations meet (between two steps,
+# after the last) or, for an outer loop, inside its body; a resume goes on
+# from there, after re-running the code before the steps from the values
+# the outer iteration began with. A variable the loop assigns needs its value
+# then only if some way on from there, or from the top of a loop around it,
+# reads it before assigning it again. Backward liveness over the scope's
+# statements finds those ways, erring towards "read": every loop may run no
+# iteration, every statement may raise, a `with` body may be cut short
+# unless its context manager is known to let exceptions through, and a name
+# read by a nested function, lambda, class or generator (run at any later
+# time), declared global or nonlocal, or where locals()/eval() can see it,
+# is read later wherever it is.
+
+#: Calls that can see every variable (`vars()` and `dir()` without an argument):
+#: no name is known unread where they appear.
+_DYNAMIC = frozenset({"locals", "globals", "eval", "exec", "breakpoint"})
+_DYNAMIC_BARE = frozenset({"vars", "dir"})
+#: Context managers that let an exception through (a `with` body under them runs
+#: to its end or leaves by the exception): their body's assignments are certain.
+_NO_SUPPRESS = frozenset(
+    {
+        "no_grad",
+        "inference_mode",
+        "enable_grad",
+        "set_grad_enabled",
+        "autocast",
+        "accumulate",
+        "no_sync",
+        "nullcontext",
+        "open",
+    }
+)
+_DEFERRED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.GeneratorExp)
+
+
+def _reads(node: ast.AST | None) -> set[str]:
+    """Names an expression or a simple statement reads when it runs: loaded,
+    deleted (`del x` of a name a resume left unset fails) or updated (`x +=
+    1`); in a function, class or lambda definition only what the definition
+    itself evaluates (their bodies are `_deferred`)."""
+    out: set[str] = set()
+    todo = [node] if node is not None else []
+    while todo:
+        n = todo.pop()
+        if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Store):
+            out.add(n.id)
+        elif isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name):
+            out.add(n.target.id)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            todo.extend([*n.decorator_list, n.args, *([n.returns] if n.returns else [])])
+        elif isinstance(n, ast.ClassDef):
+            todo.extend([*n.decorator_list, *n.bases, *(k.value for k in n.keywords)])
+        elif isinstance(n, ast.Lambda):
+            todo.append(n.args)
+        elif isinstance(n, ast.GeneratorExp):
+            todo.append(n.generators[0].iter)
+        else:
+            todo.extend(ast.iter_child_nodes(n))
+    return out
+
+
+def _bound(target: ast.AST | None) -> set[str]:
+    """Names an assignment target binds (`x`, `x, (y, *z)`); `x.a = ...` and
+    `x[i] = ...` bind none (they read x)."""
+    if isinstance(target, ast.Name):
+        return {target.id}
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return set().union(*(_bound(e) for e in target.elts))
+    if isinstance(target, ast.Starred):
+        return _bound(target.value)
+    return set()
+
+
+def _walrus(node: ast.AST | None) -> set[str]:
+    """Names an expression certainly assigns: its `(x := ...)` outside
+    `and`/`or`, `a if c else b`, lambdas and comprehensions."""
+    out: set[str] = set()
+    todo = [node] if node is not None else []
+    while todo:
+        n = todo.pop()
+        if isinstance(n, ast.NamedExpr):
+            out |= _bound(n.target)
+        if not isinstance(n, (ast.BoolOp, ast.IfExp, ast.Lambda, *_COMPREHENSIONS)):
+            todo.extend(ast.iter_child_nodes(n))
+    return out
+
+
+def _assigns(s: ast.stmt) -> set[str]:
+    """Names a simple statement certainly assigns when it completes."""
+    if isinstance(s, ast.Assign):
+        return set().union(*(_bound(t) for t in s.targets)) | _walrus(s.value)
+    if isinstance(s, ast.AnnAssign):
+        return (_bound(s.target) if s.value is not None else set()) | _walrus(s.value)
+    if isinstance(s, ast.AugAssign):
+        return _bound(s.target) | _walrus(s.value)
+    if isinstance(s, (ast.Import, ast.ImportFrom)):
+        return {a.asname or a.name.split(".")[0] for a in s.names if a.name != "*"}
+    if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {s.name}
+    if isinstance(s, ast.Expr):
+        return _walrus(s.value)
+    return set()
+
+
+def _lets_through(item: ast.withitem) -> bool:
+    e = item.context_expr
+    f = e.func if isinstance(e, ast.Call) else None
+    name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+    return name in _NO_SUPPRESS
+
+
+class _Jumps(NamedTuple):
+    """What is live where control goes from a statement other than to the next one."""
+
+    brk: frozenset[str]  # a `break`
+    cont: frozenset[str]  # a `continue`
+    exc: frozenset[str]  # an exception: a handler, a finally, or out of the scope
+    ret: frozenset[str]  # a `return`
+
+
+class _Liveness:
+    """Backward liveness of `names` over a scope's statements, recording what
+    is live where control leaves `loop` (its next iteration or its end, a
+    `break`, a `return`, an exception) and at the top of the bodies of the
+    loops `around` it."""
+
+    def __init__(self, names: frozenset[str], loop: ast.AST, around: set[int]) -> None:
+        self.names, self.loop, self.around = names, loop, around
+        self.exits: frozenset[str] | None = None  # None: the loop was not reached
+        self.tops: frozenset[str] = frozenset()
+        self._memo: dict[int, tuple[frozenset[str], frozenset[str]]] = {}
+
+    def _rw(self, node: ast.AST | None, kind: str = "expr") -> tuple[frozenset[str], frozenset[str]]:
+        """(names read, names certainly assigned) of an expression, a target or a simple statement."""
+        if node is None:
+            return frozenset(), frozenset()
+        key = id(node)
+        if key not in self._memo:
+            if kind == "target":
+                assigned = _bound(node)
+            elif isinstance(node, ast.stmt):
+                assigned = _assigns(node)
+            else:
+                assigned = _walrus(node)
+            self._memo[key] = (frozenset(_reads(node)) & self.names, frozenset(assigned) & self.names)
+        return self._memo[key]
+
+    def _through(self, node: ast.AST | None, live: frozenset[str], kind: str = "expr") -> frozenset[str]:
+        read, assigned = self._rw(node, kind)
+        return read | (live - assigned)
+
+    def block(self, body: list[ast.stmt], out: frozenset[str], j: _Jumps) -> frozenset[str]:
+        live = out
+        for s in reversed(body):
+            live = self.stmt(s, live, j)
+        return live
+
+    def _loop(self, s: ast.For | ast.AsyncFor | ast.While, out: frozenset[str], j: _Jumps) -> frozenset[str]:
+        """What is live at the loop's head (before each test or next item), to a fixed point."""
+        after = self.block(s.orelse, out, j)
+        head: frozenset[str] = frozenset()
+        for rounds in range(1 << 30):
+            if rounds == 8:
+                head = self.names  # everything: the most cautious fixed point
+            body = self.block(s.body, head, j._replace(brk=out, cont=head))
+            if isinstance(s, ast.While):
+                top = body
+                new = self._through(s.test, body | after) | j.exc
+            else:
+                top = self._through(s.target, body, "target")
+                new = after | top | j.exc
+            if new <= head:
+                break
+            head = new | head
+        if s is self.loop:
+            self.exits = (self.exits or frozenset()) | head | out | j.exc | j.ret
+        elif id(s) in self.around:
+            self.tops |= top  # a resume re-runs an iteration from the top
+        return head
+
+    def stmt(self, s: ast.stmt, out: frozenset[str], j: _Jumps) -> frozenset[str]:
+        if isinstance(s, ast.If):
+            return self._through(s.test, self.block(s.body, out, j) | self.block(s.orelse, out, j)) | j.exc
+        if isinstance(s, (ast.For, ast.AsyncFor)):
+            return self._through(s.iter, self._loop(s, out, j)) | j.exc
+        if isinstance(s, ast.While):
+            return self._loop(s, out, j)
+        if isinstance(s, (ast.With, ast.AsyncWith)):
+            # A body under a context manager that may swallow an exception
+            # (contextlib.suppress, an unknown one) may stop anywhere and go on after the `with`.
+            lets_through = all(_lets_through(item) for item in s.items)
+            live = self.block(s.body, out, j if lets_through else j._replace(exc=j.exc | out))
+            for item in reversed(s.items):
+                live = self._through(item.context_expr, self._through(item.optional_vars, live, "target"))
+            return live | j.exc
+        if isinstance(s, (ast.Try, ast.TryStar)):
+            inner, after = j, out
+            if s.finalbody:
+                # Conservative: the finally block may go on to any of the places.
+                f = self.block(s.finalbody, out | j.exc | j.ret | j.brk | j.cont, j)
+                inner, after = _Jumps(f, f, f, f), f
+            caught: frozenset[str] = frozenset()
+            for h in s.handlers:  # `except E as x`: x is unset again after the handler
+                caught |= self._rw(h.type)[0] | self.block(h.body, after, inner)
+            orelse = self.block(s.orelse, after, inner)
+            return self.block(s.body, orelse, inner._replace(exc=inner.exc | caught)) | caught
+        if isinstance(s, ast.Match):
+            live = out | j.exc  # no case matched; a capture pattern assigns nothing certain
+            for case in s.cases:
+                live |= self._rw(case.pattern)[0] | self._rw(case.guard)[0] | self.block(case.body, out, j)
+            return self._through(s.subject, live) | j.exc
+        if isinstance(s, ast.Break):
+            return j.brk
+        if isinstance(s, ast.Continue):
+            return j.cont
+        if isinstance(s, ast.Return):
+            return self._rw(s.value)[0] | j.ret | j.exc
+        if isinstance(s, ast.Raise):
+            return self._rw(s)[0] | j.exc
+        return self._through(s, out, "stmt") | j.exc
+
+
+def _deferred(scope: ast.AST) -> set[str]:
+    """Names of `scope` that run at a time its statements do not show: read
+    by a function, lambda, class or generator defined in it (a closure, or
+    a module-level function reading a global), or declared global/nonlocal."""
+    out: set[str] = set()
+    for n in _own_nodes(scope):
+        if isinstance(n, (ast.Global, ast.Nonlocal)):
+            out.update(n.names)
+
+    def visit(node: ast.AST, bound: frozenset[str], deferred: bool) -> None:
+        own = _own_nodes(node)
+        declared = {x for n in own if isinstance(n, (ast.Global, ast.Nonlocal)) for x in n.names}
+        local: set[str] = set()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            local = {x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, [a.vararg, a.kwarg])]}
+            local |= {n.id for n in own if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            local |= {n.name for n in own if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+            local |= set().union(*(_assigns(n) for n in own if isinstance(n, (ast.Import, ast.ImportFrom))))
+        elif isinstance(node, _COMPREHENSIONS):
+            local = set().union(*(_bound(g.target) for g in node.generators))
+        local -= declared
+        deferred = deferred or isinstance(node, _DEFERRED)
+        if deferred:
+            out.update(declared)
+            out.update(
+                n.id
+                for n in own
+                if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Store) and n.id not in local | bound
+            )
+        for n in own:
+            if isinstance(n, (*_SCOPES, *_COMPREHENSIONS)):
+                visit(n, bound | local, deferred)
+
+    for n in _own_nodes(scope):
+        if isinstance(n, (*_SCOPES, *_COMPREHENSIONS)):
+            visit(n, frozenset(), False)
+    return out
+
+
+def _dynamic(n: ast.AST) -> bool:
+    if not isinstance(n, ast.Call) or not isinstance(n.func, ast.Name):
+        return False
+    return n.func.id in _DYNAMIC or (n.func.id in _DYNAMIC_BARE and not n.args and not n.keywords)
+
+
+def _read_later(scope: ast.AST, loop: ast.For | ast.AsyncFor, names: frozenset[str], cell: bool) -> set[str]:
+    """Those of `names` (assigned by `loop`, read elsewhere in `scope`) that
+    a resume from a checkpoint taken in the loop may read before assigning
+    them again; all of them where that cannot be told."""
+    body = getattr(scope, "body", None)
+    if not names or not isinstance(body, list):
+        return set(names)
+    if any(_dynamic(n) for n in ast.walk(scope)):
+        return set(names)
+    # Leaving a function ends its variables; a notebook's later cells may read any of its cell's.
+    end = names if cell and isinstance(scope, ast.Module) else frozenset()
+    around = {
+        id(n)
+        for n in _own_nodes(scope)
+        if isinstance(n, (ast.For, ast.AsyncFor, ast.While)) and n is not loop and any(m is loop for m in ast.walk(n))
+    }
+    flow = _Liveness(names, loop, around)
+    flow.block(body, end, _Jumps(end, end, end, end))
+    if flow.exits is None:
+        return set(names)  # not reached: a statement this analysis does not know
+    return set(flow.exits | flow.tops | (_deferred(scope) & names))
 
 
 #: A variable holding more tensor bytes than this is not checkpointed (an
@@ -351,7 +660,9 @@ def _analysis(code: Any, line: int) -> _Found | None:
             # Every changed variable is kept, not only those the recorded code
             # reads later: a probe added for replay may read any of them.
             names, passed, into = _changed(loop)
-            _analysed[key] = (names, frozenset(passed), frozenset(_live(scope, loop, into)), frozenset(into))
+            assigned = {n for n, line in names.items() if line > 0} - into
+            live = _live(scope, loop, into, assigned, cell=mtime == -1.0)
+            _analysed[key] = (names, frozenset(passed), frozenset(live), frozenset(into))
     return _analysed[key]
 
 
@@ -495,6 +806,36 @@ class LoopVars:
                     f'hs.checkpointing(..., transient=["{name}"])'
                 )
         return {"values": values, "devices": {k: _devices(v) for k, v in values.items()}}
+
+    def unkept_reads(self, saved: dict[str, Any], objects: dict[str, Any], transient: set[str]) -> list[str]:
+        """A replay restored this loop's checkpoint and skips its steps:
+        the variables the loop assigns that the code after it reads before
+        assigning them again (this program's reads: a probe's too) but the
+        checkpoint does not hold, as `name (line N)`. The frame holds an older
+        value of each (from before the skipped steps), and a probe reading it
+        would log that: the replay must refuse. Not listed: unset ones (a
+        read fails loudly), transient ones, the objects given to
+        hs.checkpointing and what shares their tensors, data, code and
+        closed files (never kept, nor needed)."""
+        values = saved.get("values", {})
+        local = self.frame.f_locals
+        ids = {id(o) for o in objects.values()}
+        shared: set[int] | None = None
+        out = []
+        for name, line in self.names.items():
+            if line <= 0 or name not in self.live or name in values or name in transient:
+                continue
+            v = local.get(name, _UNSET)
+            if v is _UNSET or id(v) in ids or _closed_file(v) or _code(v) or _data_source(v):
+                continue
+            if name in self.passed and _is_data(v):
+                continue
+            if shared is None:
+                shared = _storages({k: o.state_dict() for k, o in objects.items() if hasattr(o, "state_dict")})
+            if _storages(v) & shared:
+                continue
+            out.append(f"'{name}' (line {line})")
+        return out
 
     def restore(self, saved: dict[str, Any]) -> None:
         values, devices = saved.get("values", {}), saved.get("devices", {})

@@ -31,6 +31,7 @@ from hindsight._run.common import (
     _to_json,
 )
 from hindsight._run.files import Written
+from hindsight._run.loopvars import _storages
 from hindsight._state import capture, capture_grads, rng_state, set_rng_state, tensor_bytes
 from hindsight.errors import (
     CorruptError,
@@ -335,6 +336,7 @@ class RecordRun(Run):
         # The training thread's whole price: capturing the state too.
         state = self.capture()
         state.update(extra)
+        nbytes = tensor_bytes(state)  # what the budget counts (before a sharded save splits it)
         if self.start_rng is not None:
             state["start_rng"] = self.start_rng  # the same bytes every time: stored once
         meta = {**ck.meta(), "run": self.run_id}
@@ -368,6 +370,7 @@ class RecordRun(Run):
             # The job waits for its slowest rank: that is what a save costs it.
             self.last_blocked, now = self.ranks.agree([self.last_blocked, now])
         self.session.saved(self.last_blocked, now)
+        self.session.checkpoint_size(nbytes)
         if wait:
             self._commit()
             h.wait()
@@ -854,7 +857,13 @@ class RecordRun(Run):
             # After the first step the optimizer's state exists: pin host
             # memory for the whole state now, in the background, so the
             # first checkpoint does not wait for it.
-            self.store.prepare(capture(self.objects, []))
+            state = capture(self.objects, [])
+            self.store.prepare(state)
+            # The steps' variables exist too: one the code after the steps
+            # reads but no checkpoint can hold is refused now, not when the
+            # first block of steps ends.
+            if self.block_live and self.block_vars is not None:
+                self.block_vars.capture(self.block_vars.names, _storages(state["objects"]), self.transient)
         if act.save is not None:
             self._save_step(i, j, act.save, act.wait)
         if act.exit is not None:

@@ -118,6 +118,20 @@ class ReplayRun(Run):
         except OSError:
             self.progress = None  # the driver went away; replay still finishes
 
+    def _apply_vars(self, state: dict[str, Any]) -> None:
+        super()._apply_vars(state)
+        lv = self.block_vars
+        if not (self.block_live and lv is not None):
+            return
+        missing = lv.unkept_reads((state.get("vars") or {}).get("block") or {}, self.objects, self.transient)
+        if missing:
+            raise ReplayError(
+                f"the replayed code reads {', '.join(missing)} after the steps of loop '{lv.loop_name}' before "
+                "assigning it again, but the recording did not keep its value (the recorded code did not read it "
+                "there): with the steps skipped it would hold an older value. Log what you need from it inside the "
+                "steps (a parallel replay), or record again with the read in place"
+            )
+
     def _finish(self, status: str) -> None:
         run = 0.0 if self.outer_t0 is None else time.perf_counter() - self.outer_t0
         self._progress(self.session.summary(run))

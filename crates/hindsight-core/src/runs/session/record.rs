@@ -101,6 +101,9 @@ impl std::str::FromStr for Status {
     }
 }
 
+/// A budget never thins a run's checkpoints below this many.
+pub const MIN_KEPT_IN_BUDGET: usize = 8;
+
 /// One recording process's lifecycle. Times are the caller's monotonic
 /// clock in seconds, so tests drive it without sleeping.
 #[derive(Clone, Debug)]
@@ -111,6 +114,11 @@ pub struct RecordSession {
     schedule: CheckpointSchedule,
     retention: Retention,
     retention_chosen: bool,
+    /// The bytes a run's checkpoints may keep in the store where no
+    /// retention was chosen (`$HINDSIGHT_CHECKPOINT_BUDGET`; None: unbounded).
+    budget: Option<u64>,
+    /// The outer loop's length, if known (its default retention depends on it).
+    loop_len: Option<u64>,
     best_metric: Option<String>,
     exit_code: i32,
     safety_secs: Option<f64>,
@@ -152,6 +160,8 @@ impl RecordSession {
             schedule,
             retention: Retention::default(),
             retention_chosen: false,
+            budget: None,
+            loop_len: None,
             best_metric: None,
             exit_code,
             safety_secs,
@@ -210,7 +220,12 @@ impl RecordSession {
         let schedule = CheckpointSchedule::from_env()?;
         let code = preempt::exit_code(None)?;
         let safety = settings::SAFETY_MINUTES.float()?.map(|m| m * 60.0);
-        Ok(RecordSession::new(run_id, schedule, code, safety, now))
+        let budget = settings::CHECKPOINT_BUDGET
+            .bytes()?
+            .or_else(|| crate::units::parse_size(settings::CHECKPOINT_BUDGET.default));
+        let mut s = RecordSession::new(run_id, schedule, code, safety, now);
+        s.budget = budget;
+        Ok(s)
     }
 
     /// A session for a framework that names its checkpoints `prefix` and
@@ -300,6 +315,7 @@ impl RecordSession {
     /// chosen retention gets the core's default for its length.
     pub fn outer_start(&mut self, loop_name: &str, len: Option<u64>) {
         self.loop_name = loop_name.to_string();
+        self.loop_len = len;
         if !self.retention_chosen {
             self.retention = Retention::default_for_loop(len);
         }
@@ -503,6 +519,33 @@ impl RecordSession {
         }
     }
 
+    /// Bound the store's checkpoints of this run (`None`: unbounded);
+    /// [`from_env`](Self::from_env) sets `$HINDSIGHT_CHECKPOINT_BUDGET`.
+    pub fn set_budget(&mut self, budget: Option<u64>) {
+        self.budget = budget;
+    }
+
+    /// A checkpoint just saved holds `bytes` of state. Where no retention was
+    /// chosen and the run's checkpoints would outgrow the budget, they are
+    /// thinned to a spread of `budget / bytes` (never below
+    /// [`MIN_KEPT_IN_BUDGET`]): a replay restores the nearest and executes
+    /// the rest.
+    pub fn checkpoint_size(&mut self, bytes: u64) {
+        let Some(budget) = self.budget.filter(|_| !self.retention_chosen && bytes > 0) else {
+            return;
+        };
+        if self.saves.saturating_mul(bytes) <= budget && self.retention.keep_spread.is_none() {
+            return;
+        }
+        let fit = usize::try_from(budget / bytes)
+            .unwrap_or(usize::MAX)
+            .max(MIN_KEPT_IN_BUDGET);
+        let base = Retention::default_for_loop(self.loop_len)
+            .keep_spread
+            .unwrap_or(usize::MAX);
+        self.retention.keep_spread = Some(fit.min(base));
+    }
+
     /// Why the last block end saved or did not (once; `None` after), for a
     /// recording asked to say each decision (`$HINDSIGHT_VERBOSE`).
     pub fn take_decision(&mut self) -> Option<String> {
@@ -532,7 +575,15 @@ impl RecordSession {
                 (Cadence::AfterEvery(n), _) => format!("every {n} epochs"),
                 (Cadence::Never, _) => "on stop signals".to_string(),
             };
-            format!("checkpoints of {}; {when}", objects.join(", "))
+            let kept = match self.budget.filter(|_| !self.retention_chosen) {
+                Some(b) => format!(
+                    "; kept within {} ({}), spread over the run",
+                    crate::units::human_size(b),
+                    settings::CHECKPOINT_BUDGET.name
+                ),
+                None => String::new(),
+            };
+            format!("checkpoints of {}; {when}{kept}", objects.join(", "))
         };
         format!(
             "hindsight: {verb} run {} of {script} in {home}; {what}",

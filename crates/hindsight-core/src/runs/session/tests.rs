@@ -5,9 +5,10 @@
 
 use std::collections::BTreeMap;
 
-use super::record::Status;
+use super::record::{Status, MIN_KEPT_IN_BUDGET};
 use super::*;
 use crate::checkpoint::naming::CheckpointId;
+use crate::checkpoint::retention::Retention;
 use crate::runs::replay::{Mode, WorkerPlan};
 use crate::runs::schedule::CheckpointSchedule;
 
@@ -714,4 +715,42 @@ fn a_following_rank_saves_what_rank_0_decides_under_the_same_names() {
         assert_eq!(act.save.as_deref(), Some("job.epoch-000001.step-000000001"));
         assert_eq!((act.wait, act.exit), (true, Some(85)));
     }
+}
+
+#[test]
+fn checkpoints_outgrowing_the_budget_are_thinned_to_a_spread() {
+    let mut s = RecordSession::new(
+        "r1",
+        CheckpointSchedule::new(Some(1), 0.1).unwrap(),
+        85,
+        None,
+        0.0,
+    );
+    s.set_budget(Some(100 << 20));
+    s.set_objects(true);
+    s.outer_start("epoch", Some(100));
+    let mut spread = Vec::new();
+    for i in 0..40 {
+        s.saved(0.01, i as f64);
+        s.checkpoint_size(5 << 20);
+        spread.push(s.retention().keep_spread);
+    }
+    // 20 checkpoints of 5 MiB fit in 100 MiB: kept whole until then ...
+    assert!(spread[..20].iter().all(Option::is_none), "{spread:?}");
+    // ... then thinned to a spread of as many as fit.
+    assert_eq!(spread[20], Some(20));
+    // Huge checkpoints: never fewer than MIN_KEPT_IN_BUDGET.
+    s.checkpoint_size(1 << 30);
+    assert_eq!(s.retention().keep_spread, Some(MIN_KEPT_IN_BUDGET));
+    // A chosen retention replaces the budget.
+    let mut chosen = s.clone();
+    chosen.set_retention(
+        Retention {
+            keep_last: Some(3),
+            ..Retention::default()
+        },
+        None,
+    );
+    chosen.checkpoint_size(1 << 30);
+    assert_eq!(chosen.retention().keep_spread, None);
 }
