@@ -96,9 +96,10 @@ example-resume: develop-release ## Checkpoint every epoch, interrupt, resume bit
 	$(PY) examples/train_checkpointed.py --store .hindsight/example-store
 
 .PHONY: bench
-bench: develop-release ## Benchmarks: checkpoints vs torch.save/load, record overhead and replay, preemption (tables)
+bench: develop-release ## Benchmarks: checkpoints vs torch.save/load, record overhead, per-step cost and replay, zoo scripts at 5 s epochs, preemption (tables)
 	$(PY) benches/bench_checkpoint.py
 	$(PY) benches/bench_replay.py
+	$(PY) benches/bench_zoo.py
 	$(PY) benches/bench_preempt.py
 
 .PHONY: bench-data
