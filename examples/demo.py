@@ -175,5 +175,6 @@ def main() -> None:
         )
         print(f"why not every epoch: {plural(taken, 'checkpoint')} in {plural(epochs, 'epoch')}: {why}")
 
+
 if __name__ == "__main__":
     main()
