@@ -140,3 +140,62 @@ def test_replay_workers_write_files_of_their_own_and_leave_the_recorded_ones(
     assert (tmp_path / "final.pt").read_bytes() == final  # put back as recorded when the worker exits
     assert _values(home, "val", "best_loss", "rows") == reference
     assert len(_values(home, "l")) == 32
+
+
+@pytest.mark.parametrize(
+    ("entry", "says"),
+    [
+        ("link/evil.txt", "symbolic link"),
+        ("link/newdir/x.txt", "symbolic link"),
+        ("", "is empty"),
+        (".", "directory itself"),
+        ("./", "directory itself"),
+        ("train.py", "would overwrite"),
+        (".hindsight/logs.db", "would overwrite"),
+        ("../escape.txt", "leaves the working directory"),
+    ],
+)
+def test_a_crafted_files_entry_is_refused_naming_it_and_nothing_is_written(
+    tmp_path: Path, entry: str, says: str
+) -> None:
+    """A checkpoint is data: its `files` entries are put back under the
+    working directory only, never through a link, never over the script or
+    the project home, and all or none."""
+    from hindsight._run.files import put_back
+    from hindsight.errors import HindsightError
+
+    work, outside = tmp_path / "work", tmp_path / "OUTSIDE"
+    work.mkdir()
+    outside.mkdir()
+    (work / "link").symlink_to("../OUTSIDE")
+    (work / "train.py").write_text("print('mine')\n")
+    (work / ".hindsight").mkdir()
+    with pytest.raises(HindsightError) as e:
+        put_back({"good.txt": b"x", entry: b"evil"}, work, "ck1", [work / "train.py", work / ".hindsight"])
+    assert repr(entry) in str(e.value) or f'"{entry}"' in str(e.value), e.value
+    assert says in str(e.value) and "ck1" in str(e.value), e.value
+    assert not (work / "good.txt").exists()
+    assert list(outside.iterdir()) == [] and not (tmp_path / "escape.txt").exists()
+    assert (work / "train.py").read_text() == "print('mine')\n"
+
+
+def test_a_resume_refuses_to_write_a_kept_file_through_a_link(tmp_path: Path) -> None:
+    """The recorded metrics file, replaced by a link to a file elsewhere
+    before the resume: the resume stops naming it, and the checkpoint's
+    copy is written neither where the link points nor over the link."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    home = tmp_path / ".hindsight"
+    sig = {"SIGNAL_AT": "2.3", "MARK": str(tmp_path / "signalled")}
+    assert _run(script, home, **sig).returncode == 85
+    elsewhere = tmp_path / "elsewhere.csv"
+    elsewhere.write_text("not yours\n")
+    (tmp_path / "metrics.csv").unlink()
+    (tmp_path / "metrics.csv").symlink_to(elsewhere)
+    r = _run(script, home, **sig)
+    assert r.returncode != 0
+    assert "metrics.csv" in r.stderr and "symbolic link" in r.stderr, r.stderr[-2000:]
+    # The checkpoint's rows ("0", "1") were not written there; the script's
+    # own append before its steps went where the user's link points.
+    assert elsewhere.read_text().startswith("not yours\n") and "0\n1\n" not in elsewhere.read_text()
+    assert (tmp_path / "metrics.csv").is_symlink()

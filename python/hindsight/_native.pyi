@@ -108,6 +108,7 @@ __all__ = [
     "part_name",
     "plan_replicated",
     "project_paths",
+    "put_back_files",
     "replay_threads",
     "replay_time_breakdown",
     "replay_verdict",
@@ -976,6 +977,9 @@ class BatchPrinter:
     def digest(self, batch: object) -> str: ...
 
 def resume_key(script: str, root: str, args: list[str]) -> str: ...
+def put_back_files(
+    root: str | os.PathLike[str], files: dict[str, bytes], protected: list[str | os.PathLike[str]], checkpoint: str
+) -> None: ...
 
 # Exception classes, created by the binding (errors.rs); hindsight.errors re-exports them.
 class HindsightError(Exception):

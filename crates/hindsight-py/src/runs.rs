@@ -968,6 +968,22 @@ fn parse_date(text: &str) -> PyResult<u64> {
     hindsight_core::runs::dates::parse_utc(text).map_err(crate::errors::to_py)
 }
 
+/// Put a checkpoint's files back under `root` (`runs::files::put_back`):
+/// all of them, or none and an error naming the first refused entry.
+#[pyfunction]
+fn put_back_files(
+    py: Python<'_>,
+    root: PathBuf,
+    files: BTreeMap<String, Vec<u8>>,
+    protected: Vec<PathBuf>,
+    checkpoint: String,
+) -> PyResult<()> {
+    let files: Vec<(String, Vec<u8>)> = files.into_iter().collect();
+    interrupt::run(py, |_| {
+        hindsight_core::runs::files::put_back(&root, &files, &protected, &checkpoint)
+    })
+}
+
 /// The key a starting script finds the run it continues by
 /// (`runs::resume::resume_key`).
 #[pyfunction]
@@ -978,6 +994,7 @@ fn resume_key(script: PathBuf, root: PathBuf, args: Vec<String>) -> String {
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_date, m)?)?;
     m.add_function(wrap_pyfunction!(resume_key, m)?)?;
+    m.add_function(wrap_pyfunction!(put_back_files, m)?)?;
     m.add_function(wrap_pyfunction!(batch_digest, m)?)?;
     m.add_class::<ReplayCheck>()?;
     m.add_class::<LogDb>()?;

@@ -816,6 +816,7 @@ class Run:
             apply_grads(self.objects, state["grads"], name)
         self._apply_vars(state)
         if "files" in state:
-            put_back(dict(zip(state["files"]["paths"], state["files"]["data"], strict=True)), Path.cwd(), name)
+            files = dict(zip(state["files"]["paths"], state["files"]["data"], strict=True))
+            put_back(files, Path.cwd(), name, protected=[self.script, self.home])
         if rng and "rng" in state:  # a new rank of a resharded resume keeps its own
             set_rng_state(state["rng"])

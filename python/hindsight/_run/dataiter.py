@@ -43,6 +43,9 @@ class _Origin:
     created: dict[str, Any]
     first: dict[str, Any] | None = None
     tap: _Tap | None = field(default=None, repr=False)
+    #: `created` and `first` encoded, once both are final: they never change,
+    #: and every iteration's snapshot of the loop's variables encodes them.
+    encoded: dict[str, Any] | None = field(default=None, repr=False)
 
 
 class _Tap:
@@ -139,6 +142,15 @@ def is_loader_iter(v: Any) -> bool:
     return data is not None and isinstance(v, data.dataloader._BaseDataLoaderIter)
 
 
+def _origin_encoded(origin: _Origin, enc: Any) -> dict[str, Any]:
+    if origin.encoded is not None:
+        return origin.encoded
+    out = {"created": enc(origin.created), "first": None if origin.first is None else enc(origin.first)}
+    if origin.first is not None:  # the sampler drew: nothing of it changes any more
+        origin.encoded = out
+    return out
+
+
 def encode(it: Any, enc: Any) -> dict[str, Any]:
     """The kept form of a DataLoader iterator (``enc`` encodes its parts).
     Raises ValueError with the reason when it cannot be kept."""
@@ -151,10 +163,7 @@ def encode(it: Any, enc: Any) -> dict[str, Any]:
     return {
         # How it was made: a replay worker's own unseeded RNGs differ there
         # and are not compared (core checkpoint::compare); what it yields is.
-        _native.STATE_ORIGIN_KEY: {
-            "created": enc(origin.created),
-            "first": None if origin.first is None else enc(origin.first),
-        },
+        _native.STATE_ORIGIN_KEY: _origin_encoded(origin, enc),
         "yielded": int(it._num_yielded),
         "draws": origin.tap.count,
         "last": None if origin.tap.last is None else batches.digest(origin.tap.last),

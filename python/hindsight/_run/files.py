@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hindsight import _settings
+from hindsight import _native, _settings
 from hindsight.errors import ReplayError
 
 #: Set in a replay worker: the recorded working directory its own mirrors.
@@ -228,17 +228,15 @@ def mirror(src: Path, dst: Path) -> None:
         os.symlink(entry.path, dst / entry.name)
 
 
-def put_back(files: dict[str, bytes], root: Path, checkpoint: str) -> None:
+def put_back(files: dict[str, bytes], root: Path, checkpoint: str, protected: list[Path]) -> None:
     """Write a checkpoint's files under `root` (the run's or the worker's
-    working directory), each atomically. A path that leaves `root` is
-    refused: restoring writes nowhere else."""
-    base = root.resolve()
-    for rel, data in files.items():
-        p = base / rel
-        if Path(rel).is_absolute() or ".." in Path(rel).parts:
-            raise ReplayError(f"checkpoint '{checkpoint}' holds a file outside the working directory: {rel!r}")
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.hindsight-restore")
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, p)
+    working directory), each atomically, never through a link and never
+    over `protected` (the script, the project home) or Python source: all
+    of them, or none and an error naming the entry (`runs::files`)."""
+    if _WATCHER:
+        # What an `open` of each would tell the watcher (a replay worker's
+        # mirror makes the file its own instead of a link to the recorded one).
+        for rel in files:
+            if rel and not os.path.isabs(rel) and ".." not in Path(rel).parts:
+                _WATCHER[0](Path(os.path.abspath(root / rel)), False)
+    _native.put_back_files(root, files, [str(p) for p in protected], checkpoint)

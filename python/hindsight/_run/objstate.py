@@ -233,6 +233,7 @@ def encode(v: Any, skip: set[int] = frozenset(), shared: set[int] = frozenset())
 
 
 MISSING = object()
+_SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
 
 
 def restore(current: Any, saved: Any, name: str) -> Any:
@@ -366,14 +367,19 @@ def versions(v: Any) -> tuple[int, ...]:
     torch = sys.modules.get("torch")
     if torch is None:
         return ()
+    tensor = torch.Tensor
     out: list[int] = []
     stack = [v]
     while stack:
         o = stack.pop()
-        if isinstance(o, torch.Tensor):
+        t = type(o)
+        if t in _SCALARS:
+            continue
+        if isinstance(o, tensor):
             out.append(o._version)
-        elif type(o) in (dict, OrderedDict):
+        elif t is dict or t is OrderedDict:
             stack.extend(o.values())
-        elif type(o) in (list, tuple):
-            stack.extend(o)
+        elif t is list or t is tuple:
+            # An RNG state is a tuple of 625 ints: step over scalars here.
+            stack.extend([x for x in o if type(x) not in _SCALARS])
     return tuple(out)

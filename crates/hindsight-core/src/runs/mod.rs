@@ -5,6 +5,7 @@ pub mod adaptive;
 pub mod cpu;
 pub mod dates;
 pub mod db;
+pub mod files;
 pub mod ids;
 pub mod json;
 pub mod preempt;
