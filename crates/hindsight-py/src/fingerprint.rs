@@ -84,41 +84,62 @@ impl BatchPrinter {
     fn digest(&self, py: Python<'_>, batch: &Bound<'_, PyAny>) -> PyResult<String> {
         let mut parts = Vec::new();
         self.walk(batch, &mut parts, 0)?;
-        let total: usize = parts.iter().map(Part::len).sum();
-        let hash = |parts: &[Part]| {
-            let mut d = BatchDigest::new();
-            for p in parts {
-                match p {
-                    Part::Text(t) => d.part(t.as_bytes()),
-                    // SAFETY: the tensor is held by `_owner` and was
-                    // contiguous over `len` bytes from `ptr` when read.
-                    Part::Raw { ptr, len, .. } => {
-                        d.part(unsafe { std::slice::from_raw_parts(*ptr as *const u8, *len) })
-                    }
-                    // SAFETY: checked C-contiguous when taken; the buffer
-                    // stays exported while `parts` lives.
-                    Part::Buffer(b) => d.part(unsafe {
-                        std::slice::from_raw_parts(b.buf_ptr() as *const u8, b.len_bytes())
-                    }),
-                }
-            }
-            d.finish()
-        };
-        if total < DETACH_BYTES {
-            return Ok(hash(&parts));
-        }
-        let parts = SendParts(parts);
-        interrupt::run(py, move |_| Ok::<_, hindsight_core::Error>(hash(&parts.0)))
+        digest_parts(py, &parts)
     }
 }
 
-/// The parts cross into the GIL-free hash; nothing touches their Python
-/// owners there.
-struct SendParts(Vec<Part>);
-// SAFETY: only the raw pointers and buffers are read off the GIL; the
-// `Py` owners are dropped after `interrupt::run` returns, with the GIL.
-unsafe impl Send for SendParts {}
-unsafe impl Sync for SendParts {}
+/// The fingerprint over `parts` in order (`BatchDigest`), hashed with the
+/// GIL released where they are large. Their owners (`Py`, exported
+/// buffers) stay with the caller, alive and dropped with the GIL.
+fn digest_parts(py: Python<'_>, parts: &[Part]) -> PyResult<String> {
+    let hash = || {
+        let mut d = BatchDigest::new();
+        for p in parts {
+            match p {
+                Part::Text(t) => d.part(t.as_bytes()),
+                // SAFETY: the tensor is held by `_owner` and was contiguous
+                // over `len` bytes from `ptr` when read.
+                Part::Raw { ptr, len, .. } => {
+                    d.part(unsafe { std::slice::from_raw_parts(*ptr as *const u8, *len) })
+                }
+                // SAFETY: checked C-contiguous when taken; the buffer stays
+                // exported while `parts` lives.
+                Part::Buffer(b) => d.part(unsafe {
+                    std::slice::from_raw_parts(b.buf_ptr() as *const u8, b.len_bytes())
+                }),
+            }
+        }
+        d.finish()
+    };
+    if parts.iter().map(Part::len).sum::<usize>() < DETACH_BYTES {
+        return Ok(hash());
+    }
+    interrupt::run(py, |_| Ok::<_, hindsight_core::Error>(hash()))
+}
+
+/// A part of an explicit fingerprint: a description or a buffer's bytes.
+#[derive(FromPyObject)]
+enum DigestPart {
+    Text(String),
+    Bytes(PyBuffer<u8>),
+}
+
+/// The fingerprint of explicit parts, in order: what `BatchPrinter.digest`
+/// hashes for a batch, spelled out (the format's reference in tests).
+#[pyfunction]
+fn batch_digest(py: Python<'_>, parts: Vec<DigestPart>) -> PyResult<String> {
+    let parts = parts
+        .into_iter()
+        .map(|p| match p {
+            DigestPart::Text(t) => Ok(Part::Text(t)),
+            DigestPart::Bytes(b) if b.is_c_contiguous() => Ok(Part::Buffer(b)),
+            DigestPart::Bytes(_) => Err(pyo3::exceptions::PyValueError::new_err(
+                "batch_digest: buffers must be C-contiguous",
+            )),
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    digest_parts(py, &parts)
+}
 
 impl BatchPrinter {
     fn walk(&self, x: &Bound<'_, PyAny>, parts: &mut Vec<Part>, depth: usize) -> PyResult<()> {
@@ -260,5 +281,6 @@ fn cut(text: String) -> String {
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(batch_digest, m)?)?;
     m.add_class::<BatchPrinter>()
 }

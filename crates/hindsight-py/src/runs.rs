@@ -9,11 +9,9 @@ use std::sync::Mutex;
 
 use hindsight_core::runs::dates::now_ms;
 use hindsight_core::runs::db::{
-    BatchDigest, IterationRow, LogDb as CoreDb, LogRow, NewRun, Phase, PrintKind, RunRow,
-    RunStatus, Trust,
+    IterationRow, LogDb as CoreDb, LogRow, NewRun, Phase, PrintKind, RunRow, RunStatus, Trust,
 };
 use hindsight_core::runs::replay;
-use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -647,54 +645,6 @@ fn log_rows(rows: Vec<LogTuple>) -> Vec<LogRow> {
         .collect()
 }
 
-/// A part of a batch fingerprint: a description (str) or a buffer's bytes.
-#[derive(FromPyObject)]
-enum DigestPart {
-    Text(String),
-    Bytes(PyBuffer<u8>),
-}
-
-/// The fingerprint of one training step's batch (`runs::db::BatchDigest`)
-/// over its parts in order: descriptions (dtype, shape) and contiguous
-/// buffers (tensor or array bytes). Hashed with the GIL released.
-#[pyfunction]
-fn batch_digest(py: Python<'_>, parts: Vec<DigestPart>) -> PyResult<String> {
-    let mut slices: Vec<(usize, usize)> = Vec::with_capacity(parts.len());
-    for p in &parts {
-        if let DigestPart::Bytes(b) = p {
-            if !b.is_c_contiguous() {
-                return Err(pyo3::exceptions::PyValueError::new_err(
-                    "batch_digest: buffers must be C-contiguous",
-                ));
-            }
-            slices.push((b.buf_ptr() as usize, b.len_bytes()));
-        } else {
-            slices.push((0, 0));
-        }
-    }
-    let texts: Vec<Option<String>> = parts
-        .iter()
-        .map(|p| match p {
-            DigestPart::Text(t) => Some(t.clone()),
-            DigestPart::Bytes(_) => None,
-        })
-        .collect();
-    // The buffers stay exported (held by `parts`) while the GIL is released.
-    interrupt::run(py, |_| {
-        let mut d = BatchDigest::new();
-        for (text, (ptr, len)) in texts.iter().zip(&slices) {
-            match text {
-                Some(t) => d.part(t.as_bytes()),
-                None if *len == 0 => d.part(&[]),
-                // SAFETY: ptr/len describe a C-contiguous buffer kept alive
-                // and exported by its PyBuffer in `parts` until we return.
-                None => d.part(unsafe { std::slice::from_raw_parts(*ptr as *const u8, *len) }),
-            }
-        }
-        Ok::<_, hindsight_core::Error>(d.finish())
-    })
-}
-
 #[pyclass(module = "hindsight._native", frozen, get_all)]
 #[derive(Debug)]
 pub(crate) struct Iteration {
@@ -995,7 +945,6 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_date, m)?)?;
     m.add_function(wrap_pyfunction!(resume_key, m)?)?;
     m.add_function(wrap_pyfunction!(put_back_files, m)?)?;
-    m.add_function(wrap_pyfunction!(batch_digest, m)?)?;
     m.add_class::<ReplayCheck>()?;
     m.add_class::<LogDb>()?;
     m.add_class::<Iteration>()?;
