@@ -189,3 +189,43 @@ def test_bad_store_options_are_refused_by_name_and_leave_nothing(tmp_path: Path,
         hs.Store(where, **options)  # type: ignore[arg-type]
     assert e.value.arg in options
     assert not where.exists()
+
+
+def test_a_read_only_home_is_read_by_the_commands_and_the_dataframe(tmp_path: Path) -> None:
+    """A project on a read-only mount (an archive, another user's results):
+    `runs`, `logs`, `verify` and `hs.dataframe` answer from it and write
+    nothing (issue 42, item 9)."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("no mount here: a read-only file system cannot be made")
+    try:
+        script = mnt / "train.py"
+        script.write_text(
+            textwrap.dedent(
+                """
+                import torch, hindsight as hs
+                net = torch.nn.Linear(2, 1)
+                with hs.checkpointing(model=net):
+                    for epoch in hs.loop("epoch", range(3)):
+                        hs.log("loss", float(epoch))
+                """
+            )
+        )
+        env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("HINDSIGHT_")}
+        rec = subprocess.run(
+            [sys.executable, "train.py"], cwd=mnt, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert rec.returncode == 0, rec.stderr[-2000:]
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        before = sorted(p.name for p in (mnt / ".hindsight").iterdir())
+        for args, want in ((["runs"], "completed"), (["logs", "loss"], "2"), (["verify"], "")):
+            r = subprocess.run([*hindsight_cmd(), *args], cwd=mnt, env=env, capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, (args, r.stderr[-2000:])
+            assert want in r.stdout, (args, r.stdout)
+        code = "import hindsight as hs; df = hs.dataframe('loss'); print(sorted(df['loss'].tolist()))"
+        r = subprocess.run([sys.executable, "-c", code], cwd=mnt, env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "[0.0, 1.0, 2.0]" in r.stdout, r.stderr[-2000:]
+        assert sorted(p.name for p in (mnt / ".hindsight").iterdir()) == before
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

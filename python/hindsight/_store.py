@@ -398,6 +398,10 @@ class Store:
             keep_spread,
         )
 
+    def meta(self, name: str) -> dict[str, str]:
+        """A checkpoint's metadata (as `info(name)["meta"]`, without listing its entries)."""
+        return self._native.meta(name)
+
     def info(self, name: str) -> dict[str, Any]:
         """Creation time, metadata and the (key, kind, bytes) entries of a checkpoint."""
         return self._native.info(name)

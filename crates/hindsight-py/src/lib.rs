@@ -533,6 +533,16 @@ impl Store {
     }
 
     /// Creation time (ms since epoch) and metadata of a checkpoint.
+    /// A checkpoint's metadata alone (`info` without its entries).
+    fn meta(
+        &self,
+        py: Python<'_>,
+        name: String,
+    ) -> PyResult<std::collections::BTreeMap<String, String>> {
+        let m = interrupt::run(py, |_| self.replica.manifest(&name))?;
+        Ok(m.meta.clone())
+    }
+
     fn info<'py>(&self, py: Python<'py>, name: String) -> PyResult<Bound<'py, PyDict>> {
         let (m, rows) = interrupt::run(py, |_| self.replica.describe(&name))?;
         let d = PyDict::new(py);

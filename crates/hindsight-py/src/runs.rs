@@ -245,16 +245,26 @@ impl LogDb {
     /// The run a process started with `resume_key` here continues, if any
     /// (the engine's rule: interrupted, or running but certainly gone), with
     /// its paths where they are now that the project root is `root`.
-    #[pyo3(signature = (resume_key, root, explicit=false))]
+    #[pyo3(signature = (resume_key, root, script, args, explicit=false))]
     fn run_to_resume<'py>(
         &self,
         py: Python<'py>,
         resume_key: String,
         root: PathBuf,
+        script: PathBuf,
+        args: Vec<String>,
         explicit: bool,
     ) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let here = hindsight_core::runs::resume::Here::current();
-        let r = self.with(py, |db| db.run_to_resume(&resume_key, explicit, &here))?;
+        use hindsight_core::runs::resume::{Command, Here};
+        let here = Here::current();
+        let command = Command {
+            script_abs: &script,
+            root: &root,
+            args: &args,
+        };
+        let r = self.with(py, |db| {
+            db.run_to_resume(&resume_key, explicit, &here, &command)
+        })?;
         r.map(|r| run_dict(py, &r.relocated(&root))).transpose()
     }
 

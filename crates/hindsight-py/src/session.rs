@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use hindsight_core::checkpoint::retention::{self, RetentionArgs};
-use hindsight_core::runs::cpu::CpuSample;
+use hindsight_core::runs::cpu::Sampler;
 use hindsight_core::runs::session::{self as core, record::Status};
 use pyo3::prelude::*;
 
@@ -200,7 +200,7 @@ impl Retention {
 
 /// A recording process's lifecycle (`runs::session::RecordSession`).
 #[pyclass(module = "hindsight._native")]
-pub(crate) struct RecordSession(core::RecordSession);
+pub(crate) struct RecordSession(core::RecordSession, Sampler);
 
 #[pymethods]
 impl RecordSession {
@@ -208,7 +208,7 @@ impl RecordSession {
     #[staticmethod]
     fn from_env(run_id: &str, now: f64) -> PyResult<Self> {
         core::RecordSession::from_env(run_id, now)
-            .map(RecordSession)
+            .map(|s| RecordSession(s, Sampler::default()))
             .py_err()
     }
 
@@ -216,7 +216,7 @@ impl RecordSession {
     #[staticmethod]
     fn for_framework(prefix: &str, now: f64) -> PyResult<Self> {
         core::RecordSession::for_framework(prefix, now)
-            .map(RecordSession)
+            .map(|s| RecordSession(s, Sampler::default()))
             .py_err()
     }
 
@@ -337,7 +337,7 @@ impl RecordSession {
         first_estimate: f64,
     ) -> PyResult<Option<BlockSave>> {
         // Sampled here: the contention estimate compares intervals between block ends.
-        let cpu = CpuSample::now();
+        let cpu = self.1.sample_if_due();
         let save = self
             .0
             .block_end(i, compute_secs, background_total, cpu, first_estimate)
@@ -369,6 +369,11 @@ impl RecordSession {
     /// The checkpoint just saved holds `nbytes` of state (the budget's measure).
     fn checkpoint_size(&mut self, nbytes: u64) {
         self.0.checkpoint_size(nbytes)
+    }
+
+    /// Iteration `i` runs steps but its start state was not kept.
+    fn start_unkept(&mut self, i: u64) {
+        self.0.start_unkept(i)
     }
 
     fn block_closed(&mut self, i: u64) {
@@ -502,6 +507,10 @@ impl ReplaySession {
 
     fn restored_in(&mut self, secs: f64) {
         self.0.restored(secs)
+    }
+
+    fn checked_in(&mut self, secs: f64) {
+        self.0.checked(secs)
     }
 
     fn block_end(&mut self, i: u64, at_iteration: bool) -> PyResult<BlockEnd> {

@@ -46,7 +46,15 @@ def current() -> Run:
     if _RUN is None or _RUN.finished:
         dataiter.install()
         plan = os.environ.get(ENV_REPLAY)
-        _RUN = ReplayRun(plan) if plan else RecordRun()
+        try:
+            _RUN = ReplayRun(plan) if plan else RecordRun()
+        except InvalidArgumentError as e:
+            # A bad $HINDSIGHT_* value, or a run name another command holds:
+            # the user's to fix, said in one line that names it, not as a
+            # traceback through hindsight's start-up.
+            sys.stderr.write(f"hindsight: error: {e}\n")
+            sys.stderr.flush()
+            raise SystemExit(2) from None
         _RUN.framework_ctx, _RUN.framework_drop = _FRAMEWORK_CTX, _FRAMEWORK_DROP
     return _RUN
 

@@ -298,6 +298,12 @@ class Run:
         self.block_live = False
         self.block_gen: Any = None
         self.iter_values: dict[str, tuple[Any, tuple[int, ...]]] | None = None
+        # Whether the current outer iteration's start was kept (iter_values,
+        # the RecordRun's iter_rng), and whether an iteration of this process
+        # ran steps (an inner hs.loop): see _keeps_start.
+        self.iter_kept = False
+        self.blocks_seen = False
+        self.iterations_started = 0
         # Loop variables changed through methods that no checkpoint keeps
         # (LoopVars.unkept), for the closing note.
         self.unkept: dict[str, str] = {}
@@ -666,6 +672,9 @@ class Run:
         """The first loop nested in the outer loop: the skippable training steps."""
         i = self.outer_idx
         self.stale_start = False  # restored or rebuilt below
+        if not self.iter_kept:
+            self._start_unkept(i)
+        self.blocks_seen = True
         self.block_vars = LoopVars.of(sys._getframe(1), name, self._object_ids())
         self.module_vars.add(self.block_vars)
         self.block_live = True
@@ -732,10 +741,27 @@ class Run:
 
     def _iteration_starts(self, i: int) -> None:
         """Outer iteration i is about to run its body: its loop variables as
-        they are now are part of its checkpoint (a resume re-runs the code
-        before the steps from them; a replay's state is compared with them)."""
-        if self.objects and self.outer_vars is not None:
+        they are now are part of a checkpoint taken inside it (a resume
+        re-runs the code before the steps from them), where kept."""
+        self.iter_kept = self._keeps_start()
+        self.iterations_started += 1
+        self.iter_values = None
+        if self.iter_kept and self.objects and self.outer_vars is not None:
             self.iter_values = self.outer_vars.snapshot()
+
+    def _keeps_start(self) -> bool:
+        """Whether to keep the state the iteration starts with. Only a
+        checkpoint inside an iteration (within or after its steps, before
+        its end) needs it, and only an iteration that runs steps has one: a
+        loop of one-step iterations (minGPT's `while True`) would pay the
+        copy, a tenth of a millisecond step, for nothing. Kept in the first
+        iteration a process runs and in every one after an iteration ran
+        steps; an iteration that runs steps without it takes no checkpoint
+        inside (`_start_unkept`)."""
+        return self.iterations_started == 0 or self.blocks_seen
+
+    def _start_unkept(self, i: int) -> None:
+        """Iteration i runs steps, and its start was not kept."""
 
     def _iteration_continues(self) -> None:
         """The body of the current outer iteration went on normally after the steps."""

@@ -114,10 +114,12 @@ class RecordRun(Run):
         self.handles: list[Any] = []
         # Files the script writes are rank 0's to keep: every rank would write the same paths.
         self.files = Written(Path.cwd(), [self.home]) if self.leads else None
+        # A bad HINDSIGHT_* setting stops the run now, not at its first
+        # checkpoint or preemption, and before a run is created (or resumed).
+        self.session = _native.RecordSession.from_env("", time.monotonic())
         if self.leads:
             self._start()
-        # A bad HINDSIGHT_* setting stops the run now, not at its first checkpoint or preemption.
-        self.session = _native.RecordSession.from_env(self.run_id, time.monotonic())
+            self.session = _native.RecordSession.from_env(self.run_id, time.monotonic())
         self._wrap_excepthook()
         if jupyter.shell() is not None:
             jupyter.on_cell_error(self)
@@ -168,7 +170,7 @@ class RecordRun(Run):
         key = explicit or _native.resume_key(str(self.script), str(self.root), argv[1:])
         prev = None
         if _settings.flag(ENV_RESUME, True):
-            prev = self.db.run_to_resume(key, str(self.root), explicit is not None)
+            prev = self.db.run_to_resume(key, str(self.root), str(self.script), argv[1:], explicit is not None)
         if prev is not None:
             self.run_id = prev["id"]
             self.args = json.loads(prev["args_json"] or "{}")
@@ -722,10 +724,13 @@ class RecordRun(Run):
     def _iteration_starts(self, i: int) -> None:
         t0 = time.perf_counter()
         super()._iteration_starts(i)
-        self.iter_rng = rng_state()
+        self.iter_rng = rng_state() if self.iter_kept else None
         if i == 0:
             self.start_rng = self.iter_rng
         self.own_seconds += time.perf_counter() - t0
+
+    def _start_unkept(self, i: int) -> None:
+        self.session.start_unkept(i)
 
     def _block_starts(self, i: int, iterable: Iterable[T]) -> tuple[Iterator[T], int] | None:
         block = self.session.block_start(i)

@@ -29,6 +29,8 @@ from hindsight.errors import DivergenceError, HindsightError, ReplayError
 
 #: A worker's exit status when what it computed differs from the recording (the engine's).
 EXIT_DIVERGED = _native.EXIT_DIVERGED
+# How often a worker looks for a value it computed otherwise than the recording.
+VALUE_CHECK_SECS = 0.5
 
 
 class ReplayRun(Run):
@@ -76,6 +78,7 @@ class ReplayRun(Run):
         self.progress: int | None = inherited_pipe(fd) if fd is not None and self.leads else None
         # The staged values checked so far against the recording.
         self.checked_seq = 0
+        self.next_value_check = 0.0
         self.noted_clock = False
         self.replay_id: int | None = self.plan.replay_id
         recorded_cwd = os.environ.get(files.ENV_RECORDED_CWD)
@@ -161,7 +164,7 @@ class ReplayRun(Run):
             return None
         # A multi-rank checkpoint keeps each rank's start states with its own part.
         path = ["start_rng"]
-        if self.store.info(name)["meta"].get(_native.META_WORLD) is not None:
+        if self.store.meta(name).get(_native.META_WORLD) is not None:
             from hindsight import dist
 
             path = [dist._RANK_STATE, str(self.rank_index), *path]
@@ -194,6 +197,11 @@ class ReplayRun(Run):
         except DivergenceError as e:
             self._diverged(e)
 
+    def _keeps_start(self) -> bool:
+        # A replay takes no checkpoint, and the state it is checked against
+        # leaves the iteration's start out (`checkpoint::compare`).
+        return False
+
     def _end_block(self, i: int, at: str = "block") -> None:
         if self.finished:
             return  # diverged: the block closes on the way out, nothing more to check
@@ -211,11 +219,13 @@ class ReplayRun(Run):
         recording checkpointed at this point (the engine's rule:
         `checkpoint::compare`). Where it is not, every value computed from
         here on would be another run's."""
+        t0 = time.perf_counter()
         state = self.capture()
         grads = capture_grads(self.objects)
         if grads is not None:
             state["grads"] = grads
         check = self._check_against(name, state)
+        self.session.checked_in(time.perf_counter() - t0)
         if check.notes and not self.noted_clock:
             self.noted_clock = True
             n = check.notes[0]
@@ -236,7 +246,7 @@ class ReplayRun(Run):
         store: Store = self.store
         # Checked as it was saved: by the job's layout where several ranks,
         # or DTensors on one, saved it (`RecordRun._save`).
-        if self.ranks is None and store.info(name)["meta"].get(_native.META_WORLD) is None:
+        if self.ranks is None and store.meta(name).get(_native.META_WORLD) is None:
             return store.check_state(name, state)
         from hindsight import dist
 
@@ -253,7 +263,14 @@ class ReplayRun(Run):
         if not (closing and self.ranks is not None):  # no collective where one rank may be alone
             self._gather_ranks_values()
         self.flush_logs()  # the driver may read the logs as soon as it sees the line
-        self._check_values()
+        # A query a step would cost a loop of millisecond iterations a tenth
+        # of its time: the worker looks for a differing value at most every
+        # VALUE_CHECK_SECS (it only stops sooner; the driver compares every
+        # value before any is kept: replay.py's verdict).
+        now = time.monotonic()
+        if now >= self.next_value_check:
+            self.next_value_check = now + VALUE_CHECK_SECS
+            self._check_values()
         self._progress(self.session.iteration_end(i))
 
     def _check_values(self) -> None:

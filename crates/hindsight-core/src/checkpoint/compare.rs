@@ -24,6 +24,11 @@
 //!   recording's and draws nothing the iterator yields); it is not
 //!   compared, the entries beside it (the iterator's position and its last
 //!   draw) are;
+//! - the loop variables as the iteration began ([`START_VARS`] under
+//!   `vars`) are what a resume runs the code before the steps again from,
+//!   not state the replay holds at this point (the state after them is
+//!   compared), and a front end keeps them only where a checkpoint inside
+//!   the iteration may need them: not compared, in either direction;
 //! - everything else compares exactly: same kind, same value bits, same
 //!   dtype, shape and bytes. An array the ranks saved in pieces (FSDP2) is
 //!   compared piece by piece with the live whole array's regions.
@@ -34,6 +39,8 @@ use super::format::{itemsize, Array, ChunkId, Node, Sharded};
 pub const COMPARED: [&str; 5] = ["objects", "rng", "grads", "loop", "vars"];
 /// A dict entry that records how an object was made: kept, never compared.
 pub const ORIGIN: &str = "__hindsight_origin__";
+/// Under `vars`: the loop variables as the iteration began (a resume aid).
+pub const START_VARS: &str = "iter";
 /// The top-level key under which float differences are only notes.
 const LENIENT: &str = "vars";
 
@@ -286,9 +293,11 @@ impl Walk<'_> {
         }
         match (rec, live) {
             (Node::Dict(r), Node::Dict(l)) => {
+                let at_vars = path.len() == 1 && path[0] == LENIENT;
+                let start_vars = |k: &Node| at_vars && k.key_label() == START_VARS;
                 for (k, v) in l {
                     match r.iter().find(|(rk, _)| rk == k) {
-                        Some(_) if k.key_label() == ORIGIN => self.skip(v),
+                        Some(_) if k.key_label() == ORIGIN || start_vars(k) => self.skip(v),
                         Some((_, rv)) => {
                             path.push(k.key_label());
                             self.node(rv, v, path);
@@ -300,7 +309,10 @@ impl Walk<'_> {
                         return;
                     }
                 }
-                if let Some((k, _)) = r.iter().find(|(rk, _)| !l.iter().any(|(lk, _)| lk == rk)) {
+                if let Some((k, _)) = r
+                    .iter()
+                    .find(|(rk, _)| !start_vars(rk) && !l.iter().any(|(lk, _)| lk == rk))
+                {
                     path.push(k.key_label());
                     self.differ(path, "the checkpoint has it, the live state does not");
                     path.pop();
@@ -628,6 +640,31 @@ mod tests {
         let live = Node::Dict(vec![(s("loop"), Node::List(vec![Node::Int(3)]))]);
         let d = check_state(&rec, &live, &[]).first.unwrap();
         assert_eq!(d.path, "objects");
+    }
+
+    #[test]
+    fn the_iterations_start_variables_are_not_compared_but_a_variable_named_iter_elsewhere_is() {
+        let with = |extra: Vec<(Node, Node)>| {
+            let Node::Dict(mut top) = state(array(Blob::default()), 3, 1.5) else {
+                unreachable!()
+            };
+            let Node::Dict(vars) = &mut top[3].1 else {
+                unreachable!()
+            };
+            vars.extend(extra);
+            Node::Dict(top)
+        };
+        let start = |v: i64| (s(START_VARS), Node::Dict(vec![(s("epoch"), Node::Int(v))]));
+        let rec = with(vec![start(1)]);
+        // Kept by the recording only, kept by both and different: not compared.
+        assert_eq!(check_state(&rec, &with(vec![]), &[]).first, None);
+        assert_eq!(check_state(&rec, &with(vec![start(2)]), &[]).first, None);
+        // A script's own variable `iter` deeper down is state like any other.
+        let nested = |v: i64| (s("m"), Node::Dict(vec![(s(START_VARS), Node::Int(v))]));
+        let d = check_state(&with(vec![nested(1)]), &with(vec![nested(2)]), &[])
+            .first
+            .unwrap();
+        assert_eq!(d.path, "vars/m/iter");
     }
 
     #[test]

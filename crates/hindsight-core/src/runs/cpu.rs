@@ -27,6 +27,31 @@ pub struct CpuSample {
 /// too coarse to say anything: keep the last estimate.
 const MIN_INTERVAL_SECS: f64 = 0.5;
 
+/// Reads the machine's totals at most once per [`MIN_INTERVAL_SECS`]:
+/// a read (`/proc/stat`, the cgroup quota) costs tens of microseconds, too
+/// much for every block end of a loop of millisecond steps, and a shorter
+/// interval says nothing anyway.
+#[derive(Debug, Default)]
+pub struct Sampler {
+    last: Option<std::time::Instant>,
+}
+
+impl Sampler {
+    /// A sample when the last one is at least the minimum interval old (or
+    /// there was none); `None` otherwise, or where the kernel gives none.
+    pub fn sample_if_due(&mut self) -> Option<CpuSample> {
+        let now = std::time::Instant::now();
+        if self
+            .last
+            .is_some_and(|t| now.duration_since(t).as_secs_f64() < MIN_INTERVAL_SECS)
+        {
+            return None;
+        }
+        self.last = Some(now);
+        CpuSample::now()
+    }
+}
+
 impl CpuSample {
     /// The machine's totals now; `None` where the kernel does not provide them.
     pub fn now() -> Option<Self> {
@@ -112,6 +137,24 @@ mod tests {
         assert_eq!(CpuSample::parse("intr 1\n", 100.0, 1), None);
         assert_eq!(CpuSample::parse(STAT, 0.0, 1), None);
         assert_eq!(CpuSample::parse("cpu 1 2 3\ncpu0 1 2 3\n", 100.0, 1), None);
+    }
+
+    #[test]
+    fn the_sampler_reads_at_most_once_per_interval() {
+        let mut s = Sampler::default();
+        if s.sample_if_due().is_none() {
+            return; // not Linux
+        }
+        assert_eq!(
+            s.sample_if_due(),
+            None,
+            "a second read right away is skipped"
+        );
+        s.last = Some(std::time::Instant::now() - std::time::Duration::from_secs(1));
+        assert!(
+            s.sample_if_due().is_some(),
+            "an interval later it reads again"
+        );
     }
 
     #[test]

@@ -140,17 +140,101 @@ pub fn status_now(run: &RunRow, here: &Here) -> RunStatus {
     }
 }
 
+/// The command a run was started with: its script, relative to its project
+/// root where it lies inside it, and its arguments (`argv[1:]` as recorded).
+fn recorded_command(run: &RunRow) -> (String, Option<Vec<String>>) {
+    let abs = Path::new(&run.script_abs);
+    let script = abs.strip_prefix(&run.project_root).unwrap_or(abs);
+    let argv = match json::parse(&run.versions_json) {
+        Some(J::Obj(entries)) => entries.into_iter().find_map(|(k, v)| match v {
+            J::Arr(items) if k == "argv" => items
+                .into_iter()
+                .map(|a| match a {
+                    J::Str(s) => Some(s),
+                    _ => None,
+                })
+                .collect::<Option<Vec<_>>>(),
+            _ => None,
+        }),
+        _ => None,
+    };
+    (
+        script.display().to_string(),
+        argv.map(|a| a.into_iter().skip(1).collect()),
+    )
+}
+
+/// Why the process running `script_abs` (in project `root`) with `args`
+/// may not continue `run`, found by the name the user gave it
+/// (`$HINDSIGHT_RUN_NAME`): another script or other arguments would go on
+/// from that run's checkpoints, with its weights, under its id. `None`: the
+/// same command (a run that recorded no arguments is compared by script).
+pub fn command_differs(
+    run: &RunRow,
+    script_abs: &Path,
+    root: &Path,
+    args: &[String],
+) -> Option<String> {
+    let (script, recorded) = recorded_command(run);
+    let here = script_abs
+        .strip_prefix(root)
+        .unwrap_or(script_abs)
+        .display()
+        .to_string();
+    if script != here {
+        return Some(format!("it ran {script}, this process runs {here}"));
+    }
+    match recorded {
+        Some(a) if a != args => Some(format!(
+            "it ran {script} with arguments {}, this process with {}",
+            json::array(&a.iter().map(|s| json::string(s)).collect::<Vec<_>>()),
+            json::array(&args.iter().map(|s| json::string(s)).collect::<Vec<_>>()),
+        )),
+        _ => None,
+    }
+}
+
+/// The command of a starting process, for [`LogDb::run_to_resume`].
+#[derive(Debug)]
+pub struct Command<'a> {
+    pub script_abs: &'a Path,
+    pub root: &'a Path,
+    pub args: &'a [String],
+}
+
 impl LogDb {
-    /// The run a process at `here` started with `resume_key` continues, if any.
+    /// The run a process at `here` started with `resume_key` continues, if
+    /// any. Where the user named the run (`explicit`), a run found under
+    /// that name that another command started is refused, naming the
+    /// difference: the name is the user's, and may be reused by mistake.
     pub fn run_to_resume(
         &self,
         resume_key: &str,
         explicit: bool,
         here: &Here,
+        command: &Command<'_>,
     ) -> Result<Option<RunRow>> {
-        Ok(self
+        let Some(run) = self
             .find_resumable(resume_key, here.restarted)?
-            .filter(|r| resumable(r, explicit, here)))
+            .filter(|r| resumable(r, explicit, here))
+        else {
+            return Ok(None);
+        };
+        if explicit {
+            if let Some(why) = command_differs(&run, command.script_abs, command.root, command.args)
+            {
+                return Err(crate::Error::invalid(
+                    crate::settings::RUN_NAME.name,
+                    format!(
+                        "{resume_key:?} names run {}, which another command started: {why}. A resume runs the \
+                         same script with the same arguments; give this command another name (or rerun the \
+                         original command to resume it)",
+                        run.id
+                    ),
+                ));
+            }
+        }
+        Ok(Some(run))
     }
 }
 
@@ -210,6 +294,47 @@ mod tests {
                 Path::new("/x"),
                 &args(&["--lr", "1"])
             )
+        );
+    }
+
+    #[test]
+    fn a_named_run_continues_only_under_its_own_script_and_arguments() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let r = row(
+            RunStatus::Interrupted,
+            "h",
+            1,
+            r#"{"argv": ["train.py", "--lr", "0.1"]}"#,
+        );
+        // The same command, also from the project moved elsewhere.
+        let same = args(&["--lr", "0.1"]);
+        assert_eq!(
+            command_differs(&r, Path::new("/p/train.py"), Path::new("/p"), &same),
+            None
+        );
+        assert_eq!(
+            command_differs(&r, Path::new("/q/train.py"), Path::new("/q"), &same),
+            None
+        );
+        // Another project's script under a shared home, or other arguments.
+        let why = command_differs(&r, Path::new("/p2/train.py"), Path::new("/"), &same).unwrap();
+        assert!(why.contains("p2/train.py"), "{why}");
+        let why = command_differs(
+            &r,
+            Path::new("/p/train.py"),
+            Path::new("/p"),
+            &args(&["--lr", "0.5"]),
+        )
+        .unwrap();
+        assert!(
+            why.contains(r#"["--lr","0.1"]"#) && why.contains(r#"["--lr","0.5"]"#),
+            "{why}"
+        );
+        // A run that recorded no argv is compared by its script.
+        let bare = row(RunStatus::Interrupted, "h", 1, "{}");
+        assert_eq!(
+            command_differs(&bare, Path::new("/p/train.py"), Path::new("/p"), &same),
+            None
         );
     }
 

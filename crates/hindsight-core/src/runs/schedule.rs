@@ -29,6 +29,9 @@ pub struct CheckpointSchedule {
     background_per_checkpoint: f64,
     /// The machine's CPU totals where the last contention estimate started.
     cpu_seen: Option<CpuSample>,
+    /// The writer's CPU since `cpu_seen` (an interval spans block ends
+    /// until it is long enough to measure).
+    background_since_cpu: f64,
     /// The share of the writer's CPU that displaces other work (1: all of
     /// it, until measured).
     contention: f64,
@@ -67,6 +70,7 @@ impl CheckpointSchedule {
             background_seen: 0.0,
             background_per_checkpoint: 0.0,
             cpu_seen: None,
+            background_since_cpu: 0.0,
             contention: 1.0,
             unpriced: 0,
             overhead_seen: 0.0,
@@ -169,13 +173,18 @@ impl CheckpointSchedule {
     /// Update the contention estimate from the interval since the last
     /// sample, in which the writer spent `spent` seconds.
     fn measure_contention(&mut self, cpu: Option<CpuSample>, spent: f64) {
+        self.background_since_cpu += spent;
         let Some(now) = cpu else { return };
         match self.cpu_seen {
-            None => self.cpu_seen = Some(now),
+            None => {
+                self.cpu_seen = Some(now);
+                self.background_since_cpu = 0.0;
+            }
             Some(before) => {
-                if let Some(share) = contention(&before, &now, spent) {
+                if let Some(share) = contention(&before, &now, self.background_since_cpu) {
                     self.contention = share;
                     self.cpu_seen = Some(now);
+                    self.background_since_cpu = 0.0;
                 }
             }
         }
@@ -319,6 +328,29 @@ mod tests {
             }
         }
         (taken, s.contention())
+    }
+
+    #[test]
+    fn an_interval_spanning_short_block_ends_charges_the_writers_cpu_of_all_of_them() {
+        // 0.1 s blocks (too short to measure alone) on 16 idle cores but the
+        // training's one; the writer spends 0.05 s in each. The contention
+        // of the 1 s interval is the training's 1 core-second over the 15.5
+        // the writer left, not the training's plus 9 blocks of the writer's.
+        let mut s = CheckpointSchedule::new(None, 1.0 / 15.0).unwrap();
+        let (mut background, mut wall) = (0.0, 0.0);
+        for i in 0..=10 {
+            let cpu = CpuSample {
+                busy: wall + background,
+                total: wall * 16.0,
+                cpus: 16,
+                usable: 16,
+            };
+            s.block_ended(i, 0.1, Some(background), Some(cpu), 0.005);
+            wall += 0.1;
+            background += 0.05;
+        }
+        let share = s.contention();
+        assert!((share - 1.0 / 15.5).abs() < 1e-6, "{share}");
     }
 
     #[test]

@@ -237,6 +237,40 @@ pub fn row_sum(
 
 /// `hs_row_sum(...)` for SQL on this connection: writes store it, checks
 /// compare with it.
+/// Whether this process may write the database file and its directory
+/// (where SQLite puts its journal): `access(2)` answers for the file
+/// system too, so a read-only mount is read-only for root as well.
+fn writable(path: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let ok = |p: &Path| {
+        let Ok(c) = std::ffi::CString::new(p.as_os_str().as_bytes()) else {
+            return false;
+        };
+        // SAFETY: a NUL-terminated path that lives through the call.
+        unsafe { libc::access(c.as_ptr(), libc::W_OK) == 0 }
+    };
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    ok(path) && ok(dir)
+}
+
+/// `path` for a SQLite `file:` URI: every byte but unreserved ones and `/`
+/// percent-encoded (a `?` or `#` in a directory name would end the path).
+fn sqlite_uri_path(path: &Path) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    let mut out = String::new();
+    for &b in path.as_os_str().as_bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 fn register_row_sum(conn: &Connection) -> rusqlite::Result<()> {
     use rusqlite::functions::FunctionFlags;
     conn.create_scalar_function(
@@ -397,10 +431,60 @@ impl LogDb {
     /// [`LogDb::check_integrity`]. Every read path (the CLI, `hs.dataframe`,
     /// replay, export) opens it this way: answers from a damaged database
     /// would be silently wrong.
+    ///
+    /// A home this process cannot write (a read-only mount, another user's
+    /// project) is read as it is: [`LogDb::open_read_only`].
     pub fn open_checked(path: &Path) -> Result<LogDb> {
-        let db = LogDb::open(path)?;
+        let db = if path.exists() && !writable(path) {
+            LogDb::open_read_only(path)?
+        } else {
+            LogDb::open(path)?
+        };
         db.check_integrity()?;
         Ok(db)
+    }
+
+    /// Open an existing database to read it only: nothing is created,
+    /// migrated or written. SQLite's `immutable` mode, since a reader of a
+    /// database in WAL mode needs its index file (`-shm`), which a
+    /// read-only directory cannot hold; nothing can write the file there
+    /// either. A database of an older schema cannot be upgraded here: an
+    /// error says so.
+    pub fn open_read_only(path: &Path) -> Result<LogDb> {
+        use rusqlite::OpenFlags;
+        let flags = OpenFlags::SQLITE_OPEN_READ_ONLY
+            | OpenFlags::SQLITE_OPEN_URI
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let open = |mode: &str| -> std::result::Result<(Connection, i64), Setup> {
+            let uri = format!("file:{}?{mode}", sqlite_uri_path(path));
+            let conn = Connection::open_with_flags(&uri, flags)?;
+            let version = Self::schema_version(&conn, path)?;
+            Ok((conn, version))
+        };
+        // Read-only first: it sees the write-ahead log a writer left (its
+        // index file present). Immutable where that cannot work (no index
+        // file, and none can be made here): the log was checkpointed into
+        // the file when its last writer closed.
+        let (conn, version) = match open("mode=ro").or_else(|_| open("immutable=1")) {
+            Ok(found) => found,
+            Err(Setup::Sql(e)) => return Err(db_err(path, e)),
+            Err(Setup::Hindsight(e)) => return Err(e),
+        };
+        register_row_sum(&conn).db(path)?;
+        if version != SCHEMA_VERSION {
+            return Err(Error::Database {
+                path: path.to_path_buf(),
+                detail: format!(
+                    "it is read-only here and at schema version {version}; this hindsight reads \
+                     {SCHEMA_VERSION}: open it once where it is writable to upgrade it"
+                ),
+                source: None,
+            });
+        }
+        Ok(LogDb {
+            conn,
+            path: path.to_path_buf(),
+        })
     }
 
     pub fn check_integrity(&self) -> Result<()> {

@@ -88,6 +88,12 @@ fn exact_default() -> bool {
 /// the iteration is executed instead.
 pub const EXECUTE_MARGIN: f64 = 2.0;
 
+/// A replay that executes one-step iterations it could restore compares
+/// its state with their checkpoints once the recorded compute since the
+/// last comparison is this many times a comparison's cost (at most a
+/// twentieth of the replay's time goes to them).
+pub const CHECK_SPACING: f64 = 20.0;
+
 impl WorkerPlan {
     pub fn to_json(&self) -> Result<String> {
         serde_json::to_string(self)

@@ -130,6 +130,9 @@ pub struct RecordSession {
     iterations_seen: u64,
     iter_checkpoint: Option<String>,
     unconfirmed: Option<String>,
+    /// The current iteration's start state was not kept (`start_unkept`):
+    /// a checkpoint inside it could not be resumed, so none is taken.
+    start_unkept: bool,
     cadence: Cadence,
     every_steps: Option<u64>,
     last_step_saved: Option<u64>,
@@ -173,6 +176,7 @@ impl RecordSession {
             iterations_seen: 0,
             iter_checkpoint: None,
             unconfirmed: None,
+            start_unkept: false,
             cadence: Cadence::Schedule,
             every_steps: None,
             last_step_saved: None,
@@ -333,6 +337,7 @@ impl RecordSession {
 
     pub fn iteration_start(&mut self, i: u64) -> Visit {
         self.iter_checkpoint = None;
+        self.start_unkept = false;
         self.iterations_seen = i + 1;
         let visit = match &self.resume {
             None => Visit::Run,
@@ -380,9 +385,20 @@ impl RecordSession {
     }
 
     /// Between step `j` and the next of iteration `i`, at `now`.
+    /// Iteration `i` runs steps, but the front end kept no state of its
+    /// start (it keeps one only where an earlier iteration ran steps: the
+    /// copy costs a loop of one-step iterations a tenth of its step). A
+    /// checkpoint inside it would resume by running the code before the
+    /// steps again from a start state that is not there: none is taken
+    /// until the iteration ends. A stop signal inside it exits without a
+    /// checkpoint; the resume runs the iteration again from the last one.
+    pub fn start_unkept(&mut self, _i: u64) {
+        self.start_unkept = true;
+    }
+
     pub fn step_boundary(&mut self, i: u64, j: u64, now: f64) -> Result<StepAction> {
         let mut action = StepAction::default();
-        if !self.has_objects {
+        if !self.has_objects || self.start_unkept {
             action.exit = self.signal.map(|_| self.exit_code);
             return Ok(action);
         }
@@ -463,7 +479,13 @@ impl RecordSession {
             ),
             Cadence::Never => (false, "the framework saves no epochs".to_string()),
         };
-        let verdict = if forced && !due {
+        let unkept = self.start_unkept && !self.block_is_end;
+        let (due, forced) = (due && !unkept, forced && !unkept);
+        let verdict = if unkept {
+            "no checkpoint (this iteration is the first to run steps, and its start was not kept: \
+             the next one is checkpointed as the policy says)"
+                .to_string()
+        } else if forced && !due {
             "checkpoint (a stop signal is pending)".to_string()
         } else if due {
             format!("checkpoint ({why})")
@@ -487,7 +509,7 @@ impl RecordSession {
             return Ok(None);
         }
         let forced = self.block_is_end && self.signal.is_some();
-        if !(due || forced) {
+        if !(due || forced) || (self.start_unkept && !self.block_is_end) {
             return Ok(None);
         }
         self.block_save(i, forced).map(Some)

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use super::{BlockStart, Phase, Visit};
 use crate::error::{Error, Result};
-use crate::runs::replay::{Mode, WorkerPlan};
+use crate::runs::replay::{Mode, WorkerPlan, CHECK_SPACING};
 
 /// What to do once an iteration's steps ended (or were restored).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -34,6 +34,11 @@ pub struct ReplaySession {
     instead: BTreeMap<u64, String>,
     last_visited: Option<u64>,
     restore_secs: Vec<f64>,
+    /// Times of the state checks so far (`checked`).
+    check_secs: Vec<f64>,
+    /// The last iteration a one-step body's state was checked at
+    /// (`block_end`'s sparse checks).
+    last_check: Option<u64>,
     /// The recorded batch fingerprints of the iteration under way.
     expected: BTreeMap<u64, String>,
     steps_executed: u64,
@@ -52,6 +57,8 @@ impl ReplaySession {
             instead: BTreeMap::new(),
             last_visited: None,
             restore_secs: Vec::new(),
+            check_secs: Vec::new(),
+            last_check: None,
             expected: BTreeMap::new(),
             steps_executed: 0,
             restored: 0,
@@ -174,6 +181,37 @@ impl ReplaySession {
         }
     }
 
+    /// Whether to compare the state after one-step iteration `i` with its
+    /// checkpoint: a check costs about what a restore does, so one is made
+    /// once the recorded compute since the last check (estimated as the
+    /// iterations since it times this one's seconds) reaches
+    /// [`CHECK_SPACING`] times its cost, and always at the last checkpoint
+    /// this worker visits; while no cost is known, at every one. A
+    /// divergence in the state persists to the next check (the weights
+    /// carry it); the values logged meanwhile are compared with the
+    /// recording where it has them.
+    fn sparse_check(&self, i: u64) -> bool {
+        let last = self.plan.checkpoints.keys().next_back() == Some(&i);
+        let mean = |v: &[f64]| (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64);
+        let cost = mean(&self.check_secs)
+            .or_else(|| mean(&self.restore_secs))
+            .or(self.plan.restore_seconds);
+        let (Some(cost), Some(&secs)) = (cost, self.plan.seconds.get(&i)) else {
+            return true;
+        };
+        let since = i - self
+            .last_check
+            .map_or(self.plan.modes.keys().next().copied().unwrap_or(0), |c| c);
+        last || since as f64 * secs >= CHECK_SPACING * cost
+    }
+
+    /// A state check took `secs` (`sparse_check`'s measure).
+    pub fn checked(&mut self, secs: f64) {
+        if secs.is_finite() && secs >= 0.0 {
+            self.check_secs.push(secs);
+        }
+    }
+
     /// A checkpoint was put back in `secs` (the cost rule's measure).
     pub fn restored(&mut self, secs: f64) {
         self.restored += 1;
@@ -183,11 +221,23 @@ impl ReplaySession {
     pub fn block_end(&mut self, i: u64, at_iteration: bool) -> Result<BlockEnd> {
         self.phase = Phase::Iteration(i);
         if at_iteration && self.modes.get(&i) == Some(&Mode::Restore) {
-            // No inner loop to skip (one step per iteration): the body ran;
-            // the state after it is the checkpoint's.
-            return Ok(BlockEnd::Restore {
-                checkpoint: self.checkpoint(i)?,
-            });
+            // No inner loop to skip (one step per iteration): the body ran.
+            // From the recorded state before it (this worker, running as
+            // recorded, visited i - 1), it computed the checkpoint's state:
+            // restoring would only cost a read, so the iteration counts as
+            // executed and is compared now and then (`sparse_check`).
+            // Otherwise the state after it is put back from the checkpoint.
+            let checkpoint = self.checkpoint(i)?;
+            if self.cost_rule && self.plan.exact && i > 0 && self.modes.contains_key(&(i - 1)) {
+                self.modes.insert(i, Mode::Execute);
+                return Ok(if self.sparse_check(i) {
+                    self.last_check = Some(i);
+                    BlockEnd::Check { checkpoint }
+                } else {
+                    BlockEnd::Nothing
+                });
+            }
+            return Ok(BlockEnd::Restore { checkpoint });
         }
         let check = self
             .plan

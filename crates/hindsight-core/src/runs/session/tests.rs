@@ -295,6 +295,49 @@ fn without_state_a_signal_exits_at_the_next_boundary_saving_nothing() {
 }
 
 #[test]
+fn an_iteration_whose_start_was_not_kept_takes_no_checkpoint_inside_and_exits_on_a_signal() {
+    let mut s = RecordSession::new(
+        "r1",
+        CheckpointSchedule::new(Some(1), 0.1).unwrap(),
+        85,
+        Some(60.0),
+        0.0,
+    );
+    s.set_objects(true);
+    s.outer_start("it", None);
+    // Iteration 1 is the first to run steps; its start was not kept.
+    s.iteration_start(1);
+    s.start_unkept(1);
+    s.block_start(1);
+    let due = s.step_boundary(1, 0, 100.0).unwrap();
+    assert_eq!((due.save, due.exit), (None, None), "the safety timer waits");
+    assert_eq!(
+        s.block_end(1, 1.0, None, None, 0.0).unwrap(),
+        None,
+        "every 1 waits too"
+    );
+    s.signal(15);
+    let act = s.step_boundary(1, 1, 100.0).unwrap();
+    assert_eq!((act.save.as_deref(), act.exit), (None, Some(85)), "{act:?}");
+    // The next iteration's start is kept again: its block is saved.
+    let mut s = RecordSession::new(
+        "r1",
+        CheckpointSchedule::new(Some(1), 0.1).unwrap(),
+        85,
+        None,
+        0.0,
+    );
+    s.set_objects(true);
+    s.outer_start("it", None);
+    s.iteration_start(1);
+    s.start_unkept(1);
+    s.iteration_end(1, false).unwrap();
+    s.iteration_start(2);
+    s.block_start(2);
+    assert!(s.block_end(2, 1.0, None, None, 0.0).unwrap().is_some());
+}
+
+#[test]
 fn the_safety_timer_saves_a_step_checkpoint_without_leaving() {
     let mut s = RecordSession::new(
         "r1",
@@ -447,6 +490,65 @@ fn a_replay_visits_what_its_plan_names_and_stops_after_the_last() {
         s.iteration_start(2).unwrap_err().kind(),
         crate::error::ErrorKind::Internal
     );
+}
+
+#[test]
+fn one_step_iterations_are_checked_now_and_then_instead_of_restored() {
+    use Mode::{Execute as E, Restore as R};
+    // A partial replay of a loop of one-step iterations (an outer probe in
+    // the body): 0 executed, then every iteration checkpointed, 10 ms of
+    // compute each.
+    let mut modes = vec![(0, E)];
+    modes.extend((1..=40).map(|i| (i, R)));
+    let mut p = plan(&modes);
+    for i in 1..=40 {
+        p.seconds.insert(i, 0.01);
+    }
+    let ends = |p: WorkerPlan, check_secs: Option<f64>| {
+        let mut s = ReplaySession::new(p);
+        s.outer_start("epoch");
+        let mut out = Vec::new();
+        for i in 0..=40 {
+            s.iteration_start(i).unwrap();
+            let end = s.block_end(i, true).unwrap();
+            if let (BlockEnd::Check { .. }, Some(c)) = (&end, check_secs) {
+                s.checked(c);
+            }
+            out.push(end);
+        }
+        (out, s.restored_count())
+    };
+    let checks = |v: &[BlockEnd]| {
+        v.iter()
+            .enumerate()
+            .filter(|(_, e)| matches!(e, BlockEnd::Check { .. }))
+            .map(|(i, _)| i as u64)
+            .collect::<Vec<_>>()
+    };
+    // A check costs 10 ms: one per 200 ms of compute (20 iterations), the
+    // first to measure it, and the last checkpoint.
+    let (got, restored) = ends(p.clone(), Some(0.01));
+    assert_eq!(checks(&got), vec![1, 21, 40]);
+    assert_eq!(restored, 0);
+    assert!(got.iter().all(|e| !matches!(e, BlockEnd::Restore { .. })));
+    // Not exact (another thread count): every checkpoint is put back.
+    let mut inexact = p.clone();
+    inexact.exact = false;
+    let (got, _) = ends(inexact, None);
+    assert!(got[1..]
+        .iter()
+        .all(|e| matches!(e, BlockEnd::Restore { .. })));
+    // An iteration whose predecessor was not visited is put back too.
+    let mut s = ReplaySession::new(plan(&[(3, R), (4, R)]));
+    s.outer_start("epoch");
+    for i in 0..3 {
+        s.iteration_start(i).unwrap();
+    }
+    s.iteration_start(3).unwrap();
+    assert!(matches!(
+        s.block_end(3, true).unwrap(),
+        BlockEnd::Restore { .. }
+    ));
 }
 
 #[test]
