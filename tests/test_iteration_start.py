@@ -18,7 +18,7 @@ SCRIPT = """
 import os, signal, torch, hindsight as hs
 torch.manual_seed(0)
 net = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(net.parameters(), lr=0.1)
+opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
 data = torch.randn(8, 4)
 count = 0
 with hs.checkpointing(model=net, optimizer=opt):
@@ -55,7 +55,7 @@ def _result(r: subprocess.CompletedProcess[str]) -> str:
 
 @pytest.mark.parametrize("stop", ["1:1", "2:2"])
 def test_a_signal_in_an_iteration_whose_start_was_not_kept_resumes_exactly(tmp_path: Path, stop: str) -> None:
-    script = SCRIPT.replace("lr=0.1)", "lr=0.1, momentum=0.9)")
+    script = SCRIPT
     plain = tmp_path / "plain"
     plain.mkdir()
     (plain / "t.py").write_text(script)
@@ -69,3 +69,25 @@ def test_a_signal_in_an_iteration_whose_start_was_not_kept_resumes_exactly(tmp_p
     again = _run(d)
     assert "resuming run" in again.stderr
     assert _result(again) == want
+
+
+def test_a_run_another_process_holds_is_not_resumed_twice(tmp_path: Path) -> None:
+    """Two launches that both find one interrupted run: the one that comes
+    second is refused in one line naming the holder, and resumes nothing
+    (issue 42, item 7). The first holder is this test, between the two."""
+    from hindsight import _native
+
+    (tmp_path / "t.py").write_text(SCRIPT)
+    first = _run(tmp_path, STOP="2:1")
+    assert first.returncode == 85, first.stderr[-2000:]
+    home = tmp_path / ".hindsight"
+    run_id = _native.LogDb(str(home / "logs.db")).runs()[0]["id"]
+    held = _native.RunLease.hold(str(home), run_id)
+    second = _run(tmp_path)
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert "result" not in second.stdout
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"pid {os.getpid()} on host" in lines[0] and run_id in lines[0], second.stderr
+    held.release()
+    third = _run(tmp_path)
+    assert "resuming run" in third.stderr and _result(third).startswith("result 4 ")

@@ -74,6 +74,7 @@ __all__ = [
     "ReplayThreads",
     "ReplicaPlan",
     "Retention",
+    "RunLease",
     "SaveHandle",
     "Setting",
     "StateCheck",
@@ -317,6 +318,12 @@ def settings() -> list[Setting]: ...
 def setting_value(name: str) -> bool | int | float | str | None: ...
 
 _Ctx: TypeAlias = list[tuple[str, int]]
+
+@final
+class RunLease:
+    @staticmethod
+    def hold(home: str | os.PathLike[str], run_id: str) -> RunLease: ...
+    def release(self) -> None: ...
 
 @final
 class LogDb:

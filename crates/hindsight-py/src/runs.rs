@@ -951,12 +951,33 @@ fn resume_key(script: PathBuf, root: PathBuf, args: Vec<String>) -> String {
     hindsight_core::runs::resume::resume_key(&script, &root, &args)
 }
 
+/// A run held by this process (`runs::lease`) until `release` or exit.
+#[pyclass(module = "hindsight._native")]
+pub(crate) struct RunLease(Option<hindsight_core::runs::lease::RunLease>);
+
+#[pymethods]
+impl RunLease {
+    /// Hold run `run_id` of project home `home`, or refuse naming its holder.
+    #[staticmethod]
+    fn hold(py: Python<'_>, home: PathBuf, run_id: String) -> PyResult<Self> {
+        let lease = py
+            .detach(|| hindsight_core::runs::lease::RunLease::hold(&home, &run_id))
+            .py_err()?;
+        Ok(RunLease(Some(lease)))
+    }
+
+    fn release(&mut self) {
+        self.0 = None;
+    }
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_date, m)?)?;
     m.add_function(wrap_pyfunction!(resume_key, m)?)?;
     m.add_function(wrap_pyfunction!(put_back_files, m)?)?;
     m.add_class::<ReplayCheck>()?;
     m.add_class::<LogDb>()?;
+    m.add_class::<RunLease>()?;
     m.add_class::<Iteration>()?;
     m.add_class::<LogRecord>()?;
     m.add_class::<LogValue>()?;

@@ -16,7 +16,7 @@ from hindsight._run import dataiter, jupyter
 from hindsight._run.common import ENV_HOME, ENV_REPLAY, Run, T, _script_path
 from hindsight._run.record import RecordRun
 from hindsight._run.replay import ReplayRun
-from hindsight.errors import InvalidArgumentError
+from hindsight.errors import InvalidArgumentError, ReplayError
 
 __all__ = [
     "ENV_HOME",
@@ -48,8 +48,9 @@ def current() -> Run:
         plan = os.environ.get(ENV_REPLAY)
         try:
             _RUN = ReplayRun(plan) if plan else RecordRun()
-        except InvalidArgumentError as e:
-            # A bad $HINDSIGHT_* value, or a run name another command holds:
+        except (InvalidArgumentError, ReplayError) as e:
+            # A bad $HINDSIGHT_* value, a run name another command holds, a
+            # run another process is resuming:
             # the user's to fix, said in one line that names it, not as a
             # traceback through hindsight's start-up.
             sys.stderr.write(f"hindsight: error: {e}\n")

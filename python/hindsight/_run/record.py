@@ -71,6 +71,8 @@ class RecordRun(Run):
         self.sharded: bool | None = None
         super().__init__()
         self.resume_pending = False
+        # The run held by this process (core `runs::lease`), from `_start` to `_finish`.
+        self.lease: _native.RunLease | None = None
         # This process continues an interrupted run (a relaunch after a preemption).
         self.continued = False
         self.known = cmdline.Known()
@@ -172,6 +174,16 @@ class RecordRun(Run):
         if _settings.flag(ENV_RESUME, True):
             prev = self.db.run_to_resume(key, str(self.root), str(self.script), argv[1:], explicit is not None)
         if prev is not None:
+            # One process holds a run: of two launches that both found it,
+            # the second is refused, naming the first (core `runs::lease`).
+            # Held, it is looked up again: the holder before this one may
+            # have finished it meanwhile (this command then starts anew).
+            self.lease = _native.RunLease.hold(str(self.home), prev["id"])
+            again = self.db.run_to_resume(key, str(self.root), str(self.script), argv[1:], explicit is not None)
+            if again is None or again["id"] != prev["id"]:
+                self.lease.release()
+                prev = None
+        if prev is not None:
             self.run_id = prev["id"]
             self.args = json.loads(prev["args_json"] or "{}")
             self.db.set_status(self.run_id, "running", False)
@@ -221,6 +233,7 @@ class RecordRun(Run):
             dirty,
             key,
         )
+        self.lease = _native.RunLease.hold(str(self.home), self.run_id)
 
     def _wrap_excepthook(self) -> None:
         previous = sys.excepthook
@@ -323,6 +336,8 @@ class RecordRun(Run):
             # Whatever went wrong above, the run's status is recorded: a
             # "running" left behind would be resumed by a plain rerun.
             self.db.set_status(self.run_id, status)
+            if self.lease is not None:
+                self.lease.release()  # then it is another process's to resume
 
     # -- checkpoints -------------------------------------------------------------
     def _save_now(self, name: str, extra: dict[str, Any], wait: bool) -> None:

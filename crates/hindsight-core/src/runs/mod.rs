@@ -8,6 +8,7 @@ pub mod db;
 pub mod files;
 pub mod ids;
 pub mod json;
+pub mod lease;
 pub mod preempt;
 pub mod project;
 pub mod ranks;
