@@ -2,7 +2,7 @@
 on public training scripts, against the plain script, in one run.
 
     make bench                      # runs this after bench_replay.py
-    python benches/bench_zoo.py [--scripts mnist vae siamese_network] [--epochs 10] [--epoch-s 5] [--fast-iters 600]
+    python benches/bench_zoo.py [--scripts mnist vae siamese_network] [--epochs 10] [--epoch-s 5] [--fast-iters 2000]
 
 Each script (tests/zoo/, adapted as the README tells users) is first
 calibrated: the second epoch of a small recording gives the seconds per
@@ -248,7 +248,9 @@ def main() -> int:
         "--epochs", type=int, default=10, help="epochs of each run (default 10; the last 20%% is step-probed)"
     )
     ap.add_argument("--epoch-s", type=float, default=5.0, help="seconds an epoch should take (default 5)")
-    ap.add_argument("--fast-iters", type=int, default=600, help="iterations of the minGPT loop (default 600; 0: skip)")
+    ap.add_argument(
+        "--fast-iters", type=int, default=2000, help="iterations of the minGPT loop (default 2000; 0: skip)"
+    )
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--keep", action="store_true", help="leave bench-out/zoo/ in place")
     args = ap.parse_args()
