@@ -216,3 +216,54 @@ def test_a_live_tensor_of_another_shape_is_refused_not_filled_with_a_sub_box(tmp
     got = torch.zeros(4, 4)
     hs.dist.load(s, "ck", {"w": got})
     assert torch.equal(got, torch.arange(16.0).reshape(4, 4))
+
+
+ATTEMPT = """
+import os, sys, time, torch, torch.distributed as dist
+import hindsight as hs, hindsight.dist as hd
+dist.init_process_group("gloo")
+rank, attempt = dist.get_rank(), int(sys.argv[2])
+store = hs.Store(sys.argv[1])
+hd.save(store, "warm", {"x": torch.zeros(1)}).wait()  # the ranks have agreed on their save attempts
+v = float(attempt)
+state = {k: torch.full((64,), v) for k in "abcd"}  # replicated: the ranks own two each
+if attempt == 1 and rank == 0:
+    os._exit(3)  # killed before its part of "ck" is written
+if attempt == 2 and rank == 1:
+    time.sleep(2)  # rank 0 is ready to commit while only the old part of rank 1 is there
+ds = hd.save(store, "ck", state, rank_state={"attempt": attempt})
+if attempt == 1:
+    ds.part.wait()  # rank 1's part is durable; its job then dies
+    os._exit(4)
+ds.wait()
+dist.destroy_process_group()
+"""
+
+
+def test_a_commit_never_merges_a_part_an_earlier_save_of_the_name_left(tmp_path: Path) -> None:
+    """Issue 42, item 1: a save of 'ck' whose rank 0 died leaves rank 1's
+    part; the next job's save of 'ck' commits only its own parts (before,
+    its rank 0 merged the stale part with its own: half 1.0, half 2.0,
+    exit 0, and `verify` said intact)."""
+    script = tmp_path / "attempt.py"
+    script.write_text(ATTEMPT)
+    store = tmp_path / "store"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def job(attempt: int) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        return subprocess.run(
+            [*cmd, str(script), str(store), str(attempt)], env=env, capture_output=True, text=True, timeout=300
+        )
+
+    assert job(1).returncode != 0
+    second = job(2)
+    assert second.returncode == 0, second.stderr[-3000:]
+    s = hs.Store(store)
+    assert "ck" in s.list()
+    got = s.load("ck")
+    assert {k: sorted(set(got["state"][k].tolist())) for k in "abcd"} == {k: [2.0] for k in "abcd"}, got
+    ranks = got["rank_state"]
+    assert len(ranks) == 2 and all(v == {"attempt": 2} for v in ranks.values()), ranks
+    v = subprocess.run([*hindsight_cmd(), "verify", "--store", str(store)], capture_output=True, text=True, timeout=120)
+    assert v.returncode == 0, v.stdout + v.stderr

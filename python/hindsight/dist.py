@@ -24,6 +24,7 @@ shards, every byte verified. ``consolidate`` writes one whole state dict
 from __future__ import annotations
 
 import os
+import secrets
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -50,6 +51,30 @@ def _world(group: Any) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
+
+
+# Per process group: the nonce its ranks agreed on, and the saves so far.
+_attempts: dict[int | None, list[Any]] = {}
+
+
+def _save_attempt(group: Any, rank: int, world: int) -> str:
+    """The id of this save, the same on every rank of ``group``: a nonce
+    rank 0 draws once per process group and shares (one broadcast in the
+    job's life), and the count of saves since. A save is a collective
+    call, so every rank counts alike. Another launch of the job, or another
+    job saving the same name, draws another nonce: a commit merges only its
+    own attempt's parts (core `checkpoint::shard::part_name`)."""
+    key = None if group is None else id(group)
+    st = _attempts.get(key)
+    if st is None:
+        nonce: list[Any] = [secrets.token_hex(8) if rank == 0 else None]
+        if world > 1:
+            dist = _torch().distributed
+            src = 0 if group is None else dist.get_global_rank(group, 0)
+            dist.broadcast_object_list(nonce, src=src, group=group)
+        st = _attempts[key] = [nonce[0], 0]
+    st[1] += 1
+    return f"{st[0]}{st[1]:x}"
 
 
 def _dtensor_type() -> Any:
@@ -116,6 +141,8 @@ class DistSave:
     world: int
     part: SaveHandle
     group: Any
+    #: The save attempt the ranks agreed on: its parts alone are committed.
+    attempt: str
     #: Bytes of tensors this rank wrote (its shards and replicated share).
     nbytes: int
     _done: bool = False
@@ -135,7 +162,7 @@ class DistSave:
         def commit() -> None:
             try:
                 self.part.wait()
-                self.store._native.commit_parts(self.name, self.world, timeout)
+                self.store._native.commit_parts(self.name, self.world, self.attempt, timeout)
             except BaseException as e:  # noqa: BLE001 - raised by committed()
                 self._error = e
 
@@ -164,7 +191,7 @@ class DistSave:
         try:
             self.part.wait()
             if self.rank == 0:
-                self.store._native.commit_parts(self.name, self.world, timeout)
+                self.store._native.commit_parts(self.name, self.world, self.attempt, timeout)
         except Exception as e:  # every rank must hear of it, not only this one
             err = f"rank {self.rank}: {type(e).__name__}: {e}"
             if self.world == 1:
@@ -244,10 +271,11 @@ def save(
     describe = _describe_pieces(store, pieces)
     meta_s: dict[str, object] = dict(meta or {})
     meta_s[_native.META_REPLICATED] = plan.digest
-    part = _native.part_name(name, rank, world)
+    attempt = _save_attempt(group, rank, world)
+    part = _native.part_name(name, rank, world, attempt)
     with torch.no_grad():
         h = store._save_described(part, tree, describe, meta=meta_s, skip_unchanged=True, part=True)
-    ds = DistSave(store, name, rank, world, h, group, written)
+    ds = DistSave(store, name, rank, world, h, group, attempt, written)
     if _background:
         ds.commit_in_background()
     else:

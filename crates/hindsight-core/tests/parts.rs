@@ -32,11 +32,18 @@ fn whole() -> Vec<u8> {
         .collect()
 }
 
-/// Rank `rank` of 2 saves its half of the rows, and a step both agree on.
+/// Rank `rank` of 2 saves its half of the rows, and a step both agree on,
+/// in save attempt "a1".
 fn save_part(w: &Writer, name: &str, rank: u64) {
+    save_part_of(w, name, rank, "a1", 5);
+}
+
+fn save_part_of(w: &Writer, name: &str, rank: u64, attempt: &str, step: i64) {
     let half = 4 * COLS as usize * 4;
     let rows = &whole()[rank as usize * half..(rank as usize + 1) * half];
-    let mut b = w.begin(&shard::part_name(name, rank, 2).unwrap()).unwrap();
+    let mut b = w
+        .begin(&shard::part_name(name, rank, 2, attempt).unwrap())
+        .unwrap();
     let piece = Shard {
         offset: vec![rank * 4, 0],
         array: Array {
@@ -56,7 +63,7 @@ fn save_part(w: &Writer, name: &str, rank: u64) {
                 shards: vec![piece],
             })),
         ),
-        (Node::Str("step".into()), Node::Int(5)),
+        (Node::Str("step".into()), Node::Int(step)),
     ]);
     b.commit(root, BTreeMap::new()).wait().unwrap();
 }
@@ -71,7 +78,7 @@ fn parts_commit_once_survive_gc_and_read_back_by_region() {
     // the other and gives up naming it.
     assert!(s.list().unwrap().is_empty());
     let e = s
-        .commit_parts("ck", 2, Duration::from_millis(50), &|| false)
+        .commit_parts("ck", 2, "a1", Duration::from_millis(50), &|| false)
         .unwrap_err()
         .to_string();
     assert!(e.contains("rank(s) 1 of 2 committed no part"), "{e}");
@@ -79,11 +86,11 @@ fn parts_commit_once_survive_gc_and_read_back_by_region() {
     s.gc().unwrap();
     save_part(&w, "ck", 1);
     let m = s
-        .commit_parts("ck", 2, Duration::from_secs(5), &|| false)
+        .commit_parts("ck", 2, "a1", Duration::from_secs(5), &|| false)
         .unwrap();
     assert_eq!(shard::saved_world(&m.meta), Some(2));
     assert_eq!(s.list().unwrap(), vec!["ck".to_string()]);
-    assert!(s.parts_present("ck", 2).unwrap().is_empty());
+    assert!(s.parts_present("ck", 2, "a1").unwrap().is_empty());
     assert!(s.verify(&[], |_| {}).unwrap().1.is_empty());
     // Rows 3..6, columns 1..3: across both pieces.
     let got = s
@@ -116,7 +123,7 @@ fn parts_commit_once_survive_gc_and_read_back_by_region() {
     save_part(&w, "gone", 1);
     let later = committed + shard_stale_ms() + 1_000;
     assert_eq!(s.remove_stale_parts(later).unwrap(), 2);
-    assert!(s.parts_present("gone", 2).unwrap().is_empty());
+    assert!(s.parts_present("gone", 2, "a1").unwrap().is_empty());
 }
 
 /// A rank resuming a sharded model reads its own box of each sharded
@@ -129,7 +136,7 @@ fn a_read_leaves_out_the_arrays_asked_and_reads_the_rest() {
     let w = Writer::new(s.clone(), WriterOptions::default()).unwrap();
     save_part(&w, "ck", 0);
     save_part(&w, "ck", 1);
-    s.commit_parts("ck", 2, Duration::from_secs(5), &|| false)
+    s.commit_parts("ck", 2, "a1", Duration::from_secs(5), &|| false)
         .unwrap();
     let r = Replica::single(s.clone());
     let path = |p: &[&str]| p.iter().map(|k| k.to_string()).collect::<Vec<_>>();
@@ -186,4 +193,106 @@ fn a_read_leaves_out_the_arrays_asked_and_reads_the_rest() {
 
 fn shard_stale_ms() -> u64 {
     hindsight_core::checkpoint::parts::STALE_PART.as_millis() as u64
+}
+
+/// The issue's reproduction, on the store: a save of "ck" whose rank 0 died
+/// before its part was written leaves rank 1's part; the next save of "ck"
+/// (another attempt) commits its own two parts only, never the stale one.
+#[test]
+fn a_commit_merges_only_the_parts_of_its_own_attempt() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(dir.path());
+    let w = Writer::new(s.clone(), WriterOptions::default()).unwrap();
+    save_part_of(&w, "ck", 1, "first", 1); // rank 0 of "first" was killed
+    save_part_of(&w, "ck", 0, "second", 2);
+    // Rank 1 of "second" has not written yet: "first"'s rank 1 is not taken for it.
+    let e = s
+        .commit_parts("ck", 2, "second", Duration::from_millis(50), &|| false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rank(s) 1 of 2 committed no part"), "{e}");
+    save_part_of(&w, "ck", 1, "second", 2);
+    let m = s
+        .commit_parts("ck", 2, "second", Duration::from_secs(5), &|| false)
+        .unwrap();
+    assert_eq!(
+        m.meta.get(shard::META_ATTEMPT).map(String::as_str),
+        Some("second")
+    );
+    let Node::Dict(items) = &m.root else { panic!() };
+    let step = items
+        .iter()
+        .find(|(k, _)| *k == Node::Str("step".into()))
+        .unwrap();
+    assert_eq!(
+        step.1,
+        Node::Int(2),
+        "every part of the committed checkpoint is the second save's"
+    );
+    // The stale part stays hidden, and gc removes it (the commit is newer).
+    assert_eq!(s.list().unwrap(), vec!["ck".to_string()]);
+    assert_eq!(s.parts_present("ck", 2, "first").unwrap(), vec![1]);
+    s.gc().unwrap();
+    assert!(s.parts_present("ck", 2, "first").unwrap().is_empty());
+}
+
+/// Issue 42, item 6: `verify` runs what a load runs. Manifests re-encoded
+/// (so their own checksums pass) with pieces that overlap, leave a hole,
+/// claim a larger whole, repeat, or are gone: a load refuses each, and
+/// verify names each as a problem, never "intact".
+#[test]
+fn verify_refuses_every_sharded_checkpoint_a_load_refuses() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(dir.path());
+    let w = Writer::new(s.clone(), WriterOptions::default()).unwrap();
+    save_part(&w, "ck", 0);
+    save_part(&w, "ck", 1);
+    s.commit_parts("ck", 2, "a1", Duration::from_secs(5), &|| false)
+        .unwrap();
+    assert!(s.verify(&[], |_| {}).unwrap().1.is_empty());
+    let crafted = |name: &str, edit: &dyn Fn(&mut Sharded)| {
+        let mut m = s.manifest("ck").unwrap();
+        let Node::Dict(items) = &mut m.root else {
+            panic!()
+        };
+        let Node::Sharded(sh) = &mut items[0].1 else {
+            panic!()
+        };
+        edit(sh);
+        m.name = name.into();
+        s.storage()
+            .put_manifest(name, &m.encode().unwrap())
+            .unwrap();
+    };
+    crafted("overlap", &|sh| sh.shards[1].offset = vec![3, 0]);
+    crafted("hole", &|sh| sh.shards[1].offset = vec![4, 0]);
+    crafted("hole", &|sh| {
+        sh.shards.truncate(1);
+    });
+    crafted("larger", &|sh| sh.shape = vec![16, COLS]);
+    crafted("repeated", &|sh| {
+        let again = sh.shards[1].clone();
+        sh.shards.push(again);
+    });
+    crafted("none", &|sh| sh.shards.clear());
+    let r = Replica::single(s.clone());
+    let (_, problems) = s.verify(&[], |_| {}).unwrap();
+    for name in ["overlap", "hole", "larger", "repeated", "none"] {
+        assert!(
+            r.read(name, &[], 2, &|| false).is_err(),
+            "a load of {name} is refused"
+        );
+        let p = problems
+            .iter()
+            .find(|p| p.checkpoint.as_deref() == Some(name))
+            .unwrap_or_else(|| panic!("verify says {name} is intact: {problems:?}"));
+        assert!(
+            p.error.to_string().contains("cannot be loaded"),
+            "{}",
+            p.error
+        );
+    }
+    assert!(!problems
+        .iter()
+        .any(|p| p.checkpoint.as_deref() == Some("ck")));
 }

@@ -507,13 +507,15 @@ impl Store {
         Ok(d)
     }
 
-    /// Commit the parts `world` ranks saved of `name` as one checkpoint,
-    /// waiting up to `timeout` seconds for them; returns its metadata.
+    /// Commit the parts `world` ranks saved of `name` in save attempt
+    /// `attempt` as one checkpoint, waiting up to `timeout` seconds for
+    /// them; returns its metadata.
     fn commit_parts(
         &self,
         py: Python<'_>,
         name: String,
         world: u64,
+        attempt: String,
         timeout: f64,
     ) -> PyResult<BTreeMap<String, String>> {
         if let Ok(w) = self.writer() {
@@ -522,7 +524,7 @@ impl Store {
         let timeout = std::time::Duration::from_secs_f64(timeout.max(0.0));
         let m = interrupt::run(py, |intr| {
             self.replica
-                .commit_parts(&name, world, timeout, &|| intr.check())
+                .commit_parts(&name, world, &attempt, timeout, &|| intr.check())
         })?;
         Ok(m.meta)
     }

@@ -114,8 +114,8 @@ fn plan_replicated(items: Vec<String>, sizes: Vec<u64>, world: u64) -> ReplicaPl
 
 /// The hidden name of `rank`'s part of checkpoint `name`.
 #[pyfunction]
-fn part_name(name: &str, rank: u64, world: u64) -> PyResult<String> {
-    core::checkpoint::shard::part_name(name, rank, world).py_err()
+fn part_name(name: &str, rank: u64, world: u64, attempt: &str) -> PyResult<String> {
+    core::checkpoint::shard::part_name(name, rank, world, attempt).py_err()
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -43,7 +43,7 @@ impl Store {
         let all = self.storage().list_manifests()?;
         let mut removed = 0;
         for name in all.iter().filter(|n| shard::is_part(n)) {
-            let Some((base, _, _)) = shard::parse_part(name) else {
+            let Some(shard::PartName { base, .. }) = shard::parse_part(name) else {
                 continue;
             };
             let Ok(part) = self.manifest(name) else {
@@ -61,28 +61,33 @@ impl Store {
         Ok(removed)
     }
 
-    /// The ranks whose part of checkpoint `name` (saved by `world` ranks) is committed.
-    pub fn parts_present(&self, name: &str, world: u64) -> Result<Vec<u64>> {
+    /// The ranks whose part of checkpoint `name`, saved by `world` ranks
+    /// in save attempt `attempt`, is committed.
+    pub fn parts_present(&self, name: &str, world: u64, attempt: &str) -> Result<Vec<u64>> {
         let mut ranks: Vec<u64> = self
             .storage()
             .list_manifests()?
             .iter()
             .filter_map(|n| shard::parse_part(n))
-            .filter(|(base, _, w)| *base == name && *w == world)
-            .map(|(_, r, _)| r)
+            .filter(|p| p.base == name && p.world == world && p.attempt == Some(attempt))
+            .map(|p| p.rank)
             .collect();
         ranks.sort_unstable();
         Ok(ranks)
     }
 
-    /// Merge the parts of `name` that `world` ranks commit into its one
-    /// manifest and commit it, then remove the parts. Waits up to `timeout`
-    /// for every part (each rank commits its own once its chunks are
-    /// durable); a rank that never commits one leaves nothing listed.
+    /// Merge the parts of `name` that `world` ranks commit in save attempt
+    /// `attempt` into its one manifest and commit it, then remove them.
+    /// Waits up to `timeout` for every part (each rank commits its own once
+    /// its chunks are durable); a rank that never commits one leaves
+    /// nothing listed. Parts of other attempts (a rank's part left by an
+    /// earlier save of the name that died, another job's save of it) are
+    /// never merged: gc removes them once this commit is newer.
     pub fn commit_parts(
         &self,
         name: &str,
         world: u64,
+        attempt: &str,
         timeout: Duration,
         cancel: Cancel<'_>,
     ) -> Result<Manifest> {
@@ -90,7 +95,7 @@ impl Store {
         let start = Instant::now();
         let mut pause = Duration::from_millis(1);
         loop {
-            let present = self.parts_present(name, world)?;
+            let present = self.parts_present(name, world, attempt)?;
             if present.len() as u64 == world {
                 break;
             }
@@ -116,7 +121,7 @@ impl Store {
             pause = (pause * 2).min(Duration::from_millis(50));
         }
         let names: Vec<String> = (0..world)
-            .map(|r| shard::part_name(name, r, world))
+            .map(|r| shard::part_name(name, r, world, attempt))
             .collect::<Result<_>>()?;
         let parts: Vec<Manifest> = names
             .iter()

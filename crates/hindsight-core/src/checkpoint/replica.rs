@@ -281,6 +281,7 @@ impl Replica {
         &self,
         name: &str,
         world: u64,
+        attempt: &str,
         timeout: std::time::Duration,
         cancel: Cancel<'_>,
     ) -> Result<Manifest> {
@@ -291,7 +292,8 @@ impl Replica {
                  local-first mode keeps each rank's part on its own disk",
             ));
         }
-        self.primary.commit_parts(name, world, timeout, cancel)
+        self.primary
+            .commit_parts(name, world, attempt, timeout, cancel)
     }
 
     /// Remove a checkpoint. Local-first: locally first, then at the

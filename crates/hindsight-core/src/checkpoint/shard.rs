@@ -20,12 +20,20 @@ use crate::error::{Error, Result};
 const PART_MARK: &str = "@hs-part-";
 /// Manifest metadata: how many ranks saved the checkpoint.
 pub const META_WORLD: &str = "hs.world";
+/// Manifest metadata: the save attempt whose parts it merges.
+pub const META_ATTEMPT: &str = "hs.attempt";
 /// Part metadata: the digest of the replicated keys this rank saw (every
 /// rank must see the same ones, or ownership would leave some unsaved).
 pub const META_REPLICATED: &str = "hs.replicated";
 
-/// The hidden name of rank `rank`'s part of checkpoint `name`.
-pub fn part_name(name: &str, rank: u64, world: u64) -> Result<String> {
+/// Between a part's rank and world and its save attempt.
+const ATTEMPT_MARK: &str = "-a";
+
+/// The hidden name of rank `rank`'s part of checkpoint `name`, saved in
+/// save attempt `attempt` (an id the ranks agreed on for this save: a
+/// commit merges only the parts of its own attempt, never a rank's part
+/// left by an earlier or another job's save of the same name).
+pub fn part_name(name: &str, rank: u64, world: u64, attempt: &str) -> Result<String> {
     if world == 0 || rank >= world {
         return Err(Error::invalid(
             "rank",
@@ -35,7 +43,16 @@ pub fn part_name(name: &str, rank: u64, world: u64) -> Result<String> {
     if is_part(name) {
         return Err(reserved(name));
     }
-    let part = format!("{name}{PART_MARK}{rank:05}-of-{world:05}");
+    if attempt.is_empty()
+        || attempt.len() > 32
+        || !attempt.bytes().all(|c| c.is_ascii_alphanumeric())
+    {
+        return Err(Error::invalid(
+            "save attempt",
+            format!("{attempt:?}: give 1-32 letters and digits"),
+        ));
+    }
+    let part = format!("{name}{PART_MARK}{rank:05}-of-{world:05}{ATTEMPT_MARK}{attempt}");
     crate::checkpoint::format::validate_name(&part)?;
     Ok(part)
 }
@@ -45,11 +62,32 @@ pub fn is_part(name: &str) -> bool {
     name.contains(PART_MARK)
 }
 
-/// (checkpoint, rank, world) of a part's name.
-pub fn parse_part(name: &str) -> Option<(&str, u64, u64)> {
+/// What a part's name says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PartName<'a> {
+    /// The checkpoint it is a part of.
+    pub base: &'a str,
+    pub rank: u64,
+    pub world: u64,
+    /// Its save attempt; `None` for a part saved before attempts were named
+    /// (never merged: its attempt cannot be told).
+    pub attempt: Option<&'a str>,
+}
+
+/// A part's name, read.
+pub fn parse_part(name: &str) -> Option<PartName<'_>> {
     let (base, rest) = name.split_once(PART_MARK)?;
-    let (r, w) = rest.split_once("-of-")?;
-    Some((base, r.parse().ok()?, w.parse().ok()?))
+    let (r, rest) = rest.split_once("-of-")?;
+    let (w, attempt) = match rest.split_once(ATTEMPT_MARK) {
+        Some((w, a)) => (w, Some(a)),
+        None => (rest, None),
+    };
+    Some(PartName {
+        base,
+        rank: r.parse().ok()?,
+        world: w.parse().ok()?,
+        attempt,
+    })
 }
 
 /// The error for a user's checkpoint name that looks like a part's.
@@ -94,13 +132,23 @@ pub fn replicated_digest(items: &[String]) -> String {
 /// value they both hold; the pieces of every sharded array must tile it.
 pub fn merge(name: &str, world: u64, mut parts: Vec<Manifest>) -> Result<Manifest> {
     let what = || format!("checkpoint '{name}'");
-    parts.sort_by_key(|m| parse_part(&m.name).map(|p| p.1));
+    parts.sort_by_key(|m| parse_part(&m.name).map(|p| p.rank));
+    let Some(attempt) = parts
+        .first()
+        .and_then(|m| parse_part(&m.name))
+        .and_then(|p| p.attempt)
+        .map(str::to_string)
+    else {
+        return Err(Error::invalid(what(), "no parts of a named save attempt"));
+    };
     let ranks: Vec<u64> = parts
         .iter()
         .filter_map(|m| {
             parse_part(&m.name)
-                .filter(|p| p.0 == name && p.2 == world)
-                .map(|p| p.1)
+                .filter(|p| {
+                    p.base == name && p.world == world && p.attempt == Some(attempt.as_str())
+                })
+                .map(|p| p.rank)
         })
         .collect();
     if ranks != (0..world).collect::<Vec<_>>() {
@@ -118,7 +166,7 @@ pub fn merge(name: &str, world: u64, mut parts: Vec<Manifest>) -> Result<Manifes
     }
     let digest = |m: &Manifest| m.meta.get(META_REPLICATED).cloned().unwrap_or_default();
     if let Some(m) = parts.iter().find(|m| digest(m) != digest(&parts[0])) {
-        let r = parse_part(&m.name).map_or(0, |p| p.1);
+        let r = parse_part(&m.name).map_or(0, |p| p.rank);
         return Err(Error::invalid(
             what(),
             format!(
@@ -140,6 +188,7 @@ pub fn merge(name: &str, world: u64, mut parts: Vec<Manifest>) -> Result<Manifes
     let mut meta = first.meta;
     meta.remove(META_REPLICATED);
     meta.insert(META_WORLD.into(), world.to_string());
+    meta.insert(META_ATTEMPT.into(), attempt);
     Ok(Manifest {
         format: first.format,
         name: name.to_string(),
@@ -241,6 +290,39 @@ fn merge_items(
             r
         })
         .collect()
+}
+
+/// Whether every sharded array of a committed tree is covered by its
+/// pieces exactly once: what a load of the whole array requires (`plan`),
+/// so that `verify` refuses what a load would (pieces that overlap, leave a
+/// hole, repeat, or are missing). The first failure, at its key path.
+pub fn check_covered(node: &Node) -> std::result::Result<(), String> {
+    fn walk(node: &Node, path: &mut Vec<String>) -> std::result::Result<(), String> {
+        match node {
+            Node::Sharded(sh) => {
+                let zeros = vec![0; sh.shape.len()];
+                plan(sh, &zeros, &sh.shape)
+                    .map(|_| ())
+                    .map_err(|d| format!("at '{}': {d}", path.join("/")))
+            }
+            Node::Dict(items) => items.iter().try_for_each(|(k, v)| {
+                path.push(k.key_label());
+                let r = walk(v, path);
+                path.pop();
+                r
+            }),
+            Node::List(items) | Node::Tuple(items) => {
+                items.iter().enumerate().try_for_each(|(i, v)| {
+                    path.push(i.to_string());
+                    let r = walk(v, path);
+                    path.pop();
+                    r
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+    walk(node, &mut Vec::new())
 }
 
 /// Every sharded array of a merged tree: pieces two ranks both saved (a
@@ -773,7 +855,7 @@ mod tests {
             let (sh, data) = sharded(&whole, &pieces, chunk);
             let parts: Vec<Manifest> = sh.shards.iter().enumerate().map(|(r, p)| Manifest {
                 format: FORMAT_VERSION,
-                name: part_name("ck", r as u64, world).unwrap(),
+                name: part_name("ck", r as u64, world, "a1").unwrap(),
                 created_ms: 0,
                 meta: BTreeMap::new(),
                 root: Node::Dict(vec![
@@ -801,7 +883,7 @@ mod tests {
             let (sh, _) = sharded(&[4, 2], &[piece], 8);
             Manifest {
                 format: FORMAT_VERSION,
-                name: part_name("ck", r, 2).unwrap(),
+                name: part_name("ck", r, 2, "a1").unwrap(),
                 created_ms: 0,
                 meta: BTreeMap::new(),
                 root: Node::Dict(vec![
@@ -850,12 +932,26 @@ mod tests {
 
     #[test]
     fn part_names_are_hidden_and_owners_balance() {
-        let p = part_name("run.epoch-000001", 3, 8).unwrap();
+        let p = part_name("run.epoch-000001", 3, 8, "9f2c").unwrap();
         assert!(is_part(&p));
-        assert_eq!(parse_part(&p), Some(("run.epoch-000001", 3, 8)));
+        assert_eq!(
+            parse_part(&p),
+            Some(PartName {
+                base: "run.epoch-000001",
+                rank: 3,
+                world: 8,
+                attempt: Some("9f2c")
+            })
+        );
+        // A part of before attempts were named is read, without one.
+        let old = parse_part("ck@hs-part-00001-of-00002").unwrap();
+        assert_eq!((old.rank, old.world, old.attempt), (1, 2, None));
         assert!(!is_part("run.epoch-000001"));
-        assert!(part_name(&p, 0, 1).is_err());
-        assert!(part_name("x", 2, 2).is_err());
+        assert!(part_name(&p, 0, 1, "a").is_err());
+        assert!(part_name("x", 2, 2, "a").is_err());
+        for bad in ["", "a-b", "a/b", &"a".repeat(33)] {
+            assert!(part_name("x", 0, 2, bad).is_err(), "{bad:?}");
+        }
         let owners = assign_owners(&[100, 1, 50, 50, 1], 2);
         let load = |r| {
             owners

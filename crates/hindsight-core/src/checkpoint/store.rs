@@ -769,6 +769,17 @@ impl Store {
                     continue;
                 }
             };
+            // What a load refuses, verify does not call intact: the pieces
+            // of a sharded array must cover it exactly once.
+            if let Err(d) = crate::checkpoint::shard::check_covered(&m.root) {
+                problems.push(Problem {
+                    checkpoint: Some(name.clone()),
+                    error: Error::corrupt(
+                        self.storage.manifest_path(name),
+                        format!("checkpoint '{name}' cannot be loaded: {d}"),
+                    ),
+                });
+            }
             let mut blobs: Vec<(String, Blob)> = Vec::new();
             m.root.for_each_blob(&mut Vec::new(), &mut |p, b| {
                 blobs.push((p.join("/"), b.clone()))
