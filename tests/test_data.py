@@ -526,3 +526,21 @@ def test_the_data_commands_name_a_bad_argument_without_a_traceback(tmp_path: Pat
     assert r.returncode == 0 and "\n  record " in r.stdout and "\n  data " in r.stdout, r.stdout
     r = subprocess.run([*hindsight_cmd(), "data"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "hindsight data {dispatcher,worker}" in r.stdout, r.stdout + r.stderr
+
+
+def test_the_dispatcher_serves_this_machine_unless_told_otherwise_and_then_says_so(tmp_path: Path) -> None:
+    """Closed by default (issue 42, item 2): `hindsight data dispatcher`
+    listens on loopback; an address other machines reach is asked for, and
+    named as such with the warning that calls are not authenticated."""
+    for host, exposed in ((None, False), ("0.0.0.0", True)):
+        port = free_port()
+        cmd = [*hindsight_cmd(), "data", "dispatcher", "--journal", str(tmp_path / f"j{port}"), "--port", str(port)]
+        p = subprocess.Popen(
+            cmd + (["--host", host] if host else []), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        assert p.stdout is not None and p.stderr is not None
+        line = p.stdout.readline()
+        p.kill()
+        _, err = p.communicate(timeout=30)
+        assert f"listening on {'0.0.0.0' if exposed else '127.0.0.1'}:{port}" in line, (line, err)
+        assert ("does not authenticate its calls" in err) == exposed, err

@@ -48,7 +48,11 @@ def _data_dispatcher(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="hindsight data dispatcher", description=_data_dispatcher.__doc__)
     p.add_argument("--journal", required=True, help="directory of its journal, on the dispatcher's local disk")
     p.add_argument("--port", type=_port, default=50051)
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for workers on other machines)",
+    )
     p.add_argument("--heartbeat-timeout", type=float, default=1.0, help="seconds of silence before a worker is dead")
     a = p.parse_args(argv)
 

@@ -19,6 +19,20 @@ pub mod worker;
 
 pub use error::{Error, ErrorKind, Result};
 
+/// What to say when a server of the input service listens where other
+/// machines reach it: the service authenticates no call yet, so anyone who
+/// reaches the address can read the dataset or register as a worker.
+/// Loopback (the default) says nothing.
+pub fn exposure_note(what: &str, addr: &std::net::SocketAddr) -> Option<String> {
+    (!addr.ip().is_loopback()).then(|| {
+        format!(
+            "{what}: listening on {addr}, which other machines can reach; the input service does not \
+             authenticate its calls: use it only on a network you trust (the default, 127.0.0.1, \
+             serves this machine alone)"
+        )
+    })
+}
+
 /// A runtime for one service part. Four threads: a journal fsync or the
 /// user's pipeline may hold one, heartbeats and probes must still run.
 pub(crate) fn runtime(what: &str) -> Result<tokio::runtime::Runtime> {

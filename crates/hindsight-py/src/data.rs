@@ -509,6 +509,12 @@ pub(crate) fn serve_data_worker(
     opts.advertise = advertise;
     opts.shared_dir = shared_dir;
     let mut running = interrupt::run(py, |_| worker::start(pipeline, opts))?;
+    if let Some(note) = running
+        .handle()
+        .and_then(|h| hindsight_data::exposure_note("hindsight data worker", &h.addr))
+    {
+        eprintln!("{note}");
+    }
     if let (Some(ready), Some(h)) = (ready, running.handle()) {
         ready.call1(py, (h.addr.to_string(), h.worker_id()))?;
     }
@@ -526,7 +532,7 @@ pub(crate) fn serve_data_worker(
 /// Run a dispatcher in this process until interrupted (`hindsight data
 /// dispatcher`); prints its address and what its journal held.
 #[pyfunction]
-#[pyo3(signature = (journal_dir, *, bind="0.0.0.0:50051", heartbeat_timeout=1.0))]
+#[pyo3(signature = (journal_dir, *, bind="127.0.0.1:50051", heartbeat_timeout=1.0))]
 pub(crate) fn run_data_dispatcher(
     py: Python<'_>,
     journal_dir: std::path::PathBuf,
@@ -537,6 +543,10 @@ pub(crate) fn run_data_dispatcher(
     opts.heartbeat_timeout = seconds(heartbeat_timeout, "heartbeat_timeout")?;
     let mut running = interrupt::run(py, |_| dispatcher::start(bind, opts))?;
     if let Some(h) = running.handle() {
+        // Before the address: whoever reads that line has seen the warning.
+        if let Some(note) = hindsight_data::exposure_note("hindsight data dispatcher", &h.addr) {
+            eprintln!("{note}");
+        }
         println!("{}", h.listening_line());
     }
     let _ = std::io::Write::flush(&mut std::io::stdout());

@@ -297,7 +297,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dataset", required=True, help="module:factory returning a map-style dataset")
     p.add_argument("--args", default="{}", help="JSON keyword arguments of the factory")
     p.add_argument("--collate", default=None, help="module:function (default: torch's default_collate)")
-    p.add_argument("--bind", default="0.0.0.0:0", help="where to listen (default: any port)")
+    p.add_argument(
+        "--bind",
+        default="127.0.0.1:0",
+        help="where to listen (default 127.0.0.1, any port: this machine only; 0.0.0.0:0 for trainers elsewhere)",
+    )
     p.add_argument(
         "--advertise",
         default=None,
