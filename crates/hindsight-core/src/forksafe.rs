@@ -62,3 +62,17 @@ pub fn release(fd: RawFd) {
         let _ = slot.compare_exchange(fd, FREE, Ordering::SeqCst, Ordering::SeqCst);
     }
 }
+
+/// Open (creating it) the lock file at `path`, never through a link: the
+/// file a store's gc or a run's lease takes `flock(2)` on.
+pub fn open_lock_file(path: &std::path::Path) -> crate::error::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(|e| crate::error::Error::io(path, e))
+}

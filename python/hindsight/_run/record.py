@@ -121,7 +121,7 @@ class RecordRun(Run):
         self.session = _native.RecordSession.from_env("", time.monotonic())
         if self.leads:
             self._start()
-            self.session = _native.RecordSession.from_env(self.run_id, time.monotonic())
+            self.session.join(self.run_id, time.monotonic())
         self._wrap_excepthook()
         if jupyter.shell() is not None:
             jupyter.on_cell_error(self)

@@ -135,14 +135,7 @@ impl LocalStorage {
 
     fn lock(&self, exclusive: bool) -> Result<Box<dyn LockGuard>> {
         let path = self.root.join("gc.lock");
-        let f = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&path)
-            .map_err(|e| Error::io(&path, e))?;
+        let f = crate::forksafe::open_lock_file(&path)?;
         loop {
             // std's file locks are flock(2) on Linux: released when the file closes.
             let locked = if exclusive { f.lock() } else { f.lock_shared() };

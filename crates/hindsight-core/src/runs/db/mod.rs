@@ -462,10 +462,20 @@ impl LogDb {
             Ok((conn, version))
         };
         // Read-only first: it sees the write-ahead log a writer left (its
-        // index file present). Immutable where that cannot work (no index
-        // file, and none can be made here): the log was checkpointed into
-        // the file when its last writer closed.
-        let (conn, version) = match open("mode=ro").or_else(|_| open("immutable=1")) {
+        // index file present). Immutable only where that cannot work (no
+        // index file, and none can be made here) and no log is pending:
+        // immutable reads ignore the log, and would answer from a file a
+        // live writer has not brought up to date.
+        let pending_log =
+            std::fs::metadata(format!("{}-wal", path.display())).is_ok_and(|m| m.len() > 0);
+        let found = open("mode=ro").or_else(|e| {
+            if pending_log {
+                Err(e)
+            } else {
+                open("immutable=1")
+            }
+        });
+        let (conn, version) = match found {
             Ok(found) => found,
             Err(Setup::Sql(e)) => return Err(db_err(path, e)),
             Err(Setup::Hindsight(e)) => return Err(e),
