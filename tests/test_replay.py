@@ -595,7 +595,12 @@ def test_an_iteration_loop_with_break_replays_every_iteration_including_the_last
     script.write_text(COUNTED)
     for s in (ref, script):
         r = subprocess.run(
-            [sys.executable, str(s)], env=env_for(s.parent / ".hindsight"), capture_output=True, text=True, timeout=120
+            [sys.executable, str(s)],
+            # One thread: replay workers run with the recording's, two fit this machine.
+            env=env_for(s.parent / ".hindsight", OMP_NUM_THREADS="1"),
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert r.returncode == 0, r.stderr
     want = {c: v["w_sum"] for c, v in values(ref.parent / ".hindsight", "w_sum").items() if "w_sum" in v}
@@ -608,6 +613,14 @@ def test_an_iteration_loop_with_break_replays_every_iteration_including_the_last
     assert got == {c: v for c, v in want.items() if c[0][1] >= 8}
     r = replay(script, home, "--strict")
     assert r.returncode == 0, r.stdout + r.stderr
+    assert {c: v["w_sum"] for c, v in values(home, "w_sum").items() if "w_sum" in v} == want
+    # A probe in the body of one-step iterations needs every body run: they
+    # split over the workers, the second starting from a checkpoint.
+    r = replay(script, home, "-j", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "parallel replay of w_sum on 2 worker(s)" in r.stdout, r.stdout
+    executed = re.search(r"(\d+) iteration\(s\) without an inner loop executed", r.stdout)
+    assert executed is not None and int(executed.group(1)) >= 11, r.stdout  # 0..10, some twice
     assert {c: v["w_sum"] for c, v in values(home, "w_sum").items() if "w_sum" in v} == want
 
 

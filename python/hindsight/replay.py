@@ -158,7 +158,13 @@ class RunJob:
 
 
 def plan_run(
-    db: Any, store_names: set[str], run: dict[str, Any], analysis: Analysis, jobs: int, where: str | None
+    db: Any,
+    location: str,
+    store_names: set[str],
+    run: dict[str, Any],
+    analysis: Analysis,
+    jobs: int,
+    where: str | None,
 ) -> Any:
     """The engine's replay plan of `run` (`hindsight_core::replay`); only `--where`,
     a Python expression, is evaluated here."""
@@ -185,10 +191,24 @@ def plan_run(
         outer,
         store_names,
         selected,
-        analysis.needs_inner_execution,
-        analysis.needs_start_state,
-        max(1, jobs),
+        needs_inner=analysis.needs_inner_execution,
+        needs_start=analysis.needs_start_state,
+        whole_iterations=_whole_iterations(location, store_names, rows),
+        workers=max(1, jobs),
     )
+
+
+def _whole_iterations(location: str, store_names: set[str], rows: list[Any]) -> bool:
+    """Whether the recording checkpointed this loop at the end of iterations
+    that ran no inner loop (its checkpoints' meta says so). Unknown (an older
+    recording, a manifest that does not read): False, the plan that restores."""
+    name = next((r.checkpoint for r in rows if r.checkpoint in store_names), None)
+    if name is None:
+        return False
+    try:
+        return _native.checkpoint_meta(location, name).get("at") == "iteration"
+    except HindsightError:
+        return False
 
 
 def replay(args: argparse.Namespace) -> int:
@@ -234,7 +254,7 @@ def replay(args: argparse.Namespace) -> int:
             if location not in names_at:
                 names_at[location] = set(_native.checkpoint_names(location))
             try:
-                job = _prepare(args, db, names_at[location], run, script, current)
+                job = _prepare(args, db, location, names_at[location], run, script, current)
             except HindsightError as e:
                 if len(runs) == 1:
                     raise
@@ -303,6 +323,7 @@ def _threads(args: argparse.Namespace, jobs: list[RunJob], local: bool) -> _nati
 def _prepare(
     args: argparse.Namespace,
     db: Any,
+    location: str,
     store_names: set[str],
     run: dict[str, Any],
     script: Path,
@@ -351,7 +372,7 @@ def _prepare(
             temp.unlink(missing_ok=True)
         return None
     try:
-        plan = plan_run(db, store_names, run, analysis, args.jobs, args.where)
+        plan = plan_run(db, location, store_names, run, analysis, args.jobs, args.where)
     except BaseException:
         if temp is not None:
             temp.unlink(missing_ok=True)
@@ -363,6 +384,12 @@ def _prepare(
         temp.write_text(current)
     names = ", ".join(sorted({p.name for p in analysis.new_probes}))
     print(f"run {run['id']}: {plan.kind} replay of {names} on {len(plan.workers)} worker(s)", flush=True)
+    if plan.kind == "parallel" and args.jobs == 1 and (os.cpu_count() or 1) > 1:
+        print(
+            f"note: run {run['id']}: every selected iteration re-executes; -j N splits them over N workers",
+            file=sys.stderr,
+            flush=True,
+        )
     versions = json.loads(run["versions_json"] or "{}")
     # The script as it is now (the one analysed, or the recorded version with
     # the new statements placed into it), run where the recording ran.
@@ -409,11 +436,13 @@ def _report(args: argparse.Namespace, db: Any, job: RunJob, start: float) -> int
         )
     db.finish_replay(job.replay_id, verdict.keep)
     steps = sum(w.steps for w in job.workers)
+    bodies = sum(w.bodies for w in job.workers)
     restored = sum(w.restored for w in job.workers)
     wall = time.monotonic() - start
+    one_step = f", {bodies} iteration(s) without an inner loop executed" if bodies else ""
     print(
         f"replayed {job.total} iteration(s) in {wall:.1f}s: {restored} restored from "
-        f"checkpoints, {steps} inner-loop steps executed; new values: {job.names}"
+        f"checkpoints, {steps} inner-loop steps executed{one_step}; new values: {job.names}"
     )
     print(_native.replay_time_breakdown(wall, [w.progress for w in job.workers]))
     if not failed and not verdict.diverged:

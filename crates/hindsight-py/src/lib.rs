@@ -534,7 +534,6 @@ impl Store {
         interrupt::run(py, |_| self.replica.list())
     }
 
-    /// Creation time (ms since epoch) and metadata of a checkpoint.
     /// A checkpoint's metadata alone (`info` without its entries).
     fn meta(
         &self,

@@ -53,6 +53,20 @@ pub(crate) fn checkpoint_names(py: Python<'_>, location: String) -> PyResult<Vec
     })
 }
 
+/// The metadata of checkpoint `name` at `location` (its manifest, verified;
+/// no entry is read). Opens no writer and creates nothing.
+#[pyfunction]
+pub(crate) fn checkpoint_meta(
+    py: Python<'_>,
+    location: String,
+    name: String,
+) -> PyResult<std::collections::BTreeMap<String, String>> {
+    interrupt::run(py, move |_| {
+        let store = Store::open_url(&location, false, None)?;
+        Ok::<_, Error>(store.manifest(&name)?.meta)
+    })
+}
+
 /// A store location as the engine reads it: `s3://bucket/prefix` without a
 /// trailing slash, or an absolute directory. `what` names the argument in
 /// the error; `local` requires a directory.
@@ -156,6 +170,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ProjectPaths>()?;
     m.add_function(wrap_pyfunction!(project_paths, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoint_names, m)?)?;
+    m.add_function(wrap_pyfunction!(checkpoint_meta, m)?)?;
     m.add_function(wrap_pyfunction!(store_location, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoint_exit_code, m)?)?;
     m.add_class::<World>()?;

@@ -541,8 +541,10 @@ impl LogDb {
 
     /// The replay plan of a run (`hindsight_core::runs::replay`): which iterations
     /// each worker restores or executes. `selected[i]`: iteration i is wanted;
-    /// `needs_start`: new probes run before the inner loop.
-    #[pyo3(signature = (run_id, loop_name, in_store, selected, needs_inner, needs_start=false, workers=1))]
+    /// `needs_start`: new probes run before the inner loop; `whole_iterations`:
+    /// the loop's checkpoints were taken at the end of iterations without an
+    /// inner loop.
+    #[pyo3(signature = (run_id, loop_name, in_store, selected, needs_inner, needs_start=false, whole_iterations=false, workers=1))]
     fn plan_replay(
         &self,
         py: Python<'_>,
@@ -552,6 +554,7 @@ impl LogDb {
         selected: Vec<bool>,
         needs_inner: bool,
         needs_start: bool,
+        whole_iterations: bool,
         workers: usize,
     ) -> PyResult<ReplayPlan> {
         let plan = self.with(py, |db| {
@@ -564,6 +567,7 @@ impl LogDb {
                 selected: &selected,
                 needs_inner,
                 needs_start,
+                whole_iterations,
                 workers,
             })
         })?;
@@ -784,6 +788,12 @@ impl PyProgress {
     #[getter]
     fn steps(&self) -> u64 {
         self.0.steps
+    }
+
+    /// Iterations without an inner loop whose body was executed.
+    #[getter]
+    fn bodies(&self) -> u64 {
+        self.0.bodies
     }
 
     #[getter]

@@ -73,6 +73,11 @@ class Worker:
         return int(self.progress.steps)
 
     @property
+    def bodies(self) -> int:
+        """Iterations without an inner loop whose body it executed."""
+        return int(self.progress.bodies)
+
+    @property
     def restored(self) -> int:
         return int(self.progress.restored)
 

@@ -357,6 +357,8 @@ class RecordRun(Run):
         if self.start_rng is not None:
             state["start_rng"] = self.start_rng  # the same bytes every time: stored once
         meta = {**ck.meta(), "run": self.run_id}
+        if "at" in extra:  # a replay's planner reads whether it holds a whole iteration
+            meta["at"] = extra["at"]
         from hindsight import dist
 
         # FSDP2 on one rank (one GPU) is sharded too: its DTensors are saved

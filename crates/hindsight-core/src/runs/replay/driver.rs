@@ -271,8 +271,10 @@ pub fn threads(
 pub struct Progress {
     /// Iterations finished.
     pub done: u64,
-    /// From the worker's last line: inner-loop steps executed, checkpoints restored.
+    /// From the worker's last line: inner-loop steps executed, bodies of
+    /// iterations without an inner loop executed, checkpoints restored.
     pub steps: u64,
+    pub bodies: u64,
     pub restored: u64,
     /// Seconds spent restoring them, and in the outer loop as a whole.
     pub restore_secs: f64,
@@ -281,13 +283,15 @@ pub struct Progress {
 
 impl Progress {
     /// Read whole lines: one per finished iteration, then
-    /// `steps N restored M restore_s R run_s T`.
+    /// `steps N bodies B restored M restore_s R run_s T`.
     pub fn read(&mut self, text: &str) {
         for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
             let words: Vec<&str> = line.split_whitespace().collect();
             match words.as_slice() {
-                ["steps", steps, "restored", restored, "restore_s", restore, "run_s", run] => {
+                ["steps", steps, "bodies", bodies, "restored", restored, "restore_s", restore, "run_s", run] =>
+                {
                     self.steps = steps.parse().unwrap_or(self.steps);
+                    self.bodies = bodies.parse().unwrap_or(self.bodies);
                     self.restored = restored.parse().unwrap_or(self.restored);
                     self.restore_secs = restore.parse().unwrap_or(self.restore_secs);
                     self.run_secs = run.parse().unwrap_or(self.run_secs);
@@ -305,10 +309,16 @@ pub fn time_breakdown(wall_secs: f64, workers: &[Progress]) -> String {
     let restore = workers.iter().fold(0.0, |a, w| a + w.restore_secs);
     let restored: u64 = workers.iter().map(|w| w.restored).sum();
     let steps: u64 = workers.iter().map(|w| w.steps).sum();
+    let bodies: u64 = workers.iter().map(|w| w.bodies).sum();
+    let executing = if bodies > 0 {
+        format!("{steps} step(s) and {bodies} iteration(s) without an inner loop")
+    } else {
+        format!("{steps} step(s)")
+    };
     format!(
         "time: {:.1}s planning, starting and ending {} worker(s), {run:.1}s in the replayed \
-         iterations{}: {restore:.2}s restoring {restored} checkpoint(s), the rest executing {steps} \
-         step(s), the probes and the code between",
+         iterations{}: {restore:.2}s restoring {restored} checkpoint(s), the rest executing {executing}, \
+         the probes and the code between",
         (wall_secs - run).max(0.0),
         workers.len(),
         if workers.len() > 1 {
@@ -419,12 +429,13 @@ mod tests {
     fn progress_lines_count_iterations_and_carry_the_summary() {
         let mut p = Progress::default();
         p.read("0\n1\n");
-        p.read("\n2\nsteps 40 restored 2 restore_s 0.250000 run_s 1.500000\n");
+        p.read("\n2\nsteps 40 bodies 3 restored 2 restore_s 0.250000 run_s 1.500000\n");
         assert_eq!(
             p,
             Progress {
                 done: 3,
                 steps: 40,
+                bodies: 3,
                 restored: 2,
                 restore_secs: 0.25,
                 run_secs: 1.5,
@@ -439,8 +450,12 @@ mod tests {
             time_breakdown(3.0, &[p, other]),
             "time: 1.0s planning, starting and ending 2 worker(s), 2.0s in the replayed iterations \
              (the longest worker; restores summed over all): 0.75s restoring 4 checkpoint(s), the rest \
-             executing 80 step(s), the probes and the code between"
+             executing 80 step(s) and 6 iteration(s) without an inner loop, the probes and the code between"
         );
+        // Without one-step iterations, only the steps are named.
+        let steps_only = Progress { bodies: 0, ..p };
+        assert!(time_breakdown(3.0, &[steps_only])
+            .contains("the rest executing 40 step(s), the probes"));
     }
 
     #[test]

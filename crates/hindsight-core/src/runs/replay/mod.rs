@@ -72,7 +72,9 @@ pub struct WorkerPlan {
     /// Recorded compute seconds of every iteration the worker restores right
     /// after visiting the one before it: it may execute such an iteration
     /// instead, when that costs less than restoring it
-    /// ([`execute_instead`](Self::execute_instead)).
+    /// ([`execute_instead`](Self::execute_instead)); and of every iteration
+    /// it executes and may compare with a checkpoint (how far apart the
+    /// comparisons of one-step iterations are).
     #[serde(default)]
     pub seconds: BTreeMap<u64, f64>,
     /// Mean restore time measured by earlier replays of this run, if any.
@@ -197,7 +199,19 @@ pub struct Request<'a> {
     /// after the inner loop runs). Values a worker logs before the inner
     /// loop of an iteration whose predecessor it did not visit are dropped.
     pub needs_start: bool,
+    /// The loop's checkpoints were taken at the end of iterations that ran
+    /// no inner loop (one step each: minGPT's `while True`): nothing of an
+    /// iteration is skipped by restoring it, so a probe anywhere in its body
+    /// has it executed, and the selected iterations split over the workers.
+    pub whole_iterations: bool,
     pub workers: usize,
+}
+
+impl Request<'_> {
+    /// Whether every selected iteration's body must run (not only be restored).
+    fn executes(&self) -> bool {
+        self.needs_inner || (self.whole_iterations && self.needs_start)
+    }
 }
 
 /// Plan a replay (see the module docs).
@@ -237,13 +251,18 @@ pub fn plan(req: &Request<'_>) -> Result<ReplayPlan> {
             format!("selects none of the {n} recorded iterations"),
         ));
     }
+    // An executed iteration starts from its predecessor's state anyway (a
+    // segment restores or executes the one before it); only then is the
+    // predecessor of a one-step iteration not selected itself, so a
+    // `--where` range logs no values before it.
+    let widen = req.needs_start && !(req.whole_iterations && req.executes());
     let selected: Vec<bool> = (0..n)
-        .map(|i| wanted(i) || (req.needs_start && wanted(i + 1)))
+        .map(|i| wanted(i) || (widen && wanted(i + 1)))
         .collect();
     let has_ck: Vec<bool> = (0..n as u64)
         .map(|i| checkpoints.contains_key(&i))
         .collect();
-    let (kind, per_worker) = if req.needs_inner {
+    let (kind, per_worker) = if req.executes() {
         let mut by_worker: BTreeMap<usize, BTreeMap<u64, Mode>> = BTreeMap::new();
         for s in schedule::plan_segments(n, &times, &has_ck, &selected, req.workers.max(1)) {
             let modes = by_worker.entry(s.worker).or_default();
@@ -286,6 +305,7 @@ pub fn plan(req: &Request<'_>) -> Result<ReplayPlan> {
             if m != Mode::Restore {
                 if let Some(name) = checkpoints.get(&i) {
                     state_checks.insert(i, name.clone());
+                    seconds.insert(i, times[i as usize]);
                 }
                 continue;
             }
@@ -346,7 +366,7 @@ pub fn check(req: &Request<'_>, plan: &ReplayPlan) -> Result<()> {
         if !plan.workers.iter().any(|w| visits(&w)) {
             return bug(format!("selected iteration {i} is not visited"));
         }
-        if req.needs_inner
+        if req.executes()
             && !plan
                 .workers
                 .iter()
@@ -440,6 +460,7 @@ mod tests {
             selected: &selected,
             needs_inner: true,
             needs_start: false,
+            whole_iterations: false,
             workers: 1,
         };
         let mut p = plan(&req).unwrap();
@@ -467,6 +488,7 @@ mod tests {
             sel in proptest::collection::vec(proptest::bool::ANY, 40),
             needs_inner in proptest::bool::ANY,
             needs_start in proptest::bool::ANY,
+            whole_iterations in proptest::bool::ANY,
             workers in 1usize..6,
             first in 0usize..40,
         ) {
@@ -492,6 +514,7 @@ mod tests {
                 selected: &selected,
                 needs_inner,
                 needs_start,
+                whole_iterations,
                 workers,
             };
             // plan() checks itself: an Err here is a broken promise.
@@ -525,6 +548,7 @@ mod tests {
                 selected: &[true; 4],
                 needs_inner: false,
                 needs_start: false,
+                whole_iterations: false,
                 workers: 1,
             })
             .unwrap()
@@ -567,6 +591,7 @@ mod tests {
             selected: &[true; 5],
             needs_inner: false,
             needs_start: false,
+            whole_iterations: false,
             workers: 1,
         })
         .unwrap();
@@ -592,6 +617,7 @@ mod tests {
                 selected: sel,
                 needs_inner: false,
                 needs_start: false,
+                whole_iterations: false,
                 workers: 1,
             })
         };
@@ -619,6 +645,7 @@ mod tests {
             selected: &[true; 8],
             needs_inner: true,
             needs_start: false,
+            whole_iterations: false,
             workers: 2,
         };
         let p = plan(&req).unwrap();
@@ -670,6 +697,7 @@ mod tests {
                 selected: &sel,
                 needs_inner: false,
                 needs_start,
+                whole_iterations: false,
                 workers: 1,
             })
             .unwrap();
@@ -682,5 +710,50 @@ mod tests {
         assert_eq!(visited(3, true), vec![2, 3]);
         // Iteration 0 has no predecessor.
         assert_eq!(visited(0, true), vec![0]);
+    }
+
+    #[test]
+    fn a_probe_in_the_body_of_one_step_iterations_splits_them_over_the_workers() {
+        // minGPT's `while True`: a checkpoint every 4th iteration, each at
+        // the end of an iteration that ran no inner loop. A probe in the body
+        // (before any inner loop: needs_start) cannot be answered by a
+        // restore, so each selected iteration runs, on one of the workers.
+        let it = rows(40, 4);
+        let store = store_of(&it);
+        let req = Request {
+            run_id: "r",
+            loop_name: "epoch",
+            iterations: &it,
+            in_store: &store,
+            selected: &[true; 40],
+            needs_inner: false,
+            needs_start: true,
+            whole_iterations: true,
+            workers: 2,
+        };
+        let p = plan(&req).unwrap();
+        assert_eq!(p.kind, Kind::Parallel);
+        assert_eq!(p.workers.len(), 2);
+        let executed: usize = p
+            .workers
+            .iter()
+            .map(|w| w.modes.values().filter(|m| **m == Mode::Execute).count())
+            .sum();
+        assert!(executed >= 40 - 1, "{executed}");
+        // The second worker starts from a checkpoint, and knows what each
+        // checked iteration cost to record (how far apart its checks go).
+        let second = &p.workers[1];
+        assert_eq!(second.modes.values().next(), Some(&Mode::Restore));
+        for i in second.state_checks.keys() {
+            assert!(second.seconds.contains_key(i), "{i}");
+        }
+        // Recorded with an inner loop, the same probe is answered by
+        // restores on one worker.
+        let p = plan(&Request {
+            whole_iterations: false,
+            ..req
+        })
+        .unwrap();
+        assert_eq!(p.kind, Kind::Partial);
     }
 }

@@ -42,6 +42,10 @@ pub struct ReplaySession {
     /// The recorded batch fingerprints of the iteration under way.
     expected: BTreeMap<u64, String>,
     steps_executed: u64,
+    /// Iterations without an inner loop whose body this worker executed.
+    bodies_executed: u64,
+    /// The iteration under way ran an inner loop (`block_start`).
+    inner_seen: bool,
     restored: u64,
     past_plan: bool,
     cost_rule: bool,
@@ -61,6 +65,8 @@ impl ReplaySession {
             last_check: None,
             expected: BTreeMap::new(),
             steps_executed: 0,
+            bodies_executed: 0,
+            inner_seen: false,
             restored: 0,
             past_plan: false,
             cost_rule: true,
@@ -112,6 +118,7 @@ impl ReplaySession {
         let stale = i > 0 && self.last_visited != Some(i - 1);
         self.last_visited = Some(i);
         self.phase = Phase::Iteration(i);
+        self.inner_seen = false;
         if stale && mode == Mode::Execute {
             // The plan visits the predecessor of every executed iteration.
             return Err(Error::internal(format!(
@@ -142,6 +149,7 @@ impl ReplaySession {
     /// `expected`: the batch fingerprints the recording consumed in this iteration.
     pub fn block_start(&mut self, i: u64, expected: BTreeMap<u64, String>) -> Result<BlockStart> {
         self.expected = expected;
+        self.inner_seen = true;
         if self.modes.get(&i) != Some(&Mode::Restore) {
             self.phase = Phase::Steps(i);
             return Ok(BlockStart::Run);
@@ -191,7 +199,8 @@ impl ReplaySession {
     /// carry it); the values logged meanwhile are compared with the
     /// recording where it has them.
     fn sparse_check(&self, i: u64) -> bool {
-        let last = self.plan.checkpoints.keys().next_back() == Some(&i);
+        let newest = |m: &BTreeMap<u64, String>| m.keys().next_back().copied();
+        let last = newest(&self.plan.checkpoints).max(newest(&self.plan.state_checks)) == Some(i);
         let mean = |v: &[f64]| (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64);
         let cost = mean(&self.check_secs)
             .or_else(|| mean(&self.restore_secs))
@@ -239,16 +248,23 @@ impl ReplaySession {
             }
             return Ok(BlockEnd::Restore { checkpoint });
         }
-        let check = self
-            .plan
-            .state_check(i)
-            .map(str::to_string)
-            .or_else(|| self.instead.get(&i).cloned());
-        Ok(
-            check.map_or(BlockEnd::Nothing, |checkpoint| BlockEnd::Check {
-                checkpoint,
-            }),
-        )
+        if let Some(planned) = self.plan.state_check(i) {
+            // An executed one-step iteration is compared as sparsely as one
+            // executed instead of restored, for the same reason.
+            if at_iteration && !self.sparse_check(i) {
+                return Ok(BlockEnd::Nothing);
+            }
+            self.last_check = Some(i);
+            return Ok(BlockEnd::Check {
+                checkpoint: planned.to_string(),
+            });
+        }
+        Ok(self
+            .instead
+            .get(&i)
+            .map_or(BlockEnd::Nothing, |checkpoint| BlockEnd::Check {
+                checkpoint: checkpoint.clone(),
+            }))
     }
 
     /// The state after iteration `i` differs from checkpoint `name` at `path`.
@@ -273,6 +289,9 @@ impl ReplaySession {
 
     /// Iteration `i` is over: the progress line for the driver (the worker protocol of `runs::replay`).
     pub fn iteration_end(&mut self, i: u64) -> String {
+        if !std::mem::take(&mut self.inner_seen) && self.modes.get(&i) == Some(&Mode::Execute) {
+            self.bodies_executed += 1;
+        }
         self.phase = Phase::Between;
         format!("{i}\n")
     }
@@ -283,8 +302,9 @@ impl ReplaySession {
         self.phase = Phase::Finished;
         let restore = self.restore_secs.iter().fold(0.0, |a, b| a + b);
         format!(
-            "steps {} restored {} restore_s {restore:.6} run_s {:.6}\n",
+            "steps {} bodies {} restored {} restore_s {restore:.6} run_s {:.6}\n",
             self.steps_executed,
+            self.bodies_executed,
             self.restored,
             run_secs.max(0.0)
         )

@@ -552,6 +552,45 @@ fn one_step_iterations_are_checked_now_and_then_instead_of_restored() {
 }
 
 #[test]
+fn executed_one_step_iterations_are_compared_sparsely_and_inner_loops_at_every_checkpoint() {
+    use Mode::Execute as E;
+    // A parallel replay's worker executing one-step iterations 0..=40, each
+    // checkpointed by the recording, 10 ms of compute each.
+    let mut p = plan(&(0..=40).map(|i| (i, E)).collect::<Vec<_>>());
+    for i in 0..=40 {
+        p.state_checks.insert(i, format!("r1.epoch-{i:06}"));
+        p.seconds.insert(i, 0.01);
+    }
+    let checked = |at_iteration: bool| {
+        let mut s = ReplaySession::new(p.clone());
+        s.outer_start("epoch");
+        let mut out = Vec::new();
+        for i in 0..=40 {
+            s.iteration_start(i).unwrap();
+            if !at_iteration {
+                s.block_start(i, BTreeMap::new()).unwrap();
+            }
+            if let BlockEnd::Check { checkpoint } = s.block_end(i, at_iteration).unwrap() {
+                assert_eq!(checkpoint, format!("r1.epoch-{i:06}"));
+                s.checked(0.01);
+                out.push(i);
+            }
+            s.iteration_end(i);
+        }
+        // The end line counts the bodies of iterations without an inner loop.
+        let bodies = if at_iteration { 41 } else { 0 };
+        assert!(s
+            .summary(1.0)
+            .starts_with(&format!("steps 0 bodies {bodies} ")));
+        out
+    };
+    // One check per 200 ms of compute at 10 ms a check, and the last.
+    assert_eq!(checked(true), vec![0, 20, 40]);
+    // With an inner loop, every checkpointed iteration is compared.
+    assert_eq!(checked(false), (0..=40).collect::<Vec<_>>());
+}
+
+#[test]
 fn a_replay_restores_or_executes_instead_by_cost_and_checks_what_it_executed() {
     use Mode::{Execute as E, Restore as R};
     let mut p = plan(&[(0, E), (1, R), (2, R)]);
@@ -591,7 +630,7 @@ fn a_replay_restores_or_executes_instead_by_cost_and_checks_what_it_executed() {
     );
     assert_eq!(
         s.summary(3.0),
-        "steps 0 restored 1 restore_s 2.000000 run_s 3.000000\n"
+        "steps 0 bodies 0 restored 1 restore_s 2.000000 run_s 3.000000\n"
     );
     // A front end that cannot check an executed state keeps the plan's restores.
     unchecked.set_cost_rule(false);
