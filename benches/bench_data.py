@@ -505,6 +505,7 @@ def plot(base: dict[str, Any], run: dict[str, Any], t_kill: float, t_repl: float
 
 
 def start_worker(address: str, n: int) -> subprocess.Popen[bytes]:
+    """A remote-style worker; the token is this process's (``make_journal``)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
     return subprocess.Popen(
         [sys.executable, "-m", "hindsight", "data", "worker", "--dispatcher", address,
@@ -536,6 +537,8 @@ def open_dispatcher(journal: Path) -> tuple[_native.DataDispatcher, float, float
 
 def make_journal(journal: Path, n: int, window: int | None) -> dict[str, Any]:
     d = _native.DataDispatcher(journal)
+    # Its workers and this trainer give its token, as remote ones would.
+    os.environ["HINDSIGHT_DATA_TOKEN"] = d.token
     workers = [start_worker(d.address, n) for _ in range(WORKERS)]
     try:
         with Loader(

@@ -256,7 +256,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_an_unreachable_dispatcher_fails_fast_naming_the_address():
+def test_an_unreachable_dispatcher_fails_fast_naming_the_address(monkeypatch):
+    monkeypatch.setenv("HINDSIGHT_DATA_TOKEN", "a-token-for-nobody-0123")
     addr = f"127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     with pytest.raises(DataUnreachableError) as e:
@@ -306,6 +307,8 @@ def stop(p: subprocess.Popen[str]) -> None:
 
 
 def start_worker(port: int, args: str = '{"n": 300, "sleep_ms": 2}') -> subprocess.Popen[str]:
+    """A worker given the token as a user gives it: the environment's
+    HINDSIGHT_DATA_TOKEN_FILE (see `use_token`)."""
     return subprocess.Popen(
         [*hindsight_cmd(), "data", "worker", "--dispatcher", f"127.0.0.1:{port}", "--dataset", "data_synth:make",
          "--args", args, "--bind", "127.0.0.1:0"],
@@ -315,9 +318,16 @@ def start_worker(port: int, args: str = '{"n": 300, "sleep_ms": 2}') -> subproce
     )  # fmt: skip
 
 
-def test_remote_dispatcher_killed_with_a_worker_restarts_from_its_journal_including_a_torn_tail(tmp_path):
+def use_token(monkeypatch: pytest.MonkeyPatch, journal: Path) -> None:
+    """This process and the workers it starts give the dispatcher's token,
+    from the file its journal keeps (as its start-up line says)."""
+    monkeypatch.setenv("HINDSIGHT_DATA_TOKEN_FILE", str(journal / "token"))
+
+
+def test_remote_dispatcher_killed_with_a_worker_restarts_from_its_journal_including_a_torn_tail(tmp_path, monkeypatch):
     journal, port = tmp_path / "journal", free_port()
     d = start_dispatcher(journal, port)
+    use_token(monkeypatch, journal)
     workers = [start_worker(port) for _ in range(3)]
     try:
         with hs.data.Loader(
@@ -352,11 +362,12 @@ def test_remote_dispatcher_killed_with_a_worker_restarts_from_its_journal_includ
             stop(p)
 
 
-def test_a_worker_built_with_other_dataset_arguments_serves_nothing_and_is_named(tmp_path):
+def test_a_worker_built_with_other_dataset_arguments_serves_nothing_and_is_named(tmp_path, monkeypatch):
     """Same factory, other arguments: another dataset. Its examples would
     reach the trainer as if they were the job's (issue 22)."""
     port = free_port()
     d = start_dispatcher(tmp_path / "journal", port)
+    use_token(monkeypatch, tmp_path / "journal")
     w = start_worker(port, '{"sleep_ms": 2, "n": 480}')
     try:
         with pytest.raises(hs.HindsightError, match=r'dataset arguments mismatch.*\{"n":300,"sleep_ms":2\}.*"n":480'):
@@ -373,9 +384,10 @@ def test_a_worker_built_with_other_dataset_arguments_serves_nothing_and_is_named
             stop(p)
 
 
-def test_a_journal_corrupt_before_its_tail_is_a_named_error(tmp_path):
+def test_a_journal_corrupt_before_its_tail_is_a_named_error(tmp_path, monkeypatch):
     journal, port = tmp_path / "journal", free_port()
     d = start_dispatcher(journal, port)
+    use_token(monkeypatch, journal)
     w = start_worker(port)
     try:
         with hs.data.Loader(
@@ -515,8 +527,14 @@ def test_the_data_commands_name_a_bad_argument_without_a_traceback(tmp_path: Pat
         (["dispatcher", "--journal", str(journal_file)], 1, str(journal_file)),
         (["worker", "--dispatcher", "127.0.0.1:1", "--dataset", "os:getcwd"], 1, "127.0.0.1:1"),
     ]
-    for args, code, says in cases:
-        r = subprocess.run([*hindsight_cmd(), "data", *args], capture_output=True, text=True, timeout=120)
+    with_token = {**os.environ, "HINDSIGHT_DATA_TOKEN": "some-token-0123456789"}
+    without = {k: v for k, v in os.environ.items() if not k.startswith("HINDSIGHT_DATA_TOKEN")}
+    for args, code, says, env in [
+        *((*case, with_token) for case in cases),
+        # A worker not given the token says where it comes from.
+        (["worker", "--dispatcher", "127.0.0.1:1", "--dataset", "os:getcwd"], 1, "HINDSIGHT_DATA_TOKEN_FILE", without),
+    ]:
+        r = subprocess.run([*hindsight_cmd(), "data", *args], capture_output=True, text=True, timeout=120, env=env)
         assert r.returncode == code, (args, r.stderr)
         assert "Traceback" not in r.stderr and says in r.stderr, (args, r.stderr)
         assert "does not match" not in r.stderr, r.stderr
@@ -531,7 +549,7 @@ def test_the_data_commands_name_a_bad_argument_without_a_traceback(tmp_path: Pat
 def test_the_dispatcher_serves_this_machine_unless_told_otherwise_and_then_says_so(tmp_path: Path) -> None:
     """Closed by default (issue 42, item 2): `hindsight data dispatcher`
     listens on loopback; an address other machines reach is asked for, and
-    named as such with the warning that calls are not authenticated."""
+    named as such with the warning that calls travel unencrypted."""
     for host, exposed in ((None, False), ("0.0.0.0", True)):
         port = free_port()
         cmd = [*hindsight_cmd(), "data", "dispatcher", "--journal", str(tmp_path / f"j{port}"), "--port", str(port)]
@@ -543,4 +561,42 @@ def test_the_dispatcher_serves_this_machine_unless_told_otherwise_and_then_says_
         p.kill()
         _, err = p.communicate(timeout=30)
         assert f"listening on {'0.0.0.0' if exposed else '127.0.0.1'}:{port}" in line, (line, err)
-        assert ("does not authenticate its calls" in err) == exposed, err
+        assert ("travel unencrypted" in err) == exposed, err
+        assert f"HINDSIGHT_DATA_TOKEN_FILE={tmp_path / f'j{port}' / 'token'}" in err, err
+
+
+def test_without_the_token_a_caller_gets_nothing_from_the_service_and_a_trainer_is_told_why(tmp_path, monkeypatch):
+    """Every call is authenticated (issue 42, item 2): with the real
+    dispatcher and worker processes, a trainer without the token, or with
+    another, is refused in one error that names where the token comes from
+    and nothing of the service; the token holder reads the epoch."""
+    journal, port = tmp_path / "journal", free_port()
+    d = start_dispatcher(journal, port)
+    token = (journal / "token").read_text().strip()
+    assert (journal / "token").stat().st_mode & 0o077 == 0, "the token file is the owner's alone"
+    use_token(monkeypatch, journal)
+    w = start_worker(port)
+    try:
+        monkeypatch.delenv("HINDSIGHT_DATA_TOKEN_FILE")
+        for given in (None, "not-the-token-0123456789"):
+            if given is not None:
+                monkeypatch.setenv("HINDSIGHT_DATA_TOKEN", given)
+            with pytest.raises(hs.HindsightError) as e:
+                hs.data.Loader(
+                    data_synth.make, batch_size=8, workers=f"127.0.0.1:{port}", dataset_args={"n": 300, "sleep_ms": 2}
+                )
+            msg = str(e.value)
+            assert "HINDSIGHT_DATA_TOKEN" in msg and token not in msg, msg
+            assert "data_synth" not in msg and "worker" not in msg.split("token")[0], msg
+        monkeypatch.setenv("HINDSIGHT_DATA_TOKEN", token)
+        with hs.data.Loader(
+            data_synth.make,
+            batch_size=8,
+            seed=SEED,
+            workers=f"127.0.0.1:{port}",
+            dataset_args={"n": 300, "sleep_ms": 2},
+        ) as loader:
+            assert same(read(loader, 0), expected_epoch(loader.spec, 0))
+    finally:
+        for p in (d, w):
+            stop(p)

@@ -263,6 +263,21 @@ pub const REPLAY_CONCURRENT: Setting = internal(
     "1 when other workers of the same replay may run at the same time",
 );
 
+/// The input service's token (`hindsight_data::auth`).
+pub const DATA_TOKEN: Setting = user(
+    "HINDSIGHT_DATA_TOKEN",
+    Kind::Text,
+    "the dispatcher's token file",
+    "the input service's token: every call to a dispatcher or worker carries it",
+);
+/// A file holding the input service's token.
+pub const DATA_TOKEN_FILE: Setting = user(
+    "HINDSIGHT_DATA_TOKEN_FILE",
+    Kind::Path,
+    "none",
+    "a file holding the input service's token (a dispatcher keeps it in <journal>/token)",
+);
+
 /// Every variable, users' first.
 pub const ALL: &[Setting] = &[
     HOME,
@@ -280,6 +295,8 @@ pub const ALL: &[Setting] = &[
     CATCH_SIGINT,
     VERBOSE,
     QUIET,
+    DATA_TOKEN,
+    DATA_TOKEN_FILE,
     REPLAY_FORK,
     LIGHTNING,
     REPLAY,

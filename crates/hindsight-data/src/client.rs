@@ -19,6 +19,8 @@ use tokio::runtime::Runtime;
 use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
+
+use crate::auth::{Authed, Bearer, Token};
 use tonic::{Code, Status};
 
 use crate::error::{Error, Result};
@@ -54,6 +56,8 @@ pub struct ClientOptions {
     /// The shared-memory directory same-host workers hand payloads over
     /// through (see [`crate::shared`]); None: payloads only travel inline.
     pub shared_dir: Option<std::path::PathBuf>,
+    /// The service's token; None: from the environment ([`Token::required`]).
+    pub token: Option<Token>,
 }
 
 impl Default for ClientOptions {
@@ -69,6 +73,7 @@ impl Default for ClientOptions {
             progress_every: Duration::from_millis(250),
             warn_nondeterministic: false,
             shared_dir: None,
+            token: None,
         }
     }
 }
@@ -128,7 +133,9 @@ pub struct Client {
 
 #[derive(Debug)]
 struct Ctx {
-    dispatcher: proto::dispatcher_client::DispatcherClient<Channel>,
+    dispatcher: proto::dispatcher_client::DispatcherClient<Authed>,
+    /// What every call to a worker carries.
+    bearer: Bearer,
     dispatcher_addr: String,
     spec: JobSpec,
     wire_spec: proto::JobSpec,
@@ -152,6 +159,7 @@ impl Client {
         opts: ClientOptions,
     ) -> Result<Client> {
         spec.validate()?;
+        let bearer = Bearer::new(&Token::required(opts.token.clone(), "trainer")?);
         let rt = crate::runtime("client")?;
         let wire_spec = proto::JobSpec::from(&spec);
         let unreachable = |detail: String| Error::Unreachable {
@@ -167,9 +175,10 @@ impl Client {
                 .map_err(|_| unreachable(format!("no answer in {:?}", opts.connect_timeout)))?
                 .map_err(|e| unreachable(source_chain(&e)))
         })?;
-        let mut d = proto::dispatcher_client::DispatcherClient::new(channel)
-            .max_decoding_message_size(crate::dispatcher::MAX_CONTROL_MESSAGE)
-            .max_encoding_message_size(crate::dispatcher::MAX_CONTROL_MESSAGE);
+        let mut d =
+            proto::dispatcher_client::DispatcherClient::with_interceptor(channel, bearer.clone())
+                .max_decoding_message_size(crate::dispatcher::MAX_CONTROL_MESSAGE)
+                .max_encoding_message_size(crate::dispatcher::MAX_CONTROL_MESSAGE);
         let attach = proto::AttachRequest {
             protocol: proto::PROTOCOL,
             spec: Some(wire_spec.clone()),
@@ -186,11 +195,16 @@ impl Client {
                     detail: s.message().to_string(),
                 },
                 Code::Unavailable => unreachable(s.message().to_string()),
+                Code::Unauthenticated => Error::Token(format!(
+                    "the dispatcher at {dispatcher} refused the call: {}",
+                    s.message()
+                )),
                 _ => Error::rpc("attach", &s),
             })?
             .into_inner();
         let ctx = Ctx {
             dispatcher: d,
+            bearer,
             dispatcher_addr: dispatcher.to_string(),
             job_id: reply.job_id,
             spec,
@@ -681,8 +695,9 @@ impl EpochRun {
             world: self.ctx.world,
         };
         let events = self.events_tx.clone();
+        let bearer = self.ctx.bearer.clone();
         run.stream = Some(tokio::spawn(async move {
-            let mut client = proto::worker_client::WorkerClient::new(channel)
+            let mut client = proto::worker_client::WorkerClient::with_interceptor(channel, bearer)
                 .max_decoding_message_size(MAX_MESSAGE);
             let status = match client.produce(req).await {
                 Err(s) => Some(s),

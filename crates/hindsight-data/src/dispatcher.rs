@@ -18,8 +18,10 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::TcpListenerStream;
+use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
+use crate::auth::{Check, Token};
 use crate::error::{Error, Result};
 use crate::journal::Journal;
 use crate::proto::{self, check_protocol, journal_record::Event, Key};
@@ -38,6 +40,9 @@ pub struct DispatcherOptions {
     pub heartbeat_timeout: Duration,
     /// How long a probe of a worker reported by a client may take.
     pub probe_timeout: Duration,
+    /// The service's token; None: [`Token::for_dispatcher`] (the
+    /// environment, else the journal's token file).
+    pub token: Option<Token>,
 }
 
 impl DispatcherOptions {
@@ -46,6 +51,7 @@ impl DispatcherOptions {
             journal_dir: journal_dir.into(),
             heartbeat_timeout: Duration::from_millis(1000),
             probe_timeout: Duration::from_millis(300),
+            token: None,
         }
     }
 }
@@ -528,7 +534,8 @@ impl DispatcherService {
     async fn probe(&self, address: &str, worker_id: &str) -> bool {
         let timeout = self.inner.opts.probe_timeout;
         let call = async {
-            let mut c = crate::worker::connect(address, timeout).await.ok()?;
+            let token = self.inner.opts.token.as_ref()?;
+            let mut c = crate::worker::connect(address, timeout, token).await.ok()?;
             c.probe(proto::ProbeRequest {
                 worker_id: worker_id.to_string(),
             })
@@ -853,6 +860,24 @@ impl proto::dispatcher_server::Dispatcher for DispatcherService {
 }
 
 impl DispatcherHandle {
+    /// Where workers and trainers find the token: the line a dispatcher
+    /// process prints (on stderr) before its address.
+    pub fn token_line(&self) -> String {
+        match &self.token_file {
+            Some(path) => format!(
+                "hindsight data dispatcher: every call needs its token: give workers and trainers \
+                 {}={}",
+                hindsight_core::settings::DATA_TOKEN_FILE.name,
+                path.display()
+            ),
+            None => format!(
+                "hindsight data dispatcher: every call needs its token: the one in {} or {}",
+                hindsight_core::settings::DATA_TOKEN.name,
+                hindsight_core::settings::DATA_TOKEN_FILE.name
+            ),
+        }
+    }
+
     /// The line a dispatcher process prints once it listens.
     pub fn listening_line(&self) -> String {
         let r = &self.recovered;
@@ -869,6 +894,10 @@ impl DispatcherHandle {
 pub struct DispatcherHandle {
     pub addr: SocketAddr,
     pub recovered: Recovered,
+    /// What every call must carry, and the file it is kept in (none where
+    /// it came from the environment or the caller).
+    pub token: Token,
+    pub token_file: Option<PathBuf>,
     shutdown: Option<oneshot::Sender<()>>,
     /// The server and the failure monitor; both hold the journal.
     tasks: Vec<JoinHandle<()>>,
@@ -895,7 +924,21 @@ impl Drop for DispatcherHandle {
 
 /// Open the journal, bind `bind` ("127.0.0.1:0" picks a port) and serve on
 /// the current tokio runtime.
-pub async fn spawn(bind: &str, opts: DispatcherOptions) -> Result<DispatcherHandle> {
+pub async fn spawn(bind: &str, mut opts: DispatcherOptions) -> Result<DispatcherHandle> {
+    let (token, token_file) = match opts.token.clone() {
+        Some(t) => (t, None),
+        None => {
+            std::fs::create_dir_all(&opts.journal_dir).map_err(|e| Error::Io {
+                what: format!(
+                    "create the journal directory {}",
+                    opts.journal_dir.display()
+                ),
+                source: e,
+            })?;
+            Token::for_dispatcher(&opts.journal_dir)?
+        }
+    };
+    opts.token = Some(token.clone());
     let (service, recovered) = DispatcherService::open(opts)?;
     let listener = TcpListener::bind(bind).await.map_err(|e| Error::Io {
         what: format!("bind the dispatcher to {bind}"),
@@ -925,14 +968,16 @@ pub async fn spawn(bind: &str, opts: DispatcherOptions) -> Result<DispatcherHand
             last = Instant::now();
         }
     });
+    let check = Check::new(&token);
     let join = tokio::spawn(async move {
         let served = tonic::transport::Server::builder()
             .tcp_nodelay(true)
-            .add_service(
+            .add_service(InterceptedService::new(
                 proto::dispatcher_server::DispatcherServer::new(service)
                     .max_decoding_message_size(MAX_CONTROL_MESSAGE)
                     .max_encoding_message_size(MAX_CONTROL_MESSAGE),
-            )
+                check,
+            ))
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
                 let _ = rx.await;
             })
@@ -944,6 +989,8 @@ pub async fn spawn(bind: &str, opts: DispatcherOptions) -> Result<DispatcherHand
     Ok(DispatcherHandle {
         addr,
         recovered,
+        token,
+        token_file,
         shutdown: Some(tx),
         tasks: vec![join, monitor],
     })

@@ -53,6 +53,9 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// The service token is missing, unreadable or malformed (never shown).
+    #[error("input service: {0}")]
+    Token(String),
     /// The client was used after `close()` or from a forked child.
     #[error("input service: {0}")]
     Closed(String),
@@ -91,6 +94,7 @@ impl Error {
             Error::NoWorkers { .. } => ErrorKind::NoWorkers,
             Error::Rpc { .. } => ErrorKind::Rpc,
             Error::Io { .. } => ErrorKind::Io,
+            Error::Token(_) => ErrorKind::InvalidArgument,
             Error::Closed(_) => ErrorKind::Closed,
         }
     }

@@ -7,6 +7,7 @@
 //! - [`shared`]: same-host payload handoff through shared memory.
 //! - [`recovery`]: worker checkpoints of split read state, and when they pay.
 
+pub mod auth;
 pub mod client;
 pub mod dispatcher;
 pub mod error;
@@ -20,14 +21,14 @@ pub mod worker;
 pub use error::{Error, ErrorKind, Result};
 
 /// What to say when a server of the input service listens where other
-/// machines reach it: the service authenticates no call yet, so anyone who
-/// reaches the address can read the dataset or register as a worker.
-/// Loopback (the default) says nothing.
+/// machines reach it: every call must carry the service token, but calls
+/// travel unencrypted (no TLS), so the token and the data can be read on the
+/// way. Loopback (the default) says nothing.
 pub fn exposure_note(what: &str, addr: &std::net::SocketAddr) -> Option<String> {
     (!addr.ip().is_loopback()).then(|| {
         format!(
-            "{what}: listening on {addr}, which other machines can reach; the input service does not \
-             authenticate its calls: use it only on a network you trust (the default, 127.0.0.1, \
+            "{what}: listening on {addr}, which other machines can reach; calls must carry the service \
+             token but travel unencrypted: use it only on a network you trust (the default, 127.0.0.1, \
              serves this machine alone)"
         )
     })

@@ -12,9 +12,11 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
-use tonic::transport::{Channel, Endpoint};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Endpoint;
 use tonic::{Request, Response, Status};
 
+use crate::auth::{Authed, Bearer, Check, Token};
 use crate::error::{Error, Result};
 use crate::order::{example_seed, EpochOrder, JobSpec};
 use crate::proto::{self, check_protocol};
@@ -108,9 +110,13 @@ pub fn unit_indices(
 pub(crate) async fn connect(
     addr: &str,
     timeout: Duration,
-) -> std::result::Result<proto::worker_client::WorkerClient<Channel>, tonic::transport::Error> {
+    token: &Token,
+) -> std::result::Result<proto::worker_client::WorkerClient<Authed>, tonic::transport::Error> {
     let channel = endpoint(addr, timeout)?.connect().await?;
-    Ok(proto::worker_client::WorkerClient::new(channel).max_decoding_message_size(MAX_MESSAGE))
+    Ok(
+        proto::worker_client::WorkerClient::with_interceptor(channel, Bearer::new(token))
+            .max_decoding_message_size(MAX_MESSAGE),
+    )
 }
 
 /// Units are whole batches: allow large messages (the default is 4 MiB).
@@ -144,6 +150,8 @@ pub struct WorkerOptions {
     /// Hand large payloads over through this shared-memory directory
     /// (workers started by a local loader, on the client's host).
     pub shared_dir: Option<std::path::PathBuf>,
+    /// The service's token; None: from the environment ([`Token::required`]).
+    pub token: Option<Token>,
 }
 
 impl WorkerOptions {
@@ -155,6 +163,7 @@ impl WorkerOptions {
             heartbeat: Duration::from_millis(200),
             startup_timeout: Duration::from_secs(10),
             shared_dir: None,
+            token: None,
         }
     }
 }
@@ -337,6 +346,7 @@ impl Drop for WorkerHandle {
 
 async fn register(
     opts: &WorkerOptions,
+    bearer: &Bearer,
     pipeline: &dyn Pipeline,
     address: &str,
     previous: &str,
@@ -346,7 +356,8 @@ async fn register(
         .connect()
         .await
         .map_err(|e| Status::unavailable(e.to_string()))?;
-    let mut d = proto::dispatcher_client::DispatcherClient::new(channel);
+    let mut d =
+        proto::dispatcher_client::DispatcherClient::with_interceptor(channel, bearer.clone());
     let call = d.register_worker(proto::RegisterWorkerRequest {
         protocol: proto::PROTOCOL,
         worker_id: previous.to_string(),
@@ -367,6 +378,8 @@ async fn register(
 /// Fails fast (naming the address) if the dispatcher cannot be reached
 /// within `startup_timeout` or refuses this worker.
 pub async fn spawn(pipeline: Arc<dyn Pipeline>, opts: WorkerOptions) -> Result<WorkerHandle> {
+    let token = Token::required(opts.token.clone(), "worker")?;
+    let bearer = Bearer::new(&token);
     let listener = TcpListener::bind(&opts.bind).await.map_err(|e| Error::Io {
         what: format!("bind the worker to {}", opts.bind),
         source: e,
@@ -386,7 +399,7 @@ pub async fn spawn(pipeline: Arc<dyn Pipeline>, opts: WorkerOptions) -> Result<W
     };
     let deadline = Instant::now() + opts.startup_timeout;
     let first = loop {
-        match register(&opts, pipeline.as_ref(), &advertised, "").await {
+        match register(&opts, &bearer, pipeline.as_ref(), &advertised, "").await {
             Ok(id) => break id,
             Err(s) if s.code() == tonic::Code::Unavailable && Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -397,6 +410,13 @@ pub async fn spawn(pipeline: Arc<dyn Pipeline>, opts: WorkerOptions) -> Result<W
                     addr: opts.dispatcher.clone(),
                     detail: s.message().to_string(),
                 })
+            }
+            Err(s) if s.code() == tonic::Code::Unauthenticated => {
+                return Err(Error::Token(format!(
+                    "the dispatcher at {} refused this worker: {}",
+                    opts.dispatcher,
+                    s.message()
+                )))
             }
             Err(s) => return Err(Error::rpc("register the worker", &s)),
         }
@@ -414,10 +434,11 @@ pub async fn spawn(pipeline: Arc<dyn Pipeline>, opts: WorkerOptions) -> Result<W
     let server = tokio::spawn(async move {
         let served = tonic::transport::Server::builder()
             .tcp_nodelay(true)
-            .add_service(
+            .add_service(InterceptedService::new(
                 proto::worker_server::WorkerServer::new(service)
                     .max_encoding_message_size(MAX_MESSAGE),
-            )
+                Check::new(&token),
+            ))
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
                 let _ = rx.await;
             })
@@ -432,14 +453,19 @@ pub async fn spawn(pipeline: Arc<dyn Pipeline>, opts: WorkerOptions) -> Result<W
     let heartbeat = tokio::spawn(async move {
         let mut tick = tokio::time::interval(opts.heartbeat);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut client: Option<proto::dispatcher_client::DispatcherClient<Channel>> = None;
+        let mut client: Option<proto::dispatcher_client::DispatcherClient<Authed>> = None;
         loop {
             tick.tick().await;
             if client.is_none() {
                 client = endpoint(&opts.dispatcher, opts.heartbeat * 2)
                     .ok()
                     .map(|e| e.connect_lazy())
-                    .map(proto::dispatcher_client::DispatcherClient::new);
+                    .map(|c| {
+                        proto::dispatcher_client::DispatcherClient::with_interceptor(
+                            c,
+                            bearer.clone(),
+                        )
+                    });
             }
             let Some(c) = client.as_mut() else { continue };
             let id = id_tx.borrow().clone();
@@ -453,7 +479,9 @@ pub async fn spawn(pipeline: Arc<dyn Pipeline>, opts: WorkerOptions) -> Result<W
                 Ok(Ok(_)) => {
                     // Declared dead (e.g. after a SIGSTOP): come back under a
                     // new identity; the old one's assignments stay fenced.
-                    if let Ok(new) = register(&opts, pipeline.as_ref(), &advertised, "").await {
+                    if let Ok(new) =
+                        register(&opts, &bearer, pipeline.as_ref(), &advertised, "").await
+                    {
                         let _ = id_tx.send(new);
                     }
                 }

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use hindsight_data::auth::Token;
 use hindsight_data::client::{Client, ClientOptions, Next};
 use hindsight_data::dispatcher::{self, DispatcherOptions};
 use hindsight_data::order::{example_seed, JobSpec};
@@ -110,16 +111,30 @@ fn cluster() -> (
     (rt, dir, d, addr)
 }
 
+/// The token every part of a test's service shares.
+fn token() -> Token {
+    Token::parse("test-token-0123456789abcdef", "the test").unwrap()
+}
+
 fn fast_options(dir: &std::path::Path) -> DispatcherOptions {
     let mut o = DispatcherOptions::new(dir);
     o.heartbeat_timeout = Duration::from_millis(600);
+    o.token = Some(token());
     o
+}
+
+fn worker_options(dispatcher: impl Into<String>) -> WorkerOptions {
+    WorkerOptions {
+        token: Some(token()),
+        ..WorkerOptions::new(dispatcher)
+    }
 }
 
 fn client_options() -> ClientOptions {
     ClientOptions {
         stall_timeout: Duration::from_millis(300),
         no_worker_wait: Duration::from_secs(20),
+        token: Some(token()),
         ..ClientOptions::default()
     }
 }
@@ -170,7 +185,7 @@ fn an_epoch_is_the_permutation_exactly_once_whatever_the_worker_count() {
     for n in [1usize, 3] {
         while workers.len() < n {
             let w = rt
-                .block_on(worker::spawn(Synthetic::new(0), WorkerOptions::new(&addr)))
+                .block_on(worker::spawn(Synthetic::new(0), worker_options(&addr)))
                 .unwrap();
             workers.push(w);
         }
@@ -191,7 +206,7 @@ fn workers_added_mid_epoch_take_work_and_change_nothing_delivered() {
     let (rt, _dir, _d, addr) = cluster();
     let first = Synthetic::new(4);
     let mut workers = vec![rt
-        .block_on(worker::spawn(first.clone(), WorkerOptions::new(&addr)))
+        .block_on(worker::spawn(first.clone(), worker_options(&addr)))
         .unwrap()];
     let added: Vec<_> = (0..2).map(|_| Synthetic::new(4)).collect();
     let s = spec(400);
@@ -199,7 +214,7 @@ fn workers_added_mid_epoch_take_work_and_change_nothing_delivered() {
     let got = read_epoch(&mut c, 0, |batch| {
         if batch == 5 {
             for p in &added {
-                let w = rt.block_on(worker::spawn(p.clone(), WorkerOptions::new(&addr)));
+                let w = rt.block_on(worker::spawn(p.clone(), worker_options(&addr)));
                 workers.push(w.unwrap());
             }
         }
@@ -221,7 +236,7 @@ fn same_host_workers_hand_units_over_through_shared_memory_and_leave_no_file() {
     let size = hindsight_data::shared::MIN_SHARED + 5;
     let _workers: Vec<_> = (0..2)
         .map(|_| {
-            let mut o = WorkerOptions::new(&addr);
+            let mut o = worker_options(&addr);
             o.shared_dir = Some(shm.path().to_path_buf());
             let p = Arc::new(Synthetic {
                 pad: size,
@@ -270,7 +285,7 @@ fn same_host_workers_hand_units_over_through_shared_memory_and_leave_no_file() {
 fn ranks_read_disjoint_slices_that_make_up_the_global_batches() {
     let (rt, _dir, _d, addr) = cluster();
     let _w = rt
-        .block_on(worker::spawn(Synthetic::new(0), WorkerOptions::new(&addr)))
+        .block_on(worker::spawn(Synthetic::new(0), worker_options(&addr)))
         .unwrap();
     let s = spec(100);
     let all = expected(&s, 1);
@@ -292,7 +307,7 @@ fn a_worker_stopped_mid_epoch_loses_and_repeats_nothing() {
     let (rt, _dir, _d, addr) = cluster();
     let mut workers: Vec<_> = (0..3)
         .map(|_| {
-            rt.block_on(worker::spawn(Synthetic::new(3), WorkerOptions::new(&addr)))
+            rt.block_on(worker::spawn(Synthetic::new(3), worker_options(&addr)))
                 .unwrap()
         })
         .collect();
@@ -322,7 +337,7 @@ fn a_restarted_dispatcher_resumes_from_its_journal_and_streams_never_stop() {
         .map(|_| {
             rt.block_on(worker::spawn(
                 Synthetic::new(2),
-                WorkerOptions::new(addr.to_string()),
+                worker_options(addr.to_string()),
             ))
             .unwrap()
         })
@@ -362,7 +377,7 @@ fn a_reread_epoch_whose_units_differ_from_the_first_delivery_is_a_named_error() 
         ..Arc::into_inner(Synthetic::new(0)).unwrap()
     });
     let _w = rt
-        .block_on(worker::spawn(drifting, WorkerOptions::new(&addr)))
+        .block_on(worker::spawn(drifting, worker_options(&addr)))
         .unwrap();
     let s = spec(64);
     let mut c = Client::connect(&addr, s.clone(), 0, 1, None, client_options()).unwrap();
@@ -385,7 +400,7 @@ fn an_epoch_left_early_stops_its_workers_computing() {
     let (rt, _dir, _d, addr) = cluster();
     let pipeline = Synthetic::new(5);
     let _w = rt
-        .block_on(worker::spawn(pipeline.clone(), WorkerOptions::new(&addr)))
+        .block_on(worker::spawn(pipeline.clone(), worker_options(&addr)))
         .unwrap();
     let mut c = Client::connect(&addr, spec(2000), 0, 1, None, client_options()).unwrap();
     c.start_epoch(0, 0).unwrap();
@@ -428,7 +443,7 @@ fn attaching_a_changed_job_names_the_difference() {
 fn workers_running_other_code_are_refused_at_once_naming_both_versions() {
     let (rt, _dir, _d, addr) = cluster();
     let _w = rt
-        .block_on(worker::spawn(Synthetic::new(0), WorkerOptions::new(&addr)))
+        .block_on(worker::spawn(Synthetic::new(0), worker_options(&addr)))
         .unwrap();
     let newer = JobSpec {
         code_version: "v2".into(),
@@ -489,7 +504,7 @@ mod random_failures {
             let (rt, _dir, _d, addr) = cluster();
             let mut live: Vec<_> = (0..workers + kills.len())
                 .map(|_| {
-                    rt.block_on(worker::spawn(Synthetic::new(1), WorkerOptions::new(&addr)))
+                    rt.block_on(worker::spawn(Synthetic::new(1), worker_options(&addr)))
                         .unwrap()
                 })
                 .collect();
@@ -555,10 +570,10 @@ fn a_worker_stuck_in_a_unit_loses_its_split_past_the_unit_deadline() {
     let release = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let stuck = hangs(None, &release);
     let _a = rt
-        .block_on(worker::spawn(stuck.clone(), WorkerOptions::new(&addr)))
+        .block_on(worker::spawn(stuck.clone(), worker_options(&addr)))
         .unwrap();
     let _b = rt
-        .block_on(worker::spawn(Synthetic::new(0), WorkerOptions::new(&addr)))
+        .block_on(worker::spawn(Synthetic::new(0), worker_options(&addr)))
         .unwrap();
     let s = spec(120);
     let opts = ClientOptions {
@@ -588,7 +603,7 @@ fn an_example_that_hangs_every_worker_is_named() {
         .map(|_| {
             rt.block_on(worker::spawn(
                 hangs(Some(bad), &release),
-                WorkerOptions::new(&addr),
+                worker_options(&addr),
             ))
             .unwrap()
         })
@@ -606,4 +621,113 @@ fn an_example_that_hangs_every_worker_is_named() {
         msg.contains(&format!("{bad}")) && msg.contains("batch 2 of epoch 0"),
         "{msg}"
     );
+}
+
+#[test]
+fn a_caller_without_the_token_learns_nothing_reads_nothing_and_cannot_register() {
+    use hindsight_data::proto::{
+        self, dispatcher_client::DispatcherClient, worker_client::WorkerClient,
+    };
+    let (rt, _dir, _d, addr) = cluster();
+    let w = rt
+        .block_on(worker::spawn(Synthetic::new(0), worker_options(&addr)))
+        .unwrap();
+    let mut c = Client::connect(&addr, spec(40), 0, 1, None, client_options()).unwrap();
+    let job = c.job_id().to_string();
+    assert_eq!(
+        read_epoch(&mut c, 0, |_| {}).unwrap().len(),
+        5,
+        "the token holder reads"
+    );
+    // A trainer with another token is refused, told where the token comes from.
+    let wrong = Token::parse("another-token-0123456789abcdef", "the test").unwrap();
+    let err = Client::connect(
+        &addr,
+        spec(40),
+        0,
+        1,
+        None,
+        ClientOptions {
+            token: Some(wrong),
+            ..client_options()
+        },
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.kind(),
+        hindsight_data::ErrorKind::InvalidArgument,
+        "{err}"
+    );
+    assert!(err.to_string().contains("HINDSIGHT_DATA_TOKEN"), "{err}");
+    // Raw calls without a token, to every RPC that told or gave something.
+    let worker_addr = format!("http://{}", w.addr);
+    let refusals = rt.block_on(async {
+        let mut d = DispatcherClient::connect(format!("http://{addr}"))
+            .await
+            .unwrap();
+        let mut wc = WorkerClient::connect(worker_addr).await.unwrap();
+        vec![
+            d.status(proto::StatusRequest {}).await.map(|_| ()),
+            d.register_worker(proto::RegisterWorkerRequest {
+                protocol: proto::PROTOCOL,
+                address: "127.0.0.1:9".into(),
+                dataset: "synthetic:make".into(),
+                code_version: "v1".into(),
+                dataset_args: "{}".into(),
+                ..Default::default()
+            })
+            .await
+            .map(|_| ()),
+            d.attach(proto::AttachRequest {
+                protocol: proto::PROTOCOL,
+                spec: Some(proto::JobSpec::from(&spec(40))),
+                world: 1,
+                ..Default::default()
+            })
+            .await
+            .map(|_| ()),
+            wc.probe(proto::ProbeRequest {
+                worker_id: w.worker_id(),
+            })
+            .await
+            .map(|_| ()),
+            wc.produce(proto::ProduceRequest {
+                protocol: proto::PROTOCOL,
+                spec: Some(proto::JobSpec::from(&spec(40))),
+                world: 1,
+                ..Default::default()
+            })
+            .await
+            .map(|_| ()),
+        ]
+    });
+    for r in refusals {
+        let s = r.unwrap_err();
+        assert_eq!(s.code(), tonic::Code::Unauthenticated, "{s:?}");
+        // Nothing about the service: no job, dataset, worker or address.
+        for secret in [
+            job.as_str(),
+            "synthetic",
+            &w.worker_id(),
+            &w.addr.to_string(),
+            "test-token",
+        ] {
+            assert!(!s.message().contains(secret), "{s:?} names {secret}");
+        }
+    }
+    // The refused registration left no worker behind.
+    let status = rt.block_on(async {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        DispatcherClient::with_interceptor(channel, hindsight_data::auth::Bearer::new(&token()))
+            .status(proto::StatusRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+    });
+    assert_eq!(status.workers.len(), 1, "{status:?}");
+    assert_eq!(status.workers[0].address, w.addr.to_string());
 }

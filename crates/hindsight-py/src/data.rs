@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::buffer::Buffer;
+use hindsight_data::auth::Token;
 use hindsight_data::client::{Client, ClientOptions, Next};
 use hindsight_data::dispatcher::{self, DispatcherHandle, DispatcherOptions};
 use hindsight_data::order::{self, JobSpec};
@@ -159,7 +160,7 @@ pub(crate) struct DataClient {
 #[pymethods]
 impl DataClient {
     #[new]
-    #[pyo3(signature = (dispatcher, spec, *, rank=0, world=1, expect_job_id=None, window_splits=4, stall_timeout=0.5, unit_deadline=None, no_worker_wait=60.0, connect_timeout=3.0, warn_nondeterministic=false, shared_dir=None))]
+    #[pyo3(signature = (dispatcher, spec, *, rank=0, world=1, expect_job_id=None, window_splits=4, stall_timeout=0.5, unit_deadline=None, no_worker_wait=60.0, connect_timeout=3.0, warn_nondeterministic=false, shared_dir=None, token=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -175,6 +176,7 @@ impl DataClient {
         connect_timeout: f64,
         warn_nondeterministic: bool,
         shared_dir: Option<PathBuf>,
+        token: Option<String>,
     ) -> PyResult<Self> {
         let opts = ClientOptions {
             window_splits,
@@ -186,6 +188,7 @@ impl DataClient {
             connect_timeout: seconds(connect_timeout, "connect_timeout")?,
             warn_nondeterministic,
             shared_dir,
+            token: given_token(token)?,
             ..ClientOptions::default()
         };
         let spec = spec.core();
@@ -277,12 +280,21 @@ fn seconds(v: f64, arg: &str) -> PyResult<Duration> {
     Ok(Duration::from_secs_f64(v))
 }
 
+/// A token given as an argument (None: the core reads the environment).
+fn given_token(token: Option<String>) -> PyResult<Option<Token>> {
+    token
+        .map(|t| Token::parse(&t, "the token argument"))
+        .transpose()
+        .map_err(|e| e.to_pyerr())
+}
+
 /// A dispatcher inside this process (what `Loader(workers="local:N")`
 /// runs); `hindsight data dispatcher` runs the same in its own process.
 #[pyclass(module = "hindsight._native", frozen)]
 pub(crate) struct DataDispatcher {
     running: Mutex<Running<DispatcherHandle>>,
     address: String,
+    token: Token,
 }
 
 #[pymethods]
@@ -298,19 +310,30 @@ impl DataDispatcher {
         let mut opts = DispatcherOptions::new(journal_dir);
         opts.heartbeat_timeout = seconds(heartbeat_timeout, "heartbeat_timeout")?;
         let running = interrupt::run(py, |_| dispatcher::start(bind, opts))?;
-        let address = running
-            .handle()
-            .map(|h| h.addr.to_string())
-            .unwrap_or_default();
+        let (address, token) = match running.handle() {
+            Some(h) => (h.addr.to_string(), h.token.clone()),
+            None => {
+                return Err(
+                    DataError::Closed("the dispatcher stopped as it started".into()).to_pyerr(),
+                )
+            }
+        };
         Ok(DataDispatcher {
             running: Mutex::new(running),
             address,
+            token,
         })
     }
 
     #[getter]
     fn address(&self) -> &str {
         &self.address
+    }
+
+    /// The token its workers and clients must give (for the processes this one starts).
+    #[getter]
+    fn token(&self) -> &str {
+        self.token.reveal()
     }
 
     fn stop(&self) {
@@ -483,7 +506,7 @@ fn traceback(py: Python<'_>, e: &PyErr) -> String {
 /// (local workers), it also stops when that process is gone, so a trainer
 /// killed with SIGKILL leaves no workers behind.
 #[pyfunction]
-#[pyo3(signature = (dispatcher, dataset, dataset_args, code_version, produce, *, bind="127.0.0.1:0", advertise=None, ready=None, parent_pid=None, shared_dir=None))]
+#[pyo3(signature = (dispatcher, dataset, dataset_args, code_version, produce, *, bind="127.0.0.1:0", advertise=None, ready=None, parent_pid=None, shared_dir=None, token=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn serve_data_worker(
     py: Python<'_>,
@@ -497,6 +520,7 @@ pub(crate) fn serve_data_worker(
     ready: Option<Py<PyAny>>,
     parent_pid: Option<u32>,
     shared_dir: Option<PathBuf>,
+    token: Option<String>,
 ) -> PyResult<()> {
     let pipeline = Arc::new(PyPipeline {
         dataset,
@@ -508,6 +532,7 @@ pub(crate) fn serve_data_worker(
     opts.bind = bind.to_string();
     opts.advertise = advertise;
     opts.shared_dir = shared_dir;
+    opts.token = given_token(token)?;
     let mut running = interrupt::run(py, |_| worker::start(pipeline, opts))?;
     if let Some(note) = running
         .handle()
@@ -547,6 +572,7 @@ pub(crate) fn run_data_dispatcher(
         if let Some(note) = hindsight_data::exposure_note("hindsight data dispatcher", &h.addr) {
             eprintln!("{note}");
         }
+        eprintln!("{}", h.token_line());
         println!("{}", h.listening_line());
     }
     let _ = std::io::Write::flush(&mut std::io::stdout());

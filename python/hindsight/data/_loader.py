@@ -96,8 +96,14 @@ class _LocalWorkers:
             self._cmd += ["--shared-dir", self.shared_dir]
         if collate:
             self._cmd += ["--collate", collate]
-        # Workers import the dataset by name: give them this process's path.
-        self._env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
+        # Workers import the dataset by name: give them this process's path,
+        # and the service's token (the environment, not the command line
+        # other users can read).
+        self._env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),
+            "HINDSIGHT_DATA_TOKEN": self.dispatcher.token,
+        }
         self.procs: list[subprocess.Popen[bytes]] = []
         self._started: list[float] = []
         self._quick = [0] * n  # consecutive deaths right after start, per slot
@@ -309,6 +315,8 @@ class Loader:
             "unit_deadline": unit_deadline,
             "warn_nondeterministic": nondeterministic == "warn",
             "shared_dir": self._local.shared_dir if self._local is not None else None,
+            # Remote workers: the token from HINDSIGHT_DATA_TOKEN(_FILE).
+            "token": self._local.dispatcher.token if self._local is not None else None,
         }
         try:
             self._client = _native.DataClient(address, self.spec, **self._client_args)  # type: ignore[arg-type]
