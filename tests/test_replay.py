@@ -495,6 +495,25 @@ def test_rm_run_deletes_the_run_its_logs_and_its_checkpoints(tmp_path: Path) -> 
     assert r.returncode == 0, r.stderr
     assert f"removed run {gone} and 5 checkpoints" in r.stdout
     assert f"removed run {gone2} and 5 checkpoints" in r.stdout
+    # While a replay reads a run (it holds the run shared, as `hindsight
+    # replay` does), neither the run nor one of its checkpoints is removed:
+    # one line each, exit 1, nothing gone (issue 42, item 8).
+    ls_before = subprocess.run([*hindsight_cmd(), "ls", str(home / "store")], capture_output=True, text=True).stdout
+    one = next(line.split()[0] for line in ls_before.splitlines() if line.startswith(kept))
+    from hindsight import _native
+
+    replaying = _native.RunLease.share(home, kept)
+    try:
+        for args in (["rm", "--run", kept], ["rm", one]):
+            r = subprocess.run([*hindsight_cmd(), "--home", str(home), *args], capture_output=True, text=True)
+            assert r.returncode == 1, (args, r.stdout, r.stderr)
+            assert r.stderr.count("\n") == 1 and "being replayed" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    finally:
+        replaying.release()
+    assert (
+        subprocess.run([*hindsight_cmd(), "ls", str(home / "store")], capture_output=True, text=True).stdout
+        == ls_before
+    )
     after = json.loads(
         subprocess.run([*hindsight_cmd(), "--home", str(home), "runs", "--json"], capture_output=True, text=True).stdout
     )

@@ -228,11 +228,15 @@ def replay(args: argparse.Namespace) -> int:
     status = 0
     names_at: dict[str, set[str]] = {}
     jobs: list[RunJob] = []
+    leases: list[_native.RunLease] = []
     try:
         # Plan every run first: their workers then share one budget (-j).
         for run in runs:
             # Each run's checkpoints are where it wrote them (recorded in logs.db).
             location = run.get("store") or str(paths.store)
+            # Held shared until the replay ends: `hindsight rm` refuses to take
+            # the run or its checkpoints from under it.
+            leases.append(_native.RunLease.share(home, run["id"]))
             recorded = [it for loop in db.outer_loops(run["id"]) for it in db.iterations(run["id"], loop)]
             if recorded and not any(it.checkpoint for it in recorded):
                 # No store was ever created: nothing was removed.
@@ -282,6 +286,8 @@ def replay(args: argparse.Namespace) -> int:
         launch.finish(all(w.returncode == 0 for w in workers))
         return status
     finally:
+        for lease in leases:
+            lease.release()
         for job in jobs:
             if job.temp_script is not None:
                 job.temp_script.unlink(missing_ok=True)

@@ -338,7 +338,13 @@ fn execute(cli: Cli, out: &mut String, err: &mut dyn Write) -> Result<i32, Failu
                 code = cmd_rm_runs(&places, &runs, out, err)?;
             }
             if !names.is_empty() {
-                code = code.max(cmd_rm(&places.open_store(None)?, &names, out, err));
+                code = code.max(cmd_rm(
+                    &places.open_store(None)?,
+                    &places.home(),
+                    &names,
+                    out,
+                    err,
+                ));
             }
             Ok(code)
         }
@@ -829,11 +835,27 @@ fn cmd_verify(store: &Store, names: Vec<String>, out: &mut String) -> Result<i32
     }
 }
 
-fn cmd_rm(store: &Store, names: &[String], out: &mut String, err: &mut dyn Write) -> i32 {
+fn cmd_rm(
+    store: &Store,
+    home: &Path,
+    names: &[String],
+    out: &mut String,
+    err: &mut dyn Write,
+) -> i32 {
     let mut code = EXIT_OK;
     let mut removed = 0;
     for name in names {
-        match store.remove(name) {
+        // A checkpoint of a run under replay stays until the replay ends.
+        let held = match hindsight_core::checkpoint::naming::CheckpointId::parse(name) {
+            Some(id) => hindsight_core::runs::remove::refuse_if_held(
+                home,
+                &id.prefix,
+                &format!("checkpoint {name} (run {})", id.prefix),
+                false,
+            ),
+            None => Ok(()),
+        };
+        match held.and_then(|()| store.remove(name)) {
             Ok(()) => {
                 outln!(out, "removed {name}");
                 removed += 1;
@@ -867,7 +889,7 @@ fn cmd_rm_runs(
         .into_owned();
     let mut code = EXIT_OK;
     for run in runs {
-        match hindsight_core::runs::remove::remove_run(&db, run, &default_store) {
+        match hindsight_core::runs::remove::remove_run(&db, &places.home(), run, &default_store) {
             Ok(r) => {
                 let from = r.store.map(|s| format!(" from {s}")).unwrap_or_default();
                 outln!(

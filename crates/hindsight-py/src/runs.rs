@@ -976,6 +976,16 @@ impl RunLease {
         Ok(RunLease(Some(lease)))
     }
 
+    /// Hold run `run_id` shared, for a replay of it (none held where a
+    /// recording holds it alone).
+    #[staticmethod]
+    fn share(py: Python<'_>, home: PathBuf, run_id: String) -> PyResult<Self> {
+        let lease = py
+            .detach(|| hindsight_core::runs::lease::RunLease::share(&home, &run_id))
+            .py_err()?;
+        Ok(RunLease(lease))
+    }
+
     fn release(&mut self) {
         self.0 = None;
     }
