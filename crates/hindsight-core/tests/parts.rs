@@ -296,3 +296,65 @@ fn verify_refuses_every_sharded_checkpoint_a_load_refuses() {
         .iter()
         .any(|p| p.checkpoint.as_deref() == Some("ck")));
 }
+
+/// Issue 42, item 1: of two jobs saving one name at once, the save requested
+/// later keeps the name, and the other, committing after it, gets an error
+/// naming the conflict instead of overwriting it with older state. Both
+/// for multi-rank commits (another attempt) and for whole saves (two
+/// writers of one store).
+#[test]
+fn of_two_saves_of_one_name_at_once_the_older_committing_last_is_refused_naming_the_conflict() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(dir.path());
+    let w = Writer::new(s.clone(), WriterOptions::default()).unwrap();
+    save_part_of(&w, "ck", 0, "older", 1);
+    save_part_of(&w, "ck", 1, "older", 1);
+    std::thread::sleep(Duration::from_millis(5));
+    save_part_of(&w, "ck", 0, "newer", 2);
+    save_part_of(&w, "ck", 1, "newer", 2);
+    s.commit_parts("ck", 2, "newer", Duration::from_secs(5), &|| false)
+        .unwrap();
+    let e = s
+        .commit_parts("ck", 2, "older", Duration::from_secs(5), &|| false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("checkpoint 'ck'") && e.contains("another save of this name"),
+        "{e}"
+    );
+    let kept = s.manifest("ck").unwrap();
+    assert_eq!(
+        kept.meta.get(shard::META_ATTEMPT).map(String::as_str),
+        Some("newer")
+    );
+    // Two writers of one store, one name: the first requested commits last.
+    let other = Writer::new(store(dir.path()), WriterOptions::default()).unwrap();
+    let mut first = w.begin("latest").unwrap();
+    let a = first.stage(&[1u8; 64]).unwrap();
+    std::thread::sleep(Duration::from_millis(5));
+    let mut second = other.begin("latest").unwrap();
+    let b = second.stage(&[2u8; 64]).unwrap();
+    let leaf = |data| {
+        Node::Array(Box::new(Array {
+            lib: ArrayLib::Torch,
+            dtype: "uint8".into(),
+            shape: vec![64],
+            byte_order: "little".into(),
+            device: None,
+            data,
+        }))
+    };
+    second.commit(leaf(b), BTreeMap::new()).wait().unwrap();
+    let e = first
+        .commit(leaf(a), BTreeMap::new())
+        .wait()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("another save of this name"), "{e}");
+    let m = s.manifest("latest").unwrap();
+    let again = Writer::new(store(dir.path()), WriterOptions::default()).unwrap();
+    let mut later = again.begin("latest").unwrap();
+    let c = later.stage(&[3u8; 64]).unwrap();
+    later.commit(leaf(c), BTreeMap::new()).wait().unwrap();
+    assert!(s.manifest("latest").unwrap().created_ms >= m.created_ms);
+}

@@ -432,6 +432,31 @@ pub struct Manifest {
 }
 
 impl Manifest {
+    /// Whether committing this manifest over `existing` (the name's commit
+    /// now, if any) is refused: a save of the name requested after this one
+    /// (a newer `created_ms`, and for a multi-rank save another attempt)
+    /// has committed while this one was written. Two jobs saving one name
+    /// at once: the later request keeps the name, the earlier gets this
+    /// error naming the conflict, never silently overwriting it with older
+    /// state. (Compared by the requesters' clocks.)
+    pub fn refuse_superseded(&self, existing: Option<&Manifest>) -> Result<()> {
+        let Some(other) = existing else { return Ok(()) };
+        let attempt = |m: &Manifest| m.meta.get(crate::checkpoint::shard::META_ATTEMPT).cloned();
+        let same_attempt = attempt(self).is_some() && attempt(self) == attempt(other);
+        if other.created_ms <= self.created_ms || same_attempt {
+            return Ok(());
+        }
+        Err(Error::invalid(
+            format!("checkpoint '{}'", self.name),
+            format!(
+                "another save of this name, requested {} ms after this one, was committed while this \
+                 one was written (two jobs or processes saving one name at once?): this save is not \
+                 committed, the other one is kept",
+                other.created_ms - self.created_ms
+            ),
+        ))
+    }
+
     pub fn encode(&self) -> Result<Vec<u8>> {
         // What decode would refuse is refused here, before anything is
         // committed: a listed checkpoint that cannot be read poisons the

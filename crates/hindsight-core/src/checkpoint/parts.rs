@@ -128,6 +128,7 @@ impl Store {
             .map(|n| self.manifest(n))
             .collect::<Result<_>>()?;
         let merged = shard::merge(name, world, parts)?;
+        merged.refuse_superseded(self.storage().committed(name)?.as_ref())?;
         let bytes = merged.encode()?;
         // The one commit: the merged manifest references only chunks the
         // parts (live for gc) reference, and the parts go only after it.

@@ -18,7 +18,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use crate::checkpoint::format::ChunkId;
+use crate::checkpoint::format::{ChunkId, Manifest};
 use crate::checkpoint::layout;
 use crate::durable::{self, DirSync};
 use crate::error::{Error, Result};
@@ -57,6 +57,15 @@ pub trait Storage: Send + Sync + fmt::Debug {
     /// Atomically replace-or-create a manifest, durable on return.
     fn put_manifest(&self, name: &str, bytes: &[u8]) -> Result<()>;
     fn get_manifest(&self, name: &str) -> Result<Vec<u8>>;
+    /// The name's commit now, if any that reads back (a damaged one is
+    /// replaced by the next commit, so it counts as none).
+    fn committed(&self, name: &str) -> Result<Option<Manifest>> {
+        match self.get_manifest(name) {
+            Ok(b) => Ok(Manifest::decode(&b, &self.manifest_path(name)).ok()),
+            Err(Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
     fn list_manifests(&self) -> Result<Vec<String>>;
     /// Remove a manifest durably; Ok(false) when it did not exist.
     fn delete_manifest(&self, name: &str) -> Result<bool>;

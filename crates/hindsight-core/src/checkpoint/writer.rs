@@ -1269,6 +1269,9 @@ fn run_job(shared: &Shared, job: &Arc<Job>, tasks: &TaskTx) -> Result<SaveStats,
         meta,
         root,
     };
+    manifest
+        .refuse_superseded(storage.committed(&job.name).map_err(Arc::new)?.as_ref())
+        .map_err(Arc::new)?;
     let bytes = manifest.encode().map_err(Arc::new)?;
     storage.put_manifest(&job.name, &bytes).map_err(Arc::new)?;
     stats.bytes_written += bytes.len() as u64;
