@@ -43,7 +43,17 @@ pub struct DispatcherOptions {
     /// The service's token; None: [`Token::for_dispatcher`] (the
     /// environment, else the journal's token file).
     pub token: Option<Token>,
+    /// Bounds on what callers can make it hold (each refused beyond, by
+    /// name): live workers, distinct jobs, ranks of a job. Dead workers are
+    /// forgotten beyond [`DEAD_WORKERS_KEPT`].
+    pub max_workers: usize,
+    pub max_jobs: usize,
+    pub max_ranks: u32,
 }
+
+/// Dead workers kept for `Status` (the oldest are forgotten first: an
+/// unknown id is treated as a dead one everywhere).
+pub const DEAD_WORKERS_KEPT: usize = 256;
 
 impl DispatcherOptions {
     pub fn new(journal_dir: impl Into<PathBuf>) -> Self {
@@ -52,6 +62,9 @@ impl DispatcherOptions {
             heartbeat_timeout: Duration::from_millis(1000),
             probe_timeout: Duration::from_millis(300),
             token: None,
+            max_workers: 4096,
+            max_jobs: 256,
+            max_ranks: 1 << 16,
         }
     }
 }
@@ -96,6 +109,23 @@ struct State {
 }
 
 impl State {
+    /// Keep at most `keep` dead workers, the most recently seen.
+    fn forget_dead(&mut self, keep: usize) {
+        let mut dead: Vec<(Instant, String)> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| !w.alive)
+            .map(|(id, w)| (w.last_seen, id.clone()))
+            .collect();
+        if dead.len() <= keep {
+            return;
+        }
+        dead.sort();
+        for (_, id) in &dead[..dead.len() - keep] {
+            self.workers.remove(id);
+        }
+    }
+
     /// The one place a record changes the state: replay and live path.
     fn apply(&mut self, event: &Event, now: Instant) {
         self.records += 1;
@@ -433,6 +463,7 @@ impl Inner {
         if let Err(e) = Self::commit(&mut shared, dead) {
             eprintln!("hindsight data dispatcher: {}", e.message());
         }
+        shared.state.forget_dead(DEAD_WORKERS_KEPT);
     }
 
     fn grace(&self) {
@@ -571,6 +602,13 @@ impl proto::dispatcher_server::Dispatcher for DispatcherService {
                 w.last_seen = Instant::now();
             }
         } else {
+            let live = shared.state.workers.values().filter(|w| w.alive).count();
+            if live >= self.inner.opts.max_workers {
+                return Err(Status::resource_exhausted(format!(
+                    "this dispatcher serves at most {} live workers",
+                    self.inner.opts.max_workers
+                )));
+            }
             // Unknown, dead or changed: a new identity, so that anything the
             // old one still sends is fenced off.
             req.worker_id = self.inner.new_worker_id();
@@ -638,7 +676,19 @@ impl proto::dispatcher_server::Dispatcher for DispatcherService {
                 "the input job differs from the one this training state was recorded with: {detail}"
             )));
         }
+        if req.world == 0 || req.world > self.inner.opts.max_ranks || req.rank >= req.world {
+            return Err(Status::invalid_argument(format!(
+                "rank {} of {} ranks: give 0 <= rank < world <= {}",
+                req.rank, req.world, self.inner.opts.max_ranks
+            )));
+        }
         if !shared.state.jobs.contains_key(&job_id) {
+            if shared.state.jobs.len() >= self.inner.opts.max_jobs {
+                return Err(Status::resource_exhausted(format!(
+                    "this dispatcher holds {} jobs, its most: start another (with its own journal) for more",
+                    shared.state.jobs.len()
+                )));
+            }
             Inner::commit(&mut shared, vec![Event::Job(spec.clone())])?;
         }
         let (cursor_epoch, cursor_batch) = shared
@@ -768,6 +818,19 @@ impl proto::dispatcher_server::Dispatcher for DispatcherService {
         check_protocol(req.protocol, "client")?;
         let mut events = Vec::new();
         let mut shared = self.inner.lock();
+        // Only an attached job's ranks leave state behind.
+        if !shared.state.jobs.contains_key(&req.job_id) {
+            return Err(Status::not_found(format!(
+                "job {} is not attached at this dispatcher (attach first)",
+                req.job_id
+            )));
+        }
+        if req.rank >= self.inner.opts.max_ranks {
+            return Err(Status::invalid_argument(format!(
+                "rank {} is beyond this dispatcher's {} ranks",
+                req.rank, self.inner.opts.max_ranks
+            )));
+        }
         for split in &req.finished_splits {
             let key = proto::SplitKey {
                 job_id: req.job_id.clone(),

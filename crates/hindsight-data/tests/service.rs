@@ -731,3 +731,79 @@ fn a_caller_without_the_token_learns_nothing_reads_nothing_and_cannot_register()
     assert_eq!(status.workers.len(), 1, "{status:?}");
     assert_eq!(status.workers[0].address, w.addr.to_string());
 }
+
+/// Issue 42, item 2: what callers can make a dispatcher hold is bounded,
+/// even with the token: live workers, distinct jobs, and progress only for
+/// an attached job (it used to journal state for any job id). A flood of
+/// registrations beyond the bound is refused without growing the journal.
+#[test]
+fn a_flood_of_registrations_jobs_and_progress_is_refused_beyond_the_bounds() {
+    use hindsight_data::auth::Bearer;
+    use hindsight_data::proto::{self, dispatcher_client::DispatcherClient};
+    let rt = runtime();
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = fast_options(dir.path());
+    opts.max_workers = 8;
+    opts.max_jobs = 2;
+    let d = rt.block_on(dispatcher::spawn("127.0.0.1:0", opts)).unwrap();
+    let addr = d.addr.to_string();
+    let journal = dir.path().join(hindsight_data::journal::FILE_NAME);
+    rt.block_on(async {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut c = DispatcherClient::with_interceptor(channel, Bearer::new(&token()));
+        let register = |i: usize| proto::RegisterWorkerRequest {
+            protocol: proto::PROTOCOL,
+            address: format!("127.0.0.1:{}", 10_000 + i),
+            dataset: "synthetic:make".into(),
+            code_version: "v1".into(),
+            dataset_args: "{}".into(),
+            ..Default::default()
+        };
+        for i in 0..8 {
+            c.register_worker(register(i)).await.unwrap();
+        }
+        let size = std::fs::metadata(&journal).unwrap().len();
+        for i in 8..3008 {
+            let s = c.register_worker(register(i)).await.unwrap_err();
+            assert_eq!(s.code(), tonic::Code::ResourceExhausted, "{s:?}");
+        }
+        assert_eq!(
+            std::fs::metadata(&journal).unwrap().len(),
+            size,
+            "refusals journal nothing"
+        );
+        // Progress of a job never attached leaves nothing behind.
+        let s = c
+            .progress(proto::ProgressRequest {
+                protocol: proto::PROTOCOL,
+                job_id: "no-such-job".into(),
+                cursor_batch: 3,
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(s.code(), tonic::Code::NotFound, "{s:?}");
+        assert_eq!(std::fs::metadata(&journal).unwrap().len(), size);
+        // Two jobs fit, a third is refused; a rank outside its world too.
+        let attach = |len: u64, rank: u32, world: u32| proto::AttachRequest {
+            protocol: proto::PROTOCOL,
+            spec: Some(proto::JobSpec::from(&spec(len))),
+            rank,
+            world,
+            ..Default::default()
+        };
+        c.attach(attach(40, 0, 1)).await.unwrap();
+        c.attach(attach(48, 0, 1)).await.unwrap();
+        let s = c.attach(attach(56, 0, 1)).await.unwrap_err();
+        assert_eq!(s.code(), tonic::Code::ResourceExhausted, "{s:?}");
+        let s = c.attach(attach(40, 5, 2)).await.unwrap_err();
+        assert_eq!(s.code(), tonic::Code::InvalidArgument, "{s:?}");
+        // Once the silent workers are declared dead, there is room again.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        c.register_worker(register(9999)).await.unwrap();
+    });
+}
