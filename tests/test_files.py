@@ -153,6 +153,9 @@ def test_replay_workers_write_files_of_their_own_and_leave_the_recorded_ones(
         ("train.py", "would overwrite"),
         (".hindsight/logs.db", "would overwrite"),
         ("../escape.txt", "leaves the working directory"),
+        ("a\0b.txt", "holds a NUL"),
+        ("x" * 300, "longer than 255 bytes"),
+        ("d/" * 2100 + "f", "longer than a path can be"),
     ],
 )
 def test_a_crafted_files_entry_is_refused_naming_it_and_nothing_is_written(
@@ -172,7 +175,8 @@ def test_a_crafted_files_entry_is_refused_naming_it_and_nothing_is_written(
     (work / ".hindsight").mkdir()
     with pytest.raises(HindsightError) as e:
         put_back({"good.txt": b"x", entry: b"evil"}, work, "ck1", [work / "train.py", work / ".hindsight"])
-    assert repr(entry) in str(e.value) or f'"{entry}"' in str(e.value), e.value
+    shown = entry.replace("\0", "\\0")  # as the engine quotes it
+    assert repr(entry) in str(e.value) or f'"{shown}"' in str(e.value), e.value
     assert says in str(e.value) and "ck1" in str(e.value), e.value
     assert not (work / "good.txt").exists()
     assert list(outside.iterdir()) == [] and not (tmp_path / "escape.txt").exists()
@@ -199,3 +203,24 @@ def test_a_resume_refuses_to_write_a_kept_file_through_a_link(tmp_path: Path) ->
     # own append before its steps went where the user's link points.
     assert elsewhere.read_text().startswith("not yours\n") and "0\n1\n" not in elsewhere.read_text()
     assert (tmp_path / "metrics.csv").is_symlink()
+
+
+@pytest.mark.parametrize(
+    ("entry", "says"),
+    [
+        ({"paths": ["a.txt", "b.txt"], "data": [b"x"]}, "lists 2 paths and 1 contents"),
+        ({"paths": "a.txt", "data": [b"x"]}, "not a list of paths"),
+        ({"paths": [7], "data": [b"x"]}, "7 is not a path with bytes"),
+        ({"paths": ["a.txt"], "data": ["text"]}, "'a.txt' is not a path with bytes"),
+        ([b"x"], "not a list of paths"),
+    ],
+)
+def test_a_malformed_files_entry_is_a_named_corrupt_error(entry: object, says: str) -> None:
+    """Issue 42, item 8: a crafted checkpoint's `files` entry (lengths that
+    do not match, other types) is one named error, not a traceback."""
+    from hindsight._run.files import files_of
+    from hindsight.errors import CorruptError
+
+    with pytest.raises(CorruptError, match="checkpoint 'ck1'") as e:
+        files_of(entry, "ck1")
+    assert says in str(e.value), e.value

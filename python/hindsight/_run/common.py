@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from hindsight import _native, _settings
 from hindsight._run import jupyter
 from hindsight._run.counters import shift_enumerates
-from hindsight._run.files import Written, put_back
+from hindsight._run.files import Written, files_of, put_back
 from hindsight._run.loopvars import LoopVars, ModuleVars, _storages, stateful_objects
 from hindsight._run.ranks import Ranks
 from hindsight._state import apply_grads, apply_state, capture, set_rng_state
@@ -842,7 +842,6 @@ class Run:
             apply_grads(self.objects, state["grads"], name)
         self._apply_vars(state)
         if "files" in state:
-            files = dict(zip(state["files"]["paths"], state["files"]["data"], strict=True))
-            put_back(files, Path.cwd(), name, protected=[self.script, self.home])
+            put_back(files_of(state["files"], name), Path.cwd(), name, protected=[self.script, self.home])
         if rng and "rng" in state:  # a new rank of a resharded resume keeps its own
             set_rng_state(state["rng"])

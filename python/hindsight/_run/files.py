@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from hindsight import _native, _settings
-from hindsight.errors import ReplayError
+from hindsight.errors import CorruptError, ReplayError
 
 #: Set in a replay worker: the recorded working directory its own mirrors.
 ENV_RECORDED_CWD = _settings.RECORDED_CWD
@@ -226,6 +226,26 @@ def mirror(src: Path, dst: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     for entry in os.scandir(src):
         os.symlink(entry.path, dst / entry.name)
+
+
+def files_of(entry: Any, checkpoint: str) -> dict[str, bytes]:
+    """A checkpoint's `files` entry ({"paths": [...], "data": [...]}) as
+    path -> bytes, or a CorruptError naming the checkpoint and what is wrong
+    (a crafted or damaged entry: nothing is written)."""
+    paths = entry.get("paths") if isinstance(entry, dict) else None
+    data = entry.get("data") if isinstance(entry, dict) else None
+    if not isinstance(paths, list) or not isinstance(data, list):
+        raise CorruptError(f"checkpoint {checkpoint!r}: its 'files' entry is not a list of paths and one of contents")
+    if len(paths) != len(data):
+        raise CorruptError(
+            f"checkpoint {checkpoint!r}: its 'files' entry lists {len(paths)} paths and {len(data)} contents"
+        )
+    out: dict[str, bytes] = {}
+    for p, d in zip(paths, data, strict=True):
+        if not isinstance(p, str) or not isinstance(d, (bytes, bytearray, memoryview)):
+            raise CorruptError(f"checkpoint {checkpoint!r}: its 'files' entry {p!r} is not a path with bytes")
+        out[p] = bytes(d)
+    return out
 
 
 def put_back(files: dict[str, bytes], root: Path, checkpoint: str, protected: list[Path]) -> None:

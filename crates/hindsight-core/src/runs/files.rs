@@ -30,10 +30,16 @@ fn components(rel: &str) -> std::result::Result<Vec<&std::ffi::OsStr>, &'static 
     if rel.is_empty() || rel.contains('\0') {
         return Err("is empty or holds a NUL");
     }
+    if rel.len() > libc::PATH_MAX as usize {
+        return Err("is longer than a path can be");
+    }
     let path = Path::new(rel);
     let mut out = Vec::new();
     for c in path.components() {
         match c {
+            Component::Normal(name) if name.len() > 255 => {
+                return Err("has a name longer than 255 bytes")
+            }
             Component::Normal(name) => out.push(name),
             Component::CurDir => return Err("names the directory itself ('.')"),
             Component::ParentDir | Component::RootDir | Component::Prefix(_) => {
