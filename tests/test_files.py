@@ -224,3 +224,53 @@ def test_a_malformed_files_entry_is_a_named_corrupt_error(entry: object, says: s
     with pytest.raises(CorruptError, match="checkpoint 'ck1'") as e:
         files_of(entry, "ck1")
     assert says in str(e.value), e.value
+
+
+BYPASS = """\
+import os, signal, subprocess, tempfile
+import torch
+import hindsight as hs
+
+torch.manual_seed(0)
+net = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(net.parameters(), lr=0.05)
+with hs.checkpointing(model=net, optimizer=opt):
+    for epoch in hs.loop("epoch", range(4)):
+        # Before the steps (re-run by a mid-epoch resume), and never through
+        # a Python `open` of the file: an atomic rename of a temporary file
+        # from $TMPDIR, a subprocess appending, a hard link.
+        old = open("atomic.txt").read() if os.path.exists("atomic.txt") else ""
+        fd, tmp = tempfile.mkstemp()
+        os.write(fd, (old + f"{epoch}\\n").encode())
+        os.close(fd)
+        os.replace(tmp, "atomic.txt") if os.stat(tmp).st_dev == os.stat(".").st_dev else subprocess.run(["mv", tmp, "atomic.txt"], check=True)
+        subprocess.run(["sh", "-c", f"echo {epoch} >> sub.txt"], check=True)
+        if os.path.exists("linked.txt"):
+            os.unlink("linked.txt")
+        os.link("atomic.txt", "linked.txt")
+        for step in hs.loop("step", range(4)):
+            loss = net(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if os.environ.get("SIGNAL_AT") == f"{epoch}.{step}" and not os.path.exists(os.environ["MARK"]):
+                open(os.environ["MARK"], "w").close()
+                os.kill(os.getpid(), signal.SIGUSR1)
+"""
+
+
+def test_files_written_without_python_opening_them_are_kept_too(tmp_path: Path) -> None:
+    """Issue 42, item 5: a rename over a file, a subprocess writing and a
+    hard link are seen (the working directory is compared with its start
+    at each checkpoint), so a mid-epoch resume finds each file as it was at
+    its checkpoint instead of with that epoch's line twice."""
+    script = tmp_path / "train.py"
+    script.write_text(BYPASS)
+    home = tmp_path / ".hindsight"
+    sig = {"SIGNAL_AT": "2.1", "MARK": str(tmp_path / "signalled")}
+    r = _run(script, home, **sig)
+    assert r.returncode == 85, r.stderr
+    r = _run(script, home, **sig)
+    assert r.returncode == 0, r.stderr
+    for name in ("atomic.txt", "sub.txt", "linked.txt"):
+        assert (tmp_path / name).read_text() == "0\n1\n2\n3\n", name

@@ -25,6 +25,7 @@ import stat
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,62 @@ def _ignored(p: Path) -> bool:
     return "__pycache__" in p.parts or p.suffix == ".pyc"
 
 
+#: A scan of the working directory stops after this many entries or this
+#: many seconds (a dataset unpacked there): the files Python opens for
+#: writing are still kept, and the end note says the scan was cut short.
+MAX_SCAN_ENTRIES = 5_000
+MAX_SCAN_SECONDS = 0.02
+# Version control, caches and environments: never the training's output.
+_SKIPPED_DIRS = frozenset(
+    {
+        ".git",
+        ".hg",
+        ".svn",
+        "__pycache__",
+        ".venv",
+        "venv",
+        "node_modules",
+        ".mypy_cache",
+        ".ruff_cache",
+        ".pytest_cache",
+    }
+)
+
+
+def _scan(root: Path, exclude: list[Path]) -> tuple[dict[str, tuple[int, int]], bool]:
+    """{relative path: (size, mtime_ns)} of the regular files under `root`
+    (links and what they point to left out), and whether the scan finished
+    within its bounds."""
+    out: dict[str, tuple[int, int]] = {}
+    deadline = time.monotonic() + MAX_SCAN_SECONDS
+    seen = 0
+    stack = [root]
+    while stack:
+        d = stack.pop()
+        try:
+            it = os.scandir(d)
+        except OSError:
+            continue
+        with it:
+            for e in it:
+                seen += 1
+                if seen > MAX_SCAN_ENTRIES or time.monotonic() > deadline:
+                    return out, False
+                try:
+                    if e.is_symlink():
+                        continue
+                    if e.is_dir():
+                        p = Path(e.path)
+                        if e.name not in _SKIPPED_DIRS and not any(p == x or p.is_relative_to(x) for x in exclude):
+                            stack.append(p)
+                    elif e.is_file() and not e.name.endswith((".py", ".pyc")):  # source is never put back
+                        st = e.stat()
+                        out[Path(e.path).relative_to(root).as_posix()] = (st.st_size, st.st_mtime_ns)
+                except OSError:
+                    continue
+    return out, True
+
+
 class Written:
     """Recording: the files written under `root`, kept with each checkpoint."""
 
@@ -107,7 +164,20 @@ class Written:
         # Read here, never in the hook: gettempdir() may open a file under a lock.
         self.temp = Path(tempfile.gettempdir()).resolve()
         self._read: dict[str, tuple[tuple[int, int], bytes]] = {}
+        # What the directory held when the run started: a file that differs
+        # from it at a checkpoint was written by the run, however (a rename
+        # over it, a subprocess, a library writing from C or Rust, a link).
+        self._before, self.scanned = _scan(self.root, self.exclude)
         _watch(self._opened)
+
+    def _changed(self) -> None:
+        """Keep the files the directory holds that differ from its start."""
+        if not self.scanned:
+            return
+        now, self.scanned = _scan(self.root, self.exclude)
+        for rel, key in now.items():
+            if self._before.get(rel) != key:
+                self.kept.setdefault(rel)
 
     def _opened(self, path: Path, keeps: bool) -> None:
         p = path.resolve()
@@ -121,6 +191,7 @@ class Written:
     def capture(self) -> dict[str, bytes]:
         """{relative path: content} of the kept files that exist now. A file
         is read again only when its size or modification time changed."""
+        self._changed()
         out: dict[str, bytes] = {}
         for rel in self.kept:
             try:
@@ -149,6 +220,11 @@ class Written:
             why.append(f"{some(list(self.outside))}, outside its working directory {self.root}")
         if self.too_large:
             why.append(f"{some(list(self.too_large))}, larger than {MAX_FILE_BYTES >> 20} MiB")
+        if not self.scanned:
+            why.append(
+                f"files in {self.root} not opened from Python, which could not all be compared (more than "
+                f"{MAX_SCAN_ENTRIES} entries, or longer than {MAX_SCAN_SECONDS * 1000:.0f} ms to list)"
+            )
         if not why:
             return None
         return (
