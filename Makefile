@@ -126,7 +126,7 @@ wheel: $(STAMP) ## Release wheel in dist/ (abi3), e.g. to carry to a GPU machine
 	VIRTUAL_ENV=$(VENV) PATH=$(VENV)/bin:$$PATH $(VENV)/bin/maturin build --quiet --release -o dist
 
 .PHONY: chaos
-chaos: develop-release ## Fault injection (kill -9, gc vs writers, corruption, manifest fuzzer): table of trials and failures; the signal matrices (pytest -m matrix)
+chaos: develop-release ## Fault injection (kill -9, gc vs writers, corruption, manifest fuzzer, same-name saves, crafted files, concurrent resumes, rogue workers): table of trials and failures; the signal matrices (pytest -m matrix)
 	$(PY) benches/chaos.py
 	cd tests && $(PY) -m pytest -q $(PYTEST_PARALLEL) -m matrix $(PYTEST_ARGS)
 

@@ -33,6 +33,19 @@ through tests/test_chaos.py).
    (and SIGCONTed 1.5 s later) at a random batch. The epoch must hold every
    example once, with the batches and random draws of a run without
    failures; duplicates and missing examples are counted.
+8. one name, two savers: two processes save `latest` in one store at
+   random moments, each save's arrays all one value. Every load must be one
+   save whole (never a mix), and a save may only fail naming the conflict.
+9. crafted `files` entries: random hostile entry names (links, dots, NUL,
+   long names, escapes, the script, the home) beside a good one. Each put
+   back must write all or nothing, only under the directory, or refuse
+   with a named hindsight error; nothing outside changes.
+10. two resumes of one interrupted run at once: exactly one resumes and
+   completes, the other is refused in one line (exit 2).
+11. a rogue worker and a flood: worker processes with a wrong token, and
+   without one, try to join a real dispatcher while a trainer reads an
+   epoch: each is refused by name, the epoch is exact, and the dispatcher's
+   memory grows by less than 64 MiB.
 
 Everything runs on local files in a temporary directory and stops by itself.
 """
@@ -52,6 +65,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -448,6 +462,226 @@ def data_workers(trials: int, rng: random.Random) -> tuple[int, collections.Coun
     return trials, kinds
 
 
+NAMESAVER = textwrap.dedent(
+    """
+    import random, sys, time, torch, hindsight as hs
+    s = hs.Store(sys.argv[1])
+    me, rng = int(sys.argv[2]), random.Random(int(sys.argv[3]))
+    ok = conflict = 0
+    for i in range(1, 30):
+        v = float(me * 1000 + i)
+        # One saver slow (large arrays), one quick: saves overlap either way.
+        n = 1 << (22 if me == 1 else 12)
+        h = s.save("latest", {"a": torch.full((n,), v), "b": torch.full((7,), v), "v": v})
+        time.sleep(rng.random() * 0.01)
+        try:
+            h.wait()
+            ok += 1
+        except hs.HindsightError as e:
+            if "another save of this name" not in str(e):
+                print("OTHER", type(e).__name__, e, flush=True)
+                sys.exit(3)
+            conflict += 1
+    print("done", ok, conflict, flush=True)
+    """
+)
+
+
+def same_name_saves(trials: int, base: Path, rng: random.Random) -> tuple[int, collections.Counter[str]]:
+    kinds: collections.Counter[str] = collections.Counter()
+    committed = refused = 0
+    for t in range(trials):
+        store = base / f"samename{t}"
+        hs.Store(store)
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", NAMESAVER, str(store), str(me), str(rng.randrange(1 << 30))],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for me in (1, 2)
+        ]
+        deadline = time.monotonic() + 60
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            with contextlib.suppress(hs.HindsightError):
+                state = hs.Store(store).load("latest")
+                vals = {float(state["a"][0]), float(state["a"][-1]), float(state["b"][0]), float(state["v"])}
+                if len(vals) != 1:
+                    kinds["a mixed checkpoint"] += 1
+            time.sleep(0.002)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                kinds["a saver hung"] += 1
+            out, err = p.communicate()
+            if p.returncode != 0:
+                kinds[f"a saver failed otherwise (exit {p.returncode})"] += 1
+                print(out[-300:], err[-300:], flush=True)
+            elif out.startswith("done"):
+                _, ok, lost = out.split()
+                committed, refused = committed + int(ok), refused + int(lost)
+        shutil.rmtree(store, ignore_errors=True)
+    print(f"one name, two savers: {committed} saves committed, {refused} refused naming the conflict", flush=True)
+    return trials, kinds
+
+
+_HOSTILE = ["link/x", "link", ".", "./", "", "../up", "/etc/x", "a\0b", "x" * 300, "d/" * 2100 + "f", "train.py",
+            ".hindsight/logs.db", "sub/../../up", "sub/./y", "a.py"]  # fmt: skip
+
+
+def crafted_files(trials: int, base: Path, rng: random.Random) -> tuple[int, collections.Counter[str]]:
+    from hindsight._run.files import put_back
+
+    kinds: collections.Counter[str] = collections.Counter()
+    for t in range(trials):
+        root = base / f"files{t}"
+        work, outside = root / "work", root / "OUTSIDE"
+        work.mkdir(parents=True)
+        outside.mkdir()
+        (work / "link").symlink_to("../OUTSIDE")
+        (work / "train.py").write_text("mine")
+        (work / ".hindsight").mkdir()
+        entry = rng.choice(_HOSTILE) if rng.random() < 0.8 else "".join(rng.choice("ab/.\0x") for _ in range(8))
+        before = _tree(root)
+        try:
+            put_back({"good.txt": b"g", entry: b"evil"}, work, "ck", [work / "train.py", work / ".hindsight"])
+            wrote = {k for k, v in _tree(root).items() if before.get(k) != v}
+            if any(not k.startswith("work/") or k == "work/train.py" for k in wrote):
+                kinds["wrote outside or over the script"] += 1
+        except hs.HindsightError:
+            if _tree(root) != before:
+                kinds["refused but wrote"] += 1
+        except Exception as e:  # any other exception is the finding
+            kinds[f"unnamed {type(e).__name__}"] += 1
+        shutil.rmtree(root, ignore_errors=True)
+    return trials, kinds
+
+
+RESUMED = textwrap.dedent(
+    """
+    import os, signal, time, torch, hindsight as hs
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([w], lr=0.1)
+    with hs.checkpointing(w=w, opt=opt):
+        for epoch in hs.loop("epoch", range(6)):
+            for step in hs.loop("step", range(3)):
+                opt.zero_grad(); (w * w).sum().backward(); opt.step()
+                time.sleep(0.05)
+            if epoch == 2 and os.environ.get("STOP"):
+                os.kill(os.getpid(), signal.SIGTERM)
+    """
+)
+
+
+def concurrent_resumes(trials: int, base: Path, rng: random.Random) -> tuple[int, collections.Counter[str]]:
+    kinds: collections.Counter[str] = collections.Counter()
+    for t in range(trials):
+        d = base / f"resume{t}"
+        d.mkdir()
+        (d / "train.py").write_text(RESUMED)
+        env = {**os.environ, "HINDSIGHT_HOME": str(d / ".hindsight"), "HINDSIGHT_CHECKPOINT_EVERY": "1"}
+        first = subprocess.run([sys.executable, "train.py"], cwd=d, env={**env, "STOP": "1"}, capture_output=True)
+        if first.returncode != 85:
+            kinds[f"the interrupted run exited {first.returncode}"] += 1
+            continue
+        procs = []
+        for _ in range(2):
+            procs.append(subprocess.Popen([sys.executable, "train.py"], cwd=d, env=env, stderr=subprocess.PIPE))
+            time.sleep(rng.random() * 0.3)
+        codes, errs = [], []
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            codes.append(p.returncode)
+            errs.append(err.decode(errors="replace"))
+        if sorted(codes) != [0, 2]:
+            kinds[f"exit codes {sorted(codes)}"] += 1
+        elif "held by another process" not in errs[codes.index(2)]:
+            kinds["refused without naming the holder"] += 1
+        shutil.rmtree(d, ignore_errors=True)
+    return trials, kinds
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def rogue_workers(trials: int, base: Path, rng: random.Random) -> tuple[int, collections.Counter[str]]:
+    sys.path.insert(0, str(REPO / "tests"))
+    import data_synth
+
+    kinds: collections.Counter[str] = collections.Counter()
+    journal = base / "rogue-journal"
+    with socket_port() as port:
+        d = subprocess.Popen(
+            [sys.executable, "-m", "hindsight", "data", "dispatcher", "--journal", str(journal), "--port", str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+    assert d.stdout is not None
+    d.stdout.readline()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HINDSIGHT_DATA_TOKEN")}
+    good = {**env, "HINDSIGHT_DATA_TOKEN_FILE": str(journal / "token"),
+            "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), *sys.path])}  # fmt: skip
+    worker = [sys.executable, "-m", "hindsight", "data", "worker", "--dispatcher", f"127.0.0.1:{port}",
+              "--dataset", "data_synth:make", "--args", '{"n": 160, "sleep_ms": 2}']  # fmt: skip
+    workers = [subprocess.Popen(worker, env=good, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    rss0 = _rss_mib(d.pid)
+    saved = os.environ.get("HINDSIGHT_DATA_TOKEN_FILE")
+    os.environ["HINDSIGHT_DATA_TOKEN_FILE"] = good["HINDSIGHT_DATA_TOKEN_FILE"]
+    try:
+        with hs.data.Loader(
+            data_synth.make, batch_size=8, seed=1, workers=f"127.0.0.1:{port}", dataset_args={"n": 160, "sleep_ms": 2}
+        ) as loader:
+            for trial in range(trials):
+                rogues = [
+                    subprocess.Popen(
+                        worker,
+                        env={**good, "HINDSIGHT_DATA_TOKEN": f"rogue-{rng.randrange(1 << 120):030x}"}
+                        if rng.random() < 0.5
+                        else {**env, "PYTHONPATH": good["PYTHONPATH"]},
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                    )
+                    for _ in range(8)
+                ]
+                loader.set_epoch(trial)
+                got = [b.clone() for b in loader]
+                want = data_synth.expected(loader.spec, trial)
+                if len(got) != len(want) or not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
+                    kinds["an epoch differs"] += 1
+                for r in rogues:
+                    _, err = r.communicate(timeout=60)
+                    if r.returncode == 0 or "token" not in err or "Traceback" in err:
+                        kinds["a rogue worker was not refused by name"] += 1
+        if _rss_mib(d.pid) - rss0 > 64:
+            kinds["the dispatcher grew by more than 64 MiB"] += 1
+    finally:
+        if saved is None:
+            os.environ.pop("HINDSIGHT_DATA_TOKEN_FILE", None)
+        else:
+            os.environ["HINDSIGHT_DATA_TOKEN_FILE"] = saved
+        for p in [*workers, d]:
+            p.kill()
+            p.wait()
+    return trials, kinds
+
+
+@contextlib.contextmanager
+def socket_port() -> Iterator[int]:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    yield port
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a short run of each (what CI runs)")
@@ -467,6 +701,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("unreadable manifests, symlinked dirs", *store_hazards(10 if q else 200, base, rng)))
         rows.append(("another user's store", *other_users_store(5 if q else 100, base, rng)))
         rows.append(("input service: kill/stop workers", *data_workers(4 if q else 1000, rng)))
+        rows.append(("one name, two savers", *same_name_saves(2 if q else 40, base, rng)))
+        rows.append(("crafted files entries", *crafted_files(30 if q else 1000, base, rng)))
+        rows.append(("two resumes of one run at once", *concurrent_resumes(1 if q else 10, base, rng)))
+        rows.append(("rogue workers and a flood", *rogue_workers(1 if q else 20, base, rng)))
     print(f"\n{'experiment':<36} {'trials':>7} {'failures':>9}  failure kinds")
     failed = 0
     for name, trials, kinds in rows:
