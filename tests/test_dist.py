@@ -135,6 +135,10 @@ def test_a_rank_killed_mid_save_leaves_no_checkpoint_listed(tmp_path: Path) -> N
         (signal.SIGTERM, "rank 1"),
         pytest.param(signal.SIGUSR1, "rank 1", marks=pytest.mark.matrix),  # the same path as SIGTERM's
         (signal.SIGTERM, "torchrun"),
+        (signal.SIGUSR1, "torchrun"),  # it used to kill the launcher (exit -10)
+        # Every process of the job, as scancel, Slurm's --signal and HTCondor's eviction deliver it.
+        (signal.SIGTERM, "the job"),
+        pytest.param(signal.SIGUSR1, "the job", marks=pytest.mark.matrix),
     ],
 )
 def test_a_signal_to_one_rank_or_the_launcher_stops_every_rank_at_the_same_step_and_the_job_resumes_exactly(
@@ -150,16 +154,16 @@ def test_a_signal_to_one_rank_or_the_launcher_stops_every_rank_at_the_same_step_
     while not pid1.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(1.0)  # some steps in
-    os.kill(int(pid1.read_text()) if to == "rank 1" else p.pid, sig)
+    ranks = [int((tmp_path / f"pid-{r}").read_text()) for r in (0, 1)]
+    for pid in {"rank 1": ranks[1:], "torchrun": [p.pid], "the job": [p.pid, *ranks]}[to]:
+        os.kill(pid, sig)
     _, err = p.communicate(timeout=240)
-    if to == "rank 1":
-        # Both ranks left with the checkpoint exit code, and so does the launcher.
-        assert "every rank that stopped (2) exited with the checkpoint code 85" in err, err[-3000:]
-        assert p.returncode == 85, err[-3000:]
-    else:
-        # torchrun passed its SIGTERM to every rank; it exits on its own terms
-        # (its SignalException), after the ranks checkpointed.
-        assert err.count("checkpointed ck-") == 1, err[-3000:]
+    # Both ranks checkpoint at one step and leave with the checkpoint exit
+    # code, and so does the launcher: no traceback, whoever got the signal.
+    assert "every rank that stopped (2) exited with the checkpoint code 85" in err, err[-3000:]
+    assert p.returncode == 85, err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    assert err.count("checkpointed ck-") == 1, err[-3000:]
     s = hs.Store(store)
     (name,) = s.list()
     stopped = int(name.split("-")[1])

@@ -173,3 +173,53 @@ def test_a_failed_slurm_task_is_reported_and_the_other_tasks_values_kept(slurm, 
     assert "tasks' files are kept in" in r.stderr
     got = {ctx: v["late"] for ctx, v in values(home, "late").items() if v}
     assert got == {(("epoch", e),): e for e in range(4)}
+
+
+# ------------------------------------------------------- multi-rank jobs
+
+
+def test_scancel_term_to_a_torchrun_step_checkpoints_every_rank_and_the_step_exits_85(slurm, tmp_path):
+    """Issue 43: `scancel --signal=TERM` signals every process of the job's
+    steps, the launcher and the ranks at once. `srun python -m
+    hindsight.torchrun` passes it on, the ranks checkpoint at one step, and
+    the step exits 85, with no traceback (torchrun's own handler exited 1;
+    SIGUSR1 killed it)."""
+    worker = REPO / "tests" / "dist_worker.py"
+    store, out = tmp_path / "store", tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "ddp.sbatch"
+    script.write_text(
+        "\n".join(
+            [
+                "#!/bin/bash",
+                "#SBATCH --ntasks=1",
+                "#SBATCH --cpus-per-task=2",
+                f"#SBATCH --output={tmp_path}/job.out",
+                "export OMP_NUM_THREADS=1",
+                f"srun {sys.executable} -m hindsight.torchrun --standalone --nproc_per_node=2 "
+                f"{worker} ddp-preempt {store} {out} 400 400",
+                f"echo $? > {tmp_path}/step-code",
+            ]
+        )
+        + "\n"
+    )
+    job = subprocess.run(
+        ["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=30, check=True
+    ).stdout.strip()
+    deadline = time.monotonic() + 180
+    while not (out / "pid-1").exists():
+        assert time.monotonic() < deadline, _job(job)
+        assert _job(job)["JobState"] in ("PENDING", "RUNNING"), _job(job)
+        time.sleep(0.2)
+    time.sleep(1.5)  # some steps in
+    subprocess.run(["scancel", "--signal=TERM", job], timeout=30, check=True)
+    info = _follow(job, tmp_path, 240)
+    log = (tmp_path / "job.out").read_text()
+    assert (tmp_path / "step-code").read_text().strip() == "85", log[-3000:]
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert "every rank that stopped (2) exited with the checkpoint code 85" in log, log[-3000:]
+    assert "Traceback" not in log and "SignalException" not in log, log[-3000:]
+    import hindsight as hs
+
+    (name,) = hs.Store(store).list()
+    assert name.startswith("ck-")

@@ -10,6 +10,13 @@ with a replay's divergence code when a rank of a replay worker diverged,
 and as ``torchrun`` does otherwise. It also keeps the pipes a supervisor or
 a replay driver handed down within reach of the ranks, and makes torchrun's
 own restarts meet the restarted peers.
+
+A stop signal (SIGTERM, SIGUSR1, SIGINT) that reaches this launcher, alone
+(``docker stop``, Kubernetes) or with the ranks (``scancel``, Slurm's
+``--signal``, HTCondor's eviction), is passed on to every rank and never
+reaches torchrun's own handler (which would raise, print a traceback and
+exit 1; SIGUSR1 would kill the launcher): the ranks stop at one agreed step
+and checkpoint, and this launcher exits 85, or 0 when the job had completed.
 """
 
 from __future__ import annotations
@@ -58,9 +65,48 @@ def _forward_stack_dumps() -> None:
     signal.signal(signal.SIGUSR2, forward)
 
 
+#: The stop signals this launcher passes on to the ranks (see the module docs).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# Those torch elastic may still handle itself (it reads the variable).
+_TORCH_HANDLES = "SIGHUP,SIGQUIT"
+
+
+class _Forwarder:
+    """Passes each stop signal on to the ranks, and remembers the first."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.received is None:
+            self.received = signum
+            print(
+                f"hindsight: {signal.Signals(signum).name} reached the launcher: passed on to the ranks, which "
+                "stop at one agreed step and checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+        for pid in _children():
+            try:
+                os.kill(pid, signum)
+            except OSError:
+                continue
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self)
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
+
+    stop = _Forwarder()
+    stop.install()
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not any(a.split("=")[0] in ("--signals-to-handle", "--signals_to_handle") for a in args):
+        # torch elastic installs its handlers for these only (a user's own choice stands).
+        args = ["--signals-to-handle", _TORCH_HANDLES, *args]
 
     # The ranks reopen the pipes this process inherited (the supervisor's
     # heartbeat, a replay worker's progress): torchrun closes them in its
@@ -76,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     _forward_stack_dumps()
     try:
-        torchrun(argv)
+        torchrun(args)
     except ChildFailedError as e:
         code = _preemption.exit_code()
         codes = {f.exitcode for f in e.failures.values()}
@@ -88,6 +134,17 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"hindsight: every rank that stopped ({len(e.failures)}) exited with the checkpoint code {code}; "
                 f"exiting with {code} to be rescheduled",
+                file=sys.stderr,
+                flush=True,
+            )
+            return code
+        if stop.received is not None and codes <= {code, -stop.received, 128 + stop.received}:
+            # Ranks the stop signal ended before they could checkpoint (it
+            # came before hindsight's handlers were in place): a rerun
+            # resumes from the last checkpoint, as after a checkpoint.
+            print(
+                f"hindsight: {signal.Signals(stop.received).name} ended ranks before they checkpointed (exit codes "
+                f"{sorted(codes)}); exiting with {code} to be rescheduled: a rerun resumes from the last checkpoint",
                 file=sys.stderr,
                 flush=True,
             )
