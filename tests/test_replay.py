@@ -297,6 +297,24 @@ def test_a_probe_before_the_inner_loop_gets_the_state_the_previous_epoch_left(re
     assert got == want
 
 
+def test_a_replay_whose_worker_fails_prints_no_success_line(recorded):
+    """Issue 43: stdout and the exit status agree: a worker that fails (a
+    probe raising at epoch 4) ends the replay nonzero, and its last line
+    says it failed and how far it got, never "replayed N iteration(s)"."""
+    script, home = recorded
+    edit(
+        script,
+        ("        sched.step()\n", '        sched.step()\n        hs.log("late", 1 / 0 if epoch == 4 else epoch)\n'),
+    )
+    r = replay(script, home)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert not re.search(r"replayed \d+ iteration", r.stdout), r.stdout
+    assert re.search(
+        r"replay of run \S+ FAILED \(1 of 1 worker\(s\) failed\).* reached \d+ of \d+ iteration", r.stdout
+    ), r.stdout
+    assert "ZeroDivisionError" in r.stderr
+
+
 def test_where_limits_the_replayed_iterations(recorded):
     script, home = recorded
     edit(script, INNER_PROBE)

@@ -446,10 +446,17 @@ def _report(args: argparse.Namespace, db: Any, job: RunJob, start: float) -> int
     restored = sum(w.restored for w in job.workers)
     wall = time.monotonic() - start
     one_step = f", {bodies} iteration(s) without an inner loop executed" if bodies else ""
-    print(
-        f"replayed {job.total} iteration(s) in {wall:.1f}s: {restored} restored from "
-        f"checkpoints, {steps} inner-loop steps executed{one_step}; new values: {job.names}"
-    )
+    work = f"{restored} restored from checkpoints, {steps} inner-loop steps executed{one_step}"
+    if failed or verdict.diverged:
+        # Its stdout agrees with its exit status: no success line.
+        what = "diverged" if verdict.diverged else f"{len(failed)} of {len(job.workers)} worker(s) failed"
+        done = min(job.total, sum(w.done for w in job.workers))
+        print(
+            f"replay of run {job.run_id} FAILED ({what}) after {wall:.1f}s: its workers reached {done} of "
+            f"{job.total} iteration(s), {work}; values of {job.names}: {'kept' if verdict.keep else 'discarded'}"
+        )
+    else:
+        print(f"replayed {job.total} iteration(s) in {wall:.1f}s: {work}; new values: {job.names}")
     print(_native.replay_time_breakdown(wall, [w.progress for w in job.workers]))
     if not failed and not verdict.diverged:
         # Nothing is no wrong value, but it must not pass unnoticed.
