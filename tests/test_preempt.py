@@ -352,3 +352,28 @@ last = Last()
     assert torch.equal(torch.load(final), torch.full((2,), 4.0))
     assert "SIGUSR1 after the training loop ended" in r.stderr
     assert f"later loop sees {int(signal.SIGUSR1)}" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_before_any_run_exits_with_its_code_and_says_so(tmp_path, sig):
+    """Issue 43: once hindsight is imported, a stop signal during the data
+    loading or model build, before any run started, leaves with a word and
+    the signal's conventional exit code (128 + N), not killed by it; a
+    user's own handler stands. Under `python -m hindsight.torchrun` the
+    launcher counts such ranks as stopped (exit 85)."""
+    code = """
+import os, signal, sys
+import hindsight as hs
+if sys.argv[1] == "own":
+    signal.signal(signal.SIGTERM, lambda *a: (print("own handler", flush=True), sys.exit(7)))
+    signal.signal(signal.SIGUSR1, lambda *a: (print("own handler", flush=True), sys.exit(7)))
+os.kill(os.getpid(), int(sys.argv[2]))  # during "data loading"
+print("not reached", flush=True)
+"""
+    r = run_py(code, "default", str(int(sig)), env={"HINDSIGHT_HOME": str(tmp_path / "home")})
+    assert r.returncode == 128 + sig, (r.returncode, r.stderr)
+    assert f"hindsight: {signal.Signals(sig).name} before this process started a run" in r.stderr, r.stderr
+    assert "not reached" not in r.stdout and "Traceback" not in r.stderr
+    assert not (tmp_path / "home").exists(), "no run was left behind"
+    r = run_py(code, "own", str(int(sig)), env={"HINDSIGHT_HOME": str(tmp_path / "home")})
+    assert r.returncode == 7 and "own handler" in r.stdout, (r.returncode, r.stdout, r.stderr)

@@ -8,6 +8,7 @@ state = store.load("epoch-3")
 
 from __future__ import annotations
 
+from hindsight import _preemption
 from hindsight._launcher import tie_rank_to_launcher as _tie_rank_to_launcher
 from hindsight._query import dataframe
 from hindsight._run import arg, args, checkpointing, log, loop, notebook, run_id
@@ -69,6 +70,8 @@ __version__ = "0.1.0"
 
 # A rank of `python -m hindsight.torchrun` dies with it (see `_launcher`).
 _tie_rank_to_launcher()
+# A stop signal before the training loop leaves with a word, not killed.
+_preemption.install_early()
 
 
 def __getattr__(name: str) -> object:

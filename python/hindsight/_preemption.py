@@ -44,6 +44,39 @@ def _outside(signum: int, frame: Any) -> None:
     _noted_outside.append(signum)
 
 
+# Whether hindsight's stop handlers were ever installed in this process
+# (a run, a framework callback or `hindsight.dist` started).
+_started: list[bool] = []
+
+
+def _early(signum: int, frame: Any) -> None:
+    """A stop signal while no run of this process listens: before the first
+    one started (data loading, model build) or after it ended. Its default
+    action would kill the process with no word; this says why it leaves and
+    exits with the signal's conventional code (128 + N): there is nothing to
+    checkpoint, and no run is left half-written."""
+    code = 128 + signum
+    when = "after this process's run ended" if _started else "before this process started a run"
+    print(
+        f"hindsight: {signal.Signals(signum).name} {when}: nothing to checkpoint; exiting with {code}",
+        file=sys.stderr,
+        flush=True,
+    )
+    raise SystemExit(code)
+
+
+def install_early() -> None:
+    """From `import hindsight`: `_early` for SIGTERM and SIGUSR1 where they
+    still have their default action (a user's or another library's own
+    handler stands), so that a preemption before the training loop never
+    leaves a killed process."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        if signal.getsignal(sig) == signal.SIG_DFL:
+            signal.signal(sig, _early)
+
+
 def _ignore_usr1_at_exit() -> None:
     """From here on the process is leaving anyway. Python's finalization puts
     SIG_DFL back for every signal with a Python handler, so a batch system's
@@ -89,6 +122,7 @@ class StopSignals:
     def install(self) -> None:
         """Install (again, if another library replaced ours); keeps `received`."""
         self.active = True
+        _started[:] = [True]
         if threading.current_thread() is not threading.main_thread():
             return
         if _noted_outside and self.received is None:
@@ -114,8 +148,8 @@ class StopSignals:
         """The handler `restore` puts back for `sig`: the one replaced, except
         that a default SIGUSR1 becomes `_outside` (noted, not fatal)."""
         prev = self.replaced.get(sig)
-        if prev in (signal.SIG_DFL, None):
-            return _outside if sig == signal.SIGUSR1 else signal.SIG_DFL
+        if prev in (signal.SIG_DFL, None) or prev is _early:
+            return _outside if sig == signal.SIGUSR1 else prev or signal.SIG_DFL
         return prev
 
 
