@@ -274,3 +274,40 @@ def test_files_written_without_python_opening_them_are_kept_too(tmp_path: Path) 
     assert r.returncode == 0, r.stderr
     for name in ("atomic.txt", "sub.txt", "linked.txt"):
         assert (tmp_path / name).read_text() == "0\n1\n2\n3\n", name
+
+
+def test_a_log_another_writer_appends_is_named_and_never_rewound(tmp_path: Path) -> None:
+    """The job's own log in the working directory (Slurm's --output, a
+    shell's `> run.log`) changes at every checkpoint, but it is written by
+    its redirect, not the training: it is named, never put back, so the
+    resumed attempt's lines land after the first attempt's (putting it back
+    would rewind it and cut the writer off: the Slurm preemption test's log
+    lost its second attempt)."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        BYPASS.replace(
+            "            opt.step()\n", "            opt.step()\n            print('step', epoch, step, flush=True)\n"
+        )
+    )
+    env = {**os.environ, "HINDSIGHT_HOME": str(tmp_path / ".hindsight"), "HINDSIGHT_CHECKPOINT_EVERY": "1"}
+    env |= {"SIGNAL_AT": "2.1", "MARK": str(tmp_path / "signalled")}
+    log = tmp_path / "run.log"
+    codes = []
+    for _ in range(2):
+        with open(log, "a") as out:
+            codes.append(
+                subprocess.run(
+                    [sys.executable, str(script)],
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    cwd=tmp_path,
+                    timeout=120,
+                )
+            )
+    assert [r.returncode for r in codes] == [85, 0], codes[-1].stderr
+    lines = log.read_text().splitlines()
+    # Every step once, in order: the first attempt's lines, then the resumed one's.
+    assert lines == [f"step {e} {s}" for e in range(4) for s in range(4)], lines
+    assert "run.log, which another process writes" in codes[-1].stderr, codes[-1].stderr

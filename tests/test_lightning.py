@@ -37,13 +37,15 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 def put_back(original: dict[Any, Any]) -> dict[Any, Any]:
-    """The handlers after fit: the ones found, except that a default SIGUSR1
-    (which would kill the code after fit) becomes hindsight's note-only one."""
+    """The handlers after fit: the ones found, except that a default SIGUSR1,
+    or hindsight's own from its import (either would end the code after fit),
+    becomes hindsight's note-only one."""
     from hindsight import _preemption
 
-    return {
-        s: (_preemption._outside if s == signal.SIGUSR1 and h == signal.SIG_DFL else h) for s, h in original.items()
-    }
+    def after(s: Any, h: Any) -> Any:
+        return _preemption._outside if s == signal.SIGUSR1 and (h == signal.SIG_DFL or h is _preemption._early) else h
+
+    return {s: after(s, h) for s, h in original.items()}
 
 
 @pytest.fixture

@@ -118,6 +118,54 @@ _SKIPPED_DIRS = frozenset(
 )
 
 
+def _held_open(paths: list[Path]) -> set[Path]:
+    """Of `paths`, those another process holds open for writing, or that
+    are this process's own stdout or stderr: a batch system's job log, a
+    shell's redirect, a `tee`. Putting such a file back would cut its
+    writer off (an atomic rename leaves it writing to the old file)."""
+    keys: dict[tuple[int, int], Path] = {}
+    for p in paths:
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        keys[(st.st_dev, st.st_ino)] = p
+    found: set[Path] = set()
+    for own in (1, 2):
+        try:
+            st = os.fstat(own)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in keys:
+            found.add(keys[(st.st_dev, st.st_ino)])
+    by_name = {str(p): p for p in keys.values()}
+    me = str(os.getpid())
+    try:
+        pids = [d for d in os.listdir("/proc") if d.isdigit() and d != me]
+    except OSError:
+        return found
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for entry in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{entry}")
+            except OSError:
+                continue
+            if target not in by_name:
+                continue
+            try:
+                with open(f"/proc/{pid}/fdinfo/{entry}") as f:
+                    flags = next(int(line.split()[1], 8) for line in f if line.startswith("flags:"))
+            except (OSError, StopIteration, ValueError):
+                flags = os.O_WRONLY  # cannot tell: assume it writes
+            if flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR):
+                found.add(by_name[target])
+    return found
+
+
 def _scan(root: Path, exclude: list[Path]) -> tuple[dict[str, tuple[int, int]], bool]:
     """{relative path: (size, mtime_ns)} of the regular files under `root`
     (links and what they point to left out), and whether the scan finished
@@ -168,6 +216,8 @@ class Written:
         # from it at a checkpoint was written by the run, however (a rename
         # over it, a subprocess, a library writing from C or Rust, a link).
         self._before, self.scanned = _scan(self.root, self.exclude)
+        # Changed files another process writes (named, never put back).
+        self.elsewhere: dict[str, None] = {}
         _watch(self._opened)
 
     def _changed(self) -> None:
@@ -175,8 +225,18 @@ class Written:
         if not self.scanned:
             return
         now, self.scanned = _scan(self.root, self.exclude)
-        for rel, key in now.items():
-            if self._before.get(rel) != key:
+        new = [
+            rel
+            for rel, key in now.items()
+            if self._before.get(rel) != key and rel not in self.kept and rel not in self.elsewhere
+        ]
+        if not new:
+            return
+        held = _held_open([self.root / rel for rel in new])
+        for rel in new:
+            if self.root / rel in held:
+                self.elsewhere.setdefault(rel)
+            else:
                 self.kept.setdefault(rel)
 
     def _opened(self, path: Path, keeps: bool) -> None:
@@ -220,6 +280,8 @@ class Written:
             why.append(f"{some(list(self.outside))}, outside its working directory {self.root}")
         if self.too_large:
             why.append(f"{some(list(self.too_large))}, larger than {MAX_FILE_BYTES >> 20} MiB")
+        if self.elsewhere:
+            why.append(f"{some(list(self.elsewhere))}, which another process writes (a job log, a redirect)")
         if not self.scanned:
             why.append(
                 f"files in {self.root} not opened from Python, which could not all be compared (more than "
