@@ -161,6 +161,24 @@ def test_a_signal_to_one_rank_stops_the_job_and_the_relaunch_resumes_its_run_exa
     assert losses(tmp_path, "rank_loss") == losses(ref_dir, "rank_loss")
 
 
+def test_a_signal_between_unsynchronised_micro_steps_saves_each_ranks_gradients_and_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    """Issue 43: gradient accumulation as build-nanogpt writes it
+    (`require_backward_grad_sync = last micro-step`): between micro-steps
+    each rank's gradients are its own. A signal there checkpoints them per
+    rank (it failed: "a value all ranks save must be the same"), and the
+    relaunch ends with the weights of an uninterrupted run."""
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    want = final(launch(ref, 2, ZOO_ACCUM="8"))
+    job = tmp_path / "job"
+    job.mkdir()
+    stopped = interrupt(job, ZOO, ZOO_ACCUM="8")
+    assert ".step-" in stopped, stopped  # inside an epoch: mid-accumulation
+    assert final(launch(job, 2, ZOO_ACCUM="8")) == want
+
+
 PROBES = (
     ('                    time.sleep(float(os.environ.get("ZOO_SLEEP", "0.02")))\n'),
     (

@@ -10,6 +10,7 @@
 # ZOO_RANK1_SEED=s: rank 1's sampler shuffles with seed s (its data order changed),
 # ZOO_RANK1_SCALE=x: rank 1 scales its loss by x (it computes otherwise),
 # ZOO_HANG_EPOCH=n: rank 1 hangs in epoch n (not after a restart),
+# ZOO_ACCUM=k: gradients accumulate over k batches, synchronised on the last (build-nanogpt's way),
 # ZOO_DEVICE=cuda: the model and the batches on the GPU of LOCAL_RANK (modulo the
 # GPUs there: ranks may share one; gloo carries CUDA tensors).
 import os
@@ -52,15 +53,24 @@ class Trainer:
         self.optimizer = optimizer
         self.model = DDP(model.to(self.device), device_ids=[self.device] if self.device.type == "cuda" else None)
 
-    def _run_batch(self, source, targets):
+    def _run_batch(self, source, targets, i):
         source, targets = source.to(self.device), targets.to(self.device)
-        self.optimizer.zero_grad()
+        accum = int(os.environ.get("ZOO_ACCUM", "1"))
+        last = (i + 1) % accum == 0
+        if accum == 1:
+            self.optimizer.zero_grad()
+        # Gradient accumulation as build-nanogpt writes it: no all-reduce
+        # until the last micro-step, so until then each rank's differ.
+        self.model.require_backward_grad_sync = last
         output = self.model(source)
         loss = F.mse_loss(output, targets)
         if get_rank() == 1:
             loss = loss * float(os.environ.get("ZOO_RANK1_SCALE", "1"))
         loss.backward()
-        self.optimizer.step()
+        if last:
+            self.optimizer.step()
+            if accum > 1:
+                self.optimizer.zero_grad()
         return loss
 
     def train(self, max_epochs: int):
@@ -68,8 +78,8 @@ class Trainer:
             for epoch in hs.loop("epoch", range(max_epochs)):
                 self.train_data.sampler.set_epoch(epoch)
                 hs.log("w_start", sum(p.double().sum().item() for p in self.model.parameters()))
-                for source, targets in hs.loop("step", self.train_data):
-                    loss = self._run_batch(source, targets)
+                for i, (source, targets) in enumerate(hs.loop("step", self.train_data)):
+                    loss = self._run_batch(source, targets, i)
                     first = not os.environ.get("HINDSIGHT_RESTART") and os.environ.get(
                         "TORCHELASTIC_RESTART_COUNT"
                     ) in (None, "0")

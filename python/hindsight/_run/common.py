@@ -40,6 +40,20 @@ ENV_EXPLAIN = _settings.EXPLAIN  # set by `hindsight record --explain`
 _INF = float("inf")
 
 
+def job_part(state: dict[str, Any], grads_of_the_job: bool) -> dict[str, Any]:
+    """Take out of a multi-rank checkpoint's ``state`` what is the job's,
+    split between the ranks (the rest is each rank's own): the objects, and
+    the gradients where they are laid out as the parameters are (FSDP's
+    DTensors). Plain gradients are each rank's: between the micro-steps of
+    gradient accumulation without synchronisation (``no_sync``,
+    ``require_backward_grad_sync = False``) they differ by rank; equal ones
+    (after the all-reduce) are stored once by the store's dedup."""
+    shared = {"objects": state.pop("objects")}
+    if "grads" in state and grads_of_the_job:
+        shared["grads"] = state.pop("grads")
+    return shared
+
+
 def _package_version() -> str:
     try:
         from importlib.metadata import version

@@ -29,6 +29,7 @@ from hindsight._run.common import (
     _package_version,
     _snapshot_source,
     _to_json,
+    job_part,
 )
 from hindsight._run.files import Written
 from hindsight._run.loopvars import _storages
@@ -372,9 +373,7 @@ class RecordRun(Run):
             # One checkpoint of the job: the objects (replicated under DDP,
             # sharded under FSDP) split between the ranks, the rest (RNG
             # streams, loop variables, the data position) kept per rank.
-            shared = {"objects": state.pop("objects")}
-            if "grads" in state:  # gradients are laid out as the parameters are
-                shared["grads"] = state.pop("grads")
+            shared = job_part(state, "grads" in state and dist.holds_dtensor(state["grads"]))
             self._commit()
             # Rank 0 commits on its own once every part is durable: the
             # ranks need not meet again for it (one may die first).

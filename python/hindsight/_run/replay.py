@@ -22,7 +22,7 @@ from typing import Any
 
 from hindsight import _native, _settings
 from hindsight._run import batches, files
-from hindsight._run.common import Run, inherited_pipe
+from hindsight._run.common import Run, inherited_pipe, job_part
 from hindsight._state import capture_grads, set_rng_state
 from hindsight._store import Store
 from hindsight.errors import DivergenceError, HindsightError, ReplayError
@@ -250,9 +250,10 @@ class ReplayRun(Run):
             return store.check_state(name, state)
         from hindsight import dist
 
-        shared = {"objects": state.pop("objects")}
-        if "grads" in state:
-            shared["grads"] = state.pop("grads")
+        # The gradients are compared where the recording put them (older
+        # recordings put every rank's with the job's).
+        job_grads = any(e[0].startswith(f"{dist._STATE}/grads/") for e in store.info(name)["entries"])
+        shared = job_part(state, job_grads)
         # FSDP2's shards: each rank's own, against the pieces the recording saved.
         check = dist.check_own_pieces(store, name, shared, [dist._STATE])
         if check.first is not None:
