@@ -601,3 +601,66 @@ def test_values_the_code_before_the_steps_logged_survive_a_resume_inside_the_ste
     want = evals(tmp_path / "ref-home")
     assert [row[0] for row in want] == [0, 1, 2, 3]
     assert evals(tmp_path / ".hindsight") == want
+
+
+TIED = """\
+import os, signal
+import torch
+import torch.nn as nn
+import hindsight as hs
+
+torch.manual_seed(0)
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(16, 8)
+        self.lm_head = nn.Linear(8, 16, bias=False)
+        self.wte.weight = self.lm_head.weight  # tied, as GPT-2's are
+
+    def forward(self, x):
+        return self.lm_head(self.wte(x))
+
+
+model = Tiny()
+raw_model = model
+model = nn.Sequential(model)  # a wrapper, as DDP is: raw_model = model.module
+optimizer = torch.optim.AdamW(raw_model.parameters(), lr=1e-2)
+with hs.checkpointing(model=model, optimizer=optimizer):
+    for step in hs.loop("step", range(40)):
+        x = torch.randint(0, 16, (4, 5))
+        loss = model(x).logsumexp(-1).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 10 == 0:
+            sd = raw_model.state_dict()  # build-nanogpt's checkpoint code reads it
+        if step == 25 and os.environ.get("STOP") and not os.path.exists("stopped"):
+            open("stopped", "w").close()
+            os.kill(os.getpid(), signal.SIGTERM)
+print("FINAL", repr(sum(p.double().sum().item() for p in model.parameters())))
+"""
+
+
+def test_an_alias_of_a_wrapped_model_with_tied_weights_resumes_exactly(tmp_path: Path) -> None:
+    """Issue 43: `raw_model = model.module` (build-nanogpt under DDP) with
+    GPT-2's tied embedding: the alias is kept as references into the
+    checkpointed model, and the resume put them back through the live one
+    (it failed: "'raw_model['wte.weight']' referred to a checkpointed object
+    that the resumed program does not hold there")."""
+
+    def run(d: Path, **env: str) -> subprocess.CompletedProcess[str]:
+        d.mkdir(exist_ok=True)
+        (d / "train.py").write_text(TIED)
+        e = {**os.environ, "HINDSIGHT_HOME": str(d / ".hindsight"), "HINDSIGHT_CHECKPOINT_EVERY": "5", **env}
+        return subprocess.run([sys.executable, "train.py"], cwd=d, env=e, capture_output=True, text=True, timeout=120)
+
+    ref = run(tmp_path / "ref")
+    assert ref.returncode == 0, ref.stderr
+    assert run(tmp_path / "job", STOP="1").returncode == 85
+    resumed = run(tmp_path / "job")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "continues from checkpoint" in resumed.stderr
+    final = [line for line in resumed.stdout.splitlines() if line.startswith("FINAL")]
+    assert final == [line for line in ref.stdout.splitlines() if line.startswith("FINAL")]

@@ -253,7 +253,8 @@ def restore(current: Any, saved: Any, name: str) -> Any:
         return saved
     kind = saved.get(MARK)
     if kind is None:
-        cur = current if type(current) is dict else {}
+        # Looked up in any mapping (a live state_dict, an OrderedDict), filled in place only in a dict.
+        cur = current if isinstance(current, dict) else {}
         d = {k: restore(cur.get(k, MISSING), s, f"{name}[{k!r}]") for k, s in saved.items()}
         if type(current) is dict:
             current.clear()
@@ -349,7 +350,11 @@ def restore(current: Any, saved: Any, name: str) -> Any:
                 f"'{name}' held a {saved['type']} when checkpointed, restored through its load_state_dict; "
                 f"the resumed program holds {'nothing' if current is MISSING else type(current).__qualname__} there"
             )
-        current.load_state_dict(restore(MISSING, state, name))
+        # Its tensors that belong to a checkpointed object (`raw_model =
+        # model.module` of a DDP model given to hs.checkpointing; tied
+        # weights) were kept as references: they resolve to the live ones,
+        # which the checkpointed object's restore has set.
+        current.load_state_dict(restore(current.state_dict(), state, name))
         return current
     if kind == "object" and _plain_class(t):
         if type(current) is not t:
