@@ -66,6 +66,11 @@ def test_a_signal_in_an_iteration_whose_start_was_not_kept_resumes_exactly(tmp_p
     first = _run(d, STOP=stop)
     assert first.returncode == 85, first.stderr[-2000:]
     assert "result" not in first.stdout
+    # The stop line says what happened: iteration 1's start was not kept (the
+    # fallback), so nothing was checkpointed inside it; iteration 2's was.
+    unkept = "no checkpoint inside this iteration" in first.stderr
+    assert unkept == (stop == "1:1"), first.stderr[-2000:]
+    assert ("checkpointed run" in first.stderr) == (stop != "1:1"), first.stderr[-2000:]
     again = _run(d)
     assert "resuming run" in again.stderr
     assert _result(again) == want

@@ -168,9 +168,19 @@ def requeue_default() -> bool:
     return _settings.flag(_settings.SLURM_REQUEUE, False)
 
 
-def leave(signum: int | None, checkpointed: str, code: int | None, *, requeue: bool, announce: bool = True) -> NoReturn:
+def leave(
+    signum: int | None,
+    checkpointed: str,
+    code: int | None,
+    *,
+    requeue: bool,
+    announce: bool = True,
+    fresh: bool = True,
+) -> NoReturn:
     """The end of the stop sequence, once the checkpoint is durable: requeue
-    the Slurm job if asked, say what happened, exit with the checkpoint code."""
+    the Slurm job if asked, say what happened, exit with the checkpoint code.
+    ``fresh``: a checkpoint was taken for this stop (else the rerun repeats
+    the work since ``checkpointed``'s last one)."""
     code = exit_code(code)
     job = os.environ.get("SLURM_JOB_ID")
     requeue = bool(requeue and job)
@@ -179,11 +189,13 @@ def leave(signum: int | None, checkpointed: str, code: int | None, *, requeue: b
     if announce:
         name = signal.Signals(signum).name if signum is not None else "signal"
         then = f"requeueing Slurm job {job} and exiting" if requeue else "exiting"
-        print(
-            f"hindsight: {name}: checkpointed {checkpointed}; {then} with {code} to be rescheduled",
-            file=sys.stderr,
-            flush=True,
+        done = (
+            f"checkpointed {checkpointed}"
+            if fresh
+            else f"no checkpoint inside this iteration of {checkpointed} (its start was not kept: a rerun repeats it "
+            "from the last checkpoint)"
         )
+        print(f"hindsight: {name}: {done}; {then} with {code} to be rescheduled", file=sys.stderr, flush=True)
     if requeue:
         try:
             subprocess.run(["scontrol", "requeue", str(job)], timeout=60, check=False)

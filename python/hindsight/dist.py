@@ -546,7 +546,9 @@ def consolidate(store: Store, name: str, out: str | os.PathLike[str], *, path: s
     return store._native.export_safetensors(name, keys, os.fspath(out))
 
 
-def leave_job(signum: int | None, checkpoint: str, code: int | None, *, requeue: bool, rank: int) -> NoReturn:
+def leave_job(
+    signum: int | None, checkpoint: str, code: int | None, *, requeue: bool, rank: int, fresh: bool = True
+) -> NoReturn:
     """Exit this rank with the checkpoint exit code, ``checkpoint`` being
     committed; rank 0 says so and requeues a Slurm job if asked."""
     import signal
@@ -561,7 +563,7 @@ def leave_job(signum: int | None, checkpoint: str, code: int | None, *, requeue:
     dist = _torch().distributed
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    _preemption.leave(signum, checkpoint, code, requeue=requeue and rank == 0, announce=rank == 0)
+    _preemption.leave(signum, checkpoint, code, requeue=requeue and rank == 0, announce=rank == 0, fresh=fresh)
 
 
 class StopOnSignal:

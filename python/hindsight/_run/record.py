@@ -888,7 +888,7 @@ class RecordRun(Run):
         if act.save is not None:
             self._save_step(i, j, act.save, act.wait)
         if act.exit is not None:
-            self._exit_for_signal(act.exit)
+            self._exit_for_signal(act.exit, saved=act.save is not None)
 
     def _save_step(self, i: int, j: int, name: str, wait: bool) -> None:
         mid = {"block_rng": self.block_rng, "iter_rng": self.iter_rng, "position": [i, j]}
@@ -953,16 +953,19 @@ class RecordRun(Run):
             # After outer iteration i: the next iteration starts afresh on resume.
             self._save_now(end.save, {}, wait=True)
         if end.exit is not None:
-            self._exit_for_signal(end.exit)
+            self._exit_for_signal(end.exit, saved=end.save is not None)
 
-    def _exit_for_signal(self, code: int) -> None:
+    def _exit_for_signal(self, code: int, saved: bool) -> None:
         sig = self.stop_signal
+        # Inside an iteration whose start was not kept no checkpoint is
+        # taken (core `start_unkept`): the rerun repeats it from the last one.
+        fresh = saved or self.iter_kept
         self.interrupted()
         if self.ranks is None:
-            _preemption.leave(sig, f"run {self.run_id}", code, requeue=self.requeue)
+            _preemption.leave(sig, f"run {self.run_id}", code, requeue=self.requeue, fresh=fresh)
         from hindsight import dist
 
-        dist.leave_job(sig, f"run {self.run_id}", code, requeue=self.requeue, rank=self.ranks.rank)
+        dist.leave_job(sig, f"run {self.run_id}", code, requeue=self.requeue, rank=self.ranks.rank, fresh=fresh)
 
     def interrupted(self) -> None:
         """Logs and checkpoints durable, the run marked `interrupted` (so the
