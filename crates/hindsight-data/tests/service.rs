@@ -717,12 +717,8 @@ fn a_caller_without_the_token_learns_nothing_reads_nothing_and_cannot_register()
     }
     // The refused registration left no worker behind.
     let status = rt.block_on(async {
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-            .unwrap()
-            .connect()
+        token_holder(&addr)
             .await
-            .unwrap();
-        DispatcherClient::with_interceptor(channel, hindsight_data::auth::Bearer::new(&token()))
             .status(proto::StatusRequest {})
             .await
             .unwrap()
@@ -732,14 +728,28 @@ fn a_caller_without_the_token_learns_nothing_reads_nothing_and_cannot_register()
     assert_eq!(status.workers[0].address, w.addr.to_string());
 }
 
+/// A raw gRPC client of the dispatcher at `addr` that gives the test token.
+async fn token_holder(
+    addr: &str,
+) -> hindsight_data::proto::dispatcher_client::DispatcherClient<hindsight_data::auth::Authed> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    hindsight_data::proto::dispatcher_client::DispatcherClient::with_interceptor(
+        channel,
+        hindsight_data::auth::Bearer::new(&token()),
+    )
+}
+
 /// Issue 42, item 2: what callers can make a dispatcher hold is bounded,
 /// even with the token: live workers, distinct jobs, and progress only for
 /// an attached job (it used to journal state for any job id). A flood of
 /// registrations beyond the bound is refused without growing the journal.
 #[test]
 fn a_flood_of_registrations_jobs_and_progress_is_refused_beyond_the_bounds() {
-    use hindsight_data::auth::Bearer;
-    use hindsight_data::proto::{self, dispatcher_client::DispatcherClient};
+    use hindsight_data::proto;
     let rt = runtime();
     let dir = tempfile::tempdir().unwrap();
     let mut opts = fast_options(dir.path());
@@ -749,12 +759,7 @@ fn a_flood_of_registrations_jobs_and_progress_is_refused_beyond_the_bounds() {
     let addr = d.addr.to_string();
     let journal = dir.path().join(hindsight_data::journal::FILE_NAME);
     rt.block_on(async {
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
-        let mut c = DispatcherClient::with_interceptor(channel, Bearer::new(&token()));
+        let mut c = token_holder(&addr).await;
         let register = |i: usize| proto::RegisterWorkerRequest {
             protocol: proto::PROTOCOL,
             address: format!("127.0.0.1:{}", 10_000 + i),
