@@ -1,12 +1,14 @@
-"""What a rank of ``python -m hindsight.torchrun`` does at ``import
-hindsight`` (a module of its own: importing ``hindsight.torchrun`` from the
-package would run that module twice under ``-m``)."""
+"""What a rank does at ``import hindsight`` and at its exit (a module of its
+own: importing ``hindsight.torchrun`` from the package would run that
+module twice under ``-m``)."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
+import time
 
 from hindsight import _settings
 
@@ -27,3 +29,57 @@ def tie_rank_to_launcher() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if str(os.getppid()) != at:  # the launcher died before the call took effect
         os._exit(128 + signal.SIGKILL)
+
+
+# The thread name torch gives a gloo process group's workers (15 characters:
+# the kernel's limit, so /proc shows it whole).
+_GLOO_LOOP = "pt_gloo_runloop"
+
+
+def _gloo_loops_busy() -> bool | None:
+    """Whether a gloo worker thread of this process is running or runnable;
+    None where there is none (or no /proc)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    busy = None
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended
+        end = stat.rfind(")")
+        if stat[stat.find("(") + 1 : end] == _GLOO_LOOP:
+            busy = bool(busy) or stat[end + 2 : end + 3] in ("R", "D")
+    return busy
+
+
+def settle_gloo_at_exit(budget: float = 0.5) -> None:
+    """At exit (the last of hindsight's exit handlers): let gloo's worker
+    threads finish before the interpreter shuts down. A worker frees each
+    finished collective, and with it a Python object that every backward
+    pass stashes in the collective's thread-local state (torch >= 2.11);
+    freeing it takes the GIL, and a thread that asks for the GIL after
+    finalization began is ended by Python with a forced unwind that
+    aborts the process ("terminate called without an active exception",
+    exit -6). A DDP rank whose worker thread was descheduled at that
+    moment died after finishing its training, and torchrun reported the
+    job failed. Sleeping hands over the GIL; this returns once no worker
+    thread was running at two looks in a row, or after ``budget`` seconds
+    (an exit never hangs here)."""
+    if "torch.distributed" not in sys.modules or not sys.platform.startswith("linux"):
+        return
+    if _gloo_loops_busy() is None:
+        return
+    deadline = time.monotonic() + budget
+    quiet = 0
+    while quiet < 2 and time.monotonic() < deadline:
+        time.sleep(0.002)
+        quiet = 0 if _gloo_loops_busy() else quiet + 1
+
+
+# Registered at `import hindsight`, before the store's flush at exit: exit
+# handlers run last-registered first, so this one runs after the flush.
+atexit.register(settle_gloo_at_exit)
