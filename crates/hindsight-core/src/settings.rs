@@ -277,6 +277,27 @@ pub const DATA_TOKEN_FILE: Setting = user(
     "none",
     "a file holding the input service's token (a dispatcher keeps it in <journal>/token)",
 );
+/// The authority that signed the input service's certificates (PEM): TLS on.
+pub const DATA_TLS_CA: Setting = user(
+    "HINDSIGHT_DATA_TLS_CA",
+    Kind::Path,
+    "none: plain text",
+    "the authority (PEM) that signed the input service's certificates: every process verifies its peers against it and connects over TLS",
+);
+/// A dispatcher's or worker's certificate (PEM).
+pub const DATA_TLS_CERT: Setting = user(
+    "HINDSIGHT_DATA_TLS_CERT",
+    Kind::Path,
+    "none",
+    "a dispatcher's or worker's certificate (PEM), for the name or address others dial; with HINDSIGHT_DATA_TLS_KEY",
+);
+/// The key of [`DATA_TLS_CERT`] (PEM).
+pub const DATA_TLS_KEY: Setting = user(
+    "HINDSIGHT_DATA_TLS_KEY",
+    Kind::Path,
+    "none",
+    "the private key (PEM) of HINDSIGHT_DATA_TLS_CERT",
+);
 
 /// Every variable, users' first.
 pub const ALL: &[Setting] = &[
@@ -297,6 +318,9 @@ pub const ALL: &[Setting] = &[
     QUIET,
     DATA_TOKEN,
     DATA_TOKEN_FILE,
+    DATA_TLS_CA,
+    DATA_TLS_CERT,
+    DATA_TLS_KEY,
     REPLAY_FORK,
     LIGHTNING,
     REPLAY,

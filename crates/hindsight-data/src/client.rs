@@ -27,6 +27,7 @@ use crate::error::{Error, Result};
 use crate::order::JobSpec;
 use crate::proto;
 use crate::shared::{self, Payload};
+use crate::tls::Tls;
 use crate::worker::{digest, endpoint, MAX_MESSAGE};
 
 /// Tuning of one client; the defaults suit a trainer on one host.
@@ -58,6 +59,8 @@ pub struct ClientOptions {
     pub shared_dir: Option<std::path::PathBuf>,
     /// The service's token; None: from the environment ([`Token::required`]).
     pub token: Option<Token>,
+    /// TLS; None: from the environment ([`Tls::from_env`]).
+    pub tls: Option<Tls>,
 }
 
 impl Default for ClientOptions {
@@ -74,6 +77,7 @@ impl Default for ClientOptions {
             warn_nondeterministic: false,
             shared_dir: None,
             token: None,
+            tls: None,
         }
     }
 }
@@ -156,10 +160,12 @@ impl Client {
         rank: u32,
         world: u32,
         expect_job_id: Option<&str>,
-        opts: ClientOptions,
+        mut opts: ClientOptions,
     ) -> Result<Client> {
         spec.validate()?;
         let bearer = Bearer::new(&Token::required(opts.token.clone(), "trainer")?);
+        let tls = Tls::resolve(opts.tls.take())?;
+        opts.tls = Some(tls.clone());
         let rt = crate::runtime("client")?;
         let wire_spec = proto::JobSpec::from(&spec);
         let unreachable = |detail: String| Error::Unreachable {
@@ -168,12 +174,12 @@ impl Client {
             detail,
         };
         let channel = rt.block_on(async {
-            let ep = endpoint(dispatcher, opts.connect_timeout)
+            let ep = endpoint(dispatcher, opts.connect_timeout, &tls)
                 .map_err(|e| unreachable(format!("bad address: {e}")))?;
             tokio::time::timeout(opts.connect_timeout, ep.connect())
                 .await
                 .map_err(|_| unreachable(format!("no answer in {:?}", opts.connect_timeout)))?
-                .map_err(|e| unreachable(source_chain(&e)))
+                .map_err(|e| unreachable(format!("{} ({})", source_chain(&e), tls_hint(&tls))))
         })?;
         let mut d =
             proto::dispatcher_client::DispatcherClient::with_interceptor(channel, bearer.clone())
@@ -199,6 +205,11 @@ impl Client {
                     "the dispatcher at {dispatcher} refused the call: {}",
                     s.message()
                 )),
+                // The connection broke under the call: most often one side
+                // speaks TLS and the other does not.
+                _ if std::error::Error::source(&s).is_some() => {
+                    unreachable(format!("{} ({})", source_chain(&s), tls_hint(&tls)))
+                }
                 _ => Error::rpc("attach", &s),
             })?
             .into_inner();
@@ -341,6 +352,16 @@ pub enum Next {
     End,
     /// Nothing yet within the timeout (the caller checks for Ctrl-C).
     Pending,
+}
+
+/// What to check when a connection fails, given how this process dials.
+fn tls_hint(tls: &Tls) -> &'static str {
+    if tls.on() {
+        "over TLS: the service's certificate must be signed by HINDSIGHT_DATA_TLS_CA and name the \
+         address dialled"
+    } else {
+        "in plain text: a service that serves TLS needs HINDSIGHT_DATA_TLS_CA here"
+    }
 }
 
 fn source_chain(e: &dyn std::error::Error) -> String {
@@ -647,10 +668,13 @@ impl EpochRun {
         if let Some(c) = self.channels.get(addr) {
             return Ok(c.clone());
         }
-        let ep = endpoint(addr, self.ctx.opts.connect_timeout).map_err(|e| Error::Unreachable {
-            role: "worker",
-            addr: addr.to_string(),
-            detail: e.to_string(),
+        let tls = self.ctx.opts.tls.clone().unwrap_or_default();
+        let ep = endpoint(addr, self.ctx.opts.connect_timeout, &tls).map_err(|e| {
+            Error::Unreachable {
+                role: "worker",
+                addr: addr.to_string(),
+                detail: e.to_string(),
+            }
         })?;
         // Batches are megabytes: large HTTP/2 frames and windows cut the
         // per-frame work and window updates of the receive path.

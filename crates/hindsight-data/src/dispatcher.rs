@@ -25,6 +25,7 @@ use crate::auth::{Check, Token};
 use crate::error::{Error, Result};
 use crate::journal::Journal;
 use crate::proto::{self, check_protocol, journal_record::Event, Key};
+use crate::tls::Tls;
 
 /// Digests per journal record of a compacted journal (~30 bytes each).
 const DIGESTS_PER_RECORD: usize = 50_000;
@@ -43,6 +44,8 @@ pub struct DispatcherOptions {
     /// The service's token; None: [`Token::for_dispatcher`] (the
     /// environment, else the journal's token file).
     pub token: Option<Token>,
+    /// TLS; None: from the environment ([`Tls::from_env`]).
+    pub tls: Option<Tls>,
     /// Bounds on what callers can make it hold (each refused beyond, by
     /// name): live workers, distinct jobs, ranks of a job. Dead workers are
     /// forgotten beyond [`DEAD_WORKERS_KEPT`].
@@ -62,6 +65,7 @@ impl DispatcherOptions {
             heartbeat_timeout: Duration::from_millis(1000),
             probe_timeout: Duration::from_millis(300),
             token: None,
+            tls: None,
             max_workers: 4096,
             max_jobs: 256,
             max_ranks: 1 << 16,
@@ -566,7 +570,10 @@ impl DispatcherService {
         let timeout = self.inner.opts.probe_timeout;
         let call = async {
             let token = self.inner.opts.token.as_ref()?;
-            let mut c = crate::worker::connect(address, timeout, token).await.ok()?;
+            let tls = self.inner.opts.tls.clone().unwrap_or_default();
+            let mut c = crate::worker::connect(address, timeout, token, &tls)
+                .await
+                .ok()?;
             c.probe(proto::ProbeRequest {
                 worker_id: worker_id.to_string(),
             })
@@ -961,6 +968,8 @@ pub struct DispatcherHandle {
     /// it came from the environment or the caller).
     pub token: Token,
     pub token_file: Option<PathBuf>,
+    /// Whether it serves over TLS.
+    pub tls: bool,
     shutdown: Option<oneshot::Sender<()>>,
     /// The server and the failure monitor; both hold the journal.
     tasks: Vec<JoinHandle<()>>,
@@ -1002,6 +1011,9 @@ pub async fn spawn(bind: &str, mut opts: DispatcherOptions) -> Result<Dispatcher
         }
     };
     opts.token = Some(token.clone());
+    let tls = Tls::resolve(opts.tls.take())?;
+    opts.tls = Some(tls.clone());
+    let server = tls.server(tonic::transport::Server::builder(), "dispatcher")?;
     let (service, recovered) = DispatcherService::open(opts)?;
     let listener = TcpListener::bind(bind).await.map_err(|e| Error::Io {
         what: format!("bind the dispatcher to {bind}"),
@@ -1033,7 +1045,7 @@ pub async fn spawn(bind: &str, mut opts: DispatcherOptions) -> Result<Dispatcher
     });
     let check = Check::new(&token);
     let join = tokio::spawn(async move {
-        let served = tonic::transport::Server::builder()
+        let served = server
             .tcp_nodelay(true)
             .add_service(InterceptedService::new(
                 proto::dispatcher_server::DispatcherServer::new(service)
@@ -1054,6 +1066,7 @@ pub async fn spawn(bind: &str, mut opts: DispatcherOptions) -> Result<Dispatcher
         recovered,
         token,
         token_file,
+        tls: tls.on(),
         shutdown: Some(tx),
         tasks: vec![join, monitor],
     })

@@ -56,6 +56,9 @@ pub enum Error {
     /// The service token is missing, unreadable or malformed (never shown).
     #[error("input service: {0}")]
     Token(String),
+    /// TLS was asked for but half given, or a certificate or key is unusable.
+    #[error("input service: TLS: {0}")]
+    Tls(String),
     /// The client was used after `close()` or from a forked child.
     #[error("input service: {0}")]
     Closed(String),
@@ -94,7 +97,7 @@ impl Error {
             Error::NoWorkers { .. } => ErrorKind::NoWorkers,
             Error::Rpc { .. } => ErrorKind::Rpc,
             Error::Io { .. } => ErrorKind::Io,
-            Error::Token(_) => ErrorKind::InvalidArgument,
+            Error::Token(_) | Error::Tls(_) => ErrorKind::InvalidArgument,
             Error::Closed(_) => ErrorKind::Closed,
         }
     }

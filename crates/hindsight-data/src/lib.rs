@@ -16,20 +16,23 @@ pub mod order;
 pub mod proto;
 pub mod recovery;
 pub mod shared;
+pub mod tls;
 pub mod worker;
 
 pub use error::{Error, ErrorKind, Result};
+pub use tls::Tls;
 
 /// What to say when a server of the input service listens where other
-/// machines reach it: every call must carry the service token, but calls
-/// travel unencrypted (no TLS), so the token and the data can be read on the
-/// way. Loopback (the default) says nothing.
-pub fn exposure_note(what: &str, addr: &std::net::SocketAddr) -> Option<String> {
-    (!addr.ip().is_loopback()).then(|| {
+/// machines reach it without TLS: every call must carry the service token,
+/// but calls travel unencrypted, so the token and the data can be read on
+/// the way. Loopback (the default) and TLS say nothing.
+pub fn exposure_note(what: &str, addr: &std::net::SocketAddr, tls: bool) -> Option<String> {
+    (!addr.ip().is_loopback() && !tls).then(|| {
         format!(
             "{what}: listening on {addr}, which other machines can reach; calls must carry the service \
-             token but travel unencrypted: use it only on a network you trust (the default, 127.0.0.1, \
-             serves this machine alone)"
+             token but travel unencrypted: use it only on a network you trust, or give certificates \
+             (HINDSIGHT_DATA_TLS_CA, _CERT, _KEY) to serve over TLS (the default, 127.0.0.1, serves this \
+             machine alone)"
         )
     })
 }

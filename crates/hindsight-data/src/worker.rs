@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::order::{example_seed, EpochOrder, JobSpec};
 use crate::proto::{self, check_protocol};
 use crate::shared::SharedDir;
+use crate::tls::Tls;
 
 /// What the worker asks the user's pipeline for: one rank's slice of one
 /// global batch.
@@ -111,8 +112,9 @@ pub(crate) async fn connect(
     addr: &str,
     timeout: Duration,
     token: &Token,
+    tls: &Tls,
 ) -> std::result::Result<proto::worker_client::WorkerClient<Authed>, tonic::transport::Error> {
-    let channel = endpoint(addr, timeout)?.connect().await?;
+    let channel = endpoint(addr, timeout, tls)?.connect().await?;
     Ok(
         proto::worker_client::WorkerClient::with_interceptor(channel, Bearer::new(token))
             .max_decoding_message_size(MAX_MESSAGE),
@@ -125,15 +127,13 @@ pub(crate) const MAX_MESSAGE: usize = 1 << 30;
 pub(crate) fn endpoint(
     addr: &str,
     timeout: Duration,
+    tls: &Tls,
 ) -> std::result::Result<Endpoint, tonic::transport::Error> {
-    let uri = if addr.contains("://") {
-        addr.to_string()
-    } else {
-        format!("http://{addr}")
-    };
-    Ok(Endpoint::from_shared(uri)?
-        .connect_timeout(timeout)
-        .tcp_nodelay(true))
+    tls.client(
+        Endpoint::from_shared(tls.uri(addr))?
+            .connect_timeout(timeout)
+            .tcp_nodelay(true),
+    )
 }
 
 /// How a worker finds and talks to its dispatcher.
@@ -152,6 +152,8 @@ pub struct WorkerOptions {
     pub shared_dir: Option<std::path::PathBuf>,
     /// The service's token; None: from the environment ([`Token::required`]).
     pub token: Option<Token>,
+    /// TLS; None: from the environment ([`Tls::from_env`]).
+    pub tls: Option<Tls>,
 }
 
 impl WorkerOptions {
@@ -164,6 +166,7 @@ impl WorkerOptions {
             startup_timeout: Duration::from_secs(10),
             shared_dir: None,
             token: None,
+            tls: None,
         }
     }
 }
@@ -316,6 +319,8 @@ impl proto::worker_server::Worker for WorkerService {
 #[derive(Debug)]
 pub struct WorkerHandle {
     pub addr: SocketAddr,
+    /// Whether it serves over TLS.
+    pub tls: bool,
     id: watch::Receiver<String>,
     shutdown: Option<oneshot::Sender<()>>,
     tasks: Vec<JoinHandle<()>>,
@@ -351,7 +356,8 @@ async fn register(
     address: &str,
     previous: &str,
 ) -> std::result::Result<String, Status> {
-    let channel = endpoint(&opts.dispatcher, Duration::from_secs(2))
+    let tls = opts.tls.clone().unwrap_or_default();
+    let channel = endpoint(&opts.dispatcher, Duration::from_secs(2), &tls)
         .map_err(|e| Status::invalid_argument(e.to_string()))?
         .connect()
         .await
@@ -377,8 +383,12 @@ async fn register(
 /// Bind, register with the dispatcher and serve on the current runtime.
 /// Fails fast (naming the address) if the dispatcher cannot be reached
 /// within `startup_timeout` or refuses this worker.
-pub async fn spawn(pipeline: Arc<dyn Pipeline>, opts: WorkerOptions) -> Result<WorkerHandle> {
+pub async fn spawn(pipeline: Arc<dyn Pipeline>, mut opts: WorkerOptions) -> Result<WorkerHandle> {
     let token = Token::required(opts.token.clone(), "worker")?;
+    let tls = Tls::resolve(opts.tls.take())?;
+    opts.tls = Some(tls.clone());
+    let serves_tls = tls.on();
+    let server = tls.server(tonic::transport::Server::builder(), "worker")?;
     let bearer = Bearer::new(&token);
     let listener = TcpListener::bind(&opts.bind).await.map_err(|e| Error::Io {
         what: format!("bind the worker to {}", opts.bind),
@@ -432,7 +442,7 @@ pub async fn spawn(pipeline: Arc<dyn Pipeline>, opts: WorkerOptions) -> Result<W
     };
     let (tx, rx) = oneshot::channel::<()>();
     let server = tokio::spawn(async move {
-        let served = tonic::transport::Server::builder()
+        let served = server
             .tcp_nodelay(true)
             .add_service(InterceptedService::new(
                 proto::worker_server::WorkerServer::new(service)
@@ -457,7 +467,7 @@ pub async fn spawn(pipeline: Arc<dyn Pipeline>, opts: WorkerOptions) -> Result<W
         loop {
             tick.tick().await;
             if client.is_none() {
-                client = endpoint(&opts.dispatcher, opts.heartbeat * 2)
+                client = endpoint(&opts.dispatcher, opts.heartbeat * 2, &tls)
                     .ok()
                     .map(|e| e.connect_lazy())
                     .map(|c| {
@@ -491,6 +501,7 @@ pub async fn spawn(pipeline: Arc<dyn Pipeline>, opts: WorkerOptions) -> Result<W
     });
     Ok(WorkerHandle {
         addr,
+        tls: serves_tls,
         id: id_rx,
         shutdown: Some(tx),
         tasks: vec![server, heartbeat],

@@ -812,3 +812,123 @@ fn a_flood_of_registrations_jobs_and_progress_is_refused_beyond_the_bounds() {
         c.register_worker(register(9999)).await.unwrap();
     });
 }
+
+/// PEM files of a test authority and a certificate it signed for 127.0.0.1,
+/// written to `dir`: (ca, cert, key).
+fn certificates(
+    dir: &std::path::Path,
+) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key).unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()])
+        .unwrap()
+        .signed_by(&key, &ca)
+        .unwrap();
+    let paths = (
+        dir.join("ca.pem"),
+        dir.join("cert.pem"),
+        dir.join("key.pem"),
+    );
+    std::fs::write(&paths.0, ca.pem()).unwrap();
+    std::fs::write(&paths.1, cert.pem()).unwrap();
+    std::fs::write(&paths.2, key.serialize_pem()).unwrap();
+    paths
+}
+
+const TLS_NAMES: (&str, &str, &str) = ("CA", "CERT", "KEY");
+
+#[test]
+fn with_certificates_the_service_serves_over_tls_and_a_plain_text_caller_gets_nothing() {
+    let rt = runtime();
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = certificates(dir.path());
+    let server_tls =
+        hindsight_data::Tls::from_files(Some(&ca), Some(&cert), Some(&key), TLS_NAMES).unwrap();
+    let client_tls = hindsight_data::Tls::from_files(Some(&ca), None, None, TLS_NAMES).unwrap();
+    let journal = dir.path().join("journal");
+    let mut opts = fast_options(&journal);
+    opts.tls = Some(server_tls.clone());
+    let d = rt.block_on(dispatcher::spawn("127.0.0.1:0", opts)).unwrap();
+    assert!(d.tls);
+    let addr = d.addr.to_string();
+    let mut wopts = worker_options(addr.clone());
+    wopts.tls = Some(server_tls);
+    let w = rt
+        .block_on(worker::spawn(Synthetic::new(0), wopts))
+        .unwrap();
+    assert!(w.tls);
+    // A trainer that trusts the authority reads the whole epoch, exactly.
+    let spec = spec(40);
+    let copts = ClientOptions {
+        tls: Some(client_tls),
+        ..client_options()
+    };
+    let mut c = Client::connect(&addr, spec.clone(), 0, 1, None, copts).unwrap();
+    assert_eq!(read_epoch(&mut c, 0, |_| {}).unwrap(), expected(&spec, 0));
+    c.close();
+    // One that speaks plain text (even with the token) reaches nothing.
+    let plain = ClientOptions {
+        tls: Some(hindsight_data::Tls::off()),
+        connect_timeout: Duration::from_secs(1),
+        ..client_options()
+    };
+    let e = Client::connect(&addr, spec.clone(), 0, 1, None, plain).unwrap_err();
+    assert!(matches!(e, Error::Unreachable { .. }), "{e}");
+    assert!(e.to_string().contains("HINDSIGHT_DATA_TLS_CA"), "{e}");
+    // Nor does one that trusts another authority.
+    let other = tempfile::tempdir().unwrap();
+    let (other_ca, _, _) = certificates(other.path());
+    let stranger = ClientOptions {
+        tls: Some(hindsight_data::Tls::from_files(Some(&other_ca), None, None, TLS_NAMES).unwrap()),
+        connect_timeout: Duration::from_secs(1),
+        ..client_options()
+    };
+    let e = Client::connect(&addr, spec, 0, 1, None, stranger).unwrap_err();
+    assert!(matches!(e, Error::Unreachable { .. }), "{e}");
+    assert!(e.to_string().contains("HINDSIGHT_DATA_TLS_CA"), "{e}");
+    drop(w);
+    drop(d);
+}
+
+#[test]
+fn half_given_tls_is_refused_naming_the_missing_setting() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = certificates(dir.path());
+    let msg = |r: Result<hindsight_data::Tls, Error>| r.unwrap_err().to_string();
+    let e = msg(hindsight_data::Tls::from_files(
+        Some(&ca),
+        Some(&cert),
+        None,
+        TLS_NAMES,
+    ));
+    assert!(e.contains("CERT is set but KEY is not"), "{e}");
+    let e = msg(hindsight_data::Tls::from_files(
+        None,
+        Some(&cert),
+        Some(&key),
+        TLS_NAMES,
+    ));
+    assert!(e.contains("CA is not"), "{e}");
+    let junk = dir.path().join("junk.pem");
+    std::fs::write(&junk, "not a certificate").unwrap();
+    let e = msg(hindsight_data::Tls::from_files(
+        Some(&junk),
+        None,
+        None,
+        TLS_NAMES,
+    ));
+    assert!(e.contains("junk.pem") && e.contains("not PEM"), "{e}");
+    // A server that is told to use TLS but has no certificate does not
+    // start in plain text.
+    let rt = runtime();
+    let mut opts = fast_options(&dir.path().join("journal"));
+    opts.tls = Some(hindsight_data::Tls::from_files(Some(&ca), None, None, TLS_NAMES).unwrap());
+    let e = rt
+        .block_on(dispatcher::spawn("127.0.0.1:0", opts))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("has no certificate"), "{e}");
+}

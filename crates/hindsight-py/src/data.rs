@@ -536,7 +536,7 @@ pub(crate) fn serve_data_worker(
     let mut running = interrupt::run(py, |_| worker::start(pipeline, opts))?;
     if let Some(note) = running
         .handle()
-        .and_then(|h| hindsight_data::exposure_note("hindsight data worker", &h.addr))
+        .and_then(|h| hindsight_data::exposure_note("hindsight data worker", &h.addr, h.tls))
     {
         eprintln!("{note}");
     }
@@ -569,7 +569,9 @@ pub(crate) fn run_data_dispatcher(
     let mut running = interrupt::run(py, |_| dispatcher::start(bind, opts))?;
     if let Some(h) = running.handle() {
         // Before the address: whoever reads that line has seen the warning.
-        if let Some(note) = hindsight_data::exposure_note("hindsight data dispatcher", &h.addr) {
+        if let Some(note) =
+            hindsight_data::exposure_note("hindsight data dispatcher", &h.addr, h.tls)
+        {
             eprintln!("{note}");
         }
         eprintln!("{}", h.token_line());
