@@ -603,7 +603,8 @@ def test_without_the_token_a_caller_gets_nothing_from_the_service_and_a_trainer_
 
 
 def _certificates(d: Path) -> tuple[Path, Path, Path]:
-    """A test authority and a certificate it signed for 127.0.0.1 (PEM)."""
+    """A test authority and a certificate it signed for 127.0.0.1 (PEM), made
+    with `cryptography` (installed with moto[server], which the S3 tests use)."""
     import datetime
     import ipaddress
 
