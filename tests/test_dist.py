@@ -38,6 +38,7 @@ def torchrun(
     save_at: int = 3,
     wait: bool = True,
     launcher: str = "torch.distributed.run",
+    restarts: int = 0,
 ) -> Any:
     """`torchrun --nproc_per_node=n dist_worker.py ...`: its result, or the
     running process when not ``wait``."""
@@ -48,6 +49,7 @@ def torchrun(
         launcher,
         "--standalone",
         f"--nproc_per_node={n}",
+        f"--max-restarts={restarts}",
         str(WORKER),
         mode,
         str(store),
@@ -130,25 +132,30 @@ def test_a_rank_killed_mid_save_leaves_no_checkpoint_listed(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(
-    ("sig", "to"),
+    ("sig", "to", "restarts"),
     [
-        (signal.SIGTERM, "rank 1"),
-        pytest.param(signal.SIGUSR1, "rank 1", marks=pytest.mark.matrix),  # the same path as SIGTERM's
-        (signal.SIGTERM, "torchrun"),
-        (signal.SIGUSR1, "torchrun"),  # it used to kill the launcher (exit -10)
+        (signal.SIGTERM, "rank 1", 0),
+        pytest.param(signal.SIGUSR1, "rank 1", 0, marks=pytest.mark.matrix),  # the same path as SIGTERM's
+        (signal.SIGTERM, "torchrun", 0),
+        (signal.SIGUSR1, "torchrun", 0),  # it used to kill the launcher (exit -10)
         # Every process of the job, as scancel, Slurm's --signal and HTCondor's eviction deliver it.
-        (signal.SIGTERM, "the job"),
-        pytest.param(signal.SIGUSR1, "the job", marks=pytest.mark.matrix),
+        (signal.SIGTERM, "the job", 0),
+        pytest.param(signal.SIGUSR1, "the job", 0, marks=pytest.mark.matrix),
+        # torchrun's own restarts: ranks that checkpointed to leave are not
+        # restarted in place (they resumed and trained on until killed).
+        (signal.SIGTERM, "rank 1", 2),
     ],
 )
 def test_a_signal_to_one_rank_or_the_launcher_stops_every_rank_at_the_same_step_and_the_job_resumes_exactly(
-    tmp_path: Path, sig: int, to: str
+    tmp_path: Path, sig: int, to: str, restarts: int
 ) -> None:
     steps = 30
     r = torchrun(2, "ddp-train", tmp_path / "reference", tmp_path, steps=steps, save_at=steps)
     assert r.returncode == 0, r.stderr[-3000:]
     store = tmp_path / "store"
-    p = torchrun(2, "ddp-preempt", store, tmp_path, steps=steps, wait=False, launcher="hindsight.torchrun")
+    p = torchrun(
+        2, "ddp-preempt", store, tmp_path, steps=steps, wait=False, launcher="hindsight.torchrun", restarts=restarts
+    )
     pid1 = tmp_path / "pid-1"
     deadline = time.monotonic() + 120
     while not pid1.exists() and time.monotonic() < deadline:

@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 from hindsight import _native, _preemption, _settings
 
@@ -97,12 +98,38 @@ class _Forwarder:
             signal.signal(sig, self)
 
 
+def _no_restart_to_leave(stop: _Forwarder) -> None:
+    """torchrun's restarts (``--max-restarts``) are for ranks that crashed,
+    not for ranks that checkpointed to leave: restarted, they would resume
+    and train on until the batch system kills the job. Once a stop signal
+    reached this launcher, or every rank that ended left with the
+    checkpoint code, the worker group is stopped instead (the way torch's
+    agent itself disables restarts for a wedged worker), and this launcher
+    exits with the checkpoint code."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    code = _preemption.exit_code()
+    monitor = LocalElasticAgent._monitor_workers
+
+    def _monitor_workers(self: Any, worker_group: Any) -> Any:
+        result = monitor(self, worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            codes = {f.exitcode for f in (result.failures or {}).values()}
+            if stop.received is not None or codes == {code}:
+                self._remaining_restarts = 0
+        return result
+
+    LocalElasticAgent._monitor_workers = _monitor_workers  # type: ignore[method-assign]
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     stop = _Forwarder()
     stop.install()
+    _no_restart_to_leave(stop)
     args = list(sys.argv[1:] if argv is None else argv)
     if not any(a.split("=")[0] in ("--signals-to-handle", "--signals_to_handle") for a in args):
         # torch elastic installs its handlers for these only (a user's own choice stands).
