@@ -180,12 +180,18 @@ def test_a_failed_slurm_task_is_reported_and_the_other_tasks_values_kept(slurm, 
 # ------------------------------------------------------- multi-rank jobs
 
 
-def test_scancel_term_to_a_torchrun_step_checkpoints_every_rank_and_the_step_exits_85(slurm, tmp_path):
+@pytest.mark.parametrize("how", ["scancel", pytest.param("--signal", marks=pytest.mark.slow)])
+def test_scancel_term_to_a_torchrun_step_checkpoints_every_rank_and_the_step_exits_85(slurm, tmp_path, how):
     """Issue 43: `scancel --signal=TERM` signals every process of the job's
-    steps, the launcher and the ranks at once. `srun python -m
-    hindsight.torchrun` passes it on, the ranks checkpoint at one step, and
-    the step exits 85, with no traceback (torchrun's own handler exited 1;
-    SIGUSR1 killed it)."""
+    steps, the launcher and the ranks at once; `#SBATCH --signal=USR1@100`
+    signals the job's steps before the time limit. `srun
+    python -m hindsight.torchrun` passes it on, the ranks checkpoint at one
+    step, and the step exits 85, with no traceback (torchrun's own handler
+    exited 1; SIGUSR1 killed it).
+
+    Slurm sends the time warning at its first periodic check (every 30 s)
+    from which the next would be too late: with `--time=3` and `@100`,
+    50-80 s in; 1,200 steps of 0.1 s outlast it."""
     worker = REPO / "tests" / "dist_worker.py"
     store, out = tmp_path / "store", tmp_path / "out"
     out.mkdir()
@@ -197,9 +203,10 @@ def test_scancel_term_to_a_torchrun_step_checkpoints_every_rank_and_the_step_exi
                 "#SBATCH --ntasks=1",
                 "#SBATCH --cpus-per-task=2",
                 f"#SBATCH --output={tmp_path}/job.out",
+                *(["#SBATCH --time=3", "#SBATCH --signal=USR1@100"] if how == "--signal" else []),
                 "export OMP_NUM_THREADS=1",
-                f"srun {sys.executable} -m hindsight.torchrun --standalone --nproc_per_node=2 "
-                f"{worker} ddp-preempt {store} {out} 400 400",
+                f"srun {sys.executable} -m hindsight.torchrun "
+                f"--standalone --nproc_per_node=2 {worker} ddp-preempt {store} {out} 1200 1200",
                 f"echo $? > {tmp_path}/step-code",
             ]
         )
@@ -213,8 +220,9 @@ def test_scancel_term_to_a_torchrun_step_checkpoints_every_rank_and_the_step_exi
         assert time.monotonic() < deadline, _job(job)
         assert _job(job)["JobState"] in ("PENDING", "RUNNING"), _job(job)
         time.sleep(0.2)
-    time.sleep(1.5)  # some steps in
-    subprocess.run(["scancel", "--signal=TERM", job], timeout=30, check=True)
+    if how == "scancel":
+        time.sleep(1.5)  # some steps in
+        subprocess.run(["scancel", "--signal=TERM", job], timeout=30, check=True)
     info = _follow(job, tmp_path, 240)
     log = (tmp_path / "job.out").read_text()
     assert (tmp_path / "step-code").read_text().strip() == "85", log[-3000:]
