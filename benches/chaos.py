@@ -563,9 +563,13 @@ RESUMED = textwrap.dedent(
     import os, signal, time, torch, hindsight as hs
     w = torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.SGD([w], lr=0.1)
+    t0 = time.time()
     with hs.checkpointing(w=w, opt=opt):
         for epoch in hs.loop("epoch", range(6)):
             for step in hs.loop("step", range(3)):
+                # HOLD: a resume waits, holding its run, until told to go.
+                while os.environ.get("HOLD") and not os.path.exists("go") and time.time() < t0 + 90:
+                    time.sleep(0.05)
                 opt.zero_grad(); (w * w).sum().backward(); opt.step()
                 time.sleep(0.05)
             if epoch == 2 and os.environ.get("STOP"):
@@ -585,10 +589,21 @@ def concurrent_resumes(trials: int, base: Path, rng: random.Random) -> tuple[int
         if first.returncode != 85:
             kinds[f"the interrupted run exited {first.returncode}"] += 1
             continue
+        # Both resumes overlap for sure: the one that holds the run waits in
+        # its first step until the other has left (refused) or 60 s passed
+        # (a second one let in waits too, and both then exit 0: a failure).
+        # Without the wait, a loaded machine could finish the first before
+        # the second started, and the trial tested nothing.
         procs = []
         for _ in range(2):
-            procs.append(subprocess.Popen([sys.executable, "train.py"], cwd=d, env=env, stderr=subprocess.PIPE))
+            procs.append(
+                subprocess.Popen([sys.executable, "train.py"], cwd=d, env={**env, "HOLD": "1"}, stderr=subprocess.PIPE)
+            )
             time.sleep(rng.random() * 0.3)
+        deadline = time.monotonic() + 60
+        while all(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (d / "go").touch()
         codes, errs = [], []
         for p in procs:
             _, err = p.communicate(timeout=120)
