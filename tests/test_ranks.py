@@ -757,7 +757,7 @@ def test_hs_run_id_on_a_following_rank_is_refused_before_the_ranks_meet_and_agre
     refused, naming why. Inside the loop every rank has rank 0's id."""
     script = tmp_path / "train.py"
     script.write_text(
-        "import torch, torch.distributed as dist, hindsight as hs\n"
+        "import sys, torch, torch.distributed as dist, hindsight as hs\n"
         'dist.init_process_group("gloo")\n'
         "m = torch.nn.Linear(2, 2)\n"
         "try:\n"
@@ -768,7 +768,9 @@ def test_hs_run_id_on_a_following_rank_is_refused_before_the_ranks_meet_and_agre
         '    for epoch in hs.loop("epoch", range(1)):\n'
         "        ids = [None, None]\n"
         "        dist.all_gather_object(ids, hs.run_id())\n"
-        'print("RANK", dist.get_rank(), early, "|", " ".join(ids), flush=True)\n'
+        # One write per line: torchrun runs ranks with `python -u`, where
+        # print's pieces are separate writes that two ranks interleave.
+        "sys.stdout.write(f\"RANK {dist.get_rank()} {early} | {' '.join(ids)}\\n\")\n"
         "dist.destroy_process_group()\n"
     )
     r = launch(tmp_path, 2, script=script)
