@@ -12,6 +12,7 @@ from hindsight import _preemption
 from hindsight._launcher import tie_rank_to_launcher as _tie_rank_to_launcher
 from hindsight._query import dataframe
 from hindsight._run import arg, args, checkpointing, log, loop, notebook, run_id
+from hindsight._run import files as _files
 from hindsight._store import SaveHandle, Store
 from hindsight.errors import (
     AbandonedError,
@@ -72,6 +73,9 @@ __version__ = "0.1.0"
 _tie_rank_to_launcher()
 # A stop signal before the training loop leaves with a word, not killed.
 _preemption.install_early()
+# A replay worker writes into its own mirror of the recorded directory, also
+# before its first hs.* call.
+_files.mirror_worker()
 
 
 def __getattr__(name: str) -> object:

@@ -5,7 +5,8 @@ is and stop it at an exact step.
 `step(*where)` is called once per training step (at its end: after the
 optimizer step and the step's `hs.log` calls). It prints `zoo-step a:b` and,
 when `$ZOO_SIGNAL_AT` names this step, sends the process `$ZOO_SIGNAL`
-(TERM, USR1 or KILL) itself, once: `$ZOO_SIGNAL_FLAG` is created first, so a
+(TERM, USR1 or KILL) itself (only rank `$ZOO_SIGNAL_RANK` when set; the
+whole process group when `$ZOO_SIGNAL_GROUP` is set), once: `$ZOO_SIGNAL_FLAG` is created first, so a
 relaunch that recomputes the same step (after a kill -9) goes on.
 
 `final(**state)` saves the final state (tensors, state_dicts) to `$ZOO_OUT`
@@ -26,7 +27,20 @@ _SIGNALS = {"TERM": signal.SIGTERM, "USR1": signal.SIGUSR1, "KILL": signal.SIGKI
 def step(*where: object) -> None:
     tag = ":".join(str(int(w)) for w in where)  # type: ignore[call-overload]
     print(f"zoo-step {tag}", flush=True)
+    _signal_at(tag)
+
+
+def point(*where: object) -> None:
+    """A place that is not a step (an evaluation): the signal may be asked
+    for there too (`$ZOO_SIGNAL_AT=5:eval`), and no step is marked."""
+    _signal_at(":".join(str(w) for w in where))
+
+
+def _signal_at(tag: str) -> None:
     if os.environ.get("ZOO_SIGNAL_AT") != tag:
+        return
+    rank = os.environ.get("ZOO_SIGNAL_RANK")
+    if rank is not None and rank != os.environ.get("RANK", "0"):
         return
     flag = os.environ.get("ZOO_SIGNAL_FLAG", "")
     if flag and os.path.exists(flag):
@@ -34,7 +48,11 @@ def step(*where: object) -> None:
     if flag:
         with open(flag, "w") as f:
             f.write(tag)
-    os.kill(os.getpid(), _SIGNALS[os.environ.get("ZOO_SIGNAL", "TERM")])
+    sig = _SIGNALS[os.environ.get("ZOO_SIGNAL", "TERM")]
+    if os.environ.get("ZOO_SIGNAL_GROUP"):
+        os.killpg(0, sig)  # the whole job, as a batch system's eviction sends it
+    else:
+        os.kill(os.getpid(), sig)
 
 
 def final(**state: object) -> None:
@@ -54,6 +72,8 @@ def final(**state: object) -> None:
             return v.detach().clone()
         return v
 
+    if "RANK" in os.environ:  # under torchrun: each rank its own file
+        out = f"{out}.rank{os.environ['RANK']}"
     tmp = out + ".tmp"
     torch.save(plain(state), tmp)
     os.replace(tmp, out)

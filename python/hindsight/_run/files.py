@@ -359,6 +359,32 @@ class Mirror:
                 shutil.copyfile(target, path)
 
 
+_MIRROR: list[Mirror] = []
+
+
+def mirror_worker(home: Path | None = None) -> None:
+    """In a replay worker (`$HINDSIGHT_RECORDED_CWD` set), redirect writes
+    into this worker's mirror from now on: called as hindsight is imported,
+    so a script that truncates its log file before its first `hs.*` call
+    (build-nanogpt's `open(log_file, "w")`) does not empty the recording's.
+    `home`: the project home, never redirected (once known)."""
+    recorded = _settings.text(ENV_RECORDED_CWD)
+    if not recorded:
+        return
+    if not _MIRROR:
+        env_home = _settings.text(_settings.HOME)
+        _MIRROR.append(
+            Mirror(
+                Path(recorded),
+                Path.cwd(),
+                [Path(env_home)] if env_home else [],
+                _settings.flag(ENV_CONCURRENT, False),
+            )
+        )
+    if home is not None and home.resolve() not in _MIRROR[0].exclude:
+        _MIRROR[0].exclude.append(home.resolve())
+
+
 def mirror(src: Path, dst: Path) -> None:
     """`dst` as a directory of links to each entry of `src`."""
     dst.mkdir(parents=True, exist_ok=True)

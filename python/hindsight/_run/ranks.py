@@ -74,3 +74,28 @@ class Ranks:
         got: list[Any] | None = [None] * self.size if self.leads else None
         dist.gather_object(payload, got, dst=0)
         return None if got is None else got[1:]
+
+
+# What gloo and NCCL raise in a rank whose peer went away mid-collective (the
+# peer was killed, ran out of memory, or its node left).
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+)
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether `error` is a collective failing because another rank of the
+    job is gone, not a fault of this rank's code."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return False
+    kinds = tuple(k for k in (getattr(dist, "DistNetworkError", None), getattr(dist, "DistBackendError", None)) if k)
+    text = str(error)
+    return (kinds != () and isinstance(error, kinds) and any(p in text for p in _PEER_GONE)) or (
+        isinstance(error, RuntimeError) and any(p in text for p in _PEER_GONE)
+    )

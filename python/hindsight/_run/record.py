@@ -33,6 +33,7 @@ from hindsight._run.common import (
 )
 from hindsight._run.files import Written
 from hindsight._run.loopvars import _storages
+from hindsight._run.ranks import lost_peer
 from hindsight._state import capture, capture_grads, rng_state, set_rng_state, tensor_bytes
 from hindsight.errors import (
     CorruptError,
@@ -240,7 +241,22 @@ class RecordRun(Run):
         previous = sys.excepthook
 
         def hook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
-            self.finish("interrupted" if issubclass(tp, KeyboardInterrupt) else "failed")
+            status = "failed"
+            if issubclass(tp, KeyboardInterrupt):
+                status = "interrupted"
+            elif self.ranks is not None and lost_peer(value):
+                # Another rank died (kill -9, OOM) and this one's collective
+                # failed: the job was interrupted, not wrong. A relaunch
+                # resumes from the last checkpoint every rank committed.
+                status = "interrupted"
+                if self.leads:
+                    print(
+                        f"hindsight: run {self.run_id}: another rank of the job was lost ({tp.__name__}); "
+                        "the run is left interrupted: run the same command again to resume it",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            self.finish(status)
             previous(tp, value, tb)
 
         sys.excepthook = hook

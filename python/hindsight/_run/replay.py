@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hindsight import _native, _settings
+from hindsight import _native
 from hindsight._run import batches, files
 from hindsight._run.common import Run, inherited_pipe, job_part
 from hindsight._state import capture_grads, set_rng_state
@@ -81,10 +81,8 @@ class ReplayRun(Run):
         self.next_value_check = 0.0
         self.noted_clock = False
         self.replay_id: int | None = self.plan.replay_id
-        recorded_cwd = os.environ.get(files.ENV_RECORDED_CWD)
-        if recorded_cwd:
-            # Writes go to this worker's own mirror of the recorded directory.
-            files.Mirror(Path(recorded_cwd), Path.cwd(), [self.home], _settings.flag(files.ENV_CONCURRENT, False))
+        # Writes go to this worker's own mirror of the recorded directory.
+        files.mirror_worker(self.home)
         atexit.register(self.finish)
 
     def _log_db_path(self) -> str:
