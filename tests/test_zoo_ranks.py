@@ -92,18 +92,20 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]
 
 
 @pytest.mark.parametrize(
-    ("at", "sig", "rank", "group"),
+    ("at", "sig", "rank", "to"),
     [
-        ("6:0", "TERM", "0", ""),  # the first micro-step
-        ("7:3", "USR1", "1", ""),  # the last one: gradients all-reduced, the optimizer step not taken yet
-        ("6:2", "USR1", "1", ""),  # between unsynchronised micro-steps: each rank's own gradients
-        ("10:eval", "TERM", "0", "1"),  # after the evaluation's all_reduce, to the whole job
-        ("7:2", "KILL", "1", ""),  # one rank killed: the other's collective fails
+        ("6:0", "TERM", "0", "self"),  # the first micro-step, one rank
+        ("7:3", "USR1", "1", "self"),  # the last: gradients all-reduced, the optimizer step not taken yet
+        ("6:2", "USR1", "1", "self"),  # between unsynchronised micro-steps: each rank's own gradients
+        ("4:3", "INT", "0", "launcher"),  # the launcher alone
+        ("10:eval", "TERM", "0", "group"),  # after the evaluation's all_reduce, to the whole job
+        ("5:0", "USR1", "1", "group"),  # right after an evaluation, to the whole job
+        ("7:2", "KILL", "1", "self"),  # one rank killed: the other's collective fails
     ],
-    ids=["first-micro", "last-micro", "mid-accumulation", "eval-group", "kill-9"],
+    ids=["first-micro", "last-micro", "mid-accumulation", "launcher", "eval-group", "after-eval-group", "kill-9"],
 )
 def test_build_nanogpt_under_torchrun_resumes_exactly_from_each_interruption(
-    tmp_path: Path, reference: tuple[Path, list[Any]], at: str, sig: str, rank: str, group: str
+    tmp_path: Path, reference: tuple[Path, list[Any]], at: str, sig: str, rank: str, to: str
 ) -> None:
     _, want = reference
     stopped = launch(
@@ -111,7 +113,7 @@ def test_build_nanogpt_under_torchrun_resumes_exactly_from_each_interruption(
         ZOO_SIGNAL_AT=at,
         ZOO_SIGNAL=sig,
         ZOO_SIGNAL_RANK=rank,
-        ZOO_SIGNAL_GROUP=group,
+        ZOO_SIGNAL_TO=to,
         ZOO_SIGNAL_FLAG=str(tmp_path / "signalled"),
     )
     assert (tmp_path / "signalled").exists(), stopped.stderr[-3000:]

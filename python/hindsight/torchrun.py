@@ -147,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     # in 6 failed, none in 5 with the store kept apart). A user's own
     # setting stands.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # SIGINT to a job is a stop request like SIGTERM (a container's stop
+    # signal, Ctrl-C on the launcher): the ranks checkpoint on it, where
+    # one interactive process leaves it a KeyboardInterrupt. A user's own
+    # setting stands.
+    os.environ.setdefault(_settings.CATCH_SIGINT, "1")
     _forward_stack_dumps()
     try:
         torchrun(args)

@@ -5,8 +5,9 @@ is and stop it at an exact step.
 `step(*where)` is called once per training step (at its end: after the
 optimizer step and the step's `hs.log` calls). It prints `zoo-step a:b` and,
 when `$ZOO_SIGNAL_AT` names this step, sends the process `$ZOO_SIGNAL`
-(TERM, USR1 or KILL) itself (only rank `$ZOO_SIGNAL_RANK` when set; the
-whole process group when `$ZOO_SIGNAL_GROUP` is set), once: `$ZOO_SIGNAL_FLAG` is created first, so a
+(TERM, USR1, INT or KILL) itself (only rank `$ZOO_SIGNAL_RANK` when set;
+`$ZOO_SIGNAL_TO=group`: the whole process group, `launcher`: the parent
+process, torchrun's agent), once: `$ZOO_SIGNAL_FLAG` is created first, so a
 relaunch that recomputes the same step (after a kill -9) goes on.
 
 `final(**state)` saves the final state (tensors, state_dicts) to `$ZOO_OUT`
@@ -21,7 +22,7 @@ from __future__ import annotations
 import os
 import signal
 
-_SIGNALS = {"TERM": signal.SIGTERM, "USR1": signal.SIGUSR1, "KILL": signal.SIGKILL}
+_SIGNALS = {"TERM": signal.SIGTERM, "USR1": signal.SIGUSR1, "INT": signal.SIGINT, "KILL": signal.SIGKILL}
 
 
 def step(*where: object) -> None:
@@ -49,8 +50,11 @@ def _signal_at(tag: str) -> None:
         with open(flag, "w") as f:
             f.write(tag)
     sig = _SIGNALS[os.environ.get("ZOO_SIGNAL", "TERM")]
-    if os.environ.get("ZOO_SIGNAL_GROUP"):
+    to = os.environ.get("ZOO_SIGNAL_TO", "self")
+    if to == "group":
         os.killpg(0, sig)  # the whole job, as a batch system's eviction sends it
+    elif to == "launcher":
+        os.kill(os.getppid(), sig)  # torchrun's agent alone (docker stop, Kubernetes)
     else:
         os.kill(os.getpid(), sig)
 
