@@ -11,6 +11,7 @@ the writer ran on its cores: on an H100 host that made a GPU job with
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -59,3 +60,58 @@ def test_a_loop_that_leaves_the_cores_idle_checkpoints_every_epoch(tmp_path: Pat
     # on cores nothing else wanted. Priced in full, that CPU allowed 2
     # checkpoints of the 6 epochs (measured before the fix).
     assert len(taken) >= 5, (taken, [(it.idx, it.materialize_seconds) for it in iters])
+
+
+SPACED = """\
+import time
+import torch
+import hindsight as hs
+
+torch.manual_seed(0)
+# A frozen backbone of 64 MB (saved once, then deduplicated: cheap to
+# checkpoint, but a restore reads it all back) and a small head that trains.
+backbone = torch.nn.Linear(4096, 4096).requires_grad_(False)
+head = torch.nn.Linear(64, 64)
+with hs.checkpointing(backbone=backbone, head=head):
+    for it in hs.loop("it", range(60)):
+        with torch.no_grad():
+            head.weight.add_(1e-3)
+        time.sleep(0.005)  # 5 ms of "compute" per iteration
+        hs.log("w", float(head.weight[0, 0]))
+"""
+
+
+@pytest.mark.serial  # priced from CPU and read times: not beside another test
+def test_checkpoints_that_a_replay_would_never_restore_are_not_taken(tmp_path: Path) -> None:
+    """Restoring a checkpoint here (reading back and verifying the frozen
+    64 MB, about 20 ms) costs more than the 5 ms iteration it would skip,
+    though writing one costs little (the backbone is deduplicated), so a
+    replay would execute from the previous checkpoint instead: once that
+    restore cost is measured, checkpoints are at least that much compute
+    apart, however loose the overhead bound. The first is still taken, and
+    the end line says what was withheld and why."""
+    script = tmp_path / "train.py"
+    script.write_text(SPACED)
+    home = tmp_path / ".hindsight"
+    env = {**os.environ, "HINDSIGHT_HOME": str(home), "HINDSIGHT_EPSILON": "1", "HINDSIGHT_VERBOSE": "1"}
+    env.pop("HINDSIGHT_CHECKPOINT_EVERY", None)
+    r = subprocess.run(
+        [sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180
+    )
+    assert r.returncode == 0, r.stderr
+    db = _native.LogDb(str(home / "logs.db"))
+    iters = db.iterations(db.latest_run()["id"], "it")
+    taken = [it.idx for it in iters if it.checkpoint is not None]
+    assert taken, "a run that fits a checkpoint within the bound takes one"
+    # The measure arrives once the first checkpoint is durable and read back
+    # (off the training thread): the first decision it changed says so, and
+    # from there no checkpoint follows the one before within one iteration.
+    withheld = [
+        int(line.split()[2].rstrip(":"))
+        for line in r.stderr.splitlines()
+        if line.startswith("hindsight: it ") and "a restore costs" in line
+    ]
+    assert withheld, r.stderr
+    later = [i for i in taken if i >= withheld[0] - 1]
+    assert all(b - a >= 2 for a, b in itertools.pairwise(later)), (taken, withheld)
+    assert "more fit the overhead bound but were not taken: restoring one" in r.stderr, r.stderr

@@ -327,6 +327,10 @@ impl RecordSession {
         self.0.overhead(total_secs)
     }
 
+    fn restore_measured(&mut self, read_secs: f64) {
+        self.0.restore_measured(read_secs)
+    }
+
     /// The checkpoint to save now that iteration `i`'s steps ended, if due.
     #[pyo3(signature = (i, compute_secs, background_total, first_estimate))]
     fn block_end(

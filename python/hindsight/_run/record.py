@@ -13,6 +13,7 @@ import os
 import platform
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -80,6 +81,10 @@ class RecordRun(Run):
         self.known = cmdline.Known()
         self.iter_materialize: float | None = None
         self.last_blocked: float | None = None
+        # The timed read-back of this process's first checkpoint (what a
+        # restore costs, for the adaptive policy): the thread, then its result.
+        self.restore_probe: threading.Thread | None = None
+        self.restore_read: list[float] = []
         # The training thread's time in this class's loop hooks, and the part
         # of it spent saving checkpoints: the rest is the recording's own
         # overhead, charged to the adaptive policy's budget too.
@@ -446,6 +451,7 @@ class RecordRun(Run):
             self.vars_checked += 1
             self.capture()
         compute = time.perf_counter() - self.iter_start
+        self._price_restore()
         background = self.store.background_cpu_seconds if self._store is not None else None
         first = self._estimate_materialize() if self.last_blocked is None else 0.0
         self.session.overhead(self.own_seconds + time.perf_counter() - t0 - self.save_seconds)
@@ -477,6 +483,37 @@ class RecordRun(Run):
             extra["grads"] = grads
         self._save_now(name, extra, wait=False)
         self.iter_materialize = self.last_blocked
+
+    def _price_restore(self) -> None:
+        """What restoring a checkpoint costs, measured once, off the training
+        thread: the first durable checkpoint of this process is read back
+        and verified (the GIL released), and the session spaces adaptive
+        checkpoints by it (core `AdaptivePolicy::pays_back`). Its CPU counts
+        as the recording's own time. Rank 0 decides for a job; a job's
+        sharded checkpoints are not priced (they keep the ε rule alone)."""
+        if self.restore_probe is None:
+            if self.sharded or not self.leads or not self.handles or not self.handles[0].done():
+                return
+            name = self.handles[0].name
+            store = self.store
+
+            def read_back() -> None:
+                t0 = time.perf_counter()
+                try:
+                    problems = store.verify([name])
+                except HindsightError:
+                    return  # retention or gc took it first: unpriced, as before
+                if not problems:
+                    self.restore_read.append(time.perf_counter() - t0)
+
+            # Not a daemon: one read of one checkpoint, which exit waits for
+            # rather than stopping it inside the engine.
+            self.restore_probe = threading.Thread(target=read_back, name="hindsight-restore-price")
+            self.restore_probe.start()
+        elif self.restore_read and not self.restore_probe.is_alive():
+            secs = self.restore_read.pop()
+            self.own_seconds += secs
+            self.session.restore_measured(secs)
 
     def apply_retention(self, final: bool = False) -> None:
         """The session's policy (the user's, or the loop's default) on this run's checkpoints."""

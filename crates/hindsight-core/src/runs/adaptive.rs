@@ -68,6 +68,13 @@ pub struct AdaptivePolicy {
     pub restore_observations: u64,
     /// Expected materialization of the latest checkpoint, until corrected.
     pub pending_materialize_secs: Option<f64>,
+    /// What restoring one checkpoint costs, once measured
+    /// ([`observe_restore_cost`](Self::observe_restore_cost)).
+    pub restore_secs: Option<f64>,
+    /// Σ compute seconds since the last checkpoint (all of them before the first).
+    pub compute_since_checkpoint: f64,
+    /// Checkpoints ε allowed that [`pays_back`](Self::pays_back) withheld.
+    pub withheld: u64,
 }
 
 impl Default for AdaptivePolicy {
@@ -89,6 +96,9 @@ impl AdaptivePolicy {
             total_hooks_secs: 0.0,
             restore_observations: 0,
             pending_materialize_secs: None,
+            restore_secs: None,
+            compute_since_checkpoint: 0.0,
+            withheld: 0,
         }
     }
 
@@ -135,6 +145,7 @@ impl AdaptivePolicy {
         self.n += 1;
         if compute_secs.is_finite() && compute_secs > 0.0 {
             self.total_compute_secs += compute_secs;
+            self.compute_since_checkpoint += compute_secs;
         }
         if !expected_materialize_secs.is_finite() {
             return false;
@@ -144,13 +155,45 @@ impl AdaptivePolicy {
         // out, with the hooks' time charged up to their share of the budget.
         let budget = self.total_compute_secs * self.threshold();
         let hooks = self.total_hooks_secs.min(budget * HOOKS_SHARE);
-        let checkpoint = self.total_materialize_secs + m + hooks < budget;
+        let fits = self.total_materialize_secs + m + hooks < budget;
+        let checkpoint = fits && self.pays_back();
+        if fits && !checkpoint {
+            self.withheld += 1;
+        }
         if checkpoint {
             self.k += 1;
             self.total_materialize_secs += m;
             self.pending_materialize_secs = Some(m);
+            self.compute_since_checkpoint = 0.0;
         }
         checkpoint
+    }
+
+    /// Whether a checkpoint now would ever be restored: a replay restores
+    /// one only where that is cheaper than executing from the one before
+    /// (`runs::replay`), so a checkpoint less compute after the previous one
+    /// than a restore costs would be written, stored and never used. Where
+    /// restoring costs about as much as an iteration's compute, checkpoints
+    /// come every k-th iteration, k = ⌈R / C⌉. Always true until the first
+    /// restore cost is measured.
+    pub fn pays_back(&self) -> bool {
+        match self.restore_secs {
+            Some(r) if self.k > 0 => self.compute_since_checkpoint >= r,
+            _ => true,
+        }
+    }
+
+    /// Restoring a checkpoint was measured to cost `restore_secs`: the
+    /// spacing rule of [`pays_back`](Self::pays_back) uses the latest
+    /// measure. That rule keeps the replay-latency half of Flor's invariant
+    /// (`k R < n C`) checkpoint by checkpoint, so `c` keeps its prior here:
+    /// folded into the threshold as well, a dear restore would thin the
+    /// checkpoints twice, and could leave a run with none. Ignored unless
+    /// finite and non-negative.
+    pub fn observe_restore_cost(&mut self, restore_secs: f64) {
+        if restore_secs.is_finite() && restore_secs >= 0.0 {
+            self.restore_secs = Some(restore_secs);
+        }
     }
 
     /// The checkpoint last decided took `actual_secs` to materialize: replace
@@ -322,6 +365,42 @@ mod tests {
         let mut p = AdaptivePolicy::new(0.5);
         p.observe_restore(3.0, 1.0);
         assert!((p.threshold() - 0.25).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_restore_as_dear_as_the_compute_it_skips_spaces_checkpoints_every_kth_iteration() {
+        // 1 s iterations, checkpoints of 10 ms: every iteration fits in ε.
+        let mut cheap = AdaptivePolicy::default();
+        assert!(cheap.observe_iteration(1.0, 0.01));
+        cheap.observe_restore_cost(0.05);
+        let taken = (0..20)
+            .filter(|_| cheap.observe_iteration(1.0, 0.01))
+            .count();
+        assert_eq!(
+            taken, 20,
+            "a restore far cheaper than an iteration: every one"
+        );
+        // Restoring one costs 1.5 iterations of compute: a checkpoint next to
+        // the previous one would never be restored (executing from the
+        // previous one is cheaper), so they come every second iteration.
+        let mut dear = AdaptivePolicy::default();
+        assert!(dear.observe_iteration(1.0, 0.01));
+        dear.observe_restore_cost(1.5);
+        let got: Vec<bool> = (0..20).map(|_| dear.observe_iteration(1.0, 0.01)).collect();
+        assert_eq!(got.iter().filter(|&&d| d).count(), 10, "{got:?}");
+        assert!(got.windows(2).all(|w| !(w[0] && w[1])), "{got:?}");
+        assert_eq!(dear.withheld, 10);
+        // Never a run without a checkpoint: the first is priced by ε alone,
+        // however dear a restore.
+        let mut first = AdaptivePolicy::default();
+        first.observe_restore_cost(100.0);
+        assert!(first.observe_iteration(1.0, 0.01));
+        assert!(!first.observe_iteration(1.0, 0.01));
+        // An invalid measure changes nothing.
+        let mut p = AdaptivePolicy::default();
+        p.observe_restore_cost(f64::NAN);
+        p.observe_restore_cost(-1.0);
+        assert_eq!(p.restore_secs, None);
     }
 
     #[test]

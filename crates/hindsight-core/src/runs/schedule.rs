@@ -220,6 +220,17 @@ impl CheckpointSchedule {
         self.policy.observe_materialize(blocked);
     }
 
+    /// Reading back and verifying a checkpoint of this run took `read_secs`
+    /// (measured off the training thread): most of what a restore costs
+    /// (copying the state into the live tensors is a fraction of it; the
+    /// first save's time on the training thread, one-time set-up included,
+    /// is no measure of that). Checkpoints are then spaced so that each
+    /// skips more compute than restoring it costs
+    /// ([`AdaptivePolicy::pays_back`]).
+    pub fn restore_measured(&mut self, read_secs: f64) {
+        self.policy.observe_restore_cost(read_secs);
+    }
+
     /// The policy's state (its totals), for reports and tests.
     pub fn policy(&self) -> &AdaptivePolicy {
         &self.policy

@@ -455,10 +455,18 @@ impl RecordSession {
                     None => {
                         let p = self.schedule.policy();
                         let (h, t) = (p.hooks_share(), p.threshold());
+                        let spacing = match p.restore_secs {
+                            Some(r) if !due && !p.pays_back() => format!(
+                                "; a restore costs {:.3} s, more than the {:.3} s of compute since the \
+                                 last checkpoint",
+                                r, p.compute_since_checkpoint
+                            ),
+                            _ => String::new(),
+                        };
                         format!(
                             "adaptive: recording costs {:.1}% of the compute so far (checkpoints \
                              {:.1}%, hooks {:.1}%), bound {:.1}%{}; this iteration computed \
-                             {compute_secs:.3} s",
+                             {compute_secs:.3} s{spacing}",
                             100.0 * p.overhead(),
                             100.0 * p.checkpoint_share(),
                             100.0 * h,
@@ -529,6 +537,13 @@ impl RecordSession {
         self.run_id = run_id.to_string();
         self.started = now;
         self.last_save = now;
+    }
+
+    /// A checkpoint of this run read back and verified in `read_secs`: what
+    /// a restore costs, which spaces the adaptive checkpoints
+    /// ([`CheckpointSchedule::restore_measured`]).
+    pub fn restore_measured(&mut self, read_secs: f64) {
+        self.schedule.restore_measured(read_secs);
     }
 
     /// A save finished blocking the training thread after `blocked_secs`, at `now`.
@@ -647,6 +662,15 @@ impl RecordSession {
             line.push_str(&format!(
                 ", {blocked} of training time in them ({:.1}%)",
                 100.0 * share
+            ));
+        }
+        let p = self.schedule.policy();
+        if let (Some(r), true) = (p.restore_secs, p.withheld > 0) {
+            line.push_str(&format!(
+                "; {} more fit the overhead bound but were not taken: restoring one ({:.0} ms) \
+                 costs more than the compute since the one before",
+                p.withheld,
+                1000.0 * r
             ));
         }
         match status {

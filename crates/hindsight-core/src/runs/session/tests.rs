@@ -810,6 +810,31 @@ fn a_recording_says_what_it_checkpoints_why_and_what_it_cost() {
     a.block_end(0, 10.0, None, None, 0.1).unwrap();
     let d = a.take_decision().unwrap();
     assert!(d.starts_with("epoch 0: checkpoint (adaptive: recording costs 1.0% of the compute so far (checkpoints 1.0%, hooks 0.0%), bound 5.0%;"), "{d}");
+    a.saved(0.1, 10.0);
+    a.iteration_end(0, false).unwrap();
+    // A restore was measured dearer than an iteration's compute (a slow
+    // store): the next checkpoint waits until it skips more than that.
+    a.restore_measured(15.0);
+    let mut taken = vec![];
+    for i in 1..5 {
+        a.iteration_start(i);
+        a.block_start(i);
+        let save = a.block_end(i, 10.0, None, None, 0.1).unwrap();
+        let d = a.take_decision().unwrap();
+        if save.is_some() {
+            a.saved(0.1, 10.0);
+        } else {
+            assert!(d.contains("a restore costs 15.000 s, more than the"), "{d}");
+        }
+        taken.push(save.is_some());
+        a.iteration_end(i, false).unwrap();
+    }
+    assert_eq!(taken, [false, true, false, true]);
+    let line = a.summary(Status::Completed, "t.py", None, 60.0);
+    assert!(
+        line.contains("3 checkpoints") && line.contains("; 2 more fit the overhead bound but were not taken: restoring one (15000 ms) costs more than the compute since the one before"),
+        "{line}"
+    );
 }
 
 /// Two ranks of one job: the follower joins rank 0's run and takes its
