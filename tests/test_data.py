@@ -543,7 +543,7 @@ def test_the_data_commands_name_a_bad_argument_without_a_traceback(tmp_path: Pat
     r = subprocess.run([*hindsight_cmd(), "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "\n  record " in r.stdout and "\n  data " in r.stdout, r.stdout
     r = subprocess.run([*hindsight_cmd(), "data"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "hindsight data {dispatcher,worker}" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 2 and "hindsight data {dispatcher,worker,token}" in r.stdout, r.stdout + r.stderr
 
 
 def test_the_dispatcher_serves_this_machine_unless_told_otherwise_and_then_says_so(tmp_path: Path) -> None:
@@ -597,6 +597,58 @@ def test_without_the_token_a_caller_gets_nothing_from_the_service_and_a_trainer_
             dataset_args={"n": 300, "sleep_ms": 2},
         ) as loader:
             assert same(read(loader, 0), expected_epoch(loader.spec, 0))
+    finally:
+        for p in (d, w):
+            stop(p)
+
+
+def test_a_job_token_from_hindsight_data_token_reads_its_datasets_job_and_no_other(tmp_path, monkeypatch):
+    """Several jobs on one service (issue 42, item 2): the operator derives a
+    job token per dataset with `hindsight data token`; a trainer holding
+    one reads its dataset's epoch exactly, a token made for another dataset
+    is refused naming nothing of the service, and neither is the service's
+    token itself."""
+    journal, port = tmp_path / "journal", free_port()
+    d = start_dispatcher(journal, port)
+    use_token(monkeypatch, journal)
+    w = start_worker(port)
+    try:
+        monkeypatch.delenv("HINDSIGHT_DATA_TOKEN_FILE")
+
+        def job_token(dataset: str) -> str:
+            r = subprocess.run(
+                [*hindsight_cmd(), "data", "token", "--dataset", dataset, "--journal", str(journal)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert r.returncode == 0, r.stderr
+            return r.stdout.strip()
+
+        mine, theirs = job_token("data_synth:make"), job_token("data_synth:records")
+        service = (journal / "token").read_text().strip()
+        assert mine != theirs and service not in mine + theirs
+        monkeypatch.setenv("HINDSIGHT_DATA_TOKEN", theirs)
+        with pytest.raises(hs.HindsightError) as e:
+            hs.data.Loader(
+                data_synth.make, batch_size=8, workers=f"127.0.0.1:{port}", dataset_args={"n": 300, "sleep_ms": 2}
+            )
+        assert "not good for that call" in str(e.value) and "data_synth" not in str(e.value), e.value
+        monkeypatch.setenv("HINDSIGHT_DATA_TOKEN", mine)
+        with hs.data.Loader(
+            data_synth.make,
+            batch_size=8,
+            seed=SEED,
+            workers=f"127.0.0.1:{port}",
+            dataset_args={"n": 300, "sleep_ms": 2},
+        ) as loader:
+            assert same(read(loader, 0), expected_epoch(loader.spec, 0))
+        # Without a journal or a token to derive from, the command says where to get one.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HINDSIGHT_DATA_TOKEN")}
+        r = subprocess.run(
+            [*hindsight_cmd(), "data", "token", "--dataset", "x:y"], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert r.returncode == 1 and "HINDSIGHT_DATA_TOKEN_FILE" in r.stderr, r.stderr
     finally:
         for p in (d, w):
             stop(p)

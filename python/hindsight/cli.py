@@ -67,6 +67,22 @@ def _data_dispatcher(argv: list[str]) -> int:
     return 0
 
 
+def _data_token(argv: list[str]) -> int:
+    """`hindsight data token`: a job token for the trainers of one dataset's
+    jobs, derived from the service's token (from --journal's token file, or
+    $HINDSIGHT_DATA_TOKEN / $HINDSIGHT_DATA_TOKEN_FILE). With it a trainer
+    reads its dataset's jobs and can do nothing else: not register a worker,
+    list the service, or touch another dataset's job."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="hindsight data token", description=_data_token.__doc__)
+    p.add_argument("--dataset", required=True, help="the dataset factory the jobs name (module.function)")
+    p.add_argument("--journal", help="the dispatcher's journal directory (its token file)")
+    a = p.parse_args(argv)
+    sys.stdout.write(_native.data_job_token(a.dataset, a.journal) + "\n")
+    return 0
+
+
 def _record(argv: list[str]) -> int:
     """`hindsight record [--explain] SCRIPT [ARGS...]`: run a training script
     (the same as `python SCRIPT ARGS`); with --explain, only say what its
@@ -113,14 +129,15 @@ def main(argv: list[str] | None = None) -> int:
         return export_main(rest[0], rest[1:], options.get("--home"))
     if rest and rest[0] == "record":
         return _record(rest[1:])
-    if rest[:1] == ["data"] and rest[1:2] not in (["worker"], ["dispatcher"]):
+    if rest[:1] == ["data"] and rest[1:2] not in (["worker"], ["dispatcher"], ["token"]):
         sys.stdout.write(
-            "usage: hindsight data {dispatcher,worker} [ARGS...]\n\n"
+            "usage: hindsight data {dispatcher,worker,token} [ARGS...]\n\n"
             "  dispatcher  the input service's dispatcher (hindsight data dispatcher --help)\n"
             "  worker      serve a dataset for a dispatcher (hindsight data worker --help)\n"
+            "  token       a job token for one dataset's trainers (hindsight data token --help)\n"
         )
         return 0 if rest[1:2] in (["-h"], ["--help"]) else 2
-    if rest[:2] in (["data", "worker"], ["data", "dispatcher"]):
+    if rest[:2] in (["data", "worker"], ["data", "dispatcher"], ["data", "token"]):
         from hindsight.errors import HindsightError
 
         try:
@@ -128,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                 from hindsight.data._worker import main as worker_main
 
                 return worker_main(rest[2:])
+            if rest[1] == "token":
+                return _data_token(rest[2:])
             return _data_dispatcher(rest[2:])
         except HindsightError as e:
             # A message naming what is wrong (the address, the journal), not a traceback.

@@ -9,6 +9,13 @@
 //! start, kept across restarts so workers and trainers stay valid). Workers
 //! and trainers read `$HINDSIGHT_DATA_TOKEN` or `$HINDSIGHT_DATA_TOKEN_FILE`;
 //! a local loader hands its own workers the token itself.
+//!
+//! Where one service feeds several jobs, trainers get a job token instead
+//! ([`Token::for_dataset`], `hindsight data token --dataset D`): derived
+//! from the service token with a keyed hash, so no server keeps a list, and
+//! good only for jobs over dataset `D` (attaching, its assignments,
+//! progress and digests, and reading its units from a worker). It cannot
+//! register a worker, list the service, or touch another dataset's job.
 
 use std::fmt;
 use std::io::Write;
@@ -27,6 +34,70 @@ use crate::error::{Error, Result};
 
 const HEADER: &str = "authorization";
 const SCHEME: &str = "Bearer ";
+/// A job token: `hsjob.<dataset, hex>.<keyed hash, hex>`.
+const JOB_PREFIX: &str = "hsjob.";
+/// What a job token's holder is told when it asks beyond its dataset.
+const SCOPE_REFUSAL: &str = "this job token is not good for that call \
+     (it serves its own dataset's jobs only: attach, assignments, progress and reading units)";
+
+/// What a caller's token lets it do, as the server's check found it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Scope {
+    /// The service's token: the dispatcher, its workers, an operator.
+    Service,
+    /// A job token: trainers of jobs over this dataset.
+    Dataset(String),
+}
+
+impl Scope {
+    /// Whether a call about `dataset` (`None`: about the service itself,
+    /// such as registering a worker or listing them) is allowed.
+    pub fn allows(&self, dataset: Option<&str>) -> bool {
+        match self {
+            Scope::Service => true,
+            Scope::Dataset(d) => dataset == Some(d.as_str()),
+        }
+    }
+}
+
+/// Whether the caller of `request` (let in by the server's [`Check`]) may
+/// make a call about `dataset`; else a `permission_denied` naming nothing secret.
+pub fn allow<T>(request: &Request<T>, dataset: Option<&str>) -> std::result::Result<(), Status> {
+    match request.extensions().get::<Scope>() {
+        Some(scope) if scope.allows(dataset) => Ok(()),
+        _ => Err(refused()),
+    }
+}
+
+/// The caller's scope, as the server's [`Check`] found it.
+pub fn scope<T>(request: &Request<T>) -> Option<Scope> {
+    request.extensions().get::<Scope>().cloned()
+}
+
+/// The refusal of a call beyond the caller's scope.
+pub fn refused() -> Status {
+    Status::permission_denied(SCOPE_REFUSAL)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Option<Vec<u8>> {
+    if !text.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// The keyed hash binding a job token to its dataset, keyed by the service token.
+fn dataset_mac(service: &Token, dataset: &str) -> [u8; 32] {
+    let key = blake3::derive_key("hindsight data 2026-11 job token", service.0.as_bytes());
+    *blake3::keyed_hash(&key, dataset.as_bytes()).as_bytes()
+}
 /// The file a dispatcher's journal keeps its token in.
 pub const TOKEN_FILE: &str = "token";
 /// A token shorter than this is guessable; longer than this is no token.
@@ -157,9 +228,44 @@ impl Token {
         }
     }
 
+    /// The service's token as an operator holds it: `$HINDSIGHT_DATA_TOKEN`
+    /// or `_FILE`, else the token file of the dispatcher's journal (never
+    /// created here: the dispatcher draws it).
+    pub fn of_service(journal_dir: Option<&Path>) -> Result<Token> {
+        if let Some(t) = Token::from_env()? {
+            return Ok(t);
+        }
+        match journal_dir {
+            Some(dir) => Token::read(&dir.join(TOKEN_FILE)),
+            None => Err(Error::Token(format!(
+                "the service's token is needed: give the dispatcher's journal (its {TOKEN_FILE} file), \
+                 or set {} or {}",
+                settings::DATA_TOKEN_FILE.name,
+                settings::DATA_TOKEN.name
+            ))),
+        }
+    }
+
     /// The token's text, to hand to a process this one starts.
     pub fn reveal(&self) -> &str {
         &self.0
+    }
+
+    /// The job token for trainers of jobs over `dataset`, derived from this
+    /// (the service's) token. An error where the name is too long for a token.
+    pub fn for_dataset(&self, dataset: &str) -> Result<Token> {
+        if dataset.is_empty() {
+            return Err(Error::Token("a job token needs a dataset name".into()));
+        }
+        let text = format!(
+            "{JOB_PREFIX}{}.{}",
+            hex(dataset.as_bytes()),
+            hex(&dataset_mac(self, dataset))
+        );
+        Token::parse(
+            &text,
+            &format!("the job token for dataset {dataset:?} (name too long)"),
+        )
     }
 
     fn header(&self) -> MetadataValue<Ascii> {
@@ -205,10 +311,15 @@ impl Interceptor for Bearer {
 /// A channel whose calls carry the token.
 pub type Authed = InterceptedService<Channel, Bearer>;
 
-/// A server's side: refuses every call without the token, in constant time
-/// over its bytes, before the call's handler sees it.
+/// A server's side: refuses every call without the service's token or a
+/// job token derived from it, in constant time over the secret bytes,
+/// before the call's handler sees it; the handler reads the caller's
+/// [`Scope`] ([`allow`]).
 #[derive(Clone)]
-pub struct Check(Arc<[u8]>);
+pub struct Check {
+    header: Arc<[u8]>,
+    token: Token,
+}
 
 impl fmt::Debug for Check {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -218,16 +329,40 @@ impl fmt::Debug for Check {
 
 impl Check {
     pub fn new(token: &Token) -> Check {
-        Check(token.header().as_bytes().into())
+        Check {
+            header: token.header().as_bytes().into(),
+            token: token.clone(),
+        }
+    }
+
+    fn scope(&self, given: &[u8]) -> Option<Scope> {
+        if bool::from(given.ct_eq(&self.header)) {
+            return Some(Scope::Service);
+        }
+        let text = std::str::from_utf8(given).ok()?;
+        let (dataset, mac) = text
+            .strip_prefix(SCHEME)?
+            .strip_prefix(JOB_PREFIX)?
+            .split_once('.')?;
+        let dataset = String::from_utf8(unhex(dataset)?).ok()?;
+        let mac = unhex(mac)?;
+        let want = dataset_mac(&self.token, &dataset);
+        bool::from(mac.as_slice().ct_eq(&want)).then_some(Scope::Dataset(dataset))
     }
 }
 
 impl Interceptor for Check {
-    fn call(&mut self, req: Request<()>) -> std::result::Result<Request<()>, Status> {
-        let given = req.metadata().get(HEADER).map(|v| v.as_bytes());
-        match given {
-            Some(g) if bool::from(g.ct_eq(&self.0)) => Ok(req),
-            _ => Err(Status::unauthenticated(REFUSAL)),
+    fn call(&mut self, mut req: Request<()>) -> std::result::Result<Request<()>, Status> {
+        let scope = req
+            .metadata()
+            .get(HEADER)
+            .and_then(|v| self.scope(v.as_bytes()));
+        match scope {
+            Some(scope) => {
+                req.extensions_mut().insert(scope);
+                Ok(req)
+            }
+            None => Err(Status::unauthenticated(REFUSAL)),
         }
     }
 }
@@ -263,6 +398,43 @@ mod tests {
         let cut = &header.to_str().unwrap()[..20];
         r.metadata_mut().insert(HEADER, cut.parse().unwrap());
         assert!(check.call(r).is_err());
+    }
+
+    #[test]
+    fn a_job_token_is_good_for_its_dataset_only_and_cannot_be_forged() {
+        let service = Token::generate().unwrap();
+        let mut check = Check::new(&service);
+        let scope_of = |check: &mut Check, tok: &Token| {
+            let r = Bearer::new(tok).call(Request::new(())).unwrap();
+            check
+                .call(r)
+                .map(|r| r.extensions().get::<Scope>().cloned().unwrap())
+        };
+        assert_eq!(scope_of(&mut check, &service).unwrap(), Scope::Service);
+        let job = service.for_dataset("my_data.make_dataset").unwrap();
+        assert!(job.reveal().starts_with(JOB_PREFIX));
+        assert!(!job.reveal().contains(service.reveal()));
+        let scope = scope_of(&mut check, &job).unwrap();
+        assert_eq!(scope, Scope::Dataset("my_data.make_dataset".into()));
+        assert!(scope.allows(Some("my_data.make_dataset")));
+        assert!(!scope.allows(Some("other.make")) && !scope.allows(None));
+        assert!(Scope::Service.allows(None));
+        // Another service's job token, a token whose dataset was swapped
+        // under the same hash, and a cut hash are all refused.
+        let foreign = Token::generate()
+            .unwrap()
+            .for_dataset("my_data.make_dataset")
+            .unwrap();
+        let (_, mac) = job.reveal().rsplit_once('.').unwrap();
+        let swapped =
+            Token::parse(&format!("{JOB_PREFIX}{}.{mac}", hex(b"other.make")), "t").unwrap();
+        let cut = Token::parse(&job.reveal()[..job.reveal().len() - 2], "t").unwrap();
+        for bad in [foreign, swapped, cut] {
+            let s = scope_of(&mut check, &bad).unwrap_err();
+            assert_eq!(s.code(), tonic::Code::Unauthenticated);
+        }
+        assert!(service.for_dataset("").is_err());
+        assert!(service.for_dataset(&"d".repeat(300)).is_err());
     }
 
     #[test]

@@ -201,7 +201,7 @@ impl Client {
                     detail: s.message().to_string(),
                 },
                 Code::Unavailable => unreachable(s.message().to_string()),
-                Code::Unauthenticated => Error::Token(format!(
+                Code::Unauthenticated | Code::PermissionDenied => Error::Token(format!(
                     "the dispatcher at {dispatcher} refused the call: {}",
                     s.message()
                 )),

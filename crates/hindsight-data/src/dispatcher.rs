@@ -21,7 +21,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
-use crate::auth::{Check, Token};
+use crate::auth::{self, Check, Token};
 use crate::error::{Error, Result};
 use crate::journal::Journal;
 use crate::proto::{self, check_protocol, journal_record::Event, Key};
@@ -587,12 +587,33 @@ impl DispatcherService {
     }
 }
 
+/// Whether a caller of `scope` may act on job `job_id`: the service may on
+/// any (an unknown one is the handler's to refuse), a job token only on a
+/// known job over its dataset.
+fn job_allowed(
+    scope: &Option<auth::Scope>,
+    shared: &Shared,
+    job_id: &str,
+) -> std::result::Result<(), Status> {
+    let dataset = shared
+        .state
+        .jobs
+        .get(job_id)
+        .map(|spec| spec.dataset.as_str());
+    match scope {
+        Some(auth::Scope::Service) => Ok(()),
+        Some(s) if dataset.is_some() && s.allows(dataset) => Ok(()),
+        _ => Err(auth::refused()),
+    }
+}
+
 #[tonic::async_trait]
 impl proto::dispatcher_server::Dispatcher for DispatcherService {
     async fn register_worker(
         &self,
         request: Request<proto::RegisterWorkerRequest>,
     ) -> std::result::Result<Response<proto::RegisterWorkerReply>, Status> {
+        auth::allow(&request, None)?;
         let mut req = request.into_inner();
         check_protocol(req.protocol, "worker")?;
         let mut shared = self.inner.lock();
@@ -630,6 +651,7 @@ impl proto::dispatcher_server::Dispatcher for DispatcherService {
         &self,
         request: Request<proto::HeartbeatRequest>,
     ) -> std::result::Result<Response<proto::HeartbeatReply>, Status> {
+        auth::allow(&request, None)?;
         let req = request.into_inner();
         check_protocol(req.protocol, "worker")?;
         // Never wait behind a journal fsync: a busy state lock must not
@@ -656,6 +678,9 @@ impl proto::dispatcher_server::Dispatcher for DispatcherService {
         &self,
         request: Request<proto::AttachRequest>,
     ) -> std::result::Result<Response<proto::AttachReply>, Status> {
+        let dataset = request.get_ref().spec.as_ref().map(|s| s.dataset.clone());
+        auth::allow(&request, dataset.as_deref())?;
+        let scope = auth::scope(&request);
         let req = request.into_inner();
         check_protocol(req.protocol, "client")?;
         let Some(spec) = req.spec else {
@@ -673,7 +698,13 @@ impl proto::dispatcher_server::Dispatcher for DispatcherService {
         let job_id = ours.job_id();
         let mut shared = self.inner.lock();
         if !req.expect_job_id.is_empty() && req.expect_job_id != job_id {
-            let detail = match shared.state.jobs.get(&req.expect_job_id) {
+            // Another dataset's job is not this caller's to see.
+            let visible = shared
+                .state
+                .jobs
+                .get(&req.expect_job_id)
+                .filter(|j| scope.as_ref().is_some_and(|s| s.allows(Some(&j.dataset))));
+            let detail = match visible {
                 Some(theirs) => crate::order::JobSpec::from(theirs)
                     .differences(&ours)
                     .join("; "),
@@ -722,12 +753,16 @@ impl proto::dispatcher_server::Dispatcher for DispatcherService {
         &self,
         request: Request<proto::AssignRequest>,
     ) -> std::result::Result<Response<proto::AssignReply>, Status> {
+        let scope = auth::scope(&request);
         let req = request.into_inner();
         check_protocol(req.protocol, "client")?;
         if req.from_batch.len() != req.splits.len() {
             return Err(Status::invalid_argument("one from_batch per split"));
         }
         let mut shared = self.inner.lock();
+        for key in &req.splits {
+            job_allowed(&scope, &shared, &key.job_id)?;
+        }
         let mut out = Vec::with_capacity(req.splits.len());
         // New assignments of one request go to the journal in one write
         // (one fsync for a whole window, not one per split).
@@ -759,6 +794,7 @@ impl proto::dispatcher_server::Dispatcher for DispatcherService {
         &self,
         request: Request<proto::ReportFailureRequest>,
     ) -> std::result::Result<Response<proto::AssignReply>, Status> {
+        let scope = auth::scope(&request);
         let req = request.into_inner();
         check_protocol(req.protocol, "client")?;
         let Some(failed) = req.failed else {
@@ -769,6 +805,7 @@ impl proto::dispatcher_server::Dispatcher for DispatcherService {
         };
         {
             let shared = self.inner.lock();
+            job_allowed(&scope, &shared, &key.job_id)?;
             if let Some(s) = shared.state.splits.get(&key.key()) {
                 if s.latest.attempt > failed.attempt && shared.state.live(&s.latest.worker_id) {
                     let mut a = s.latest.clone();
@@ -821,10 +858,12 @@ impl proto::dispatcher_server::Dispatcher for DispatcherService {
         &self,
         request: Request<proto::ProgressRequest>,
     ) -> std::result::Result<Response<proto::AssignReply>, Status> {
+        let scope = auth::scope(&request);
         let req = request.into_inner();
         check_protocol(req.protocol, "client")?;
         let mut events = Vec::new();
         let mut shared = self.inner.lock();
+        job_allowed(&scope, &shared, &req.job_id)?;
         // Only an attached job's ranks leave state behind.
         if !shared.state.jobs.contains_key(&req.job_id) {
             return Err(Status::not_found(format!(
@@ -880,8 +919,10 @@ impl proto::dispatcher_server::Dispatcher for DispatcherService {
         &self,
         request: Request<proto::DigestsRequest>,
     ) -> std::result::Result<Response<proto::DigestsReply>, Status> {
+        let scope = auth::scope(&request);
         let req = request.into_inner();
         let shared = self.inner.lock();
+        job_allowed(&scope, &shared, &req.job_id)?;
         let digests = shared
             .state
             .digests
@@ -901,8 +942,9 @@ impl proto::dispatcher_server::Dispatcher for DispatcherService {
 
     async fn status(
         &self,
-        _request: Request<proto::StatusRequest>,
+        request: Request<proto::StatusRequest>,
     ) -> std::result::Result<Response<proto::StatusReply>, Status> {
+        auth::allow(&request, None)?;
         let shared = self.inner.lock();
         let mut assigned: HashMap<&str, u32> = HashMap::new();
         for s in shared.state.splits.values().filter(|s| !s.finished) {

@@ -16,7 +16,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Endpoint;
 use tonic::{Request, Response, Status};
 
-use crate::auth::{Authed, Bearer, Check, Token};
+use crate::auth::{self, Authed, Bearer, Check, Token};
 use crate::error::{Error, Result};
 use crate::order::{example_seed, EpochOrder, JobSpec};
 use crate::proto::{self, check_protocol};
@@ -190,6 +190,10 @@ impl proto::worker_server::Worker for WorkerService {
         &self,
         request: Request<proto::ProduceRequest>,
     ) -> std::result::Result<Response<Self::ProduceStream>, Status> {
+        // A job token reads its own dataset's units only, and learns
+        // nothing of what this worker serves otherwise.
+        let dataset = request.get_ref().spec.as_ref().map(|s| s.dataset.clone());
+        auth::allow(&request, dataset.as_deref())?;
         let req = request.into_inner();
         check_protocol(req.protocol, "client")?;
         let (Some(spec), Some(a)) = (req.spec, req.assignment) else {
@@ -307,8 +311,9 @@ impl proto::worker_server::Worker for WorkerService {
 
     async fn probe(
         &self,
-        _request: Request<proto::ProbeRequest>,
+        request: Request<proto::ProbeRequest>,
     ) -> std::result::Result<Response<proto::ProbeReply>, Status> {
+        auth::allow(&request, None)?;
         Ok(Response::new(proto::ProbeReply {
             worker_id: self.id.borrow().clone(),
         }))

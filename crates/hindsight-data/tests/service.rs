@@ -728,6 +728,150 @@ fn a_caller_without_the_token_learns_nothing_reads_nothing_and_cannot_register()
     assert_eq!(status.workers[0].address, w.addr.to_string());
 }
 
+/// Issue 42, item 2: one service feeding several jobs. A trainer given a job
+/// token (derived from the service's for one dataset) reads its job's
+/// epoch exactly, and can do nothing else: not attach a job over another
+/// dataset, nor report progress or read digests of one, nor register a
+/// worker, list the service or probe a worker, nor read another dataset's
+/// units from a worker.
+#[test]
+fn a_job_token_reads_its_own_datasets_job_and_nothing_else() {
+    use hindsight_data::proto::{self, worker_client::WorkerClient};
+    let (rt, _dir, _d, addr) = cluster();
+    let w = rt
+        .block_on(worker::spawn(Synthetic::new(0), worker_options(&addr)))
+        .unwrap();
+    let job_token = token().for_dataset("synthetic:make").unwrap();
+    let mut c = Client::connect(
+        &addr,
+        spec(40),
+        0,
+        1,
+        None,
+        ClientOptions {
+            token: Some(job_token.clone()),
+            ..client_options()
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        read_epoch(&mut c, 0, |_| {}).unwrap(),
+        expected(&spec(40), 0)
+    );
+    // Another dataset's job, attached by its own trainer (service token here).
+    let other = JobSpec {
+        dataset: "other:make".into(),
+        ..spec(40)
+    };
+    let theirs = Client::connect(&addr, other.clone(), 0, 1, None, client_options()).unwrap();
+    let err = Client::connect(
+        &addr,
+        other.clone(),
+        0,
+        1,
+        None,
+        ClientOptions {
+            token: Some(job_token.clone()),
+            ..client_options()
+        },
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("not good for that call"), "{err}");
+    let channel = |a: String| async move {
+        tonic::transport::Endpoint::from_shared(a)
+            .unwrap()
+            .connect()
+            .await
+            .unwrap()
+    };
+    let bearer = hindsight_data::auth::Bearer::new(&job_token);
+    let refusals = rt.block_on(async {
+        let mut d = proto::dispatcher_client::DispatcherClient::with_interceptor(
+            channel(format!("http://{addr}")).await,
+            bearer.clone(),
+        );
+        let mut wc = WorkerClient::with_interceptor(
+            channel(format!("http://{}", w.addr)).await,
+            bearer.clone(),
+        );
+        vec![
+            d.status(proto::StatusRequest {}).await.map(|_| ()),
+            d.register_worker(proto::RegisterWorkerRequest {
+                protocol: proto::PROTOCOL,
+                address: "127.0.0.1:9".into(),
+                dataset: "synthetic:make".into(),
+                code_version: "v1".into(),
+                dataset_args: "{}".into(),
+                ..Default::default()
+            })
+            .await
+            .map(|_| ()),
+            d.progress(proto::ProgressRequest {
+                protocol: proto::PROTOCOL,
+                job_id: theirs.job_id().to_string(),
+                cursor_batch: 3,
+                ..Default::default()
+            })
+            .await
+            .map(|_| ()),
+            d.digests(proto::DigestsRequest {
+                job_id: theirs.job_id().to_string(),
+                ..Default::default()
+            })
+            .await
+            .map(|_| ()),
+            d.assign(proto::AssignRequest {
+                protocol: proto::PROTOCOL,
+                splits: vec![proto::SplitKey {
+                    job_id: theirs.job_id().to_string(),
+                    ..Default::default()
+                }],
+                from_batch: vec![0],
+                world: 1,
+            })
+            .await
+            .map(|_| ()),
+            wc.probe(proto::ProbeRequest {
+                worker_id: w.worker_id(),
+            })
+            .await
+            .map(|_| ()),
+            wc.produce(proto::ProduceRequest {
+                protocol: proto::PROTOCOL,
+                spec: Some(proto::JobSpec::from(&other)),
+                world: 1,
+                ..Default::default()
+            })
+            .await
+            .map(|_| ()),
+        ]
+    });
+    for r in refusals {
+        let s = r.unwrap_err();
+        assert_eq!(s.code(), tonic::Code::PermissionDenied, "{s:?}");
+        for secret in [
+            "other:make",
+            &w.worker_id(),
+            &w.addr.to_string(),
+            "test-token",
+        ] {
+            assert!(!s.message().contains(secret), "{s:?} names {secret}");
+        }
+    }
+    // The service's own view: still one worker, and the other job's trainer
+    // was not moved by the refused progress.
+    let status = rt.block_on(async {
+        token_holder(&addr)
+            .await
+            .status(proto::StatusRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+    });
+    assert_eq!(status.workers.len(), 1, "{status:?}");
+    drop(theirs);
+}
+
 /// A raw gRPC client of the dispatcher at `addr` that gives the test token.
 async fn token_holder(
     addr: &str,

@@ -15,6 +15,8 @@ use hindsight_data::worker::{
     self, Pipeline, PipelineFailure, Produced, UnitRequest, WorkerOptions,
 };
 use hindsight_data::{Error as DataError, Running};
+
+use crate::errors::data_to_py;
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -552,6 +554,20 @@ pub(crate) fn serve_data_worker(
     });
     running.stop();
     result.map(|_| ())
+}
+
+/// The job token for trainers of jobs over `dataset` (`hindsight data
+/// token`), derived from the service's token (`auth::Token::of_service`).
+#[pyfunction]
+#[pyo3(signature = (dataset, journal_dir=None))]
+pub(crate) fn data_job_token(
+    dataset: &str,
+    journal_dir: Option<std::path::PathBuf>,
+) -> PyResult<String> {
+    let service =
+        hindsight_data::auth::Token::of_service(journal_dir.as_deref()).map_err(data_to_py)?;
+    let job = service.for_dataset(dataset).map_err(data_to_py)?;
+    Ok(job.reveal().to_string())
 }
 
 /// Run a dispatcher in this process until interrupted (`hindsight data

@@ -793,6 +793,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(data::data_example_seed, m)?)?;
     m.add_function(wrap_pyfunction!(data::serve_data_worker, m)?)?;
     m.add_function(wrap_pyfunction!(data::run_data_dispatcher, m)?)?;
+    m.add_function(wrap_pyfunction!(data::data_job_token, m)?)?;
     runs::register(m)?;
     fingerprint::register(m)?;
     project::register(m)?;
