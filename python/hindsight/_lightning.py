@@ -387,14 +387,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         policy = self.retention if self._session is None else self._session.retention
         if policy.is_empty():
             return
-        self.store.apply_retention(
-            self.fit_prefix,
-            keep_last=policy.keep_last,
-            keep_best=policy.keep_best,
-            best_mode=policy.best_mode,
-            keep_every=policy.keep_every,
-            monitor=policy.metric,
-        )
+        self.store.apply_policy(self.fit_prefix, policy)
 
     # -- Lightning hooks -------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:

@@ -398,6 +398,24 @@ class Store:
             keep_spread,
         )
 
+    def apply_policy(
+        self, prefix: str, policy: _native.Retention, metrics: Mapping[int, float] | None = None
+    ) -> builtins.list[str]:
+        """A session's retention ``policy`` on ``prefix``, every field of it
+        (the one place that unpacks it: two copies once dropped
+        ``keep_spread``). ``keep_best`` ranks by ``metrics`` when given, else
+        by the metric each checkpoint's metadata holds under the policy's name."""
+        return self.apply_retention(
+            prefix,
+            keep_last=policy.keep_last,
+            keep_best=policy.keep_best,
+            best_mode=policy.best_mode,
+            keep_every=policy.keep_every,
+            keep_spread=policy.keep_spread,
+            metrics=metrics,
+            monitor=policy.metric if metrics is None else None,
+        )
+
     def meta(self, name: str) -> dict[str, str]:
         """A checkpoint's metadata (as `info(name)["meta"]`, without listing its entries)."""
         return self._native.meta(name)

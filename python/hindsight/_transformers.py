@@ -620,14 +620,7 @@ class HindsightCallback(transformers.TrainerCallback):
         policy = self.retention if self._session is None else self._session.retention
         if policy.is_empty():
             return
-        self.store.apply_retention(
-            self.train_prefix,
-            keep_last=policy.keep_last,
-            keep_best=policy.keep_best,
-            best_mode=policy.best_mode,
-            keep_every=policy.keep_every,
-            monitor=policy.metric,
-        )
+        self.store.apply_policy(self.train_prefix, policy)
 
     def _exit(self, code: int) -> None:
         self._signals.restore()

@@ -523,15 +523,8 @@ class RecordRun(Run):
         metric = policy.metric
         if metric:
             self.flush_logs()
-        self.store.apply_retention(
-            self.run_id,
-            keep_last=policy.keep_last,
-            keep_best=policy.keep_best,
-            best_mode=policy.best_mode,
-            keep_every=policy.keep_every,
-            keep_spread=policy.keep_spread,
-            metrics=self._epoch_metric(metric) if metric else None,
-        )
+        # keep_best ranks by the values logged under the metric.
+        self.store.apply_policy(self.run_id, policy, metrics=self._epoch_metric(metric) if metric else None)
         if final:
             self.store.gc()
 
