@@ -7,9 +7,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from hindsight._run import files
 
 from conftest import hindsight_cmd
 
@@ -311,3 +314,49 @@ def test_a_log_another_writer_appends_is_named_and_never_rewound(tmp_path: Path)
     # Every step once, in order: the first attempt's lines, then the resumed one's.
     assert lines == [f"step {e} {s}" for e in range(4) for s in range(4)], lines
     assert "run.log, which another process writes" in codes[-1].stderr, codes[-1].stderr
+
+
+RACE = """\
+import os, sys, time
+from pathlib import Path
+from hindsight._run import files
+recorded, own, go = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+os.chdir(own)
+m = files.Mirror(recorded, own, [], False)
+while not go.exists():
+    time.sleep(0.001)
+with open("log/sub/log.txt", "a"):  # as a rank's script writes it
+    pass
+"""
+
+
+def test_the_ranks_of_a_replay_worker_make_one_path_their_own_at_once_without_tripping(tmp_path: Path) -> None:
+    """A replay worker's ranks share its mirror of the recorded directory,
+    and build-nanogpt truncates its log file on every rank before training:
+    each write first makes the linked directories and file real. Four
+    processes doing so for one path at the same instant all succeed (one
+    failed with FileExistsError in a CI run), the file ends a copy of the
+    recorded one, and the recorded tree is untouched."""
+    recorded = tmp_path / "recorded"
+    (recorded / "log" / "sub").mkdir(parents=True)
+    (recorded / "log" / "sub" / "log.txt").write_text("recorded\n")
+    (recorded / "log" / "other.txt").write_text("other\n")
+    script = tmp_path / "race.py"
+    script.write_text(RACE)
+    for trial in range(8):
+        own, go = tmp_path / f"cwd-{trial}", tmp_path / f"go-{trial}"
+        files.mirror(recorded, own)
+        procs = [
+            subprocess.Popen([sys.executable, str(script), str(recorded), str(own), str(go)], stderr=subprocess.PIPE)
+            for _ in range(4)
+        ]
+        time.sleep(0.5)  # all four waiting at the start line
+        go.touch()
+        for p in procs:
+            _, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err.decode()[-2000:]
+        got = own / "log" / "sub" / "log.txt"
+        assert not (own / "log").is_symlink() and not got.is_symlink()
+        assert got.read_text() == "recorded\n" and (own / "log" / "other.txt").read_text() == "other\n"
+    assert (recorded / "log" / "sub" / "log.txt").read_text() == "recorded\n"
+    assert not (recorded / "log").is_symlink()

@@ -292,6 +292,13 @@ def test_arguments_are_checked(pl: Any, tmp_path: Path) -> None:
         HindsightCheckpoint(tmp_path, monitor="x", mode="best")
     with pytest.raises(hs.InvalidArgumentError, match="every_n_train_steps"):
         HindsightCheckpoint(tmp_path, every_n_train_steps=0)
+    # One rule for every front end's period (it accepted True as 1 here,
+    # where the Trainer callback refused it).
+    with pytest.raises(hs.InvalidArgumentError, match=r"HindsightCheckpoint\(every_n_epochs=True\)"):
+        HindsightCheckpoint(tmp_path, every_n_epochs=True)
+    with pytest.raises(hs.InvalidArgumentError, match=r"hs.checkpointing\(every=True\): give a whole number"):
+        with hs.checkpointing(every=True):
+            pass
     with pytest.raises(hs.InvalidArgumentError, match="prefix"):
         HindsightCheckpoint(tmp_path, prefix="a/b")
 

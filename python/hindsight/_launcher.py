@@ -36,6 +36,19 @@ def tie_rank_to_launcher() -> None:
 _GLOO_LOOP = "pt_gloo_runloop"
 
 
+def proc_stat(path: str) -> tuple[str, list[str]] | None:
+    """A `/proc/.../stat` file as (comm, the fields after it: state, ppid,
+    ...); None where it is gone. comm may hold spaces and parentheses, never
+    the last ")"."""
+    try:
+        with open(path) as f:
+            stat = f.read()
+    except OSError:
+        return None
+    end = stat.rfind(")")
+    return stat[stat.find("(") + 1 : end], stat[end + 2 :].split()
+
+
 def _gloo_loops_busy() -> bool | None:
     """Whether a gloo worker thread of this process is running or runnable;
     None where there is none (or no /proc)."""
@@ -45,14 +58,9 @@ def _gloo_loops_busy() -> bool | None:
         return None
     busy = None
     for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue  # the thread ended
-        end = stat.rfind(")")
-        if stat[stat.find("(") + 1 : end] == _GLOO_LOOP:
-            busy = bool(busy) or stat[end + 2 : end + 3] in ("R", "D")
+        stat = proc_stat(f"/proc/self/task/{tid}/stat")
+        if stat is not None and stat[0] == _GLOO_LOOP:  # None: the thread ended
+            busy = bool(busy) or stat[1][:1] in (["R"], ["D"])
     return busy
 
 

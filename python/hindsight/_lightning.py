@@ -17,7 +17,7 @@ from typing import Any
 from hindsight import _native, _preemption, _run, session
 from hindsight._state import rng_state, set_rng_state
 from hindsight._store import Store
-from hindsight.errors import HindsightError, InvalidArgumentError, ReplayError, UnsupportedTypeError
+from hindsight.errors import HindsightError, ReplayError, UnsupportedTypeError
 from hindsight.lightning import (
     DEFAULT_PREFIX,
     _check_prefix,
@@ -185,8 +185,8 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         super().__init__()
         self.prefix = _check_prefix(prefix)
         for arg, v in (("every_n_epochs", every_n_epochs), ("every_n_train_steps", every_n_train_steps)):
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise InvalidArgumentError(f"HindsightCheckpoint({arg}={v!r}): must be an int of at least 1")
+            if v is not None:
+                _native.checked_every("HindsightCheckpoint", arg, v)
         # The retention arguments are checked by the engine's one rule.
         self.retention = _native.Retention.checked(
             "HindsightCheckpoint", "monitor", "mode", keep_last, keep_best, monitor, mode, keep_every

@@ -95,12 +95,14 @@ __all__ = [
     "WrongProcessError",
     "batch_digest",
     "check_replay_world",
+    "checked_every",
     "checkpoint_exit_code",
     "checkpoint_meta",
     "checkpoint_names",
     "choose_fit",
     "data_checkpoint_name",
     "data_example_seed",
+    "data_job_token",
     "data_latest_checkpoint",
     "default_retention_spread",
     "device_fingerprint_of",
@@ -983,6 +985,7 @@ def serve_data_worker(
 def run_data_dispatcher(
     journal_dir: str | os.PathLike[str], *, bind: str = "127.0.0.1:50051", heartbeat_timeout: float = 1.0
 ) -> None: ...
+def checked_every(call: str, arg: str, value: object) -> int: ...
 def data_job_token(dataset: str, journal_dir: str | os.PathLike[str] | None = None) -> str: ...
 def parse_date(text: str) -> int: ...
 def batch_digest(parts: list[str | Any]) -> str: ...

@@ -119,8 +119,8 @@ class HindsightCallback(transformers.TrainerCallback):
         except InvalidArgumentError as e:
             raise InvalidArgumentError(f"HindsightCallback(prefix=...): {e}") from None
         for arg, v in (("every_n_epochs", every_n_epochs), ("every_n_train_steps", every_n_train_steps)):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise InvalidArgumentError(f"HindsightCallback({arg}={v!r}): must be an int of at least 1")
+            if v is not None:
+                _native.checked_every("HindsightCallback", arg, v)
         if exit_code is not None and (not isinstance(exit_code, int) or not 1 <= exit_code <= 255):
             raise InvalidArgumentError(f"HindsightCallback(exit_code={exit_code!r}): must be an int from 1 to 255")
         # The retention arguments are checked by the engine's one rule.

@@ -106,7 +106,9 @@ def _record(argv: list[str]) -> int:
     if not explain:
         return subprocess.call([sys.executable, *rest])
     with tempfile.TemporaryDirectory(prefix="hindsight-explain-") as home:
-        env = {**os.environ, "HINDSIGHT_EXPLAIN": "1", "HINDSIGHT_HOME": home, "HINDSIGHT_RESUME": "0"}
+        from hindsight import _settings
+
+        env = {**os.environ, _settings.EXPLAIN: "1", _settings.HOME: home, _settings.RESUME: "0"}
         return subprocess.call([sys.executable, *rest], env=env)
 
 

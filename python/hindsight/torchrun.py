@@ -28,21 +28,15 @@ import time
 from typing import Any
 
 from hindsight import _native, _preemption, _settings
+from hindsight._launcher import proc_stat
 
 
 def _children() -> list[int]:
     """The pids of this process's children (torchrun's ranks)."""
     me, found = str(os.getpid()), []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                # pid (comm) state ppid ...: comm may hold spaces, not ")".
-                ppid = f.read().rsplit(")", 1)[1].split()[1]
-        except (OSError, IndexError):
-            continue
-        if ppid == me:
+        stat = proc_stat(f"/proc/{entry}/stat") if entry.isdigit() else None
+        if stat is not None and stat[1][1:2] == [me]:  # state, ppid, ...
             found.append(int(entry))
     return found
 

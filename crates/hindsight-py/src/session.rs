@@ -547,7 +547,24 @@ impl ReplaySession {
     }
 }
 
+/// A checkpoint period argument (`runs::schedule::checked_every`): a bool,
+/// though Python counts it an int, is no period.
+#[pyfunction]
+fn checked_every(call: &str, arg: &str, value: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let whole = if value.is_instance_of::<pyo3::types::PyBool>() {
+        None
+    } else {
+        value.extract::<i64>().ok()
+    };
+    let shown = value
+        .repr()
+        .map(|r| r.to_string())
+        .unwrap_or_else(|_| "?".into());
+    hindsight_core::runs::schedule::checked_every(call, arg, &shown, whole).py_err()
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(checked_every, m)?)?;
     m.add_class::<Visit>()?;
     m.add_class::<BlockStart>()?;
     m.add_class::<StepAction>()?;

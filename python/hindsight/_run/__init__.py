@@ -191,8 +191,8 @@ def checkpointing(
     checkpoint is committed to first and then uploaded from in the
     background; the exit on a signal waits for the upload.
     """
-    if every is not None and every < 1:
-        raise InvalidArgumentError(f"hs.checkpointing(every={every}): must be at least 1")
+    if every is not None:
+        _native.checked_every("hs.checkpointing", "every", every)
     retention = _native.Retention.checked(
         "hs.checkpointing", "best_metric", "best_mode", keep_last, keep_best, best_metric, best_mode, keep_every
     )

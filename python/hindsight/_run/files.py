@@ -18,6 +18,7 @@ recorded tree nor into another worker's. A write the mirror cannot redirect
 from __future__ import annotations
 
 import atexit
+import fcntl
 import functools
 import os
 import shutil
@@ -310,6 +311,7 @@ class Mirror:
         self.exclude = [e.resolve() for e in exclude]
         self.concurrent = concurrent
         self.originals: dict[Path, bytes | None] = {}
+        self.holding = False
         _watch(self._opened)
         atexit.register(self.put_back_originals)
 
@@ -340,7 +342,23 @@ class Mirror:
 
     def materialize(self, path: Path, keeps: bool) -> None:
         """Make `path`'s directories real and `path` a file of its own (a
-        copy of the linked one when the write keeps content: append, r+)."""
+        copy of the linked one when the write keeps content: append, r+).
+        The ranks of a replay worker share its mirror, and all of them may
+        write one path at once (build-nanogpt truncates its log on every
+        rank): one at a time, each looking again under the lock."""
+        if self.holding:  # a copy's own open, seen again: already under the lock
+            self._materialize(path, keeps)
+            return
+        lock = self.own.parent / f"{self.own.name}.lock"
+        with open(lock, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            self.holding = True
+            try:
+                self._materialize(path, keeps)
+            finally:
+                self.holding = False
+
+    def _materialize(self, path: Path, keeps: bool) -> None:
         cur = self.own
         for part in path.relative_to(self.own).parts[:-1]:
             cur = cur / part

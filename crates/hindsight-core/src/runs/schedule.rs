@@ -15,6 +15,24 @@ pub const EVERY_ENV: &str = crate::settings::CHECKPOINT_EVERY.name;
 /// The environment variable setting the adaptive policy's overhead bound ε.
 pub const EPSILON_ENV: &str = crate::settings::EPSILON.name;
 
+/// A front end's checkpoint period argument (`hs.checkpointing(every=)`,
+/// the Lightning and Trainer callbacks' `every_n_epochs` and
+/// `every_n_train_steps`): a whole number of at least 1. `value` is `None`
+/// where the argument is no whole number (a bool, a float, a string),
+/// `shown` how the caller wrote it; the error names `call` and `arg`.
+pub fn checked_every(call: &str, arg: &str, shown: &str, value: Option<i64>) -> Result<u64> {
+    match value
+        .and_then(|v| u64::try_from(v).ok())
+        .filter(|&v| v >= 1)
+    {
+        Some(v) => Ok(v),
+        None => Err(invalid(
+            &format!("{call}({arg}={shown})"),
+            "give a whole number of at least 1".into(),
+        )),
+    }
+}
+
 /// The checkpoint decisions of one recording.
 #[derive(Debug, Clone)]
 pub struct CheckpointSchedule {
@@ -269,6 +287,29 @@ mod tests {
         ] {
             let e = CheckpointSchedule::from_values(every, eps).unwrap_err();
             assert!(e.to_string().contains(named), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_period_argument_is_a_whole_number_of_at_least_1_named_by_its_call() {
+        assert_eq!(
+            checked_every("hs.checkpointing", "every", "3", Some(3)).unwrap(),
+            3
+        );
+        for (shown, value) in [
+            ("0", Some(0)),
+            ("-2", Some(-2)),
+            ("True", None),
+            ("1.5", None),
+        ] {
+            let e =
+                checked_every("HindsightCheckpoint", "every_n_epochs", shown, value).unwrap_err();
+            assert!(
+                e.to_string()
+                    .contains(&format!("HindsightCheckpoint(every_n_epochs={shown})"))
+                    && e.to_string().contains("at least 1"),
+                "{e}"
+            );
         }
     }
 
