@@ -88,14 +88,7 @@ _PEER_GONE = (
 
 def lost_peer(error: BaseException) -> bool:
     """Whether `error` is a collective failing because another rank of the
-    job is gone, not a fault of this rank's code."""
-    import sys
-
-    dist = sys.modules.get("torch.distributed")
-    if dist is None:
-        return False
-    kinds = tuple(k for k in (getattr(dist, "DistNetworkError", None), getattr(dist, "DistBackendError", None)) if k)
+    job is gone, not a fault of this rank's code (torch's DistError and
+    gloo's plain errors alike are RuntimeErrors)."""
     text = str(error)
-    return (kinds != () and isinstance(error, kinds) and any(p in text for p in _PEER_GONE)) or (
-        isinstance(error, RuntimeError) and any(p in text for p in _PEER_GONE)
-    )
+    return isinstance(error, RuntimeError) and any(p in text for p in _PEER_GONE)
