@@ -44,13 +44,21 @@ def _to_i64(u: int) -> int:
 
 def _table(torch: Any, device: Any) -> Any:
     """The engine's two lanes of odd 64-bit multipliers, one per word
-    position in a block, on ``device``."""
+    position in a block, on ``device``. Built and uploaded once (64 MiB,
+    about 0.2 s on an H200 host): ``DeviceCopies.prepare`` does it on its
+    background thread, so a save does not."""
     t = _multipliers.get(device)
     if t is None:
         host = torch.frombuffer(_native.device_fingerprint_table(), dtype=torch.int64)
-        t = host.view(2, _BLOCK_WORDS).to(device)
-        _multipliers[device] = t
-    return t
+        # On a stream of its own, finished before it is published: the
+        # training thread's streams never wait for this upload.
+        side = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            t = host.view(2, _BLOCK_WORDS).to(device, non_blocking=False)
+        if side is not None:
+            side.synchronize()
+        _multipliers.setdefault(device, t)
+    return _multipliers[device]
 
 
 def fingerprint(t: Any) -> Any:
@@ -248,6 +256,7 @@ class DeviceCopies:
         self._arena: _Arena | None = None
         self._next: _Arena | None = None
         self._pending: threading.Thread | None = None
+        self._want = 0  # bytes asked for while an arena was being pinned
         self._failed = False
         self._streams: dict[Any, Any] = {}
         # Per save being built: device -> waiter, and the set-up time paid.
@@ -255,16 +264,25 @@ class DeviceCopies:
         self.setup_seconds = 0.0
 
     def prepare(self, nbytes: int) -> None:
-        """Start pinning an arena for ``nbytes`` of CUDA state in the background."""
-        size = min(nbytes, _aligned(self.limit))
-        if self._failed or self._pending is not None or size <= 0:
+        """Start pinning an arena for ``nbytes`` of CUDA state in the
+        background (with room for the state to grow by an eighth: loop
+        variables and gradients come and go between saves), and building
+        the device fingerprint's table for the caller's device."""
+        size = min(_aligned(nbytes + nbytes // 8), _aligned(self.limit))
+        if self._failed or size <= 0:
             return
-        if any(a is not None and size <= a.cap for a in (self._arena, self._next)):
+        if self._pending is not None:
+            # The state outgrew the arena being pinned: a larger one is
+            # started once that one is taken (`_swap`).
+            self._want = max(self._want, nbytes)
             return
+        if any(a is not None and nbytes <= a.cap for a in (self._arena, self._next)):
+            return
+        import torch
+
+        device = torch.device("cuda", torch.cuda.current_device())
 
         def build() -> None:
-            import torch
-
             try:
                 self._next = _Arena(torch, size)
             except (RuntimeError, MemoryError) as e:
@@ -274,13 +292,18 @@ class DeviceCopies:
                     f"hindsight: could not pin {size} bytes of host memory ({e}); CUDA tensors "
                     "are copied without it, and saves wait for the copy\n"
                 )
+            # Ahead of the first save that proves a tensor unchanged (a
+            # failure here is met again, and raised, by that save).
+            with contextlib.suppress(RuntimeError, MemoryError):
+                _table(torch, device)
 
         self._pending = threading.Thread(target=build, name="hindsight-pin", daemon=True)
         self._pending.start()
 
     def _swap(self, wait: bool) -> None:
         """Take a newly pinned arena once it is built (waiting for it if
-        ``wait``: set-up time) and the old one has no save in flight."""
+        ``wait``: set-up time) and the old one has no save in flight; then
+        start a larger one if a save outgrew it meanwhile."""
         if self._pending is not None:
             if not wait and self._pending.is_alive():
                 return
@@ -288,13 +311,15 @@ class DeviceCopies:
             self._pending.join()
             self.setup_seconds += time.perf_counter() - t0
             self._pending = None
-        if self._next is None:
-            return
-        if self._arena is not None:
-            self._arena.reclaim()
-            if self._arena.spans:
-                return  # copies may still be landing in it
-        self._arena, self._next = self._next, None
+        if self._next is not None:
+            if self._arena is not None:
+                self._arena.reclaim()
+                if self._arena.spans:
+                    return  # copies may still be landing in it
+            self._arena, self._next = self._next, None
+        want, self._want = self._want, 0
+        if want:
+            self.prepare(want)
 
     def wait_prepared(self) -> None:
         """Block until the arena being pinned is ready (and swapped in when the old one is idle)."""

@@ -367,6 +367,8 @@ impl Store {
         let mut cache = HashMap::new();
         let mut walk = tree::SaveWalk::new(describe, materialize, &none, &mut cache, false, None);
         let live = walk.node(state, &mut Vec::new())?;
+        // The device arrays' slots are filled here (their host copies).
+        walk.finish()?;
         let tree::SaveWalk {
             slots,
             sources,

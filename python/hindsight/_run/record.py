@@ -932,12 +932,17 @@ class RecordRun(Run):
             # memory for the whole state now, in the background, so the
             # first checkpoint does not wait for it.
             state = capture(self.objects, [])
-            self.store.prepare(state)
-            # The steps' variables exist too: one the code after the steps
-            # reads but no checkpoint can hold is refused now, not when the
-            # first block of steps ends.
+            # What a checkpoint after the steps holds besides: the
+            # gradients and the steps' variables (an arena pinned for less
+            # sends the excess through blocking copies).
+            state["grads"] = capture_grads(self.objects)
+            # One the code after the steps reads but no checkpoint can hold
+            # is refused now, not when the first block of steps ends.
             if self.block_live and self.block_vars is not None:
-                self.block_vars.capture(self.block_vars.names, _storages(state["objects"]), self.transient)
+                state["vars"] = self.block_vars.capture(
+                    self.block_vars.names, _storages(state["objects"]), self.transient
+                )
+            self.store.prepare(state)
         if act.save is not None:
             self._save_step(i, j, act.save, act.wait)
         if act.exit is not None:
