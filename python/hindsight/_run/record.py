@@ -85,6 +85,8 @@ class RecordRun(Run):
         # restore costs, for the adaptive policy): the thread, then its result.
         self.restore_probe: threading.Thread | None = None
         self.restore_read: list[float] = []
+        # CPU of that read, priced as the writer's is (by measured contention).
+        self.restore_cpu = 0.0
         # The training thread's time in this class's loop hooks, and the part
         # of it spent saving checkpoints: the rest is the recording's own
         # overhead, charged to the adaptive policy's budget too.
@@ -452,7 +454,7 @@ class RecordRun(Run):
             self.capture()
         compute = time.perf_counter() - self.iter_start
         self._price_restore()
-        background = self.store.background_cpu_seconds if self._store is not None else None
+        background = self.store.background_cpu_seconds + self.restore_cpu if self._store is not None else None
         first = self._estimate_materialize() if self.last_blocked is None else 0.0
         self.session.overhead(self.own_seconds + time.perf_counter() - t0 - self.save_seconds)
         block = None
@@ -488,8 +490,8 @@ class RecordRun(Run):
         """What restoring a checkpoint costs, measured once, off the training
         thread: the first durable checkpoint of this process is read back
         and verified (the GIL released), and the session spaces adaptive
-        checkpoints by it (core `AdaptivePolicy::pays_back`). Its CPU counts
-        as the recording's own time. Rank 0 decides for a job; a job's
+        checkpoints by it (core `AdaptivePolicy::pays_back`). Its CPU is
+        background work of the recording. Rank 0 decides for a job; a job's
         sharded checkpoints are not priced (they keep the ε rule alone)."""
         if self.restore_probe is None:
             if self.sharded or not self.leads or not self.handles or not self.handles[0].done():
@@ -519,7 +521,11 @@ class RecordRun(Run):
             self.restore_probe.start()
         elif self.restore_read and not self.restore_probe.is_alive():
             secs = self.restore_read.pop()
-            self.own_seconds += secs
+            # Off the training thread, like the writer's hashing: it costs
+            # the training what it takes from cores the training wanted
+            # (all of it on a CPU job, nothing beside a GPU job's idle
+            # cores). Its wall time bounds its CPU.
+            self.restore_cpu += secs
             self.session.restore_measured(secs)
 
     def apply_retention(self, final: bool = False) -> None:
