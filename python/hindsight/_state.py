@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import sys
 import weakref
+from array import array
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,9 @@ _LOADER_GENS: list[tuple[str, weakref.ReferenceType[Any]]] = []
 # States a restore found no such generator for yet: applied when a loader
 # first draws from it (the resumed program makes its loader after the restore).
 _PENDING: dict[str, Any] = {}
+# Python's Mersenne Twister state is 625 ints: kept as their bytes (one value
+# instead of 625 for every walk of a checkpoint's tree, several per save).
+_WORD = "I" if array("I").itemsize == 4 else "L"
 
 
 def note_loader_generators(gens: list[Any]) -> None:
@@ -41,7 +45,8 @@ def note_loader_generators(gens: list[Any]) -> None:
 def rng_state() -> dict[str, Any]:
     """Python's, NumPy's (if imported), torch's and CUDA's (if initialized)
     RNG states, and those of the generators DataLoaders drew from."""
-    state: dict[str, Any] = {"python": random.getstate()}
+    version, words, gauss = random.getstate()
+    state: dict[str, Any] = {"python": (version, array(_WORD, words).tobytes(), gauss)}
     np = sys.modules.get("numpy")
     if np is not None:
         state["numpy"] = np.random.get_state()
@@ -60,7 +65,10 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     """Apply what `rng_state` captured (also after a round trip that turned tuples into lists)."""
     if "python" in state:
         v = state["python"]
-        random.setstate((v[0], tuple(v[1]), v[2]))
+        # Bytes since the state was packed; a tuple (or a list, after a
+        # round trip) in checkpoints from before.
+        words = tuple(array(_WORD, v[1])) if isinstance(v[1], bytes) else tuple(v[1])
+        random.setstate((v[0], words, v[2]))
     if "numpy" in state:
         import numpy as np
 
