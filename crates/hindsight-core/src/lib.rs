@@ -23,9 +23,9 @@ pub use checkpoint::fingerprint::{fingerprint, fingerprint_many, Fingerprint};
 pub use checkpoint::format::{Array, ArrayLib, Blob, ChunkId, Codec, Manifest, Node};
 pub use checkpoint::location::Location;
 pub use checkpoint::naming::{CheckpointId, Kind as CheckpointKind};
-pub use checkpoint::replica::{MetricSource, ReadTree, Replica};
 #[cfg(feature = "s3")]
-pub use checkpoint::s3::S3Storage;
+pub use checkpoint::object::ObjectStorage;
+pub use checkpoint::replica::{MetricSource, ReadTree, Replica};
 pub use checkpoint::storage::{LocalStorage, Storage};
 pub use checkpoint::store::{GcReport, Store, StoreOptions, Usage};
 pub use checkpoint::upload::{copy_checkpoint, CopyStats, Uploader};

@@ -312,7 +312,7 @@ fn local_storage_conforms() {
 mod s3 {
     use super::*;
     use futures_util::TryStreamExt;
-    use hindsight_core::{S3Storage, Store, StoreOptions};
+    use hindsight_core::{ObjectStorage, Store, StoreOptions};
     use object_store::aws::{AmazonS3, AmazonS3Builder};
     use object_store::path::Path as Key;
     use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
@@ -395,7 +395,7 @@ mod s3 {
                 "{base}/conformance-{run}-{}",
                 n.fetch_add(1, Ordering::Relaxed)
             );
-            let mut s = S3Storage::open(&url).unwrap();
+            let mut s = ObjectStorage::open(&url).unwrap();
             if let Some(t) = lease {
                 s = s.with_lease_timeout(t);
             }

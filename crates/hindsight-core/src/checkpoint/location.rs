@@ -1,6 +1,7 @@
-//! Where a store lives: the one place that tells an `s3://` URL from a
-//! directory. Stores, the CLI, the binding and `hs.checkpointing` all parse
-//! locations here.
+//! Where a store lives: the one place that tells an object store's URL
+//! (`s3://`) from a directory, and splits the URL into its scheme, bucket and
+//! prefix. Stores, the CLI, the binding and `hs.checkpointing` all parse
+//! locations here; `checkpoint::object` turns a scheme into a client.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -13,8 +14,87 @@ pub enum Location {
     /// A directory, absolute (`~` expanded, relative paths joined to the
     /// current directory; symlinks are left for the store to judge).
     Local(PathBuf),
-    /// `s3://bucket[/prefix]`, without a trailing slash.
-    S3(String),
+    /// An object store: `s3://bucket[/prefix]`.
+    Object(ObjectUrl),
+}
+
+/// The object stores a location may name, by URL scheme.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scheme {
+    /// Amazon S3 and S3-compatible servers (MinIO, R2, moto).
+    S3,
+}
+
+impl Scheme {
+    pub const ALL: [Scheme; 1] = [Scheme::S3];
+
+    /// What precedes `://`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Scheme::S3 => "s3",
+        }
+    }
+}
+
+/// `SCHEME://BUCKET[/PREFIX]`, the prefix without slashes at either end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectUrl {
+    pub scheme: Scheme,
+    pub bucket: String,
+    pub prefix: String,
+}
+
+impl ObjectUrl {
+    /// Parse `text`, which must start with a known scheme's `SCHEME://`;
+    /// `what` names the argument in errors.
+    pub fn parse(text: &str, what: &str) -> Result<ObjectUrl> {
+        let Some((scheme, rest)) = Scheme::ALL
+            .iter()
+            .find_map(|s| Some((*s, text.strip_prefix(s.name())?.strip_prefix("://")?)))
+        else {
+            return Err(Error::invalid(
+                what,
+                format!("{text:?}: not an object store URL ({})", known_schemes()),
+            ));
+        };
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        let prefix = prefix.trim_matches('/');
+        if bucket.is_empty() || bucket.contains(['?', '#']) || prefix.contains(['?', '#']) {
+            let s = scheme.name();
+            return Err(Error::invalid(
+                what,
+                format!("{text:?}: give {s}://bucket or {s}://bucket/prefix"),
+            ));
+        }
+        Ok(ObjectUrl {
+            scheme,
+            bucket: bucket.to_string(),
+            prefix: prefix.to_string(),
+        })
+    }
+
+    /// `SCHEME://BUCKET`: the root object keys are named under.
+    pub fn root(&self) -> String {
+        format!("{}://{}", self.scheme.name(), self.bucket)
+    }
+}
+
+impl fmt::Display for ObjectUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.root())?;
+        if !self.prefix.is_empty() {
+            write!(f, "/{}", self.prefix)?;
+        }
+        Ok(())
+    }
+}
+
+fn known_schemes() -> String {
+    let names: Vec<String> = Scheme::ALL
+        .iter()
+        .map(|s| format!("{}://", s.name()))
+        .collect();
+    names.join(", ")
 }
 
 impl Location {
@@ -24,15 +104,8 @@ impl Location {
         if text.is_empty() {
             return Err(Error::invalid(what, "empty store location"));
         }
-        if let Some(rest) = text.strip_prefix("s3://") {
-            let rest = rest.trim_end_matches('/');
-            if rest.is_empty() || rest.starts_with('/') {
-                return Err(Error::invalid(
-                    what,
-                    format!("{text:?}: give s3://bucket or s3://bucket/prefix"),
-                ));
-            }
-            return Ok(Location::S3(format!("s3://{rest}")));
+        if text.contains("://") && Scheme::ALL.iter().any(|sc| text.starts_with(sc.name())) {
+            return Ok(Location::Object(ObjectUrl::parse(text, what)?));
         }
         // Look-alikes of an S3 URL must not quietly become local directories.
         let lower = text.to_ascii_lowercase();
@@ -47,7 +120,10 @@ impl Location {
         if text.contains("://") {
             return Err(Error::invalid(
                 what,
-                format!("{text:?}: only local directories and s3:// URLs are supported"),
+                format!(
+                    "{text:?}: only local directories and object store URLs ({}) are supported",
+                    known_schemes()
+                ),
             ));
         }
         let path = expand_home(text);
@@ -65,7 +141,7 @@ impl Location {
     pub fn parse_local(text: &str, what: &str) -> Result<PathBuf> {
         match Location::parse(text, what)? {
             Location::Local(p) => Ok(p),
-            Location::S3(_) => Err(Error::invalid(
+            Location::Object(_) => Err(Error::invalid(
                 what,
                 format!("{text:?}: must be a local directory"),
             )),
@@ -81,7 +157,7 @@ impl fmt::Display for Location {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Location::Local(p) => write!(f, "{}", p.display()),
-            Location::S3(url) => f.write_str(url),
+            Location::Object(url) => url.fmt(f),
         }
     }
 }
@@ -100,10 +176,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn s3_urls_lose_the_trailing_slash() {
+    fn object_urls_split_into_scheme_bucket_and_prefix() {
         assert_eq!(
-            Location::parse("s3://b/p/", "store").unwrap(),
-            Location::S3("s3://b/p".into())
+            Location::parse("s3://b/p/q/", "store").unwrap(),
+            Location::Object(ObjectUrl {
+                scheme: Scheme::S3,
+                bucket: "b".into(),
+                prefix: "p/q".into()
+            })
+        );
+        assert_eq!(
+            Location::parse("s3://b/p/", "store").unwrap().to_string(),
+            "s3://b/p"
         );
         assert_eq!(
             Location::parse("s3://b", "store").unwrap().to_string(),
@@ -115,6 +199,7 @@ mod tests {
     fn bad_locations_name_the_argument() {
         for bad in [
             "", "s3://", "s3:///x", "gs://b/p", "http://x", "S3://b/p", "s3:/b/p", "s3:b",
+            "s3://b?x", "s3x://b",
         ] {
             let e = Location::parse(bad, "local_first").unwrap_err();
             assert_eq!(e.arg(), Some("local_first"), "{bad}: {e}");

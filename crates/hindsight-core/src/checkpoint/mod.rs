@@ -12,11 +12,11 @@ pub mod format;
 pub mod layout;
 pub mod location;
 pub mod naming;
+#[cfg(feature = "s3")]
+pub mod object;
 pub mod parts;
 pub mod replica;
 pub mod retention;
-#[cfg(feature = "s3")]
-pub mod s3;
 pub mod save;
 pub mod shard;
 pub mod storage;

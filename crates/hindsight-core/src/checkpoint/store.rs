@@ -143,13 +143,13 @@ impl Store {
     pub fn open_url(url: &str, create: bool, options: Option<StoreOptions>) -> Result<Store> {
         match Location::parse(url, "store")? {
             #[cfg(feature = "s3")]
-            Location::S3(url) => Store::open_storage(
-                Arc::new(crate::checkpoint::s3::S3Storage::open(&url)?),
+            Location::Object(url) => Store::open_storage(
+                Arc::new(crate::checkpoint::object::ObjectStorage::open_parsed(&url)?),
                 create,
                 options,
             ),
             #[cfg(not(feature = "s3"))]
-            Location::S3(url) => Err(Error::invalid(
+            Location::Object(url) => Err(Error::invalid(
                 "store URL",
                 format!("{url}: this build of hindsight has no S3 support (cargo feature `s3`)"),
             )),

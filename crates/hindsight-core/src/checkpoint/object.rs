@@ -1,6 +1,9 @@
-//! Checkpoints on S3-compatible object storage (cargo feature `s3`).
+//! Checkpoints on object storage (cargo feature `s3`): one implementation over
+//! `Arc<dyn ObjectStore>`, the backend chosen by the URL's scheme in
+//! [`connect`] (S3 and S3-compatible servers today). Everything below the
+//! connection (layout, atomic commit, leases, listing, errors) is generic.
 //!
-//! Layout under `s3://BUCKET/PREFIX` (the same names as a local store):
+//! Layout under `SCHEME://BUCKET/PREFIX` (the same names as a local store):
 //! ```text
 //! PREFIX/HINDSIGHT.json        store options
 //! PREFIX/chunks/ab/cdef...     content-addressed chunks
@@ -62,7 +65,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use futures_util::TryStreamExt;
-use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::aws::AmazonS3Builder;
 use object_store::path::Path as Key;
 use object_store::{
     ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, UpdateVersion,
@@ -70,6 +73,7 @@ use object_store::{
 
 use crate::checkpoint::format::ChunkId;
 use crate::checkpoint::layout;
+use crate::checkpoint::location::{ObjectUrl, Scheme};
 use crate::checkpoint::storage::{LockGuard, Storage, CONFIG_FILE};
 use crate::error::{Error, Result};
 use crate::sync::lock;
@@ -81,17 +85,18 @@ const GC_LEASE: &str = "gc";
 const WRITER_PREFIX: &str = "writer-";
 const CLOCK_PREFIX: &str = "clock-";
 
-/// A store's objects in one bucket, under one prefix.
+/// A store's objects in one bucket (or container), under one prefix.
 #[derive(Debug)]
-pub struct S3Storage {
+pub struct ObjectStorage {
     inner: Arc<Inner>,
 }
 
 struct Inner {
     /// `None` only while dropping.
     rt: Option<tokio::runtime::Runtime>,
-    s3: Arc<AmazonS3>,
-    bucket: String,
+    store: Arc<dyn ObjectStore>,
+    /// `SCHEME://BUCKET`: object keys are named under it in messages.
+    root: String,
     base: Key,
     url: String,
     lease_timeout: Duration,
@@ -108,7 +113,7 @@ struct Inner {
 
 impl fmt::Debug for Inner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("S3Storage")
+        f.debug_struct("ObjectStorage")
             .field("url", &self.url)
             .field("lease_timeout", &self.lease_timeout)
             .finish_non_exhaustive()
@@ -157,7 +162,10 @@ impl Lease {
 
     /// Rewrite the lease if it is still the one we wrote last (If-Match).
     /// Ok(false): it was deleted or replaced, so it is lost.
-    async fn renew(&self, s3: &AmazonS3) -> std::result::Result<bool, object_store::Error> {
+    async fn renew(
+        &self,
+        store: &dyn ObjectStore,
+    ) -> std::result::Result<bool, object_store::Error> {
         let mut etag = self.etag.lock().await;
         if etag.is_none() || self.lost.load(Ordering::Relaxed) {
             return Ok(false);
@@ -166,7 +174,7 @@ impl Lease {
             e_tag: etag.clone(),
             version: None,
         });
-        match s3.put_opts(&self.key, self.body(), mode.into()).await {
+        match store.put_opts(&self.key, self.body(), mode.into()).await {
             Ok(r) => {
                 *etag = r.e_tag;
                 self.renewed_ms.store(now_ms(), Ordering::Relaxed);
@@ -230,58 +238,54 @@ impl Backoff {
     }
 }
 
-/// Split `s3://bucket/prefix` into bucket and prefix.
-fn parse_url(url: &str) -> Result<(String, String)> {
-    let rest = url
-        .strip_prefix("s3://")
-        .ok_or_else(|| Error::invalid("store URL", format!("{url:?} does not start with s3://")))?;
-    let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
-    if bucket.is_empty() || bucket.contains(['?', '#']) || prefix.contains(['?', '#']) {
-        return Err(Error::invalid(
-            "store URL",
-            format!("{url:?}: expected s3://BUCKET or s3://BUCKET/PREFIX"),
-        ));
+/// The backend for `url`'s scheme: the one place a scheme becomes a client.
+/// Makes no request: a wrong endpoint or credentials show up at the first
+/// operation.
+fn connect(url: &ObjectUrl) -> Result<Arc<dyn ObjectStore>> {
+    match url.scheme {
+        Scheme::S3 => {
+            // Settings from the standard AWS environment variables; plain
+            // HTTP when the endpoint is an http:// URL (a server on loopback).
+            let mut builder = AmazonS3Builder::from_env().with_bucket_name(&url.bucket);
+            let endpoint = ["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"]
+                .iter()
+                .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()));
+            if endpoint.is_some_and(|e| e.starts_with("http://")) {
+                builder = builder.with_allow_http(true);
+            }
+            let s3 = builder.build().map_err(|e| {
+                Error::invalid(
+                    "store URL",
+                    format!("{url}: cannot configure S3 access: {e}"),
+                )
+            })?;
+            Ok(Arc::new(s3))
+        }
     }
-    Ok((bucket.to_string(), prefix.trim_matches('/').to_string()))
 }
 
-impl S3Storage {
-    /// Connect to `s3://bucket/prefix` with settings from the AWS environment
-    /// variables. Makes no request: a wrong endpoint or credentials show up at
-    /// the first operation.
-    pub fn open(url: &str) -> Result<S3Storage> {
-        let (bucket, prefix) = parse_url(url)?;
-        let mut builder = AmazonS3Builder::from_env().with_bucket_name(&bucket);
-        let endpoint = ["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"]
-            .iter()
-            .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()));
-        if endpoint.is_some_and(|e| e.starts_with("http://")) {
-            builder = builder.with_allow_http(true);
-        }
-        let s3 = builder.build().map_err(|e| {
-            Error::invalid(
-                "store URL",
-                format!("{url}: cannot configure S3 access: {e}"),
-            )
-        })?;
+impl ObjectStorage {
+    /// Connect to `SCHEME://bucket/prefix` (see [`connect`]).
+    pub fn open(url: &str) -> Result<ObjectStorage> {
+        ObjectStorage::open_parsed(&ObjectUrl::parse(url, "store URL")?)
+    }
+
+    /// [`ObjectStorage::open`] of a URL parsed by `Location`.
+    pub fn open_parsed(url: &ObjectUrl) -> Result<ObjectStorage> {
+        let store = connect(url)?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
-            .thread_name("hindsight-s3")
+            .thread_name("hindsight-objects")
             .enable_all()
             .build()
-            .map_err(|e| Error::io("<s3 runtime>", e))?;
-        let url = if prefix.is_empty() {
-            format!("s3://{bucket}")
-        } else {
-            format!("s3://{bucket}/{prefix}")
-        };
-        Ok(S3Storage {
+            .map_err(|e| Error::io("<object store runtime>", e))?;
+        Ok(ObjectStorage {
             inner: Arc::new(Inner {
                 rt: Some(rt),
-                s3: Arc::new(s3),
-                bucket,
-                base: Key::from(prefix.as_str()),
-                url,
+                store,
+                root: url.root(),
+                base: Key::from(url.prefix.as_str()),
+                url: url.to_string(),
                 lease_timeout: DEFAULT_LEASE_TIMEOUT,
                 owner_pid: std::process::id(),
                 skew_ms: Mutex::new(None),
@@ -337,7 +341,7 @@ impl Inner {
 
     /// The object's URL, for messages.
     fn url_of(&self, key: &Key) -> PathBuf {
-        PathBuf::from(format!("s3://{}/{key}", self.bucket))
+        PathBuf::from(format!("{}/{key}", self.root))
     }
 
     fn err(&self, key: &Key, e: object_store::Error) -> Error {
@@ -364,7 +368,7 @@ impl Inner {
     }
 
     fn head(&self, key: &Key) -> Result<Option<ObjectMeta>> {
-        match self.block_on(self.s3.head(key))? {
+        match self.block_on(self.store.head(key))? {
             Ok(m) => Ok(Some(m)),
             Err(object_store::Error::NotFound { .. }) => Ok(None),
             Err(e) => Err(self.err(key, e)),
@@ -374,7 +378,7 @@ impl Inner {
     /// GET a whole object; Ok(None) when it does not exist.
     fn get(&self, key: &Key) -> Result<Option<Bytes>> {
         let r = self.block_on(async {
-            match self.s3.get(key).await {
+            match self.store.get(key).await {
                 Ok(r) => r.bytes().await,
                 Err(e) => Err(e),
             }
@@ -387,20 +391,20 @@ impl Inner {
     }
 
     fn put(&self, key: &Key, payload: PutPayload) -> Result<()> {
-        self.block_on(self.s3.put(key, payload))?
+        self.block_on(self.store.put(key, payload))?
             .map(|_| ())
             .map_err(|e| self.err(key, e))
     }
 
     fn delete(&self, key: &Key) -> Result<()> {
-        match self.block_on(self.s3.delete(key))? {
+        match self.block_on(self.store.delete(key))? {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(e) => Err(self.err(key, e)),
         }
     }
 
     fn list(&self, dir: &Key) -> Result<Vec<ObjectMeta>> {
-        self.block_on(self.s3.list(Some(dir)).try_collect::<Vec<_>>())?
+        self.block_on(self.store.list(Some(dir)).try_collect::<Vec<_>>())?
             .map_err(|e| self.err(dir, e))
     }
 
@@ -419,7 +423,7 @@ impl Inner {
                 self.err(
                     &key,
                     object_store::Error::Generic {
-                        store: "S3",
+                        store: "object store",
                         source:
                             "a just-written object is missing (is the store strongly consistent?)"
                                 .into(),
@@ -471,7 +475,7 @@ impl Inner {
             PutMode::Overwrite
         };
         let opts = PutOptions::from(mode);
-        match self.block_on(self.s3.put_opts(&lease.key, lease.body(), opts))? {
+        match self.block_on(self.store.put_opts(&lease.key, lease.body(), opts))? {
             Ok(r) => {
                 *lease.etag.blocking_lock() = r.e_tag;
                 Ok(Some(lease))
@@ -490,18 +494,18 @@ impl Inner {
 
     /// Turn a written lease into a guard that renews it in the background.
     fn hold(self: &Arc<Self>, lease: Arc<Lease>, writer: bool) -> Result<Box<dyn LockGuard>> {
-        let s3 = self.s3.clone();
+        let store = self.store.clone();
         let every = self.renew_every();
         let l = lease.clone();
         let rt = self.rt.as_ref().ok_or_else(|| Error::Closed {
-            location: format!("store s3://{}", self.bucket),
+            location: format!("store {}", self.url),
             what: "cannot take a lease".into(),
         })?;
         let heartbeat = rt.spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
                 // Transient errors: try again next time (the timeout leaves room).
-                if let Ok(false) = l.renew(&s3).await {
+                if let Ok(false) = l.renew(store.as_ref()).await {
                     return;
                 }
             }
@@ -580,7 +584,7 @@ impl Inner {
             self.check_current(&lease)?;
             let before = lease.renewed_ms.load(Ordering::Relaxed);
             let ok = self
-                .block_on(lease.renew(&self.s3))?
+                .block_on(lease.renew(self.store.as_ref()))?
                 .map_err(|e| self.err(&lease.key, e))?;
             if !ok {
                 return Err(self.lease_error(&lease, now_ms() - before));
@@ -636,13 +640,13 @@ impl Drop for LeaseGuard {
                 h.abort();
             }
             if was_ours && !lease.lost.load(Ordering::Relaxed) {
-                let _ = self.inner.s3.delete(&lease.key).await;
+                let _ = self.inner.store.delete(&lease.key).await;
             }
         });
     }
 }
 
-impl Storage for S3Storage {
+impl Storage for ObjectStorage {
     fn location(&self) -> String {
         self.inner.url.clone()
     }
@@ -841,24 +845,5 @@ impl Storage for S3Storage {
             &self.inner.key(&[CONFIG_FILE]),
             PutPayload::from(Bytes::copy_from_slice(bytes)),
         )
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_urls() {
-        assert_eq!(
-            parse_url("s3://bkt/a/b/").unwrap(),
-            ("bkt".to_string(), "a/b".to_string())
-        );
-        assert_eq!(
-            parse_url("s3://bkt").unwrap(),
-            ("bkt".to_string(), String::new())
-        );
-        assert!(parse_url("s3:///x").is_err());
-        assert!(parse_url("gs://bkt/x").is_err());
     }
 }
