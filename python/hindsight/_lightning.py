@@ -15,10 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hindsight import _native, _preemption, _run, session
-from hindsight._state import rng_state, set_rng_state
-from hindsight._store import Store
-from hindsight.errors import HindsightError, ReplayError, UnsupportedTypeError
-from hindsight.lightning import (
+from hindsight._lightning_store import (
     DEFAULT_PREFIX,
     _check_prefix,
     _import_lightning,
@@ -32,6 +29,9 @@ from hindsight.lightning import (
     latest_path,
     project_store,
 )
+from hindsight._state import rng_state, set_rng_state
+from hindsight._store import Store
+from hindsight.errors import HindsightError, ReplayError, UnsupportedTypeError
 
 pl = _import_lightning()
 # The end mark's key for the other checkpoint callbacks' final states.

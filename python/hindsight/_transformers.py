@@ -25,10 +25,10 @@ import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hindsight import _native, _preemption, session
+from hindsight._lightning_store import _check_prefix, latest
 from hindsight._run.common import ENV_REPLAY
 from hindsight._store import Store
 from hindsight.errors import HindsightError, InvalidArgumentError, NotFoundError, ReplayError
-from hindsight.lightning import _check_prefix, latest
 
 DEFAULT_PREFIX = "transformers"
 _TENSORS = ".safetensors"

@@ -23,6 +23,7 @@ from collections import OrderedDict, defaultdict
 from typing import Any
 
 from hindsight._run import dataiter
+from hindsight._run.accelstate import LoopState
 from hindsight.errors import ReplayError
 
 #: The key of a marker dict (an encoded object); never a user's key in practice.
@@ -205,8 +206,6 @@ class _Encoder:
         if accel is not None and isinstance(v, accel):
             # accelerate's Accelerator (a loop calls accumulate/backward on
             # it): its loop state, not its configuration (hindsight.accelerate).
-            from hindsight.accelerate import LoopState
-
             return {MARK: "accelerate", "type": _qualname(t), "state": self(LoopState(v).state_dict(), depth)}
         if callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None)):
             try:
@@ -293,8 +292,6 @@ def restore(current: Any, saved: Any, name: str) -> Any:
                 f"'{name}' held an accelerate Accelerator; the resumed program holds "
                 f"{'nothing' if current is MISSING else type(current).__qualname__} there"
             )
-        from hindsight.accelerate import LoopState
-
         LoopState(current).load_state_dict(restore(MISSING, saved["state"], name))
         return current
     if kind == "numpy.scalar":

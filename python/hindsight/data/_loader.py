@@ -6,9 +6,6 @@ crate ``hindsight-data``; this module starts processes and converts data."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import inspect
-import json
 import os
 import shutil
 import signal
@@ -22,27 +19,8 @@ from typing import Any
 
 from hindsight import _native
 from hindsight.data._codec import decode
-from hindsight.data._worker import is_sharded
+from hindsight.data._spec import canonical_args, code_version, is_sharded
 from hindsight.errors import DataMismatchError, HindsightError, InvalidArgumentError, NoDataWorkersError
-
-
-def code_version(*objs: Any) -> str:
-    """A digest of the source files that define the dataset and collate code:
-    workers running other code are refused."""
-    h = hashlib.sha256()
-    for obj in objs:
-        if obj is None:
-            continue
-        try:
-            path = inspect.getsourcefile(obj)
-        except TypeError:
-            path = None
-        if path and os.path.exists(path):
-            with open(path, "rb") as f:
-                h.update(f.read())
-        else:
-            h.update(repr(obj).encode())
-    return h.hexdigest()[:16]
 
 
 def _name(factory: Callable[..., Any]) -> str:
@@ -57,17 +35,6 @@ def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def canonical_args(args: dict[str, Any]) -> str:
-    """The factory's arguments as the job spec and every worker state them:
-    a worker built with other arguments serves another dataset."""
-    try:
-        return json.dumps(args, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise InvalidArgumentError(
-            f"dataset_args must be JSON (workers elsewhere rebuild the dataset from them): {e}"
-        ) from e
 
 
 class _LocalWorkers:

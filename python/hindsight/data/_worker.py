@@ -24,6 +24,7 @@ import torch
 
 from hindsight import _native
 from hindsight.data._codec import encode
+from hindsight.data._spec import canonical_args, code_version, is_sharded
 from hindsight.errors import HindsightError
 
 _current_seed: int | None = None
@@ -53,11 +54,6 @@ def _seed_all(seed: int) -> None:
     torch.default_generator.manual_seed(seed)
     if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         torch.cuda.manual_seed_all(seed)
-
-
-def is_sharded(ds: object) -> bool:
-    """A sharded dataset: ``shards()`` (record counts) and ``open(shard, offset)``."""
-    return callable(getattr(ds, "shards", None)) and callable(getattr(ds, "open", None))
 
 
 _MISSING = object()
@@ -290,8 +286,6 @@ def _import(spec: str, what: str) -> Callable[..., Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``hindsight data worker``: serve a dataset for a remote dispatcher."""
-    from hindsight.data._loader import canonical_args, code_version
-
     p = argparse.ArgumentParser(prog="hindsight data worker", description=main.__doc__)
     p.add_argument("--dispatcher", required=True, help="host:port of the dispatcher")
     p.add_argument("--dataset", required=True, help="module:factory returning a map-style dataset")

@@ -11,9 +11,9 @@ use std::path::Path;
 
 use safetensors::tensor::{Dtype, View};
 
+use crate::checkpoint::cancel::Cancel;
 use crate::checkpoint::format::{Array, ArrayLib, Node};
 use crate::checkpoint::replica::Replica;
-use crate::checkpoint::writer::Cancel;
 use crate::error::{Error, Result};
 
 /// What an export wrote.

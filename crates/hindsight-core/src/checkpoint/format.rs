@@ -431,6 +431,10 @@ pub struct Manifest {
     pub root: Node,
 }
 
+/// Manifest metadata: the save attempt of a multi-rank checkpoint whose
+/// parts it merges (`shard` writes it; supersession reads it).
+pub const META_ATTEMPT: &str = "hs.attempt";
+
 impl Manifest {
     /// Whether committing this manifest over `existing` (the name's commit
     /// now, if any) is refused: a save of the name requested after this one
@@ -441,7 +445,7 @@ impl Manifest {
     /// state. (Compared by the requesters' clocks.)
     pub fn refuse_superseded(&self, existing: Option<&Manifest>) -> Result<()> {
         let Some(other) = existing else { return Ok(()) };
-        let attempt = |m: &Manifest| m.meta.get(crate::checkpoint::shard::META_ATTEMPT).cloned();
+        let attempt = |m: &Manifest| m.meta.get(META_ATTEMPT).cloned();
         let same_attempt = attempt(self).is_some() && attempt(self) == attempt(other);
         if other.created_ms <= self.created_ms || same_attempt {
             return Ok(());

@@ -4,6 +4,7 @@
 //! names, storage backends, the store (read, gc, verify), the background
 //! writer, the local-first replica, retention and upload.
 
+pub mod cancel;
 pub mod compare;
 pub mod device_fp;
 pub mod export;

@@ -4,10 +4,10 @@
 
 use std::time::{Duration, Instant};
 
+use crate::checkpoint::cancel::Cancel;
 use crate::checkpoint::format::{ArrayLib, Manifest, Node, Sharded};
 use crate::checkpoint::shard;
 use crate::checkpoint::store::Store;
-use crate::checkpoint::writer::Cancel;
 use crate::error::{Error, Result};
 
 /// Which box of which array to read: the array's key path, and where the

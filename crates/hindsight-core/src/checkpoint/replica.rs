@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
+use crate::checkpoint::cancel::Cancel;
 use crate::checkpoint::format::{Manifest, Node};
 use crate::checkpoint::naming::{self, CheckpointId};
 use crate::checkpoint::parts::{Region, RegionRequest};
@@ -15,7 +16,7 @@ use crate::checkpoint::retention::{self, Entry, Retention};
 use crate::checkpoint::shard;
 use crate::checkpoint::store::{DescribeRow, GcReport, Problem, Store, StoreOptions, Usage};
 use crate::checkpoint::upload::Uploader;
-use crate::checkpoint::writer::{Cancel, Writer, WriterOptions};
+use crate::checkpoint::writer::{Writer, WriterOptions};
 use crate::error::{Error, Result};
 
 /// Manifest metadata keys of a checkpoint's retention metric.

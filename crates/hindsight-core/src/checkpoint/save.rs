@@ -9,9 +9,10 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use crate::checkpoint::cancel::Cancel;
 use crate::checkpoint::fingerprint::{fingerprint_many, Fingerprint};
 use crate::checkpoint::format::{Blob, Node};
-use crate::checkpoint::writer::{Cancel, Lent, ReuseLock, SaveHandle, StagedBlob, Writer};
+use crate::checkpoint::writer::{Lent, ReuseLock, SaveHandle, StagedBlob, Writer};
 use crate::error::{Error, Result};
 
 /// Below this size a tensor is always copied: cheaper than proving it unchanged.

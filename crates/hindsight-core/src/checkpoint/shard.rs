@@ -20,8 +20,7 @@ use crate::error::{Error, Result};
 const PART_MARK: &str = "@hs-part-";
 /// Manifest metadata: how many ranks saved the checkpoint.
 pub const META_WORLD: &str = "hs.world";
-/// Manifest metadata: the save attempt whose parts it merges.
-pub const META_ATTEMPT: &str = "hs.attempt";
+pub use crate::checkpoint::format::META_ATTEMPT;
 /// Part metadata: the digest of the replicated keys this rank saw (every
 /// rank must see the same ones, or ownership would leave some unsaved).
 pub const META_REPLICATED: &str = "hs.replicated";

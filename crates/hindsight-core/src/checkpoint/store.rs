@@ -8,12 +8,12 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
+use crate::checkpoint::cancel::Cancel;
 use crate::checkpoint::format::{
     self, Blob, ChunkId, Codec, Manifest, Node, PackSlice, CHUNK_HEADER_LEN, FORMAT_VERSION,
 };
 use crate::checkpoint::location::Location;
 use crate::checkpoint::storage::{LocalStorage, Storage, CONFIG_FILE};
-use crate::checkpoint::writer::Cancel;
 use crate::error::{Error, Result};
 use crate::sync::lock;
 

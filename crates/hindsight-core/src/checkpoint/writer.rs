@@ -17,6 +17,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::checkpoint::cancel::Cancel;
 use crate::checkpoint::device_fp::DeviceFpSum;
 use crate::checkpoint::fingerprint::{self, Fingerprint, SegmentHasher, COPY_STEP};
 use crate::checkpoint::format::{
@@ -655,9 +656,6 @@ pub struct StagedBlob {
     pub blob: Blob,
     pub fingerprint: Fingerprint,
 }
-
-/// A cancellation check polled while staging waits or copies.
-pub type Cancel<'a> = &'a (dyn Fn() -> bool + Sync);
 
 /// The store's shared lock, taken to decide which earlier blobs a save may
 /// reuse and held by that save until it commits ([`Writer::reuse_check`],
