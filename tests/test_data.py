@@ -416,6 +416,21 @@ def test_a_journal_corrupt_before_its_tail_is_a_named_error(tmp_path, monkeypatc
     assert path.read_bytes() == bytes(data), "a failed recovery must not change the journal"
 
 
+def test_units_carry_every_dtype_a_checkpoint_holds():
+    """One dtype table for checkpoints and data units (the engine's): a unit
+    of float8 or complex32 decoded where a checkpoint of it loads."""
+    from hindsight import _native
+
+    names = [n for n in _native.TORCH_DTYPES if hasattr(torch, n)]
+    assert {"float8_e4m3fn", "complex32", "uint64", "bfloat16"} <= set(names)
+    raw = torch.arange(64, dtype=torch.uint8)
+    value = {n: raw[: 64 - 64 % getattr(torch, n).itemsize].view(getattr(torch, n)) for n in names}
+    back = decode(bytearray(encode(value)))
+    for n, t in value.items():
+        assert back[n].dtype == t.dtype, n
+        assert torch.equal(back[n].view(torch.uint8), t.view(torch.uint8)), n
+
+
 @pytest.mark.parametrize(
     "value",
     [
