@@ -794,9 +794,9 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         session = self._replay.session
         visit = session.iteration_start(epoch)
         self._mode = self._restoring = None
-        if visit.kind not in ("skip", "stop"):
+        if visit.kind not in (_native.VisitKind.SKIP, _native.VisitKind.STOP):
             block = session.block_start(epoch, {})
-            self._mode = "restore" if block.kind == "restore" else "execute"
+            self._mode = "restore" if block.kind == _native.BlockKind.RESTORE else "execute"
             self._restoring = block.checkpoint
         # The epoch starts from the state the previous one left only where the
         # plan visited that one (or at the fit's start): the session says stale.

@@ -3,7 +3,7 @@
 import builtins
 import os
 from collections.abc import Callable
-from typing import Any, Literal, Self, TypeAlias, final
+from typing import Any, ClassVar, Literal, Self, TypeAlias, final
 
 FORMAT_VERSION: int
 TORCH_DTYPES: list[str]
@@ -24,6 +24,7 @@ __all__ = [
     "ArrayView",
     "BatchPrinter",
     "BlockEnd",
+    "BlockKind",
     "BlockSave",
     "BlockStart",
     "Buffer",
@@ -44,6 +45,7 @@ __all__ = [
     "DeviceCopyError",
     "Divergence",
     "DivergenceError",
+    "EndKind",
     "Finish",
     "FitChoice",
     "HindsightError",
@@ -89,6 +91,7 @@ __all__ = [
     "UnsupportedTypeError",
     "Verdict",
     "Visit",
+    "VisitKind",
     "WorkerCommand",
     "WorkerPlan",
     "World",
@@ -449,11 +452,48 @@ class Retention:
     def metric(self) -> str | None: ...
 
 @final
+class VisitKind:
+    """What an outer iteration about to start does."""
+
+    RUN: ClassVar[VisitKind]
+    RUN_STALE: ClassVar[VisitKind]
+    RUN_FROM_START: ClassVar[VisitKind]
+    RERUN: ClassVar[VisitKind]
+    RESTORE: ClassVar[VisitKind]
+    SKIP: ClassVar[VisitKind]
+    STOP: ClassVar[VisitKind]
+    def __eq__(self, other: object, /) -> bool: ...
+    def __ne__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+
+@final
+class BlockKind:
+    """What an iteration's steps do."""
+
+    RUN: ClassVar[BlockKind]
+    RESTORE: ClassVar[BlockKind]
+    RESUME_STEPS: ClassVar[BlockKind]
+    def __eq__(self, other: object, /) -> bool: ...
+    def __ne__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+
+@final
+class EndKind:
+    """A replay worker's action after an iteration's steps."""
+
+    NOTHING: ClassVar[EndKind]
+    RESTORE: ClassVar[EndKind]
+    CHECK: ClassVar[EndKind]
+    def __eq__(self, other: object, /) -> bool: ...
+    def __ne__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+
+@final
 class Visit:
-    """What to do with an outer iteration: run, run_stale, run_from_start, rerun, restore, skip or stop."""
+    """What to do with an outer iteration (its `kind`, and the checkpoint it reads)."""
 
     @property
-    def kind(self) -> str: ...
+    def kind(self) -> VisitKind: ...
     @property
     def checkpoint(self) -> str | None: ...
     @property
@@ -461,10 +501,10 @@ class Visit:
 
 @final
 class BlockStart:
-    """What to do with an iteration's steps: run, restore or resume_steps."""
+    """What to do with an iteration's steps (its `kind`, the checkpoint and step)."""
 
     @property
-    def kind(self) -> str: ...
+    def kind(self) -> BlockKind: ...
     @property
     def checkpoint(self) -> str | None: ...
     @property
@@ -508,10 +548,10 @@ class Finish:
 
 @final
 class BlockEnd:
-    """A replay worker's action after an iteration's steps: nothing, restore or check."""
+    """A replay worker's action after an iteration's steps (its `kind`, the checkpoint)."""
 
     @property
-    def kind(self) -> str: ...
+    def kind(self) -> EndKind: ...
     @property
     def checkpoint(self) -> str | None: ...
 

@@ -503,10 +503,10 @@ class HindsightCallback(transformers.TrainerCallback):
         sess.outer_start("epoch")
         i = 0
         visit = sess.iteration_start(i)
-        while visit.kind == "skip":
+        while visit.kind == _native.VisitKind.SKIP:
             i += 1
             visit = sess.iteration_start(i)
-        if visit.kind == "stop":
+        if visit.kind == _native.VisitKind.STOP:
             raise ReplayError("hindsight replay: this worker's plan visits no epoch")
         later = sorted(j for j, mode in rs.plan.modes.items() if j > i and mode == "restore")
         if later:
@@ -516,10 +516,10 @@ class HindsightCallback(transformers.TrainerCallback):
                 "callback, compute_metrics or compute_loss"
             )
         self._visited = i
-        if visit.kind == "run_from_start":
+        if visit.kind == _native.VisitKind.RUN_FROM_START:
             return None  # train() from the start executes epoch 0
         block = sess.block_start(i, {})
-        if block.kind != "restore" or block.checkpoint is None:
+        if block.kind != _native.BlockKind.RESTORE or block.checkpoint is None:
             raise ReplayError(f"hindsight replay: the plan executes epoch {i} without the state before it")
         t0 = time.perf_counter()
         path = self._materialize(block.checkpoint)
@@ -546,13 +546,13 @@ class HindsightCallback(transformers.TrainerCallback):
         epoch = self._epoch
         if self._visited != epoch:
             visit = sess.iteration_start(epoch)
-            if visit.kind in ("skip", "stop"):
+            if visit.kind in (_native.VisitKind.SKIP, _native.VisitKind.STOP):
                 raise ReplayError(
                     f"hindsight replay: Trainer runs epoch {epoch}, which this worker's plan does not visit"
                 )
         self._visited = None
         block = sess.block_start(epoch, {})
-        if block.kind == "restore":
+        if block.kind == _native.BlockKind.RESTORE:
             raise ReplayError(f"hindsight replay: the plan restores epoch {epoch} inside a running train()")
         session.drop(False)
 
@@ -561,7 +561,7 @@ class HindsightCallback(transformers.TrainerCallback):
         sess = self._replay.session
         epoch = self._epoch
         end = sess.block_end(epoch, False)
-        if end.kind == "check" and end.checkpoint is not None and model is not None:
+        if end.kind == _native.EndKind.CHECK and end.checkpoint is not None and model is not None:
             self._check_weights(epoch, end.checkpoint, model)
         self._pending = epoch  # its progress line once Trainer has evaluated it
         last = sess.last_needed

@@ -12,13 +12,36 @@ use pyo3::prelude::*;
 use crate::errors::IntoPy;
 use crate::runs::WorkerPlan;
 
-/// What to do with an outer iteration about to start: `kind` is one of
-/// "run", "run_stale", "run_from_start", "rerun", "restore", "skip", "stop".
+/// What an outer iteration about to start does (`Visit.kind`).
+#[pyclass(module = "hindsight._native", eq, frozen, hash, from_py_object)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum VisitKind {
+    #[pyo3(name = "RUN")]
+    Run,
+    /// Run, but values logged before the steps are dropped.
+    #[pyo3(name = "RUN_STALE")]
+    RunStale,
+    /// Run from the program's own start (a replay worker's first iteration).
+    #[pyo3(name = "RUN_FROM_START")]
+    RunFromStart,
+    /// Put `checkpoint` (its start) back, then run.
+    #[pyo3(name = "RERUN")]
+    Rerun,
+    /// Put `checkpoint` (its end) back; the body does not run.
+    #[pyo3(name = "RESTORE")]
+    Restore,
+    #[pyo3(name = "SKIP")]
+    Skip,
+    #[pyo3(name = "STOP")]
+    Stop,
+}
+
+/// What to do with an outer iteration about to start.
 #[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
 #[derive(Clone, Debug)]
 pub(crate) struct Visit {
-    kind: &'static str,
-    /// The checkpoint a "rerun" or "restore" reads.
+    kind: VisitKind,
+    /// The checkpoint a RERUN or RESTORE reads.
     checkpoint: Option<String>,
     /// Values logged before the steps are dropped (they would describe the wrong state).
     stale: bool,
@@ -28,13 +51,13 @@ impl From<core::Visit> for Visit {
     fn from(v: core::Visit) -> Visit {
         let stale = v.stale();
         let (kind, checkpoint) = match v {
-            core::Visit::Run => ("run", None),
-            core::Visit::RunStale => ("run_stale", None),
-            core::Visit::RunFromStart => ("run_from_start", None),
-            core::Visit::Rerun { checkpoint } => ("rerun", Some(checkpoint)),
-            core::Visit::Restore { checkpoint } => ("restore", Some(checkpoint)),
-            core::Visit::Skip => ("skip", None),
-            core::Visit::Stop => ("stop", None),
+            core::Visit::Run => (VisitKind::Run, None),
+            core::Visit::RunStale => (VisitKind::RunStale, None),
+            core::Visit::RunFromStart => (VisitKind::RunFromStart, None),
+            core::Visit::Rerun { checkpoint } => (VisitKind::Rerun, Some(checkpoint)),
+            core::Visit::Restore { checkpoint } => (VisitKind::Restore, Some(checkpoint)),
+            core::Visit::Skip => (VisitKind::Skip, None),
+            core::Visit::Stop => (VisitKind::Stop, None),
         };
         Visit {
             kind,
@@ -44,12 +67,25 @@ impl From<core::Visit> for Visit {
     }
 }
 
-/// What to do with an iteration's steps: `kind` "run", "restore" (skip
-/// them, put `checkpoint` back) or "resume_steps" (put it back, go on at `step`).
+/// What an iteration's steps do (`BlockStart.kind`).
+#[pyclass(module = "hindsight._native", eq, frozen, hash, from_py_object)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum BlockKind {
+    #[pyo3(name = "RUN")]
+    Run,
+    /// Skip them and put `checkpoint` back.
+    #[pyo3(name = "RESTORE")]
+    Restore,
+    /// Put `checkpoint` back and go on at `step`.
+    #[pyo3(name = "RESUME_STEPS")]
+    ResumeSteps,
+}
+
+/// What to do with an iteration's steps.
 #[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
 #[derive(Clone, Debug)]
 pub(crate) struct BlockStart {
-    kind: &'static str,
+    kind: BlockKind,
     checkpoint: Option<String>,
     step: u64,
 }
@@ -57,10 +93,10 @@ pub(crate) struct BlockStart {
 impl From<core::BlockStart> for BlockStart {
     fn from(b: core::BlockStart) -> BlockStart {
         let (kind, checkpoint, step) = match b {
-            core::BlockStart::Run => ("run", None, 0),
-            core::BlockStart::Restore { checkpoint } => ("restore", Some(checkpoint), 0),
+            core::BlockStart::Run => (BlockKind::Run, None, 0),
+            core::BlockStart::Restore { checkpoint } => (BlockKind::Restore, Some(checkpoint), 0),
             core::BlockStart::ResumeSteps { checkpoint, step } => {
-                ("resume_steps", Some(checkpoint), step)
+                (BlockKind::ResumeSteps, Some(checkpoint), step)
             }
         };
         BlockStart {
@@ -108,12 +144,25 @@ pub(crate) struct Finish {
     apply_retention: bool,
 }
 
-/// A replay worker's action after an iteration's steps: `kind` "nothing",
-/// "restore" or "check" (compare the state with `checkpoint`).
+/// A replay worker's action after an iteration's steps (`BlockEnd.kind`).
+#[pyclass(module = "hindsight._native", eq, frozen, hash, from_py_object)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum EndKind {
+    #[pyo3(name = "NOTHING")]
+    Nothing,
+    /// Put `checkpoint` back (the state after the steps).
+    #[pyo3(name = "RESTORE")]
+    Restore,
+    /// Compare the state computed with `checkpoint`.
+    #[pyo3(name = "CHECK")]
+    Check,
+}
+
+/// A replay worker's action after an iteration's steps.
 #[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
 #[derive(Clone, Debug)]
 pub(crate) struct BlockEnd {
-    kind: &'static str,
+    kind: EndKind,
     checkpoint: Option<String>,
 }
 
@@ -519,9 +568,9 @@ impl ReplaySession {
 
     fn block_end(&mut self, i: u64, at_iteration: bool) -> PyResult<BlockEnd> {
         let (kind, checkpoint) = match self.0.block_end(i, at_iteration).py_err()? {
-            core::BlockEnd::Nothing => ("nothing", None),
-            core::BlockEnd::Restore { checkpoint } => ("restore", Some(checkpoint)),
-            core::BlockEnd::Check { checkpoint } => ("check", Some(checkpoint)),
+            core::BlockEnd::Nothing => (EndKind::Nothing, None),
+            core::BlockEnd::Restore { checkpoint } => (EndKind::Restore, Some(checkpoint)),
+            core::BlockEnd::Check { checkpoint } => (EndKind::Check, Some(checkpoint)),
         };
         Ok(BlockEnd { kind, checkpoint })
     }
@@ -565,6 +614,9 @@ fn checked_every(call: &str, arg: &str, value: &Bound<'_, PyAny>) -> PyResult<u6
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(checked_every, m)?)?;
+    m.add_class::<VisitKind>()?;
+    m.add_class::<BlockKind>()?;
+    m.add_class::<EndKind>()?;
     m.add_class::<Visit>()?;
     m.add_class::<BlockStart>()?;
     m.add_class::<StepAction>()?;

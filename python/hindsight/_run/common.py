@@ -646,9 +646,9 @@ class Run:
         try:
             for i, x in enumerate(iterable):
                 visit = self._visit(i)
-                if visit.kind == "stop":
+                if visit.kind == _native.VisitKind.STOP:
                     break
-                if visit.kind == "skip":
+                if visit.kind == _native.VisitKind.SKIP:
                     continue
                 entry[1] = i
                 self.outer_idx = i

@@ -758,10 +758,10 @@ class RecordRun(Run):
     def _visit(self, i: int) -> Any:
         self.iter_materialize = None
         visit = self.session.iteration_start(i)
-        if visit.kind == "restore":
+        if visit.kind == _native.VisitKind.RESTORE:
             name, state = self._resumed(visit.checkpoint)
             self._apply(state, name)
-        elif visit.kind == "rerun":
+        elif visit.kind == _native.VisitKind.RERUN:
             # Interrupted in (or after) the steps of iteration i: the code
             # before the steps runs again as it first ran, from the RNG
             # state and the loop's variables it started with (it may create
@@ -809,13 +809,13 @@ class RecordRun(Run):
 
     def _block_starts(self, i: int, iterable: Iterable[T]) -> tuple[Iterator[T], int] | None:
         block = self.session.block_start(i)
-        if block.kind == "restore":
+        if block.kind == _native.BlockKind.RESTORE:
             # Interrupted after this block's checkpoint: restore it, skip the steps.
             name, state = self._resumed(block.checkpoint)
             self._apply(state, name)
             return None
         self.block_iterable = iterable
-        if block.kind == "resume_steps":
+        if block.kind == _native.BlockKind.RESUME_STEPS:
             return self._resume_steps(iterable, block.checkpoint, i, block.step)
         self.block_rng = rng_state()  # before iter(): a DataLoader draws its order here
         it = iter(iterable)

@@ -148,7 +148,7 @@ class ReplayRun(Run):
     def _visit(self, i: int) -> Any:
         visit = self.session.iteration_start(i)
         self.past_plan = self.session.past_plan
-        if visit.kind == "run_from_start":
+        if visit.kind == _native.VisitKind.RUN_FROM_START:
             rng = self._recorded_start_rng()
             if rng is not None:
                 set_rng_state(rng)
@@ -184,7 +184,7 @@ class ReplayRun(Run):
     def _block_starts(self, i: int, iterable: Any) -> tuple[Any, int] | None:
         # Each rank checks its own batches against what it recorded.
         block = self.session.block_start(i, self.db.batch_digests(self.run_id, i, self.rank_index, "batch"))
-        if block.kind == "restore":
+        if block.kind == _native.BlockKind.RESTORE:
             self._restore(block.checkpoint)
             return None
         return iter(iterable), 0
@@ -205,11 +205,11 @@ class ReplayRun(Run):
             return  # diverged: the block closes on the way out, nothing more to check
         super()._end_block(i, at)
         end = self.session.block_end(i, at == "iteration")
-        if end.kind == "restore":
+        if end.kind == _native.EndKind.RESTORE:
             # No inner loop to skip (one step per iteration): the body ran;
             # the state after it is the checkpoint's.
             self._restore(end.checkpoint)
-        elif end.kind == "check" and end.checkpoint is not None and self.objects:
+        elif end.kind == _native.EndKind.CHECK and end.checkpoint is not None and self.objects:
             self._check_state(i, end.checkpoint)
 
     def _check_state(self, i: int, name: str) -> None:
