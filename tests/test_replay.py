@@ -859,3 +859,32 @@ def test_a_copied_project_reads_its_own_store_and_a_moved_one_still_replays(tmp_
     gone = f"its checkpoint store is not at {tmp_path / 'proj' / '.hindsight' / 'store'}"
     assert r.stderr.count(gone) == 1, r.stderr
     assert only(tmp_path / "proj" / ".hindsight", "weight_norm") == want
+
+
+def test_a_checkpoint_recorded_before_the_rng_state_was_packed_still_checks_equal(tmp_path):
+    """Recordings made before Python's RNG state was kept as bytes hold its
+    625 words one by one. A replay worker's state check against such a
+    checkpoint compares its live state in that form: the same state is
+    equal (not a divergence), and a different one still differs."""
+    import random
+
+    import hindsight as hs
+    from hindsight._state import rng_as_recorded, rng_state
+
+    random.seed(7)
+    version, words, gauss = random.getstate()
+    store = hs.Store(tmp_path / "s")
+    store.save("old", {"rng": {"python": (version, words, gauss)}, "n": 1}).wait()  # as rng_state kept it
+    live = {"rng": {"python": rng_state()["python"]}, "n": 1}
+    assert isinstance(live["rng"]["python"][1], bytes)
+    entries = store.info("old")["entries"]
+    assert store.check_state("old", live).first is not None  # the representations differ
+    assert store.check_state("old", rng_as_recorded(live, entries)).first is None
+    random.random()
+    moved = {"rng": {"python": rng_state()["python"]}, "n": 1}
+    first = store.check_state("old", rng_as_recorded(moved, entries)).first
+    assert first is not None and first.path.startswith("rng/python"), first
+    # A checkpoint in today's form is compared as it is.
+    store.save("new", live).wait()
+    assert rng_as_recorded(live, store.info("new")["entries"]) is live
+    assert store.check_state("new", live).first is None

@@ -61,6 +61,21 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def rng_as_recorded(state: dict[str, Any], entries: list[tuple[str, str, int]]) -> dict[str, Any]:
+    """``state`` (a capture, holding `rng_state`'s) in the form of a
+    checkpoint with these ``entries`` (`Store.info`): one recorded before
+    Python's RNG state was packed holds its 625 words one by one, and a
+    replay comparing against it must too, or every check would report the
+    same state as different."""
+    if not any(path.endswith("rng/python/1/0") for path, *_ in entries):
+        return state
+    rng = state.get("rng")
+    if not isinstance(rng, dict) or not isinstance(rng.get("python", (None, None))[1], bytes):
+        return state
+    v = rng["python"]
+    return {**state, "rng": {**rng, "python": (v[0], tuple(array(_WORD, v[1])), v[2])}}
+
+
 def set_rng_state(state: Mapping[str, Any]) -> None:
     """Apply what `rng_state` captured (also after a round trip that turned tuples into lists)."""
     if "python" in state:

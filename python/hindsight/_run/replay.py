@@ -23,7 +23,7 @@ from typing import Any
 from hindsight import _native
 from hindsight._run import batches, files
 from hindsight._run.common import Run, inherited_pipe, job_part
-from hindsight._state import capture_grads, set_rng_state
+from hindsight._state import capture_grads, rng_as_recorded, set_rng_state
 from hindsight._store import Store
 from hindsight.errors import DivergenceError, HindsightError, ReplayError
 
@@ -222,7 +222,7 @@ class ReplayRun(Run):
         grads = capture_grads(self.objects)
         if grads is not None:
             state["grads"] = grads
-        check = self._check_against(name, state)
+        check = self._check_against(name, rng_as_recorded(state, self.store.info(name)["entries"]))
         self.session.checked_in(time.perf_counter() - t0)
         if check.notes and not self.noted_clock:
             self.noted_clock = True
