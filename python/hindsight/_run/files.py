@@ -366,8 +366,7 @@ class Mirror:
                 target = Path(os.readlink(cur))
                 if not target.is_relative_to(self.recorded) or not target.is_dir():
                     return  # a link of the user's own (data elsewhere): written where it points
-                cur.unlink()
-                mirror(target, cur)
+                _replace_link_with_mirror(cur, target)
         if path.is_symlink():
             target = Path(os.readlink(path))
             if not target.is_relative_to(self.recorded):
@@ -401,6 +400,27 @@ def mirror_worker(home: Path | None = None) -> None:
         )
     if home is not None and home.resolve() not in _MIRROR[0].exclude:
         _MIRROR[0].exclude.append(home.resolve())
+
+
+def _replace_link_with_mirror(link: Path, target: Path) -> None:
+    """`link` (a mirrored directory's link) becomes a real directory of links
+    to `target`'s entries. Built aside first, then swapped in: another rank
+    running `os.makedirs(link, exist_ok=True)` outside our lock must not
+    find the path missing while the entries are linked (it raised
+    FileExistsError then). The swap leaves a window of two system calls; a
+    directory another process made in it is filled instead."""
+    aside = link.with_name(f".{link.name}.hindsight-mirror-{os.getpid()}")
+    mirror(target, aside)
+    link.unlink()
+    try:
+        os.rename(aside, link)
+    except OSError:
+        if not link.is_dir() or link.is_symlink():
+            raise
+        for entry in os.scandir(aside):
+            if not os.path.lexists(link / entry.name):
+                os.rename(entry.path, link / entry.name)
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def mirror(src: Path, dst: Path) -> None:
