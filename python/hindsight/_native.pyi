@@ -82,6 +82,7 @@ __all__ = [
     "StateCheck",
     "StateDifference",
     "StepAction",
+    "StepPrints",
     "StorageError",
     "StorageFullError",
     "StoragePermissionError",
@@ -1043,6 +1044,14 @@ class BatchPrinter:
         leaf: Callable[[Any], list[Any]],
     ) -> BatchPrinter: ...
     def digest(self, batch: object) -> str: ...
+    def digest_with_order(self, batch: object, order: object) -> StepPrints: ...
+
+@final
+class StepPrints:
+    """A step's fingerprints: its batch, and the sampler's indices it was drawn by."""
+
+    batch: str
+    order: str
 
 def resume_key(script: str, root: str, args: list[str]) -> str: ...
 def put_back_files(

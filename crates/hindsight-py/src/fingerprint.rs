@@ -25,9 +25,14 @@ const MAX_TEXT: usize = 4096;
 const DETACH_BYTES: usize = 256 << 10;
 /// An object's attributes are walked when it has at most this many.
 const MAX_FIELDS: usize = 64;
+/// Small parts are gathered up to this many bytes before they are hashed.
+const SMALL_BYTES: usize = 4096;
 
 enum Part {
     Text(String),
+    /// An int, described as `int {v}` (a sampler's index: a batch has
+    /// dozens, so no string is made for each).
+    Int(i64),
     /// A CPU tensor's memory, read in place (`_owner` keeps it alive).
     Raw {
         ptr: usize,
@@ -41,6 +46,7 @@ impl Part {
     fn len(&self) -> usize {
         match self {
             Part::Text(t) => t.len(),
+            Part::Int(_) => 24,
             Part::Raw { len, .. } => *len,
             Part::Buffer(b) => b.len_bytes(),
         }
@@ -86,6 +92,27 @@ impl BatchPrinter {
         self.walk(batch, &mut parts, 0)?;
         digest_parts(py, &parts)
     }
+
+    /// The fingerprints of a step's batch and of the sampler's indices it
+    /// was drawn by: one call a step.
+    fn digest_with_order(
+        &self,
+        py: Python<'_>,
+        batch: &Bound<'_, PyAny>,
+        order: &Bound<'_, PyAny>,
+    ) -> PyResult<StepPrints> {
+        Ok(StepPrints {
+            batch: self.digest(py, batch)?,
+            order: self.digest(py, order)?,
+        })
+    }
+}
+
+/// A step's two fingerprints (`BatchPrinter.digest_with_order`).
+#[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
+pub(crate) struct StepPrints {
+    batch: String,
+    order: String,
 }
 
 /// The fingerprint over `parts` in order (`BatchDigest`), hashed with the
@@ -94,21 +121,41 @@ impl BatchPrinter {
 fn digest_parts(py: Python<'_>, parts: &[Part]) -> PyResult<String> {
     let hash = || {
         let mut d = BatchDigest::new();
+        // Small parts are framed into one buffer and hashed in one go (the
+        // same fingerprint): a sampler's 64 indices are 64 parts.
+        let mut small = Vec::with_capacity(SMALL_BYTES);
         for p in parts {
-            match p {
-                Part::Text(t) => d.part(t.as_bytes()),
+            let large = match p {
+                Part::Text(t) => {
+                    BatchDigest::frame(&mut small, t.as_bytes());
+                    None
+                }
+                Part::Int(v) => {
+                    let mut text = [0u8; 24];
+                    let n = int_text(*v, &mut text);
+                    BatchDigest::frame(&mut small, &text[..n]);
+                    None
+                }
                 // SAFETY: the tensor is held by `_owner` and was contiguous
                 // over `len` bytes from `ptr` when read.
                 Part::Raw { ptr, len, .. } => {
-                    d.part(unsafe { std::slice::from_raw_parts(*ptr as *const u8, *len) })
+                    Some(unsafe { std::slice::from_raw_parts(*ptr as *const u8, *len) })
                 }
                 // SAFETY: checked C-contiguous when taken; the buffer stays
                 // exported while `parts` lives.
-                Part::Buffer(b) => d.part(unsafe {
+                Part::Buffer(b) => Some(unsafe {
                     std::slice::from_raw_parts(b.buf_ptr() as *const u8, b.len_bytes())
                 }),
+            };
+            if large.is_some() || small.len() >= SMALL_BYTES {
+                d.framed(&small);
+                small.clear();
+            }
+            if let Some(bytes) = large {
+                d.part(bytes);
             }
         }
+        d.framed(&small);
         d.finish()
     };
     if parts.iter().map(Part::len).sum::<usize>() < DETACH_BYTES {
@@ -151,7 +198,7 @@ impl BatchPrinter {
         if x.is_exact_instance_of::<PyInt>() {
             // A sampler's indices: Python's repr of an int is its digits.
             if let Ok(v) = x.extract::<i64>() {
-                parts.push(Part::Text(format!("int {v}")));
+                parts.push(Part::Int(v));
                 return Ok(());
             }
         }
@@ -260,6 +307,14 @@ impl BatchPrinter {
     }
 }
 
+/// `int {v}` written into `out`; its length.
+fn int_text(v: i64, out: &mut [u8; 24]) -> usize {
+    use std::io::Write as _;
+    let mut w = &mut out[..];
+    write!(w, "int {v}").expect("24 bytes hold `int ` and any i64");
+    24 - w.len()
+}
+
 /// Python's repr of a tuple of ints: `()`, `(8,)`, `(8, 32)`.
 fn tuple_repr(shape: &[usize]) -> String {
     match shape {
@@ -282,5 +337,6 @@ fn cut(text: String) -> String {
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(batch_digest, m)?)?;
+    m.add_class::<StepPrints>()?;
     m.add_class::<BatchPrinter>()
 }

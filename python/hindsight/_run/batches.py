@@ -82,3 +82,8 @@ def digest(batch: Any) -> str:
     """The fingerprint of what one step consumed (one native call: the walk
     and the hash are the engine's; only `_leaf` is Python's)."""
     return _current().digest(batch)
+
+
+def digest_with_order(batch: Any, order: Any) -> _native.StepPrints:
+    """A step's batch and the sampler's indices it was drawn by, in one call."""
+    return _current().digest_with_order(batch, order)

@@ -4,15 +4,12 @@ helpers that read the script, its source and its command line."""
 
 from __future__ import annotations
 
-import functools
 import json
 import numbers
 import os
-import queue
 import stat
 import subprocess
 import sys
-import threading
 import time
 import types
 from collections.abc import Iterable, Iterator, Sized
@@ -23,6 +20,7 @@ from hindsight import _native, _settings
 from hindsight._run import jupyter
 from hindsight._run.counters import shift_enumerates
 from hindsight._run.files import Written, files_of, put_back
+from hindsight._run.logwriter import LogWriter, Row
 from hindsight._run.loopvars import LoopVars, ModuleVars, _storages, stateful_objects
 from hindsight._run.ranks import Ranks
 from hindsight._state import apply_grads, apply_state, capture, set_rng_state
@@ -63,7 +61,6 @@ def _package_version() -> str:
         return "unknown"
 
 
-LOG_BATCH = 1024
 MAX_LOGGED_ELEMENTS = 10_000
 _SKIP_DIRS = {".git", ".hindsight", "__pycache__", "node_modules", "site-packages", ".venv", "venv", "build", "target"}
 
@@ -258,20 +255,15 @@ class Run:
         self.local_first: str | None = None
         self.recorded_store: str | None = None
         self.args: dict[str, Any] = {}
-        self.buffer: list[tuple[str, list[tuple[str, int]], int, str]] = []
         # Values of one name logged so far in one context: a repeated
         # hs.log there is kept as the next occurrence, not overwritten.
         # Contexts inside the steps never recur after their step, so their
         # counts are dropped at each step; the others at each outer iteration.
         self.reps_outer: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
         self.reps_inner: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
-        # Writes for the background thread: callables run in order.
-        self.log_queue: queue.Queue[Any] = queue.Queue()
-        self.log_error: BaseException | None = None
-        self.log_thread: threading.Thread | None = threading.Thread(
-            target=self._log_writer, name="hindsight-logs", daemon=True
-        )
-        self.log_thread.start()
+        # What is logged, and the writes beside it, reach the database off
+        # the training thread (`_write_logs` is a replay's own).
+        self.logs = LogWriter(self._write_logs)
         self.stack: list[list[Any]] = []  # [loop name, index]
         # Loops a framework runs (Lightning): the context of hs.log outside
         # any hs.loop, set by the framework's hooks; occurrences per context.
@@ -400,48 +392,18 @@ class Run:
         return self._store
 
     # -- logs --------------------------------------------------------------------
-    def _log_writer(self) -> None:
-        """Background thread: full batches go to SQLite off the training thread
-        (the database call releases the GIL)."""
-        while True:
-            write = self.log_queue.get()
-            try:
-                if write is None:
-                    return
-                if self.log_error is None:
-                    write()
-            except BaseException as e:  # noqa: BLE001 - surfaced by the next log/flush
-                self.log_error = e
-            finally:
-                self.log_queue.task_done()
-
-    def _raise_log_error(self) -> None:
-        if self.log_error is not None:
-            e, self.log_error = self.log_error, None
-            raise e
-
-    def _write_logs(self, rows: list[tuple[str, list[tuple[str, int]], int, str]]) -> None:
+    def _write_logs(self, rows: list[Row]) -> None:
         """Where this phase's values go (a replay stages them: see ReplayRun)."""
         self.db.append_logs(self.run_id, self.phase, rows)
 
-    def _submit(self, write: Any) -> None:
-        if self.log_thread is not None and self.log_thread.is_alive():
-            self.log_queue.put(write)
-        else:  # after finish (or in a process without the thread): write directly
-            write()
-
     def _flush_buffers(self) -> None:
-        """Hand what is buffered to the writer (RecordRun adds its batch fingerprints)."""
-        if self.buffer:
-            rows, self.buffer = self.buffer, []
-            self._submit(functools.partial(self._write_logs, rows))
+        """Stage what is buffered as pending writes (RecordRun adds its batch fingerprints)."""
+        self.logs.stage()
 
     def flush_logs(self) -> None:
         """Everything logged so far is in the database when this returns."""
         self._flush_buffers()
-        if self.log_thread is not None and self.log_thread.is_alive():
-            self.log_queue.join()
-        self._raise_log_error()
+        self.logs.flush()
 
     #: This process's rank in a multi-rank job (the context of ``rank="all"`` values).
     rank_index = 0
@@ -487,10 +449,7 @@ class Run:
             if every_rank:
                 self.rank_rows.append((name, ctx, rep, _encode(name, value)))
             return
-        self.buffer.append((name, ctx, rep, _encode(name, value)))
-        if len(self.buffer) >= LOG_BATCH:
-            self._raise_log_error()
-            self._flush_buffers()
+        self.logs.add((name, ctx, rep, _encode(name, value)))
 
     def _gather_ranks_values(self) -> None:
         """Every rank: the values other ranks logged with ``rank="all"``,
@@ -503,7 +462,8 @@ class Run:
         mine = (self.rank_rows, self._rank_extra())
         self.rank_rows = []
         for values, extra in self.ranks.to_leader(mine) or []:
-            self.buffer.extend((name, list(ctx), rep, text) for name, ctx, rep, text in values)
+            for name, ctx, rep, text in values:
+                self.logs.add((name, list(ctx), rep, text))
             self._add_rank_extra(extra)
 
     def _rank_extra(self) -> list[Any]:
@@ -560,8 +520,8 @@ class Run:
         if self.finished:
             return
         self.finished = True
-        self.flush_logs()
-        self.log_queue.put(None)
+        self._flush_buffers()
+        self.logs.close()
         self._finish(status)
 
     def _finish(self, status: str) -> None:

@@ -456,7 +456,8 @@ class RecordRun(Run):
         self._price_restore()
         background = self.store.background_cpu_seconds + self.restore_cpu if self._store is not None else None
         first = self._estimate_materialize() if self.last_blocked is None else 0.0
-        self.session.overhead(self.own_seconds + time.perf_counter() - t0 - self.save_seconds)
+        # The log thread's CPU too: the recording's own work, off this thread.
+        self.session.overhead(self.own_seconds + time.perf_counter() - t0 - self.save_seconds + self.logs.cpu_seconds)
         block = None
         if self.leads:
             block = self.session.block_end(i, compute, background, first)
@@ -627,8 +628,8 @@ class RecordRun(Run):
         error): a new run is deleted, so it never becomes "the latest run"
         with no iterations; a resumed one stays interrupted."""
         self.finished = True
-        self.flush_logs()
-        self.log_queue.put(None)
+        self._flush_buffers()
+        self.logs.close()
         self.signals.restore()
         if not self.leads:
             return
@@ -908,9 +909,13 @@ class RecordRun(Run):
 
     def _step_starts(self, i: int, j: int, batch: Any) -> None:
         t0 = time.perf_counter()
-        self.batch_rows.append((self.rank_index, "batch", i, j, batches.digest(batch)))
-        if self.order_tap is not None:
-            self.batch_rows.append((self.rank_index, "order", i, j, batches.digest(self.order_tap.last)))
+        rows, rank = self.batch_rows, self.rank_index
+        if self.order_tap is None:
+            rows.append((rank, "batch", i, j, batches.digest(batch)))
+        else:
+            prints = batches.digest_with_order(batch, self.order_tap.last)
+            rows.append((rank, "batch", i, j, prints.batch))
+            rows.append((rank, "order", i, j, prints.order))
         self.own_seconds += time.perf_counter() - t0
 
     def _flush_buffers(self) -> None:
@@ -920,7 +925,7 @@ class RecordRun(Run):
             for key in sorted({r[:3] for r in rows}):
                 rank, kind, i = key
                 steps = [(j, d) for *k, j, d in rows if tuple(k) == key]
-                self._submit(functools.partial(self.db.record_batches, self.run_id, i, rank, kind, steps))
+                self.logs.submit(functools.partial(self.db.record_batches, self.run_id, i, rank, kind, steps))
 
     def _step_boundary(self, i: int, j: int) -> None:
         """Between two training steps: act on a signal or a due safety checkpoint."""
@@ -988,7 +993,7 @@ class RecordRun(Run):
             # them in order, so a row naming a checkpoint never lands before
             # the values that checkpoint covers (those were written before
             # its save: `_end_block`).
-            self._submit(
+            self.logs.submit(
                 functools.partial(
                     self.db.record_iteration,
                     self.run_id,
@@ -1006,11 +1011,14 @@ class RecordRun(Run):
         if apart or end.save is not None or end.exit is not None:
             self.flush_logs()
         else:
-            # Handed to the log thread, not waited for: the training thread
-            # goes on (a write's error surfaces at the next call). The
-            # values are durable at every checkpoint, signal and exit.
+            # Handed to the log thread, not waited for, and only every so
+            # often (`logwriter`): the training thread goes on (a write's
+            # error surfaces at the next call). The values are durable at
+            # every checkpoint, signal and exit; a row naming a checkpoint
+            # is handed over at once.
             self._flush_buffers()
-            self._raise_log_error()
+            self.logs.hand(force=end.checkpoint is not None)
+            self.logs.check()
         if apart:
             return
         if end.save is not None:

@@ -23,6 +23,7 @@ from typing import Any
 from hindsight import _native
 from hindsight._run import batches, files
 from hindsight._run.common import Run, inherited_pipe, job_part
+from hindsight._run.logwriter import Row
 from hindsight._state import capture_grads, rng_as_recorded, set_rng_state
 from hindsight._store import Store
 from hindsight.errors import DivergenceError, HindsightError, ReplayError
@@ -172,7 +173,7 @@ class ReplayRun(Run):
             return None  # recorded before start states were kept
         return rng
 
-    def _write_logs(self, rows: list[tuple[str, list[tuple[str, int]], int, str]]) -> None:
+    def _write_logs(self, rows: list[Row]) -> None:
         # Staged: they become results only after the driver's check.
         if not self.leads:
             return

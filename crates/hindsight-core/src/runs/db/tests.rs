@@ -1322,6 +1322,18 @@ fn batch_fingerprints_are_kept_per_step_and_replaced_by_a_resumed_run() {
     assert_ne!(digest(&[b"ab", b"c"]), digest(&[b"a", b"bc"]));
     assert_eq!(digest(&[b"ab", b"c"]), digest(&[b"ab", b"c"]));
     assert_eq!(digest(&[]).len(), 32);
+    // Parts framed into one buffer hash as the same parts added one by one
+    // (the binding frames a sampler's indices so): recordings made either
+    // way compare equal.
+    let mut framed = Vec::new();
+    BatchDigest::frame(&mut framed, b"list 2");
+    BatchDigest::frame(&mut framed, b"int 7");
+    let mut d = BatchDigest::new();
+    d.framed(&framed);
+    d.part(&[1u8; 300]);
+    d.framed(&[]);
+    assert_eq!(d.finish(), digest(&[b"list 2", b"int 7", &[1u8; 300]]));
+    assert_ne!(d.finish(), digest(&[b"list 2int 7", &[1u8; 300]]));
 }
 
 /// Issue 22: a changed digit inside a value is invisible to SQLite's own
