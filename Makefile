@@ -55,9 +55,29 @@ lint: develop ## Rust (fmt, clippy -D warnings) and Python (ruff check + format,
 	cd /tmp && $(PY) -m mypy.stubtest hindsight._native
 
 .PHONY: test-rust
-test-rust: venv ## Rust unit, property and integration tests; storage conformance also against a loopback S3 server
+test-rust: venv azurite ## Rust unit, property and integration tests; storage conformance also against loopback S3 (moto) and Azure (Azurite) servers
 	cargo test --workspace --exclude hindsight-py
-	$(PY) tests/s3util.py -- cargo test -p hindsight-core --features s3 --test conformance
+	$(PY) tests/s3util.py -- $(PY) tests/azureutil.py -- cargo test -p hindsight-core --features s3 --test conformance
+
+# Azurite, Microsoft's Azure Storage emulator (npm), for the Azure tests; its
+# version is pinned and it installs under the cache, like the virtualenv.
+# Node.js comes from Debian where missing.
+AZURITE_VERSION := 3.37.0
+AZURITE_DIR := $(HOME)/.cache/hindsight/azurite
+export HINDSIGHT_AZURITE_DIR := $(AZURITE_DIR)
+
+.PHONY: azurite
+azurite: ## Install Azurite (npm) and Node.js (Debian) for the Azure Blob Storage tests
+	@if ! command -v npm >/dev/null; then \
+		echo "installing nodejs npm"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		$(SUDO) apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null \
+		|| { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null; }; \
+	fi
+	@if ! test -x $(AZURITE_DIR)/node_modules/.bin/azurite-blob || ! grep -q '"version": "$(AZURITE_VERSION)"' $(AZURITE_DIR)/node_modules/azurite/package.json; then \
+		echo "installing azurite $(AZURITE_VERSION) in $(AZURITE_DIR)"; \
+		mkdir -p $(AZURITE_DIR) && npm install --prefix $(AZURITE_DIR) --no-audit --no-fund --silent azurite@$(AZURITE_VERSION); \
+	fi
 
 # Debian's slurm-wlm daemons and munge, for the tests that run jobs on a
 # single-node cluster on loopback (tests/slurmutil.py starts it; nothing under
@@ -80,7 +100,7 @@ slurm: ## Install Debian's Slurm (slurmctld, slurmd, client) and munge for the c
 PYTEST_PARALLEL ?= -n 2 --dist loadgroup
 
 .PHONY: test-python
-test-python: develop slurm ## pytest suite against real torch (and a real single-node Slurm cluster)
+test-python: develop slurm azurite ## pytest suite against real torch (and a real single-node Slurm cluster)
 	cd tests && $(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not serial and not matrix" $(PYTEST_ARGS)
 	cd tests && { $(PY) -m pytest -q -p no:xdist -m "serial and not matrix" $(PYTEST_ARGS) || test $$? = 5; }
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from azureutil import azure_server  # noqa: F401  (fixture: the loopback Azure Blob Storage server)
+
 import forkserver
 from s3util import prefix, s3_server  # noqa: F401  (fixtures: the loopback S3 server)
 from slurmutil import slurm  # noqa: F401  (fixture: the single-node Slurm cluster)
@@ -147,3 +149,21 @@ def hindsight_cmd() -> list[str]:
         assert found, f"console script missing: {exe}, and none on PATH"
         exe = Path(found)
     return [str(exe)]
+
+
+@pytest.fixture(params=["s3", "az"])
+def object_url(request: pytest.FixtureRequest) -> str:
+    """A fresh, empty location on each object store server (moto for s3://,
+    Azurite for az://): the tests that take it pass on every backend."""
+    import uuid
+
+    import azureutil
+
+    import s3util
+
+    unique = f"{request.node.originalname}-{uuid.uuid4().hex[:8]}"
+    if request.param == "s3":
+        request.getfixturevalue("s3_server")
+        return s3util.url_of(unique)
+    request.getfixturevalue("azure_server")
+    return f"az://{azureutil.CONTAINER}/{unique}"

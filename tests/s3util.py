@@ -6,10 +6,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -17,13 +15,9 @@ from typing import Any
 
 import pytest
 
+import loopback
+
 BUCKET = "hindsight-test"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 ENV_VARS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
@@ -32,32 +26,11 @@ ENV_VARS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", 
 @contextlib.contextmanager
 def moto_server(log_path: str) -> Iterator[str]:
     """moto's S3 server in its own process on a free loopback port; yields its endpoint."""
-    port = _free_port()
+    port = loopback.free_port()
     endpoint = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    urllib.request.urlopen(endpoint + "/", timeout=1).close()
-                    break
-                except OSError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"moto server did not start (see {log_path})") from None
-                    time.sleep(0.1)
-            yield endpoint
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    with loopback.server(argv, log_path, lambda: urllib.request.urlopen(endpoint + "/", timeout=1).close(), "moto"):
+        yield endpoint
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,6 @@ import torch
 import hindsight as hs
 
 from conftest import REPO, hindsight_cmd, run_py
-from s3util import url_of
 
 SCRIPT = REPO / "examples" / "preemptible_train.py"
 TOTAL_STEPS = 4 * 20  # 4 epochs of 20 batches
@@ -237,11 +236,12 @@ def expected_retained(logs: dict) -> list[str]:
     return sorted({f"{e:06d}" for e in (best, 2, 3)})
 
 
-def test_preemption_resume_and_retention_on_object_storage(tmp_path, reference, prefix):
-    """The run's checkpoints live in S3 only: SIGTERM -> 85 -> resume from S3 ->
-    bit-identical; retention leaves exactly the expected checkpoints there."""
+def test_preemption_resume_and_retention_on_object_storage(tmp_path, reference, object_url):
+    """The run's checkpoints live in the object store only (S3, Azure): SIGTERM
+    -> 85 -> resume from it -> bit-identical; retention leaves exactly the
+    expected checkpoints there."""
     ref_weights, ref_series = reference
-    url = url_of(prefix)
+    url = object_url
     at = random.Random(3).randrange(25, TOTAL_STEPS - 5)
     weights, got, _ = interrupt_and_resume(tmp_path, signal.SIGTERM, at, env={"HINDSIGHT_STORE": url})
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
@@ -284,11 +284,12 @@ def test_preemption_resume_and_retention_on_object_storage(tmp_path, reference, 
     assert all(torch.equal(replayed[k], ref_weights[k]) for k in ref_weights)
 
 
-def test_local_first_exit_waits_for_upload_and_resumes_on_another_node(tmp_path, reference, prefix):
+def test_local_first_exit_waits_for_upload_and_resumes_on_another_node(tmp_path, reference, object_url):
     """SIGUSR1 with a local-first store: at exit 85 the step checkpoint is already
-    in S3; the rerun on a 'node' without the local copy resumes from S3 exactly."""
+    in the object store (S3, Azure); the rerun on a 'node' without the local
+    copy resumes from there exactly."""
     ref_weights, ref_series = reference
-    url = url_of(prefix)
+    url = object_url
     home, out = tmp_path / "home", tmp_path / "final.pt"
     p = start(home, out, HINDSIGHT_STORE=url, HINDSIGHT_LOCAL_FIRST=str(tmp_path / "node1"))
     assert p.stdout is not None

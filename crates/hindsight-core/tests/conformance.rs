@@ -304,16 +304,19 @@ fn local_storage_conforms() {
     });
 }
 
-/// The same suite against S3-compatible object storage. Runs when
-/// `HINDSIGHT_TEST_S3_URL=s3://bucket/prefix` names a bucket it may write to
-/// (endpoint and credentials from the usual `AWS_*` variables); `tests/test_s3.py`
-/// runs it against a local moto server.
+/// The same suite against object storage, one test per scheme. Each runs
+/// when its variable names a bucket or container it may write to:
+/// `HINDSIGHT_TEST_S3_URL=s3://bucket/prefix` (endpoint and credentials from
+/// the usual `AWS_*` variables; `make test-rust` starts moto on loopback),
+/// `HINDSIGHT_TEST_AZURE_URL=az://container/prefix` (the `AZURE_STORAGE_*`
+/// variables; Azurite on loopback).
 #[cfg(feature = "s3")]
-mod s3 {
+mod objects {
     use super::*;
     use futures_util::TryStreamExt;
+    use hindsight_core::checkpoint::location::ObjectUrl;
+    use hindsight_core::checkpoint::object::connect;
     use hindsight_core::{ObjectStorage, Store, StoreOptions};
-    use object_store::aws::{AmazonS3, AmazonS3Builder};
     use object_store::path::Path as Key;
     use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
     use std::time::Instant;
@@ -323,50 +326,41 @@ mod s3 {
     /// Raw access to the bucket, to leave behind what crashed processes leave.
     struct Raw {
         rt: tokio::runtime::Runtime,
-        s3: AmazonS3,
-        bucket: String,
+        client: Arc<dyn ObjectStore>,
+        root: String,
     }
 
     impl Raw {
+        /// The same client a store of `url` uses (`object::connect`).
         fn new(url: &str) -> Raw {
-            let bucket = url
-                .strip_prefix("s3://")
-                .unwrap()
-                .split('/')
-                .next()
-                .unwrap()
-                .to_string();
-            let s3 = AmazonS3Builder::from_env()
-                .with_bucket_name(&bucket)
-                .with_allow_http(true)
-                .build()
-                .unwrap();
+            let url = ObjectUrl::parse(url, "test URL").unwrap();
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .unwrap();
-            Raw { rt, s3, bucket }
+            Raw {
+                rt,
+                client: connect(&url).unwrap(),
+                root: url.root(),
+            }
         }
 
         /// The key of `rel` under a storage's location.
         fn key(&self, s: &dyn Storage, rel: &str) -> Key {
             let loc = s.location();
-            let prefix = loc
-                .strip_prefix(&format!("s3://{}", self.bucket))
-                .unwrap()
-                .trim_matches('/');
+            let prefix = loc.strip_prefix(&self.root).unwrap().trim_matches('/');
             Key::from(format!("{prefix}/{rel}"))
         }
 
         fn put(&self, key: &Key, body: &'static [u8]) {
             self.rt
-                .block_on(self.s3.put(key, PutPayload::from_static(body)))
+                .block_on(self.client.put(key, PutPayload::from_static(body)))
                 .unwrap();
         }
 
         fn list(&self, dir: &Key) -> Vec<Key> {
             self.rt
-                .block_on(self.s3.list(Some(dir)).try_collect::<Vec<_>>())
+                .block_on(self.client.list(Some(dir)).try_collect::<Vec<_>>())
                 .unwrap()
                 .into_iter()
                 .map(|m| m.location)
@@ -374,7 +368,7 @@ mod s3 {
         }
 
         fn delete(&self, key: &Key) {
-            self.rt.block_on(self.s3.delete(key)).unwrap();
+            self.rt.block_on(self.client.delete(key)).unwrap();
         }
     }
 
@@ -483,16 +477,10 @@ mod s3 {
         ));
     }
 
-    #[test]
-    fn s3_storage_conforms() {
-        let Some(base) = std::env::var("HINDSIGHT_TEST_S3_URL")
-            .ok()
-            .filter(|u| !u.is_empty())
-        else {
-            eprintln!(
-                "note: S3 conformance skipped; set HINDSIGHT_TEST_S3_URL=s3://bucket/prefix \
-                 (with AWS_ENDPOINT_URL and credentials) to run it"
-            );
+    /// The whole suite against the object store `var` names, or a note why not.
+    fn conforms(var: &str, example: &str) {
+        let Some(base) = std::env::var(var).ok().filter(|u| !u.is_empty()) else {
+            eprintln!("note: skipped; set {var}={example} (and the server's variables) to run it");
             return;
         };
         let base = base.trim_end_matches('/').to_string();
@@ -510,10 +498,20 @@ mod s3 {
         lost_lease_blocks_commit(factory(base.clone(), Some(LEASE)), &raw);
         store_by_url(&base);
     }
+
+    #[test]
+    fn s3_storage_conforms() {
+        conforms("HINDSIGHT_TEST_S3_URL", "s3://bucket/prefix");
+    }
+
+    #[test]
+    fn azure_storage_conforms() {
+        conforms("HINDSIGHT_TEST_AZURE_URL", "az://container/prefix");
+    }
 }
 
 #[cfg(not(feature = "s3"))]
 #[test]
-fn s3_storage_conforms() {
-    eprintln!("note: S3 conformance skipped; build with `--features s3` to run it");
+fn object_storage_conforms() {
+    eprintln!("note: object store conformance skipped; build with `--features s3` to run it");
 }

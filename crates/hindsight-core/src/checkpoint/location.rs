@@ -14,7 +14,7 @@ pub enum Location {
     /// A directory, absolute (`~` expanded, relative paths joined to the
     /// current directory; symlinks are left for the store to judge).
     Local(PathBuf),
-    /// An object store: `s3://bucket[/prefix]`.
+    /// An object store: `s3://bucket[/prefix]`, `az://container[/prefix]`.
     Object(ObjectUrl),
 }
 
@@ -23,15 +23,18 @@ pub enum Location {
 pub enum Scheme {
     /// Amazon S3 and S3-compatible servers (MinIO, R2, moto).
     S3,
+    /// Azure Blob Storage (and Azurite): `az://container/prefix`.
+    Azure,
 }
 
 impl Scheme {
-    pub const ALL: [Scheme; 1] = [Scheme::S3];
+    pub const ALL: [Scheme; 2] = [Scheme::S3, Scheme::Azure];
 
     /// What precedes `://`.
     pub fn name(self) -> &'static str {
         match self {
             Scheme::S3 => "s3",
+            Scheme::Azure => "az",
         }
     }
 }

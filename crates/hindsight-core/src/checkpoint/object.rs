@@ -77,6 +77,7 @@ use crate::checkpoint::location::{ObjectUrl, Scheme};
 use crate::checkpoint::storage::{LockGuard, Storage, CONFIG_FILE};
 use crate::error::{Error, Result};
 use crate::sync::lock;
+use object_store::azure::MicrosoftAzureBuilder;
 
 /// A lease not renewed for this long belongs to a dead process.
 pub const DEFAULT_LEASE_TIMEOUT: Duration = Duration::from_secs(600);
@@ -241,7 +242,13 @@ impl Backoff {
 /// The backend for `url`'s scheme: the one place a scheme becomes a client.
 /// Makes no request: a wrong endpoint or credentials show up at the first
 /// operation.
-fn connect(url: &ObjectUrl) -> Result<Arc<dyn ObjectStore>> {
+pub fn connect(url: &ObjectUrl) -> Result<Arc<dyn ObjectStore>> {
+    let refused = |e: object_store::Error| {
+        Error::invalid(
+            "store URL",
+            format!("{url}: cannot configure {} access: {e}", url.scheme.name()),
+        )
+    };
     match url.scheme {
         Scheme::S3 => {
             // Settings from the standard AWS environment variables; plain
@@ -253,13 +260,18 @@ fn connect(url: &ObjectUrl) -> Result<Arc<dyn ObjectStore>> {
             if endpoint.is_some_and(|e| e.starts_with("http://")) {
                 builder = builder.with_allow_http(true);
             }
-            let s3 = builder.build().map_err(|e| {
-                Error::invalid(
-                    "store URL",
-                    format!("{url}: cannot configure S3 access: {e}"),
-                )
-            })?;
-            Ok(Arc::new(s3))
+            Ok(Arc::new(builder.build().map_err(refused)?))
+        }
+        Scheme::Azure => {
+            // Settings from the standard AZURE_STORAGE_* variables
+            // (AZURE_STORAGE_USE_EMULATOR=true: Azurite, at
+            // AZURITE_BLOB_STORAGE_URL or 127.0.0.1:10000, over plain HTTP).
+            let builder = MicrosoftAzureBuilder::from_env().with_container_name(&url.bucket);
+            let emulator = std::env::var("AZURE_STORAGE_USE_EMULATOR")
+                .is_ok_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true"));
+            Ok(Arc::new(
+                builder.with_allow_http(emulator).build().map_err(refused)?,
+            ))
         }
     }
 }

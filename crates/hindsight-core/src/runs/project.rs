@@ -1,7 +1,11 @@
 //! The project home: the directory holding a project's run database
 //! (`logs.db`) and its checkpoint store (`store/`).
 //!
-//! `$HINDSIGHT_HOME`, when set and not empty, is the home itself. Otherwise
+//! `$HINDSIGHT_HOME`, when set and not empty, is the home itself (relative:
+//! to the current directory, made absolute, so that the project root, and the
+//! resume key taken relative to it, do not depend on where the job runs: an
+//! HTCondor job's `HINDSIGHT_HOME=.hindsight` resumes on another node's
+//! scratch directory). Otherwise
 //! the home is `.hindsight` in the nearest enclosing git work tree (the
 //! first directory, walking up from the start, that contains a `.git`
 //! directory or file), or in the start directory when there is none. The
@@ -32,7 +36,8 @@ pub fn project_home(start: &Path) -> PathBuf {
 ///
 /// `start` is made absolute and its symbolic links resolved first (as
 /// Python's `Path.resolve()` does), so the walk up follows the real
-/// directory tree. The value of `$HINDSIGHT_HOME` is used as given.
+/// directory tree. The value of `$HINDSIGHT_HOME` is used as given, made
+/// absolute against the current directory where it is relative.
 pub fn resolve_home(env: Option<OsString>, start: &Path) -> PathBuf {
     locate_home(env, start).0
 }
@@ -65,7 +70,9 @@ impl std::fmt::Display for HomeSource {
 /// The project home for `start` and why it is that one (see the module docs).
 pub fn locate_home(env: Option<OsString>, start: &Path) -> (PathBuf, HomeSource) {
     if let Some(home) = env.filter(|h| !h.is_empty()) {
-        return (PathBuf::from(home), HomeSource::Env);
+        let home = PathBuf::from(home);
+        let home = std::path::absolute(&home).unwrap_or(home);
+        return (home, HomeSource::Env);
     }
     let start = start
         .canonicalize()
@@ -118,10 +125,12 @@ mod tests {
             resolve_home(Some("/data/proj-home".into()), start),
             PathBuf::from("/data/proj-home")
         );
-        // Relative values are kept as given.
+        // A relative value is taken from the current directory, made
+        // absolute: the project root (its parent) is then where the job
+        // runs, wherever that is.
         assert_eq!(
             resolve_home(Some("rel/home".into()), start),
-            PathBuf::from("rel/home")
+            std::env::current_dir().unwrap().join("rel/home")
         );
     }
 
