@@ -19,7 +19,7 @@ from conftest import hindsight_cmd
 pytestmark = pytest.mark.timeout(300)
 
 SCRIPT = """
-import itertools, os, random, signal
+import itertools, os, random, signal, time
 import torch
 from torch.utils.data import DataLoader, RandomSampler, Sampler, TensorDataset
 import hindsight as hs
@@ -68,6 +68,14 @@ with hs.checkpointing(model=model, optimizer=opt):
         hs.log("noise", torch.rand(1).item())
         if it == kill_at and flag and not os.path.exists(flag):
             open(flag, "w").close()
+            # The kill lands where the previous iteration's checkpoint (saved
+            # in the background) is durable, so the resume re-creates the
+            # iterator there, however busy the machine.
+            store, deadline = hs.Store(os.path.join(os.environ["HINDSIGHT_HOME"], "store")), time.monotonic() + 60
+            while it > 0 and time.monotonic() < deadline:
+                if any(c.index >= it - 1 for c in store.checkpoints(hs.run_id())):
+                    break
+                time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGKILL)
         if it >= 29:
             break
@@ -203,9 +211,14 @@ with hs.checkpointing(model=model, optimizer=opt):
             loss.backward()
             opt.step()
             hs.log("x", x.flatten().tolist())
-            time.sleep(0.05)  # the writer finishes the epoch's checkpoint before a kill
             if stop.startswith(f"{epoch}:{step}:") and flag and not os.path.exists(flag):
                 open(flag, "w").close()
+                # A kill lands once the previous epoch's checkpoint (saved in the background) is durable.
+                store, deadline = hs.Store(os.path.join(os.environ["HINDSIGHT_HOME"], "store")), time.monotonic() + 60
+                while epoch > 0 and time.monotonic() < deadline:
+                    if any(c.index >= epoch - 1 and c.kind == "block" for c in store.checkpoints(hs.run_id())):
+                        break
+                    time.sleep(0.01)
                 os.kill(os.getpid(), getattr(signal, stop.split(":")[2]))
         # probe
 print("final", repr(model.weight.item()), repr(model.bias.item()))
