@@ -360,3 +360,42 @@ def test_the_ranks_of_a_replay_worker_make_one_path_their_own_at_once_without_tr
         assert got.read_text() == "recorded\n" and (own / "log" / "other.txt").read_text() == "other\n"
     assert (recorded / "log" / "sub" / "log.txt").read_text() == "recorded\n"
     assert not (recorded / "log").is_symlink()
+
+
+WATCH = """\
+import os, sys
+from hindsight import _native
+seen = []
+def watcher(path, mode, flags):
+    if str(path).endswith("refused"):
+        raise PermissionError(f"not here: {path}")
+    seen.append((os.path.basename(str(path)), mode))
+_native.watch_opens(watcher)
+for _ in range(1000):
+    id(seen)  # an audit event (builtins.id) the watcher is not called for
+open("a.txt", "w").close()
+fd = os.open("b.txt", os.O_WRONLY | os.O_CREAT)
+os.close(fd)
+try:
+    open("refused", "w")
+except PermissionError as e:
+    print("refused:", e, os.path.exists("refused"))
+try:
+    _native.watch_opens(watcher)
+except RuntimeError as e:
+    print("again:", e)
+print(seen)
+"""
+
+
+def test_the_open_watcher_sees_every_open_and_can_refuse_one(tmp_path: Path) -> None:
+    """The native audit hook hands the watcher each `open` (builtins.open,
+    os.open) and nothing else; an exception from the watcher refuses the
+    open before the file exists (how a replay worker stops a write into the
+    recorded directory); a process has one watcher."""
+    r = subprocess.run([sys.executable, "-c", WATCH], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "refused: not here: refused False"
+    assert lines[1].startswith("again: watch_opens: this process already has its open watcher")
+    assert lines[2] == "[('a.txt', 'w'), ('b.txt', None)]"

@@ -2,6 +2,7 @@
 //! Torch and numpy specifics stay in Python (`hindsight/_store.py`), which
 //! passes the callables this module needs (describe, make_array, ...).
 
+mod audit;
 mod buffer;
 mod data;
 mod describe;
@@ -776,6 +777,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     session::register(m)?;
     m.add_function(wrap_pyfunction!(naming::choose_fit, m)?)?;
     m.add_function(wrap_pyfunction!(run_cli, m)?)?;
+    m.add_function(wrap_pyfunction!(audit::watch_opens, m)?)?;
     m.add_function(wrap_pyfunction!(device_fingerprint_table, m)?)?;
     m.add_function(wrap_pyfunction!(default_retention_spread, m)?)?;
     m.add_function(wrap_pyfunction!(device_fingerprint_of, m)?)?;
