@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import signal
 import sys
 import time
 import warnings
@@ -29,6 +28,7 @@ from hindsight._lightning_store import (
     latest_path,
     project_store,
 )
+from hindsight._run.ranks import Ranks
 from hindsight._state import rng_state, set_rng_state
 from hindsight._store import Store
 from hindsight.errors import HindsightError, ReplayError, UnsupportedTypeError
@@ -203,6 +203,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         self.allow_pickle = allow_pickle
         self.restore_rng = restore_rng
         self._signals = _preemption.StopSignals(catch_sigint)
+        self._ranks: Ranks | None = None  # the job's ranks, once a fit spans several
         self.last_saved: str | None = None
         # The fit's run session (core `runs::session`): when to save, what a
         # stop signal does, retention. Made when the fit starts.
@@ -261,7 +262,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_store"] = None
-        state["_replay"] = state["_hooked"] = state["_session"] = None
+        state["_replay"] = state["_hooked"] = state["_session"] = state["_ranks"] = None
         return state
 
     latest = staticmethod(latest)
@@ -301,12 +302,16 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             # first hs.log or logged metric) and its handler, installed over
             # ours, took the signal.
             self.stop_signal = run.stop_signal
-        stop = self.stop_signal is not None
-        if trainer.world_size > 1:
-            stop = bool(trainer.strategy.reduce_boolean_decision(stop, all=False))
-            if stop and self.stop_signal is None:
-                self.stop_signal = signal.SIGTERM  # another rank got it
-        return stop
+        if trainer.world_size <= 1:
+            return self.stop_signal is not None
+        # The ranks agree as an hs.loop recording's do (`_run.ranks`): the
+        # signal any rank got stops every rank, under its own number.
+        if self._ranks is None:
+            self._ranks = Ranks.of_framework(int(trainer.global_rank), int(trainer.world_size), "Lightning")
+        (got,) = self._ranks.agree([float(self.stop_signal or 0)])
+        if got and self.stop_signal is None:
+            self.stop_signal = int(got)
+        return got > 0
 
     def _flush_logs(self) -> None:
         """The values of the script's hindsight run (HindsightLogger, hs.log in

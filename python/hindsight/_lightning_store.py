@@ -91,10 +91,7 @@ def project_store() -> str:
     run = _run._RUN
     if run is not None and not run.finished:
         return str(run.store.path)
-    env = _settings.text(_settings.STORE)
-    if env is not None:
-        return str(_native.store_location(env, _settings.STORE))
-    return str(_native.project_paths(str(_script_path().parent)).store)
+    return _native.choose_store(_native.project_paths(str(_script_path().parent)).home).location
 
 
 def _open(store: Store | str | os.PathLike[str] | None) -> tuple[Store | None, bool]:

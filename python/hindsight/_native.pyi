@@ -87,6 +87,7 @@ __all__ = [
     "StorageFullError",
     "StoragePermissionError",
     "Store",
+    "StoreChoice",
     "StoreClosedError",
     "UnitWork",
     "UnsupportedTypeError",
@@ -104,6 +105,7 @@ __all__ = [
     "checkpoint_meta",
     "checkpoint_names",
     "choose_fit",
+    "choose_store",
     "data_checkpoint_name",
     "data_example_seed",
     "data_job_token",
@@ -285,6 +287,25 @@ class ProjectPaths:
     def store(self) -> str: ...
 
 def project_paths(start: str, home: str | None = None) -> ProjectPaths: ...
+
+@final
+class StoreChoice:
+    """Which store a run writes to, and through which local directory (the engine's rule)."""
+
+    @property
+    def location(self) -> str: ...
+    @property
+    def local_first(self) -> str | None: ...
+    @property
+    def declined(self) -> str | None: ...
+
+def choose_store(
+    home: str | os.PathLike[str],
+    recorded: str | None = None,
+    explicit: str | None = None,
+    local_first: str | None = None,
+    replay: bool = False,
+) -> StoreChoice: ...
 def checkpoint_names(location: str) -> list[str]: ...
 def checkpoint_meta(location: str, name: str) -> dict[str, str]: ...
 def store_location(location: str, what: str, local: bool = False) -> str: ...

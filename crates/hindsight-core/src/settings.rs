@@ -111,7 +111,7 @@ pub const STORE: Setting = user(
     "HINDSIGHT_STORE",
     Kind::Location,
     "<home>/store",
-    "where checkpoints go: a directory or s3://bucket/prefix",
+    "where checkpoints go: a directory, s3://bucket/prefix or az://container/prefix",
 );
 /// A local directory saves go to first, uploaded to the store after.
 pub const LOCAL_FIRST: Setting = user(

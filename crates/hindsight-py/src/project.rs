@@ -81,6 +81,50 @@ pub(crate) fn store_location(location: &str, what: &str, local: bool) -> PyResul
     Ok(parsed.map_err(crate::errors::to_py)?.to_string())
 }
 
+/// Which store a run writes to, and through which local directory (core
+/// `runs::store_choice`: the one rule every front end asks).
+#[pyclass(module = "hindsight._native", name = "StoreChoice", frozen)]
+#[derive(Debug)]
+pub(crate) struct PyStoreChoice {
+    #[pyo3(get)]
+    location: String,
+    #[pyo3(get)]
+    local_first: Option<String>,
+    /// The store asked for that a resumed run does not take.
+    #[pyo3(get)]
+    declined: Option<String>,
+}
+
+/// The store of a run in project `home`: the `recorded` one (resumed,
+/// replayed), else `explicit` (given in code), else `$HINDSIGHT_STORE`,
+/// else `<home>/store`; `local_first` (code), else `$HINDSIGHT_LOCAL_FIRST`.
+#[pyfunction]
+#[pyo3(signature = (home, recorded=None, explicit=None, local_first=None, replay=false))]
+pub(crate) fn choose_store(
+    home: PathBuf,
+    recorded: Option<&str>,
+    explicit: Option<&str>,
+    local_first: Option<&str>,
+    replay: bool,
+) -> PyResult<PyStoreChoice> {
+    use hindsight_core::runs::store_choice::{self, StoreAsk};
+    use hindsight_core::settings::{LOCAL_FIRST, STORE};
+
+    let ask = StoreAsk {
+        recorded,
+        explicit,
+        local_first,
+        replay,
+    };
+    let c = store_choice::choose_store(ask, &home, STORE.raw(), LOCAL_FIRST.raw())
+        .map_err(crate::errors::to_py)?;
+    Ok(PyStoreChoice {
+        location: c.location,
+        local_first: c.local_first,
+        declined: c.declined,
+    })
+}
+
 /// The exit code that tells a batch system "checkpointed, reschedule me":
 /// `explicit`, else HTCondor's CheckpointExitCode, else
 /// `$HINDSIGHT_EXIT_CODE`, else 85 (the engine's one rule).
@@ -172,6 +216,8 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(checkpoint_names, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoint_meta, m)?)?;
     m.add_function(wrap_pyfunction!(store_location, m)?)?;
+    m.add_class::<PyStoreChoice>()?;
+    m.add_function(wrap_pyfunction!(choose_store, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoint_exit_code, m)?)?;
     m.add_class::<World>()?;
     m.add_function(wrap_pyfunction!(launch_world, m)?)?;

@@ -32,8 +32,6 @@ ENV_HOME = _settings.HOME
 ENV_REPLAY = _settings.REPLAY
 ENV_RUN_NAME = _settings.RUN_NAME
 ENV_RESUME = _settings.RESUME
-ENV_STORE = _settings.STORE
-ENV_LOCAL_FIRST = _settings.LOCAL_FIRST
 ENV_EXPLAIN = _settings.EXPLAIN  # set by `hindsight record --explain`
 _INF = float("inf")
 
@@ -387,16 +385,6 @@ class Run:
             self.store_location = loc
         if local is not None:
             self.local_first = local
-
-    def _configured_store(self) -> str | None:
-        env = _settings.text(ENV_STORE)
-        return self.store_location or (None if env is None else _native.store_location(env, ENV_STORE))
-
-    def _configured_local_first(self) -> str | None:
-        local = _settings.text(ENV_LOCAL_FIRST)
-        if self.local_first is None and local is not None:
-            return str(_native.store_location(local, ENV_LOCAL_FIRST, True))
-        return self.local_first
 
     def _open_store(self) -> tuple[str, str | None]:
         """(store location, local-first directory or None) for this run."""

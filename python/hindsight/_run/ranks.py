@@ -26,6 +26,16 @@ class Ranks:
         self.source = world.source
         self._device: str | None = None
 
+    @classmethod
+    def of_framework(cls, rank: int, size: int, source: str) -> Ranks:
+        """The ranks a framework started (Lightning's own launcher sets no
+        variable the launch rules read), over its default process group."""
+        ranks = cls.__new__(cls)
+        ranks.rank, ranks.size, ranks.leads, ranks.source = rank, size, rank == 0, source
+        ranks._device = None
+        ranks.check()
+        return ranks
+
     def check(self) -> None:
         """The process group is up and is the launch's: refused otherwise,
         naming what to do (a recording cannot agree on its run without it)."""

@@ -109,8 +109,8 @@ class ReplayRun(Run):
         return ns
 
     def _open_store(self) -> tuple[str, str | None]:
-        # Replay reads where the run wrote, never through a local-first cache.
-        return self.recorded_store or str(self.paths.store), None
+        # Replay reads where the run wrote, never through a local-first cache (core `runs::store_choice`).
+        return _native.choose_store(self.paths.home, self.recorded_store or None, replay=True).location, None
 
     def _progress(self, line: str) -> None:
         if self.progress is None:

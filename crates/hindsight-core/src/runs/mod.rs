@@ -18,4 +18,5 @@ pub mod replay;
 pub mod resume;
 pub mod schedule;
 pub mod session;
+pub mod store_choice;
 pub mod supervise;

@@ -4,7 +4,7 @@ use super::{BlockStart, Phase, ResumePoint, Visit};
 use crate::checkpoint::naming::{CheckpointId, Kind};
 use crate::checkpoint::retention::Retention;
 use crate::error::{Error, Result};
-use crate::runs::adaptive::HOOKS_SHARE;
+use crate::runs::adaptive::{HOOKS_SHARE, UNSEEN_PER_HOOK_SECOND};
 use crate::runs::preempt;
 use crate::runs::schedule::CheckpointSchedule;
 use crate::settings;
@@ -465,13 +465,14 @@ impl RecordSession {
                         };
                         format!(
                             "adaptive: recording costs {:.1}% of the compute so far (checkpoints \
-                             {:.1}%, hooks {:.1}%), bound {:.1}%{}; this iteration computed \
-                             {compute_secs:.3} s{spacing}",
+                             {:.1}%, hooks {:.1}%, charged {:.1}% with the body's time they cost), \
+                             bound {:.1}%{}; this iteration computed {compute_secs:.3} s{spacing}",
                             100.0 * p.overhead(),
                             100.0 * p.checkpoint_share(),
                             100.0 * h,
+                            100.0 * (h * (1.0 + UNSEEN_PER_HOOK_SECOND)).min(t * HOOKS_SHARE),
                             100.0 * t,
-                            if h > t * HOOKS_SHARE {
+                            if h * (1.0 + UNSEEN_PER_HOOK_SECOND) > t * HOOKS_SHARE {
                                 " (the hooks alone take over half of it: checkpoints keep the other half)"
                             } else {
                                 ""
