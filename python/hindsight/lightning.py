@@ -161,10 +161,13 @@ Limitations:
 * A signal during validation or a long epoch-end hook is acted on after it.
 * With ``accumulate_grad_batches > 1`` the signal checkpoint waits for the
   next optimizer step (accumulated gradients are not part of a checkpoint).
-* Strategies: single device and DDP (rank 0 writes; the stop decision is
-  all-reduced so every rank stops at the same step; checked by hand with 2
-  CPU ranks on gloo, not covered by the tests). Sharded strategies that bypass ``CheckpointIO`` or shard the state
-  dict (DeepSpeed, FSDP sharded state) are not supported.
+* Strategies: single device and DDP (rank 0 writes; the ranks agree on a
+  stop as an ``hs.loop`` recording's do, so every rank stops at the same
+  step and rank 0 names the signal any rank got; tested with 2 CPU ranks on
+  gloo under Lightning's launcher: a signal to rank 1, then an exact
+  mid-epoch resume with a resumable loader). Sharded strategies that bypass
+  ``CheckpointIO`` or shard the state dict (DeepSpeed, FSDP sharded state)
+  are not supported.
 * ``lightning.pytorch`` is used when installed, else ``pytorch_lightning``;
   when both are, the one already imported wins, and
   ``$HINDSIGHT_LIGHTNING=pytorch_lightning`` forces a choice (a callback of
