@@ -97,3 +97,30 @@ def test_a_batch_of_logged_values_is_staged_once_it_is_large() -> None:
     w.flush()
     assert landed == [logwriter.LOG_BATCH]
     w.close()
+
+
+def test_rows_buffered_between_hand_overs_become_one_write_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hand(stage=...)` stages the caller's buffers only when it hands
+    over: a loop of fast iterations writes its values and its iteration rows
+    once per hand-over (one transaction each), in order, not once per
+    iteration."""
+    monkeypatch.setattr(logwriter, "HANDOFF_S", 3600.0)  # none due by time: only the forced one
+    landed: list[object] = []
+    pending: list[int] = []
+    w = LogWriter(lambda rows: landed.append(("rows", [r[0] for r in rows])))
+
+    def stage() -> None:
+        w.stage()
+        if pending:
+            done, pending[:] = list(pending), []
+            w.submit(lambda: landed.append(("iterations", done)))
+
+    for i in range(20):
+        w.add((f"v{i}", [("iter", i)], 0, "1"))
+        pending.append(i)
+        w.hand(stage=stage)  # not yet due
+    assert landed == []
+    w.hand(force=True, stage=stage)  # a row naming a checkpoint: at once
+    w.flush()
+    assert landed == [("rows", [f"v{i}" for i in range(20)]), ("iterations", list(range(20)))]
+    w.close()

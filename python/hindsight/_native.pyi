@@ -431,6 +431,7 @@ class LogDb:
         materialize_seconds: float | None = None,
         value: int | None = None,
     ) -> None: ...
+    def record_iterations(self, run_id: str, loop_name: str, rows: list[Iteration]) -> None: ...
     def set_restore_seconds(self, run_id: str, loop_name: str, idx: int, seconds: float) -> None: ...
     def outer_loops(self, run_id: str) -> list[str]: ...
     def iterations(self, run_id: str, loop_name: str) -> list[Iteration]: ...
@@ -718,6 +719,15 @@ class ReplayCheck:
 class Iteration:
     """One recorded outer-loop iteration."""
 
+    def __new__(
+        cls,
+        idx: int,
+        seconds: float,
+        value: int | None = None,
+        checkpoint: str | None = None,
+        materialize_seconds: float | None = None,
+        restore_seconds: float | None = None,
+    ) -> Self: ...
     @property
     def idx(self) -> int: ...
     @property

@@ -500,6 +500,30 @@ impl LogDb {
         self.with(py, |db| db.record_iteration(&run_id, &row))
     }
 
+    /// Iterations of `loop_name`, in one transaction (a recording's since
+    /// its last hand-over to the log thread).
+    fn record_iterations(
+        &self,
+        py: Python<'_>,
+        run_id: String,
+        loop_name: String,
+        rows: Vec<PyRef<'_, Iteration>>,
+    ) -> PyResult<()> {
+        let rows: Vec<IterationRow> = rows
+            .iter()
+            .map(|r| IterationRow {
+                loop_name: loop_name.clone(),
+                idx: r.idx,
+                value: r.value,
+                seconds: r.seconds,
+                checkpoint: r.checkpoint.clone(),
+                materialize_seconds: r.materialize_seconds,
+                restore_seconds: r.restore_seconds,
+            })
+            .collect();
+        self.with(py, |db| db.record_iterations(&run_id, &rows))
+    }
+
     fn set_restore_seconds(
         &self,
         py: Python<'_>,
@@ -672,6 +696,30 @@ pub(crate) struct Iteration {
     materialize_seconds: Option<f64>,
     /// Seconds a replay took to restore it.
     restore_seconds: Option<f64>,
+}
+
+#[pymethods]
+impl Iteration {
+    /// An iteration as a recording writes it (`LogDb.record_iterations`).
+    #[new]
+    #[pyo3(signature = (idx, seconds, value=None, checkpoint=None, materialize_seconds=None, restore_seconds=None))]
+    fn new(
+        idx: u64,
+        seconds: f64,
+        value: Option<i64>,
+        checkpoint: Option<String>,
+        materialize_seconds: Option<f64>,
+        restore_seconds: Option<f64>,
+    ) -> Self {
+        Iteration {
+            idx,
+            value,
+            seconds,
+            checkpoint,
+            materialize_seconds,
+            restore_seconds,
+        }
+    }
 }
 
 /// A replay plan: its kind and one plan per worker.

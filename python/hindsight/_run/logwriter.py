@@ -90,13 +90,18 @@ class LogWriter:
         """A write to run after those made before it."""
         self._pending.append(write)
 
-    def hand(self, force: bool = False) -> None:
+    def hand(self, force: bool = False, stage: Callable[[], None] | None = None) -> None:
         """Give the pending writes to the thread if forced, or if due
-        (`HANDOFF_S` since the last hand-over, or `MAX_PENDING` of them)."""
-        if not self._pending:
-            return
+        (`HANDOFF_S` since the last hand-over, or `MAX_PENDING` of them).
+        ``stage`` first turns the caller's own buffers into pending writes,
+        only then: rows buffered between hand-overs become one write each
+        (one SQLite transaction), not one per iteration."""
         now = time.monotonic()
         if not force and now - self._handed < HANDOFF_S and len(self._pending) < MAX_PENDING:
+            return
+        if stage is not None:
+            stage()
+        if not self._pending:
             return
         writes, self._pending = self._pending, []
         self._handed = now
