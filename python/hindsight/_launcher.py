@@ -18,7 +18,7 @@ def tie_rank_to_launcher() -> None:
     job's process group, which the ranks (sessions of their own) are not
     in: without this they would outlive it, holding their ports and
     devices (Linux's parent-death signal; elsewhere nothing)."""
-    at = os.environ.get(_settings.PIPES_AT)
+    at = _settings.text(_settings.PIPES_AT)
     if not at or not sys.platform.startswith("linux") or at == str(os.getpid()):
         return
     if str(os.getppid()) != at:

@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from hindsight import _native, _settings
-from hindsight._run.common import ENV_REPLAY
 from hindsight._store import Store
 from hindsight.errors import InvalidArgumentError, NotFoundError
 
@@ -142,7 +141,7 @@ def latest(
     without it a damaged checkpoint is reported by the load, never returned wrong.
     """
     _check_prefix(prefix)
-    if os.environ.get(ENV_REPLAY):
+    if _settings.text(_settings.REPLAY):
         return None  # a `hindsight replay` worker runs the fit from its start, by its plan
     s, owned = _open(store)
     if s is None:

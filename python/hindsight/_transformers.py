@@ -24,9 +24,8 @@ from typing import Any
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from hindsight import _native, _preemption, session
+from hindsight import _native, _preemption, _settings, session
 from hindsight._lightning_store import _check_prefix, latest
-from hindsight._run.common import ENV_REPLAY
 from hindsight._store import Store
 from hindsight.errors import HindsightError, InvalidArgumentError, NotFoundError, ReplayError
 
@@ -200,7 +199,7 @@ class HindsightCallback(transformers.TrainerCallback):
         Trainer's layout holding the newest checkpoint of this run's
         unfinished ``train()`` (``run_prefix()``), or None (train afresh).
         The directory is removed once training has restored it."""
-        if os.environ.get(ENV_REPLAY):
+        if _settings.text(_settings.REPLAY):
             return self._replay_start()
         self._run()  # a relaunch continues the interrupted run's values
         name = self.latest()
@@ -235,7 +234,7 @@ class HindsightCallback(transformers.TrainerCallback):
     # -- Trainer events ---------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._training = True
-        if os.environ.get(ENV_REPLAY):
+        if _settings.text(_settings.REPLAY):
             if self._replay is None and self._replay_start() is not None:
                 raise ReplayError(
                     "hindsight replay: this worker starts from a checkpoint, but train() was not given "

@@ -22,9 +22,7 @@ Hook order an integration keeps: ``iteration_start(i)`` ->
 
 from __future__ import annotations
 
-import os
-
-from hindsight import _run
+from hindsight import _run, _settings
 from hindsight._run.common import Run
 from hindsight._run.record import RecordRun
 from hindsight._run.replay import ReplayRun
@@ -47,7 +45,7 @@ def recording() -> RecordRun | None:
 def replaying(loop: str) -> ReplayRun | None:
     """In a `hindsight replay` worker whose plan is over the loop named
     `loop` (the framework's epochs: "epoch"), its run; else None."""
-    if not os.environ.get(_run.ENV_REPLAY):
+    if not _settings.text(_settings.REPLAY):
         return None
     r = _run.current()
     return r if isinstance(r, ReplayRun) and r.plan.loop_name == loop else None

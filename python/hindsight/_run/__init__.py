@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from hindsight import _native
+from hindsight import _native, _settings
 from hindsight._run import dataiter, jupyter
 from hindsight._run.common import ENV_HOME, ENV_REPLAY, Run, T, _script_path
 from hindsight._run.record import RecordRun
@@ -45,7 +45,7 @@ def current() -> Run:
     global _RUN
     if _RUN is None or _RUN.finished:
         dataiter.install()
-        plan = os.environ.get(ENV_REPLAY)
+        plan = _settings.text(ENV_REPLAY)
         try:
             _RUN = ReplayRun(plan) if plan else RecordRun()
         except (InvalidArgumentError, ReplayError) as e:
