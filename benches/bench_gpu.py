@@ -582,7 +582,7 @@ def part_record(tab: Table, raw: dict[str, Any], epochs: int, steps: int, width:
     from hindsight import _native
 
     db = _native.LogDb(str(home / "logs.db"))
-    run_id = db.latest_run()["id"]  # the project holds one script
+    run_id = db.latest_run().id  # the project holds one script
     iters = db.iterations(run_id, "epoch")
     ckpts = [it for it in iters if it.checkpoint is not None]
     blocked = [it.materialize_seconds for it in ckpts if it.materialize_seconds is not None]

@@ -252,7 +252,7 @@ def read_times(path: Path) -> list[float]:
 def db_iters(proj: Path) -> list[Any]:
     """[(epoch, seconds, checkpoint, save blocked seconds, restore seconds)] of the latest run of proj/rec.py."""
     db = _native.LogDb(str(proj / ".hindsight" / "logs.db"))
-    return db.iterations(db.latest_run()["id"], "epoch")  # the project holds one script
+    return db.iterations(db.latest_run().id, "epoch")  # the project holds one script
 
 
 def replay_values(db: Any, run_id: str, name: str) -> dict[tuple[tuple[str, int], ...], Any]:
@@ -421,7 +421,7 @@ def part_record(tab: Table, raw: dict[str, Any], epochs: int, reps: int = REPS) 
         "dir": str(last["dir"]),
         "wall_s": last["wall_s"],
         "loop_s": last["loop_s"],
-        "run_id": run_row["id"],
+        "run_id": run_row.id,
         "plain_outside_loop_s": pw - pl,
     }
     return last["dir"]
@@ -653,7 +653,7 @@ def part_iterations(tab: Table, raw: dict[str, Any]) -> None:
         timed("plain", k)
         timed("rec", k)  # the last one stays for the replay
     db = _native.LogDb(str(rec_dir / ".hindsight" / "logs.db"))
-    run_id = db.latest_run()["id"]
+    run_id = db.latest_run().id
     iters = db.iterations(run_id, "iter")
     ck = sum(1 for it in iters if it.checkpoint is not None)
     store = dir_bytes(rec_dir / ".hindsight")

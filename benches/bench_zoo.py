@@ -79,14 +79,14 @@ def cpu_of(fn: Any) -> tuple[dict[str, Any], float]:
 
 def iterations_recorded(home: Path) -> list[Any]:
     db = _native.LogDb(str(home / "logs.db"))
-    run_id = db.latest_run()["id"]
+    run_id = db.latest_run().id
     loops = db.outer_loops(run_id)
     return db.iterations(run_id, loops[0]) if loops else []
 
 
 def values_of(home: Path, name: str) -> int:
     db = _native.LogDb(str(home / "logs.db"))
-    return len(db.values(db.latest_run()["id"], [name]))
+    return len(db.values(db.latest_run().id, [name]))
 
 
 def summary(stdout: str) -> str:
@@ -189,7 +189,7 @@ def bench_script(name: str, epochs: int, epoch_s: float, tab: Table, raw: dict[s
     late = iters[len(iters) - max(1, len(iters) // 5)]
     first_late = late.value if late.value is not None else late.idx
     db = _native.LogDb(str(r.home / "logs.db"))
-    loop = db.outer_loops(db.latest_run()["id"])[0]
+    loop = db.outer_loops(db.latest_run().id)[0]
     st, st_cpu = replay(name, r, "step", "--where", f"{loop} >= {first_late}", "-j", str(os.cpu_count() or 1))
     problems = problem(name, "epoch", ep, values_of(r.home, "zoo_epoch"))
     problems += problem(name, "step", st, values_of(r.home, "zoo_step"))

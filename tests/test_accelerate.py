@@ -128,10 +128,10 @@ def logs(home: Path) -> tuple[str, list[tuple[str, str, int, Any]]]:
     code = (
         "import json, os\nfrom hindsight import _native\n"
         "db = _native.LogDb(os.path.join(os.environ['HINDSIGHT_HOME'], 'logs.db'))\n"
-        "runs = db.runs()\nassert len(runs) == 1, [r['id'] for r in runs]\n"
-        "rows = [(r.name, json.dumps(r.ctx), r.rep, json.loads(r.value_json)) for r in db.logs(runs[0]['id'])\n"
+        "runs = db.runs()\nassert len(runs) == 1, [r.id for r in runs]\n"
+        "rows = [(r.name, json.dumps(r.ctx), r.rep, json.loads(r.value_json)) for r in db.logs(runs[0].id)\n"
         "        if r.phase == 'record']\n"
-        "print(json.dumps({'status': runs[0]['status'], 'rows': rows}))\n"
+        "print(json.dumps({'status': runs[0].status, 'rows': rows}))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], env=env_for(home), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -251,7 +251,7 @@ def test_replay_recomputes_added_probes(tmp_path: Path) -> None:
         "db = _native.LogDb(os.path.join(os.environ['HINDSIGHT_HOME'], 'logs.db'))\n"
         "[run] = db.runs()\n"
         "print(json.dumps([(r.name, json.dumps(r.ctx), r.rep, json.loads(r.value_json))\n"
-        "                  for r in db.logs(run['id'], ['grad_norm', 'w_norm'])]))\n"
+        "                  for r in db.logs(run.id, ['grad_norm', 'w_norm'])]))\n"
     )
     q = subprocess.run([sys.executable, "-c", code], env=env_for(home), capture_output=True, text=True, timeout=60)
     assert q.returncode == 0, q.stderr

@@ -52,7 +52,7 @@ def test_a_loop_that_leaves_the_cores_idle_checkpoints_every_epoch(tmp_path: Pat
     )
     assert r.returncode == 0, r.stderr
     db = _native.LogDb(str(home / "logs.db"))
-    run_id = db.latest_run()["id"]
+    run_id = db.latest_run().id
     iters = db.iterations(run_id, "epoch")
     taken = [it.idx for it in iters if it.checkpoint is not None]
     # Each checkpoint holds the training thread ~20 ms of a 1.8 s epoch (the
@@ -100,7 +100,7 @@ def test_checkpoints_that_a_replay_would_never_restore_are_not_taken(tmp_path: P
     )
     assert r.returncode == 0, r.stderr
     db = _native.LogDb(str(home / "logs.db"))
-    iters = db.iterations(db.latest_run()["id"], "it")
+    iters = db.iterations(db.latest_run().id, "it")
     taken = [it.idx for it in iters if it.checkpoint is not None]
     assert taken, "a run that fits a checkpoint within the bound takes one"
     # The measure arrives once the first checkpoint is durable and read back

@@ -51,13 +51,13 @@ def test_nan_inf_and_numpy_scalars_are_recorded(tmp_path: Path) -> None:
     from hindsight import _native
 
     (run,) = _native.LogDb(str(home / "logs.db")).runs()
-    args = json.loads(run["args_json"])
+    args = json.loads(run.args_json)
     assert math.isnan(args["nan_default"]) and math.isnan(args["wd"])
     assert args["max_grad_norm"] == math.inf and args["clip"] == -math.inf
     assert args["lr"] == float(__import__("numpy").float32(0.1)) and args["steps"] == 7
     # The CLI shows such a run.
     show = subprocess.run(
-        [*hindsight_cmd(), "--home", str(home), "show", run["id"]], capture_output=True, text=True, timeout=60
+        [*hindsight_cmd(), "--home", str(home), "show", run.id], capture_output=True, text=True, timeout=60
     )
     assert show.returncode == 0, show.stderr
     assert "NaN" in show.stdout and "Infinity" in show.stdout

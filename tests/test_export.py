@@ -33,7 +33,7 @@ def two_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]
         assert r.returncode == 0, r.stderr
     from hindsight import _native
 
-    runs = [r["id"] for r in _native.LogDb(str(home / "logs.db")).runs()]
+    runs = [r.id for r in _native.LogDb(str(home / "logs.db")).runs()]
     return home, sorted(runs)
 
 

@@ -70,7 +70,7 @@ def logged(home: Path, name: str) -> dict[tuple[tuple[str, int], ...], float]:
     code = (
         "import json, sys, hindsight as hs\n"
         "print(json.dumps([[v.ctx, v.rep, v.value_json] for v in hs._query._db().values("
-        "hs._query._db().runs(1)[0]['id'], [sys.argv[1]])]))\n"
+        "hs._query._db().runs(1)[0].id, [sys.argv[1]])]))\n"
     )
     r = subprocess.run(
         [sys.executable, "-c", code, name], env=env_for(home), capture_output=True, text=True, timeout=120

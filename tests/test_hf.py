@@ -117,7 +117,7 @@ def _values(home: Path, run: str | None = None) -> tuple[list[dict[str, Any]], d
     db = _native.LogDb(str(home / "logs.db"))
     runs = db.runs()
     if run is None and runs:
-        run = runs[0]["id"]
+        run = runs[0].id
     out: dict[str, dict[tuple, tuple[Any, Any]]] = {}
     for v in db.values(run) if run else []:
         out.setdefault(v.name, {})[(*v.ctx, v.rep)] = (
@@ -131,7 +131,7 @@ def _prefix(root: Path) -> str:
     """The checkpoint prefix of the project's only run."""
     runs, _ = _values(root / "home")
     assert len(runs) == 1
-    return f"transformers.{runs[0]['id']}"
+    return f"transformers.{runs[0].id}"
 
 
 def _recorded(values: dict[str, dict[tuple, tuple[Any, Any]]], name: str) -> dict[tuple, Any]:
@@ -158,7 +158,7 @@ def test_record_gives_one_run_with_trainer_values_at_epoch_and_step(reference: P
     import hindsight as hs
 
     runs, values = _values(reference / "home")
-    assert len(runs) == 1 and runs[0]["status"] == "completed"
+    assert len(runs) == 1 and runs[0].status == "completed"
     loss = _recorded(values, "loss")
     # one loss per optimizer step, numbered as Trainer numbers them, in its epoch
     assert sorted(loss) == [(("epoch", (s - 1) // PER_EPOCH), ("step", s), 0) for s in range(1, STEPS + 1)]
@@ -197,7 +197,7 @@ def _check_resumed(root: Path, reference: Path, run: str | None = None) -> None:
     if run is None:
         assert len(runs) == 1
     # the relaunch continued the same run
-    assert [r["status"] for r in runs if r["id"] == (run or runs[0]["id"])] == ["completed"]
+    assert [r.status for r in runs if r.id == (run or runs[0].id)] == ["completed"]
     assert sorted(values) == sorted(want)
     for name in values:
         # each step's value once (rep 0 only), equal to the uninterrupted run's
@@ -240,7 +240,7 @@ def test_sigterm_from_outside_exits_85_and_the_relaunch_resumes_bit_identically(
     assert 8 <= step < STEPS
     assert f"checkpointed {mid[0]}; exiting with 85" in err
     runs, _ = _values(root / "home")
-    assert runs[0]["status"] == "interrupted"
+    assert runs[0].status == "interrupted"
 
     again = _run(root)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -271,7 +271,7 @@ def test_a_finished_train_is_trained_afresh_by_the_next_run(reference: Path, tmp
     runs, _ = _values(root / "home")
     assert len(runs) == 2
     old = _prefix(reference)
-    (new,) = {f"transformers.{r['id']}" for r in runs} - {old}
+    (new,) = {f"transformers.{r.id}" for r in runs} - {old}
     store = hs.Store(root / "home" / "store")
     assert sorted(store.list()) == sorted(
         [
@@ -319,7 +319,7 @@ def test_a_signal_at_the_last_step_of_a_max_steps_run_ending_mid_epoch_lets_it_f
     assert r.returncode == 0, r.stderr[-3000:]
     assert "exiting with 85" not in r.stderr and "done 9" in r.stdout
     runs, values = _values(root / "home")
-    assert runs[0]["status"] == "completed"
+    assert runs[0].status == "completed"
     assert sorted(_recorded(values, "loss")) == [
         (("epoch", (s - 1) // PER_EPOCH), ("step", s), 0) for s in range(1, 10)
     ]

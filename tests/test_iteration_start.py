@@ -86,7 +86,7 @@ def test_a_run_another_process_holds_is_not_resumed_twice(tmp_path: Path) -> Non
     first = _run(tmp_path, STOP="2:1")
     assert first.returncode == 85, first.stderr[-2000:]
     home = tmp_path / ".hindsight"
-    run_id = _native.LogDb(str(home / "logs.db")).runs()[0]["id"]
+    run_id = _native.LogDb(str(home / "logs.db")).runs()[0].id
     held = _native.RunLease.hold(str(home), run_id)
     second = _run(tmp_path)
     assert second.returncode == 2, second.stderr[-2000:]

@@ -571,13 +571,13 @@ print("done", trainer.global_step, flush=True)
 """
 
 
-def _lightning_logs(home: Path) -> tuple[list[dict[str, Any]], dict[str, dict[tuple, float]]]:
+def _lightning_logs(home: Path) -> tuple[list[Any], dict[str, dict[tuple, float]]]:
     from hindsight import _native
 
     db = _native.LogDb(str(home / "logs.db"))
     runs = db.runs()
     out: dict[str, dict[tuple, float]] = {}
-    for v in db.values(runs[0]["id"]) if runs else []:
+    for v in db.values(runs[0].id) if runs else []:
         out.setdefault(v.name, {})[(*v.ctx, v.rep)] = float(v.value_json)
     return runs, out
 
@@ -596,7 +596,7 @@ def logged_reference(zygote: Any, tmp_path_factory: pytest.TempPathFactory) -> d
     ref = _logged(zygote, root, "ref").wait()
     assert ref.returncode == 0, ref.stderr[-3000:]
     runs, want = _lightning_logs(root / "home")
-    assert len(runs) == 1 and json.loads(runs[0]["args_json"])["lr"] == 0.05
+    assert len(runs) == 1 and json.loads(runs[0].args_json)["lr"] == 0.05
     steps = 3 * 8
     # self.log and hs.log in one training_step share its context: the global step it trains
     per_step = [(("epoch", s // 8), ("step", s), 0) for s in range(steps)]
@@ -624,11 +624,11 @@ def test_lightning_values_are_recorded_per_epoch_and_step_and_resume_in_the_same
     first = p.wait()
     assert first.returncode == 85, first.stderr[-3000:]
     runs, _ = _lightning_logs(tmp_path / "home")
-    assert [r["status"] for r in runs] == ["interrupted"]
+    assert [r.status for r in runs] == ["interrupted"]
     again = _logged(zygote, tmp_path, "again").wait()
     assert again.returncode == 0, again.stderr[-3000:]
     runs, got = _lightning_logs(tmp_path / "home")
-    assert [r["status"] for r in runs] == ["completed"]
+    assert [r.status for r in runs] == ["completed"]
     for name in ("train_loss", "w0", "bias", "val_loss", "loss_mean", "w_end"):
         assert got[name].keys() == want[name].keys(), name  # each context once, none lost
         # Epochs finished before the signal are bit-identical; the epoch it
@@ -664,7 +664,7 @@ def test_a_kill_9_loses_no_logged_value_a_checkpoint_covers(
             os.kill(p.pid, signal.SIGKILL)  # nothing runs on the way out
     assert p.wait().returncode == -signal.SIGKILL
     runs, got = _lightning_logs(tmp_path / "home")
-    assert [r["status"] for r in runs] == ["running"]
+    assert [r.status for r in runs] == ["running"]
 
     def covered(values: dict[str, dict[tuple, float]]) -> dict[str, dict[tuple, float]]:
         return {n: {k: v for k, v in values.get(n, {}).items() if k[0][1] < 2} for n in want}
@@ -673,7 +673,7 @@ def test_a_kill_9_loses_no_logged_value_a_checkpoint_covers(
     again = _logged(zygote, tmp_path, "again").wait()
     assert again.returncode == 0, again.stderr[-3000:]
     runs, got = _lightning_logs(tmp_path / "home")
-    assert [r["status"] for r in runs] == ["completed"]
+    assert [r.status for r in runs] == ["completed"]
     assert got == want
 
 
@@ -798,7 +798,7 @@ def _phases(home: Path) -> dict[str, dict[tuple, tuple[Any, Any]]]:
     db = _native.LogDb(str(home / "logs.db"))
     (run,) = db.runs()
     out: dict[str, dict[tuple, tuple[Any, Any]]] = {}
-    for v in db.values(run["id"]):
+    for v in db.values(run.id):
         out.setdefault(v.name, {})[(*v.ctx, v.rep)] = (
             None if v.recorded is None else json.loads(v.recorded),
             None if v.replayed is None else json.loads(v.replayed),
@@ -972,8 +972,8 @@ def _loader_logged(root: Path, name: str) -> dict[tuple, str]:
 
     db = _native.LogDb(str(root / f"home-{name}" / "logs.db"))
     (r,) = db.runs()  # a relaunch continues the interrupted run
-    assert r["status"] == "completed"
-    return {(v.name, *v.ctx, v.rep): v.value_json for v in db.values(r["id"])}
+    assert r.status == "completed"
+    return {(v.name, *v.ctx, v.rep): v.value_json for v in db.values(r.id)}
 
 
 @pytest.fixture(scope="module")

@@ -155,14 +155,14 @@ def _record(root: Path, src: str, *args: str) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-def _values(home: Path) -> tuple[dict[str, Any], dict[str, dict[tuple, tuple[Any, Any]]]]:
+def _values(home: Path) -> tuple[Any, dict[str, dict[tuple, tuple[Any, Any]]]]:
     """(the project's only run, {name: {(ctx..., rep): (recorded, replayed)}})."""
     from hindsight import _native
 
     db = _native.LogDb(str(home / "logs.db"))
     (run,) = db.runs()
     out: dict[str, dict[tuple, tuple[Any, Any]]] = {}
-    for v in db.values(run["id"]):
+    for v in db.values(run.id):
         out.setdefault(v.name, {})[(*v.ctx, v.rep)] = (
             None if v.recorded is None else json.loads(v.recorded),
             None if v.replayed is None else json.loads(v.replayed),
@@ -199,7 +199,7 @@ def test_lightning_cli_records_and_replays_a_probe_in_a_new_hook(tmp_path: Path)
     _record(proj, _script(True))
     home = proj / "home"
     run, got = _values(home)
-    assert (home / "lightning" / run["id"] / "config.yaml").is_file()
+    assert (home / "lightning" / run.id / "config.yaml").is_file()
     (best,) = _ckpts(home)  # save_top_k=1
     assert not best.name.startswith("epoch=2-"), "the best epoch must not be the last, or this test cannot fail"
     for f in _ckpts(home):
@@ -269,7 +269,7 @@ def test_lightning_cli_command_line_sigterm_exits_85_and_resumes(tmp_path: Path)
         again.stdout + again.stderr
     )
     run, got = _values(proj / "home")
-    assert run["status"] == "completed"
+    assert run.status == "completed"
     # 3 epochs of 4 steps, 2 validation and 2 test batches; the epoch values at
     # the epoch's last step, the test's at the fit's end (epoch 3, 12 steps).
     e_s = [(e, s) for e in range(3) for s in range(4 * e, 4 * e + 4)]

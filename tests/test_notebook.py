@@ -10,7 +10,6 @@ import os
 import subprocess
 import sysconfig
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -110,7 +109,7 @@ def df_values(out: list[str]) -> list[float]:
     return [float(v) for v in json.loads(line[3:])]
 
 
-def runs(home: Path) -> list[dict[str, Any]]:
+def runs(home: Path) -> list[_native.RunInfo]:
     return list(_native.LogDb(str(home / "logs.db")).runs())
 
 
@@ -144,10 +143,10 @@ def test_notebook_is_the_script_and_its_directory_the_project(tmp_path: Path) ->
     assert (tmp_path / ".hindsight" / "logs.db").exists()
     assert site.exists() == before, "the project home must never be in site-packages"
     (run,) = runs(tmp_path / ".hindsight")
-    assert run["script"] == "train.ipynb"
-    assert run["status"] == "completed"
+    assert run.script == "train.ipynb"
+    assert run.status == "completed"
     # The recorded source is the notebook's code as a script: magics dropped, markdown left out.
-    source = _native.LogDb(str(tmp_path / ".hindsight" / "logs.db")).get_source(run["source_hash"])["train.ipynb"]
+    source = _native.LogDb(str(tmp_path / ".hindsight" / "logs.db")).get_source(run.source_hash)["train.ipynb"]
     assert 'hs.loop("epoch"' in source and "pass  # %autoreload 2" in source
     assert "Markdown is no code" not in source
     # The cells ran in the notebook's order: the source is the notebook as `hindsight replay` reads it.
@@ -172,22 +171,22 @@ def test_stopped_notebook_resumes_when_run_again(tmp_path: Path, expected: list[
     out = execute(nb, allow_errors=True)
     assert "KeyboardInterrupt" in out[3]
     (run,) = runs(tmp_path / ".hindsight")
-    assert run["status"] == "interrupted"  # as a script stopped by Ctrl-C
+    assert run.status == "interrupted"  # as a script stopped by Ctrl-C
     # A kernel that runs only the first cells (no training) leaves it interrupted.
     setup_only = nbformat.read(nb, as_version=4)
     setup_only.cells = [nbformat.v4.new_code_cell(SETUP + 'lr = hs.arg("lr", 0.05)')]
     nbformat.write(setup_only, nb)
-    assert f"resuming run {run['id']}" in execute(nb)[0]
-    assert [r["status"] for r in runs(tmp_path / ".hindsight")] == ["interrupted"]
+    assert f"resuming run {run.id}" in execute(nb)[0]
+    assert [r.status for r in runs(tmp_path / ".hindsight")] == ["interrupted"]
     notebook(nb)
     # Restart the kernel and run all: the same run goes on from its checkpoint.
     out = execute(nb)
-    assert f"hindsight: resuming run {run['id']}" in out[1] + out[3]
-    assert f"RUN {run['id']}" in out[3]
+    assert f"hindsight: resuming run {run.id}" in out[1] + out[3]
+    assert f"RUN {run.id}" in out[3]
     assert df_values(out) == expected  # exactly the values of a run never stopped
     assert logs(tmp_path, "seen") == {0: (3, False), 1: (6, False), 2: (9, False), 3: (12, False)}
     (again,) = runs(tmp_path / ".hindsight")
-    assert again["status"] == "completed"
+    assert again.status == "completed"
 
 
 def test_stopped_training_cell_run_again_in_the_same_kernel_resumes(tmp_path: Path, expected: list[float]) -> None:
@@ -198,12 +197,12 @@ def test_stopped_training_cell_run_again_in_the_same_kernel_resumes(tmp_path: Pa
     assert "resuming run" in out[5]
     line = next(line for line in out[6].splitlines() if line.startswith("DF "))
     assert json.loads(line[3:]) == expected
-    assert [r["status"] for r in runs(tmp_path / ".hindsight")] == ["completed"]
+    assert [r.status for r in runs(tmp_path / ".hindsight")] == ["completed"]
     # A completed notebook run again is a new run, as a script run twice is.
     out = execute(notebook(nb))
     assert "resuming" not in "".join(out)
     assert df_values(out) == expected
-    assert [r["status"] for r in runs(tmp_path / ".hindsight")] == ["completed", "completed"]
+    assert [r.status for r in runs(tmp_path / ".hindsight")] == ["completed", "completed"]
 
 
 def test_replay_of_a_notebook_computes_new_log_statements(tmp_path: Path) -> None:
@@ -235,14 +234,14 @@ def test_a_kernel_that_does_not_say_its_notebook_is_refused_until_named(tmp_path
     out = execute(nb, session=False, allow_errors=True)
     assert "hs.notebook('NAME.ipynb')" in out[3], out
     assert "SCRIPT " in out[5], out
-    assert [r["script"] for r in runs(tmp_path / ".hindsight")] == ["script.py"]
+    assert [r.script for r in runs(tmp_path / ".hindsight")] == ["script.py"]
     named = nbformat.read(nb, as_version=4)
     named.cells[1].source = SETUP + 'hs.notebook("train.ipynb")\n'
     named.cells = named.cells[:5]
     nbformat.write(named, nb)
     out = execute(nb, session=False)
     assert "RUN " in out[3]
-    assert sorted(r["script"] for r in runs(tmp_path / ".hindsight")) == ["script.py", "train.ipynb"]
+    assert sorted(r.script for r in runs(tmp_path / ".hindsight")) == ["script.py", "train.ipynb"]
 
 
 def test_magics_that_change_no_value_are_dropped(tmp_path: Path) -> None:

@@ -51,11 +51,11 @@ def series(home: Path) -> dict[str, dict[str, object]]:
     code = (
         "import json, os\nfrom hindsight import _native\n"
         "db = _native.LogDb(os.path.join(os.environ['HINDSIGHT_HOME'], 'logs.db'))\n"
-        "runs = db.runs()\nassert len(runs) == 1, [r['id'] for r in runs]\n"
+        "runs = db.runs()\nassert len(runs) == 1, [r.id for r in runs]\n"
         "out = {}\n"
-        "for rec in db.logs(runs[0]['id']):\n"
+        "for rec in db.logs(runs[0].id):\n"
         "    out.setdefault(rec.name, {})[json.dumps(rec.ctx)] = json.loads(rec.value_json)\n"
-        "print(json.dumps({'status': runs[0]['status'], 'logs': out}))\n"
+        "print(json.dumps({'status': runs[0].status, 'logs': out}))\n"
     )
     r = subprocess.run(
         [sys.executable, "-c", code],
@@ -266,7 +266,7 @@ def test_preemption_resume_and_retention_on_object_storage(tmp_path, reference, 
     )
     from hindsight import _native
 
-    run_id = _native.LogDb(str(tmp_path / "home" / "logs.db")).runs()[0]["id"]
+    run_id = _native.LogDb(str(tmp_path / "home" / "logs.db")).runs()[0].id
     (tmp_path / "final.pt").unlink()
     rp = subprocess.run(
         [*hindsight_cmd(), "replay", str(probe), "--run", run_id, "-q", "--strict"],

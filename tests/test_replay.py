@@ -411,8 +411,8 @@ def test_two_concurrent_recordings_in_one_project(tmp_path):
         "db = _native.LogDb(os.path.join(os.environ['HINDSIGHT_HOME'], 'logs.db'))\n"
         "out = []\n"
         "for r in db.runs():\n"
-        "    out.append([r['status'], json.loads(r['args_json'])['seed'], len(db.logs(r['id'], ['loss'])),"
-        " len(db.logs(r['id'], ['val_acc'])), len(db.iterations(r['id'], 'epoch'))])\n"
+        "    out.append([r.status, json.loads(r.args_json)['seed'], len(db.logs(r.id, ['loss'])),"
+        " len(db.logs(r.id, ['val_acc'])), len(db.iterations(r.id, 'epoch'))])\n"
         "print(json.dumps(sorted(out, key=lambda x: x[1])))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], env=env_for(home), capture_output=True, text=True, timeout=120)
@@ -424,7 +424,7 @@ def test_two_concurrent_recordings_in_one_project(tmp_path):
         "from hindsight import _native\n"
         "import os\n"
         "db = _native.LogDb(os.path.join(os.environ['HINDSIGHT_HOME'], 'logs.db'))\n"
-        "df = hs.dataframe('val_acc', run=[r['id'] for r in db.runs()], args=True)\n"
+        "df = hs.dataframe('val_acc', run=[r.id for r in db.runs()], args=True)\n"
         "print(json.dumps(sorted(df.groupby('seed')['val_acc'].count().items())))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], env=env_for(home), capture_output=True, text=True, timeout=120)
@@ -695,8 +695,8 @@ def test_new_probes_replay_into_runs_of_three_code_versions(tmp_path: Path) -> N
     code = (
         "import json, hindsight as hs\n"
         "db = hs._query._db()\n"
-        "print(json.dumps([[[v.ctx, json.loads(v.value_json)] for v in db.values(r['id'], ['weight_norm'])]"
-        " for r in sorted(db.runs(), key=lambda r: r['started_ms'])]))\n"
+        "print(json.dumps([[[v.ctx, json.loads(v.value_json)] for v in db.values(r.id, ['weight_norm'])]"
+        " for r in sorted(db.runs(), key=lambda r: r.started_ms)]))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], env=env_for(home), capture_output=True, text=True, timeout=60, cwd=script.parent
@@ -793,12 +793,12 @@ def test_runs_share_one_worker_budget(tmp_path: Path) -> None:
     from hindsight import _native
 
     db = _native.LogDb(str(home / "logs.db"))
-    runs = sorted(db.runs(), key=lambda r: r["started_ms"])
+    runs = sorted(db.runs(), key=lambda r: r.started_ms)
     spans: dict[int, list[int]] = {}
     for run, w in zip(runs, want, strict=True):
-        got = {tuple(v.ctx): json.loads(v.value_json) for v in db.values(run["id"], ["grad_norm"])}
+        got = {tuple(v.ctx): json.loads(v.value_json) for v in db.values(run.id, ["grad_norm"])}
         assert got == pytest.approx({tuple(map(tuple, c)): x for c, x in w.items()}, rel=1e-9)
-        for rec in db.logs(run["id"], ["pid"]):
+        for rec in db.logs(run.id, ["pid"]):
             span = spans.setdefault(int(rec.value_json), [rec.created_ms, rec.created_ms])
             span[0], span[1] = min(span[0], rec.created_ms), max(span[1], rec.created_ms)
     assert len(spans) == 4  # two workers per run

@@ -60,7 +60,7 @@ def test_an_iteration_loop_keeps_a_bounded_spread_of_checkpoints_and_replays_exa
     _run([sys.executable, "train.py"], proj, proj / ".hindsight", HINDSIGHT_CHECKPOINT_EVERY="1")
 
     db = _native.LogDb(str(proj / ".hindsight" / "logs.db"))
-    run_id = db.latest_run()["id"]
+    run_id = db.latest_run().id
     store = proj / ".hindsight" / "store" / "manifests"
     kept = sorted(p.name for p in store.iterdir() if p.name.startswith(run_id))
     assert len(kept) <= spread + 1, f"{len(kept)} checkpoints kept of {ITERS}"
@@ -79,7 +79,7 @@ def test_an_iteration_loop_keeps_a_bounded_spread_of_checkpoints_and_replays_exa
 
     def values(home: Path) -> dict[int, str]:
         d = _native.LogDb(str(home / "logs.db"))
-        rid = d.latest_run()["id"]
+        rid = d.latest_run().id
         return {rec.ctx[0][1]: rec.value_json for rec in d.logs(rid, ["w_norm"])}
 
     want, got = values(ref / ".hindsight"), values(proj / ".hindsight")

@@ -96,10 +96,10 @@ def series(root: Path) -> dict[str, dict[str, object]]:
     code = (
         "import json, os\nfrom hindsight import _native\n"
         "db = _native.LogDb(os.path.join(os.environ['HINDSIGHT_HOME'], 'logs.db'))\n"
-        "runs = db.runs()\nassert len(runs) == 1, [r['id'] for r in runs]\nout = {}\n"
-        "for v in db.values(runs[0]['id']):\n"
+        "runs = db.runs()\nassert len(runs) == 1, [r.id for r in runs]\nout = {}\n"
+        "for v in db.values(runs[0].id):\n"
         "    out.setdefault(v.name, {})[json.dumps([v.ctx, v.rep])] = json.loads(v.value_json)\n"
-        "print(json.dumps({'status': runs[0]['status'], 'logs': out}))\n"
+        "print(json.dumps({'status': runs[0].status, 'logs': out}))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], env=env(root), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

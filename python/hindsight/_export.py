@@ -104,7 +104,7 @@ def run_series(db: Any, run: str, names: list[str]) -> RunSeries:
         s.wall_s.append(written.get((v.name, tuple(v.ctx), v.rep)))
     for name, n in skipped.items():
         print(f"hindsight: {name} in run {run}: {n} value(s) that are not numbers left out", file=sys.stderr)
-    return RunSeries(run, json.loads(row["args_json"] or "{}"), x_label, out)
+    return RunSeries(run, json.loads(row.args_json or "{}"), x_label, out)
 
 
 def _differing_args(runs: list[RunSeries]) -> list[str]:
@@ -175,8 +175,8 @@ def _runs(db: Any, which: list[str]) -> list[str]:
         latest = db.runs(1)
         if not latest:
             raise NotFoundError("no runs recorded in this project yet")
-        return [latest[0]["id"]]
-    return [db.run(r)["id"] for r in which]  # NotFound names the id
+        return [latest[0].id]
+    return [db.run(r).id for r in which]  # NotFound names the id
 
 
 def main(command: str, argv: list[str], home: str | None) -> int:

@@ -55,7 +55,7 @@ def dataframe(*names: str, run: str | list[str] | None = None, args: bool = Fals
             latest = db.runs(1)
             if not latest:
                 raise NotFoundError("no runs recorded in this project yet")
-            runs = [latest[0]["id"]]
+            runs = [latest[0].id]
     else:
         runs = [run] if isinstance(run, str) else list(run)
     if _run._RUN is not None and _run._RUN.run_id in runs:
@@ -80,7 +80,7 @@ def dataframe(*names: str, run: str | list[str] | None = None, args: bool = Fals
     arg_names: list[str] = []
     if args:
         for r in runs:
-            recorded = json.loads(db.run(r)["args_json"] or "{}")
+            recorded = json.loads(db.run(r).args_json or "{}")
             for k in recorded:
                 if k not in arg_names:
                     arg_names.append(k)

@@ -161,7 +161,7 @@ def plan_run(
     db: Any,
     location: str,
     store_names: set[str],
-    run: dict[str, Any],
+    run: _native.RunInfo,
     analysis: Analysis,
     jobs: int,
     where: str | None,
@@ -169,16 +169,16 @@ def plan_run(
     """The engine's replay plan of `run` (`hindsight_core::replay`); only `--where`,
     a Python expression, is evaluated here."""
     # The loop that ran outermost, as recorded (the source may hold it in a function).
-    recorded = db.outer_loops(run["id"])
+    recorded = db.outer_loops(run.id)
     if not recorded:
         if not analysis.outer_loops:
             raise ReplayError("the script has no hs.loop: nothing to replay")
-        raise ReplayError(f"run {run['id']} recorded no iterations of loop '{analysis.outer_loops[0]}'")
+        raise ReplayError(f"run {run.id} recorded no iterations of loop '{analysis.outer_loops[0]}'")
     outer = recorded[0]
     # Loops recorded but not in the script are a framework's (Lightning's
     # epochs): probes in its hooks are placed by the hook.
     analysis.framework = not analysis.outer_loops
-    rows = db.iterations(run["id"], outer)
+    rows = db.iterations(run.id, outer)
     n = max(r.idx for r in rows) + 1
     pred = _where(where, outer)
     # The integer the loop iterated over where it was one (epoch 1 of range(1, N)), else the position.
@@ -187,7 +187,7 @@ def plan_run(
     if not any(selected):
         raise ReplayError(f"--where {where!r} selects none of the {n} recorded iterations")
     return db.plan_replay(
-        run["id"],
+        run.id,
         outer,
         store_names,
         selected,
@@ -233,15 +233,15 @@ def replay(args: argparse.Namespace) -> int:
         # Plan every run first: their workers then share one budget (-j).
         for run in runs:
             # Each run's checkpoints are where it wrote them (recorded in logs.db).
-            location = run.get("store") or str(paths.store)
+            location = run.store or str(paths.store)
             # Held shared until the replay ends: `hindsight rm` refuses to take
             # the run or its checkpoints from under it.
-            leases.append(_native.RunLease.share(home, run["id"]))
-            recorded = [it for loop in db.outer_loops(run["id"]) for it in db.iterations(run["id"], loop)]
+            leases.append(_native.RunLease.share(home, run.id))
+            recorded = [it for loop in db.outer_loops(run.id) for it in db.iterations(run.id, loop)]
             if recorded and not any(it.checkpoint for it in recorded):
                 # No store was ever created: nothing was removed.
                 print(
-                    f"note: run {run['id']} took no checkpoint (no objects to save, or none fit the adaptive "
+                    f"note: run {run.id} took no checkpoint (no objects to save, or none fit the adaptive "
                     "bound; HINDSIGHT_CHECKPOINT_EVERY=N takes one every N iterations): every iteration is "
                     "re-executed",
                     file=sys.stderr,
@@ -249,7 +249,7 @@ def replay(args: argparse.Namespace) -> int:
                 )
             elif location not in names_at and "://" not in location and not Path(location).is_dir():
                 print(
-                    f"note: run {run['id']}: its checkpoint store is not at {location} (removed, or a store outside "
+                    f"note: run {run.id}: its checkpoint store is not at {location} (removed, or a store outside "
                     "a project that moved): every iteration is re-executed, none restored from or checked against "
                     "a checkpoint",
                     file=sys.stderr,
@@ -262,7 +262,7 @@ def replay(args: argparse.Namespace) -> int:
             except HindsightError as e:
                 if len(runs) == 1:
                     raise
-                print(f"run {run['id']}: error: {e}", file=sys.stderr, flush=True)  # the others go on
+                print(f"run {run.id}: error: {e}", file=sys.stderr, flush=True)  # the others go on
                 status |= 1
                 continue
             if job is not None:
@@ -331,28 +331,28 @@ def _prepare(
     db: Any,
     location: str,
     store_names: set[str],
-    run: dict[str, Any],
+    run: _native.RunInfo,
     script: Path,
     current: str,
 ) -> RunJob | None:
     """The replay plan of one run and its workers' command lines; None when
     there is nothing new to compute."""
-    files = db.get_source(run["source_hash"])
-    recorded = files.get(run["script"])
+    files = db.get_source(run.source_hash)
+    recorded = files.get(run.script)
     if recorded is None:
-        raise NotFoundError(f"run {run['id']} has no recorded source for {run['script']}")
-    analysis = analyze(recorded, current, run["script"])
+        raise NotFoundError(f"run {run.id} has no recorded source for {run.script}")
+    analysis = analyze(recorded, current, run.script)
     to_run, temp = script, None
     if not analysis.compatible and not args.force:
         # Recorded from another version: put the new hs.log statements into
         # that version's own source, where they belong.
-        src, problems = transplant(recorded, current, run["script"])
-        placed = analyze(recorded, src, run["script"]) if src is not None else None
+        src, problems = transplant(recorded, current, run.script)
+        placed = analyze(recorded, src, run.script) if src is not None else None
         if placed is not None and not placed.compatible:
             # Placed, but what was added changes the training it replays.
             diff = "\n".join("  " + line for line in placed.differences[:60])
             raise ReplayError(
-                f"the statements added to {run['script']} since run {run['id']} would change the training "
+                f"the statements added to {run.script} since run {run.id} would change the training "
                 f"that replay re-runs, so every value after them would differ:\n{diff}\n"
                 "(pass --force to replay the current script anyway)"
             )
@@ -360,20 +360,20 @@ def _prepare(
             diff = "\n".join("  " + line for line in analysis.differences[:60])
             why = "\n".join("  " + p for p in problems)
             raise ReplayError(
-                f"{run['script']} changed since run {run['id']} in ways other than added observing "
+                f"{run.script} changed since run {run.id} in ways other than added observing "
                 "code, and the new statements cannot all be placed into the recorded version:\n"
                 f"{why}\nDifferences:\n{diff}\n(pass --force to replay the current script anyway)"
             )
         analysis = placed
-        to_run = temp = script.parent / f".hindsight-replay-{run['id']}.py"
+        to_run = temp = script.parent / f".hindsight-replay-{run.id}.py"
         temp.write_text(src or "")
         print(
-            f"run {run['id']}: recorded from another version of {run['script']}; "
+            f"run {run.id}: recorded from another version of {run.script}; "
             "the new hs.log statements were placed into its recorded source",
             flush=True,
         )
     if not analysis.new_probes:
-        print(f"run {run['id']}: no new hs.log statements; nothing to compute")
+        print(f"run {run.id}: no new hs.log statements; nothing to compute")
         if temp is not None:
             temp.unlink(missing_ok=True)
         return None
@@ -386,17 +386,17 @@ def _prepare(
     if temp is None and script.suffix == jupyter.SUFFIX:
         # A worker runs Python: the notebook's cells as the script analysed,
         # beside the notebook (the same directory, so the same project).
-        to_run = temp = script.parent / f".hindsight-replay-{run['id']}.py"
+        to_run = temp = script.parent / f".hindsight-replay-{run.id}.py"
         temp.write_text(current)
     names = ", ".join(sorted({p.name for p in analysis.new_probes}))
-    print(f"run {run['id']}: {plan.kind} replay of {names} on {len(plan.workers)} worker(s)", flush=True)
+    print(f"run {run.id}: {plan.kind} replay of {names} on {len(plan.workers)} worker(s)", flush=True)
     if plan.kind == "parallel" and args.jobs == 1 and (os.cpu_count() or 1) > 1:
         print(
-            f"note: run {run['id']}: every selected iteration re-executes; -j N splits them over N workers",
+            f"note: run {run.id}: every selected iteration re-executes; -j N splits them over N workers",
             file=sys.stderr,
             flush=True,
         )
-    versions = json.loads(run["versions_json"] or "{}")
+    versions = json.loads(run.versions_json or "{}")
     # The script as it is now (the one analysed, or the recorded version with
     # the new statements placed into it), run where the recording ran.
     # A worker of a multi-rank run that only restores runs on one process
@@ -404,12 +404,12 @@ def _prepare(
     workers = []
     for w in plan.workers:
         one = w.restores_only and not args.recorded_ranks
-        command = db.worker_command(run["id"], run["project_root"], str(to_run), sys.executable, one)
+        command = db.worker_command(run.id, run.project_root, str(to_run), sys.executable, one)
         workers.append(
-            Worker(w.worker, w.modes, w, run["id"], command.argv, command.cwd, command.ranks, torchrun=command.torchrun)
+            Worker(w.worker, w.modes, w, run.id, command.argv, command.cwd, command.ranks, torchrun=command.torchrun)
         )
     total = sum(w.visits for w in workers)
-    return RunJob(run["id"], names, workers, total, db.last_seq(run["id"]), versions, temp)
+    return RunJob(run.id, names, workers, total, db.last_seq(run.id), versions, temp)
 
 
 def _report(args: argparse.Namespace, db: Any, job: RunJob, start: float) -> int:

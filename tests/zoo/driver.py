@@ -383,7 +383,7 @@ def run_ids(home: Path) -> list[str]:
     from hindsight import _native
 
     db = _native.LogDb(str(home / "logs.db"))
-    return [r["id"] for r in sorted(db.runs(), key=lambda r: r["started_ms"])]
+    return [r.id for r in sorted(db.runs(), key=lambda r: r.started_ms)]
 
 
 def logged(home: Path) -> dict[str, Any]:
@@ -393,8 +393,8 @@ def logged(home: Path) -> dict[str, Any]:
     db = _native.LogDb(str(home / "logs.db"))
     runs = db.runs()
     if len(runs) != 1:
-        return {"error": f"{len(runs)} runs in the project home (expected 1): " + ", ".join(r["status"] for r in runs)}
-    run_id = runs[0]["id"]
+        return {"error": f"{len(runs)} runs in the project home (expected 1): " + ", ".join(r.status for r in runs)}
+    run_id = runs[0].id
     vals, flags = {}, {}
     for v in db.values(run_id):
         key = (v.name, json.dumps(v.ctx), v.rep)
@@ -402,7 +402,7 @@ def logged(home: Path) -> dict[str, Any]:
         flag = getattr(v, "replay_flag", None)  # "exact", "inexact", "diverged" (newer engines)
         if flag:
             flags[key] = flag
-    return {"run": run_id, "status": runs[0]["status"], "values": vals, "flags": flags}
+    return {"run": run_id, "status": runs[0].status, "values": vals, "flags": flags}
 
 
 def load_state(path: Path) -> Any:

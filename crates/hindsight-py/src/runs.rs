@@ -13,7 +13,6 @@ use hindsight_core::runs::db::{
 };
 use hindsight_core::runs::replay;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
 
 use crate::errors::IntoPy;
 use crate::interrupt;
@@ -25,25 +24,54 @@ use crate::interrupt;
 /// text): the hot path of `hs.log`, batched, so a plain tuple.
 type LogTuple = (String, Vec<(String, i64)>, u32, String);
 
-fn run_dict<'py>(py: Python<'py>, r: &RunRow) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("id", &r.id)?;
-    d.set_item("script", &r.script)?;
-    d.set_item("script_abs", &r.script_abs)?;
-    d.set_item("project_root", &r.project_root)?;
-    d.set_item("source_hash", &r.source_hash)?;
-    d.set_item("git_commit", &r.git_commit)?;
-    d.set_item("git_dirty", r.git_dirty)?;
-    d.set_item("args_json", &r.args_json)?;
-    d.set_item("status", r.status.as_str())?;
-    d.set_item("started_ms", r.started_ms)?;
-    d.set_item("ended_ms", r.ended_ms)?;
-    d.set_item("host", &r.host)?;
-    d.set_item("versions_json", &r.versions_json)?;
-    d.set_item("pid", r.pid)?;
-    d.set_item("resume_key", &r.resume_key)?;
-    d.set_item("store", &r.store)?;
-    Ok(d)
+/// One run of the project, as the run database holds it (core `RunRow`).
+#[pyclass(module = "hindsight._native", name = "RunInfo", frozen, get_all)]
+#[derive(Debug)]
+pub(crate) struct RunInfo {
+    id: String,
+    /// The script relative to the project root.
+    script: String,
+    script_abs: String,
+    project_root: String,
+    source_hash: String,
+    git_commit: Option<String>,
+    git_dirty: Option<bool>,
+    /// The run's `hs.arg` values, as JSON.
+    args_json: String,
+    /// "running", "completed", "failed" or "interrupted".
+    status: &'static str,
+    started_ms: u64,
+    ended_ms: Option<u64>,
+    host: String,
+    /// The versions and launch facts the recording noted, as JSON.
+    versions_json: String,
+    pid: u32,
+    resume_key: Option<String>,
+    /// Where the run's checkpoints are (None: the project's default store).
+    store: Option<String>,
+}
+
+impl From<RunRow> for RunInfo {
+    fn from(r: RunRow) -> Self {
+        RunInfo {
+            id: r.id,
+            script: r.script,
+            script_abs: r.script_abs,
+            project_root: r.project_root,
+            source_hash: r.source_hash,
+            git_commit: r.git_commit,
+            git_dirty: r.git_dirty,
+            args_json: r.args_json,
+            status: r.status.as_str(),
+            started_ms: r.started_ms,
+            ended_ms: r.ended_ms,
+            host: r.host,
+            versions_json: r.versions_json,
+            pid: r.pid,
+            resume_key: r.resume_key,
+            store: r.store,
+        }
+    }
 }
 
 fn status(s: &str) -> PyResult<RunStatus> {
@@ -153,37 +181,26 @@ impl LogDb {
         self.with(py, |db| db.set_store(&run_id, &store))
     }
 
-    fn run<'py>(&self, py: Python<'py>, run_id: String) -> PyResult<Bound<'py, PyDict>> {
-        let r = self.with(py, |db| db.run(&run_id))?;
-        run_dict(py, &r)
+    fn run(&self, py: Python<'_>, run_id: String) -> PyResult<RunInfo> {
+        Ok(self.with(py, |db| db.run(&run_id))?.into())
     }
 
     #[pyo3(signature = (limit=None))]
-    fn runs<'py>(
-        &self,
-        py: Python<'py>,
-        limit: Option<usize>,
-    ) -> PyResult<Vec<Bound<'py, PyDict>>> {
+    fn runs(&self, py: Python<'_>, limit: Option<usize>) -> PyResult<Vec<RunInfo>> {
         let rs = self.with(py, |db| db.runs(limit))?;
-        rs.iter().map(|r| run_dict(py, r)).collect()
+        Ok(rs.into_iter().map(RunInfo::from).collect())
     }
 
-    fn latest_run<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let r = self.with(py, |db| db.latest_run())?;
-        r.map(|r| run_dict(py, &r)).transpose()
+    fn latest_run(&self, py: Python<'_>) -> PyResult<Option<RunInfo>> {
+        Ok(self.with(py, |db| db.latest_run())?.map(RunInfo::from))
     }
 
     /// The runs of the script now at `script_abs` in the project rooted at
     /// `root`, newest first, with their paths where the project is now (it
     /// may have moved or been copied: the engine's `runs::relocate`).
-    fn runs_of<'py>(
-        &self,
-        py: Python<'py>,
-        script_abs: PathBuf,
-        root: PathBuf,
-    ) -> PyResult<Vec<Bound<'py, PyDict>>> {
+    fn runs_of(&self, py: Python<'_>, script_abs: PathBuf, root: PathBuf) -> PyResult<Vec<RunInfo>> {
         let rs = self.with(py, |db| db.runs_of(&script_abs, &root))?;
-        rs.iter().map(|r| run_dict(py, r)).collect()
+        Ok(rs.into_iter().map(RunInfo::from).collect())
     }
 
     /// The runs a `hindsight replay` of `script_abs` replays, by its
@@ -191,21 +208,21 @@ impl LogDb {
     /// owner for "which runs"), paths where the project is now.
     #[pyo3(signature = (script_abs, root, home, runs=None, run=None, since=None))]
     #[allow(clippy::too_many_arguments)]
-    fn select_runs<'py>(
+    fn select_runs(
         &self,
-        py: Python<'py>,
+        py: Python<'_>,
         script_abs: PathBuf,
         root: PathBuf,
         home: PathBuf,
         runs: Option<Vec<String>>,
         run: Option<Vec<String>>,
         since: Option<String>,
-    ) -> PyResult<Vec<Bound<'py, PyDict>>> {
+    ) -> PyResult<Vec<RunInfo>> {
         let sel = replay::driver::Selection::from_args(runs, run, since.as_deref()).py_err()?;
         let rs = self.with(py, |db| {
             replay::driver::select_runs(db, &script_abs, &root, &home, &sel)
         })?;
-        rs.iter().map(|r| run_dict(py, r)).collect()
+        Ok(rs.into_iter().map(RunInfo::from).collect())
     }
 
     /// How every replay worker of `run_id` starts (core
@@ -232,29 +249,23 @@ impl LogDb {
 
     /// Run `run_id` with its paths where they are now that its project is
     /// rooted at `root` (`runs::relocate`).
-    fn run_at<'py>(
-        &self,
-        py: Python<'py>,
-        run_id: String,
-        root: PathBuf,
-    ) -> PyResult<Bound<'py, PyDict>> {
-        let r = self.with(py, |db| db.run(&run_id))?;
-        run_dict(py, &r.relocated(&root))
+    fn run_at(&self, py: Python<'_>, run_id: String, root: PathBuf) -> PyResult<RunInfo> {
+        Ok(self.with(py, |db| db.run(&run_id))?.relocated(&root).into())
     }
 
     /// The run a process started with `resume_key` here continues, if any
     /// (the engine's rule: interrupted, or running but certainly gone), with
     /// its paths where they are now that the project root is `root`.
     #[pyo3(signature = (resume_key, root, script, args, explicit=false))]
-    fn run_to_resume<'py>(
+    fn run_to_resume(
         &self,
-        py: Python<'py>,
+        py: Python<'_>,
         resume_key: String,
         root: PathBuf,
         script: PathBuf,
         args: Vec<String>,
         explicit: bool,
-    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+    ) -> PyResult<Option<RunInfo>> {
         use hindsight_core::runs::resume::{Command, Here};
         let here = Here::current();
         let command = Command {
@@ -265,7 +276,7 @@ impl LogDb {
         let r = self.with(py, |db| {
             db.run_to_resume(&resume_key, explicit, &here, &command)
         })?;
-        r.map(|r| run_dict(py, &r.relocated(&root))).transpose()
+        Ok(r.map(|r| r.relocated(&root).into()))
     }
 
     fn put_source(&self, py: Python<'_>, files: BTreeMap<String, String>) -> PyResult<String> {
@@ -1047,6 +1058,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<LogDb>()?;
     m.add_class::<RunLease>()?;
     m.add_class::<Iteration>()?;
+    m.add_class::<RunInfo>()?;
     m.add_class::<LogRecord>()?;
     m.add_class::<LogValue>()?;
     m.add_class::<Divergence>()?;

@@ -202,16 +202,16 @@ class RecordRun(Run):
             # the second is refused, naming the first (core `runs::lease`).
             # Held, it is looked up again: the holder before this one may
             # have finished it meanwhile (this command then starts anew).
-            self.lease = _native.RunLease.hold(str(self.home), prev["id"])
+            self.lease = _native.RunLease.hold(str(self.home), prev.id)
             again = self.db.run_to_resume(key, str(self.root), str(self.script), argv[1:], explicit is not None)
-            if again is None or again["id"] != prev["id"]:
+            if again is None or again.id != prev.id:
                 self.lease.release()
                 prev = None
         if prev is not None:
-            self.run_id = prev["id"]
-            self.args = json.loads(prev["args_json"] or "{}")
+            self.run_id = prev.id
+            self.args = json.loads(prev.args_json or "{}")
             self.db.set_status(self.run_id, "running", False)
-            self.recorded_store = prev.get("store")
+            self.recorded_store = prev.store
             # The checkpoint is looked up when the outer loop starts: by then
             # hs.checkpointing has said where the store is.
             self.resume_pending = True

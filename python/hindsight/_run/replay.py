@@ -49,12 +49,12 @@ class ReplayRun(Run):
         super().__init__()
         self.run_id = self.plan.run_id
         row = self.db.run_at(self.run_id, str(self.root))  # where the project is now
-        self.recorded_store = row.get("store")
-        self.args = json.loads(row["args_json"] or "{}")
+        self.recorded_store = row.store
+        self.args = json.loads(row.args_json or "{}")
         # A run of several ranks replays on as many (the driver launches
         # its workers under torchrun), or on one process where the worker
         # only restores: any other number is refused here.
-        versions = self.db.run(self.run_id).get("versions_json") or "{}"
+        versions = self.db.run(self.run_id).versions_json or "{}"
         size = 1 if self.ranks is None else self.ranks.size
         world = _native.check_replay_world(self.run_id, versions, size, self.plan.restores_only)
         self.session = _native.ReplaySession(self.plan)
@@ -101,7 +101,7 @@ class ReplayRun(Run):
         recorded values then win over anything the parse produced (type
         conversions of the original parse, values of `hs.args(parser, argv)`
         given by the script)."""
-        versions = json.loads(self.db.run(self.run_id).get("versions_json") or "{}")
+        versions = json.loads(self.db.run(self.run_id).versions_json or "{}")
         recorded = list(versions.get("argv") or [])[1:]
         ns = _parse_quietly(parser, recorded)
         for k, v in self.args.items():
