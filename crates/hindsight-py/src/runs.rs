@@ -198,7 +198,12 @@ impl LogDb {
     /// The runs of the script now at `script_abs` in the project rooted at
     /// `root`, newest first, with their paths where the project is now (it
     /// may have moved or been copied: the engine's `runs::relocate`).
-    fn runs_of(&self, py: Python<'_>, script_abs: PathBuf, root: PathBuf) -> PyResult<Vec<RunInfo>> {
+    fn runs_of(
+        &self,
+        py: Python<'_>,
+        script_abs: PathBuf,
+        root: PathBuf,
+    ) -> PyResult<Vec<RunInfo>> {
         let rs = self.with(py, |db| db.runs_of(&script_abs, &root))?;
         Ok(rs.into_iter().map(RunInfo::from).collect())
     }
