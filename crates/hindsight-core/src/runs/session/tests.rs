@@ -809,7 +809,7 @@ fn a_recording_says_what_it_checkpoints_why_and_what_it_cost() {
     a.block_start(0);
     a.block_end(0, 10.0, None, None, 0.1).unwrap();
     let d = a.take_decision().unwrap();
-    assert!(d.starts_with("epoch 0: checkpoint (adaptive: recording costs 1.0% of the compute so far (checkpoints 1.0%, hooks 0.0%), bound 5.0%;"), "{d}");
+    assert!(d.starts_with("epoch 0: checkpoint (adaptive: recording costs 1.0% of the compute so far (checkpoints 1.0%, hooks 0.0%, charged 0.0% with the body's time they cost), bound 5.0%;"), "{d}");
     a.saved(0.1, 10.0);
     a.iteration_end(0, false).unwrap();
     // A restore was measured dearer than an iteration's compute (a slow
