@@ -8,7 +8,7 @@ state = store.load("epoch-3")
 
 from __future__ import annotations
 
-from hindsight import _clock, _preemption  # _clock first: it times the import
+from hindsight import _preemption
 from hindsight._launcher import tie_rank_to_launcher as _tie_rank_to_launcher
 from hindsight._query import dataframe
 from hindsight._run import arg, args, checkpointing, log, loop, notebook, run_id
@@ -76,7 +76,6 @@ _preemption.install_early()
 # A replay worker writes into its own mirror of the recorded directory, also
 # before its first hs.* call.
 _files.mirror_worker()
-_clock.imported()
 
 
 def __getattr__(name: str) -> object:

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from hindsight import _clock, _native, _preemption, _settings
+from hindsight import _native, _preemption, _settings
 from hindsight._run import batches, cmdline, dataiter, jupyter
 from hindsight._run.common import (
     ENV_RESUME,
@@ -75,7 +75,6 @@ class RecordRun(Run):
     phase = "record"
 
     def __init__(self) -> None:
-        started = _own_clock()
         # The signal the ranks agreed on (any rank's), for the exit line.
         self.agreed_signal: int | None = None
         # The multi-rank checkpoint whose parts are written but not yet committed.
@@ -148,9 +147,6 @@ class RecordRun(Run):
             jupyter.on_cell_error(self)
         self.signals.install()
         atexit.register(self.finish)
-        # Importing hindsight and setting the run up are the recording's
-        # cost too (70 ms of a 9 s minGPT run: 0.8%), charged as the hooks are.
-        self.own_seconds += _own_clock() - started + _clock.import_seconds
 
     @property
     def stop_signal(self) -> int | None:
