@@ -55,9 +55,9 @@ lint: develop ## Rust (fmt, clippy -D warnings) and Python (ruff check + format,
 	cd /tmp && $(PY) -m mypy.stubtest hindsight._native
 
 .PHONY: test-rust
-test-rust: venv azurite ## Rust unit, property and integration tests; storage conformance also against loopback S3 (moto) and Azure (Azurite) servers
+test-rust: venv azurite xrootd ## Rust unit, property and integration tests; storage conformance also against loopback S3 (moto), Azure (Azurite) and XRootD servers
 	cargo test --workspace --exclude hindsight-py
-	$(PY) tests/s3util.py -- $(PY) tests/azureutil.py -- cargo test -p hindsight-core --features s3 --test conformance
+	$(PY) tests/s3util.py -- $(PY) tests/azureutil.py -- $(PY) tests/xrootdutil.py -- cargo test -p hindsight-core --features s3 --test conformance
 
 # Azurite, Microsoft's Azure Storage emulator (npm), for the Azure tests; its
 # version is pinned and it installs under the cache, like the virtualenv.
@@ -77,6 +77,20 @@ azurite: ## Install Azurite (npm) and Node.js (Debian) for the Azure Blob Storag
 	@if ! test -x $(AZURITE_DIR)/node_modules/.bin/azurite-blob || ! grep -q '"version": "$(AZURITE_VERSION)"' $(AZURITE_DIR)/node_modules/azurite/package.json; then \
 		echo "installing azurite $(AZURITE_VERSION) in $(AZURITE_DIR)"; \
 		mkdir -p $(AZURITE_DIR) && npm install --prefix $(AZURITE_DIR) --no-audit --no-fund --silent azurite@$(AZURITE_VERSION); \
+	fi
+
+# Debian's XRootD server and client tools, for the root:// store tests
+# (tests/xrootdutil.py starts a server on loopback; nothing under /etc is
+# configured). Users of root:// stores need only the client, xrootd-client.
+XROOTD_PACKAGES := xrootd-server xrootd-server-plugins xrootd-client
+
+.PHONY: xrootd
+xrootd: ## Install Debian's XRootD server and client for the root:// storage tests
+	@if ! command -v xrootd >/dev/null || ! command -v xrdcp >/dev/null || ! command -v xrdsssadmin >/dev/null; then \
+		echo "installing $(XROOTD_PACKAGES)"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		$(SUDO) apt-get install -y -qq --no-install-recommends $(XROOTD_PACKAGES) >/dev/null \
+		|| { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends $(XROOTD_PACKAGES) >/dev/null; }; \
 	fi
 
 # Debian's slurm-wlm daemons and munge, for the tests that run jobs on a
@@ -100,7 +114,7 @@ slurm: ## Install Debian's Slurm (slurmctld, slurmd, client) and munge for the c
 PYTEST_PARALLEL ?= -n 2 --dist loadgroup
 
 .PHONY: test-python
-test-python: develop slurm azurite ## pytest suite against real torch (and a real single-node Slurm cluster)
+test-python: develop slurm azurite xrootd ## pytest suite against real torch (and a real single-node Slurm cluster)
 	cd tests && $(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not serial and not matrix" $(PYTEST_ARGS)
 	cd tests && { $(PY) -m pytest -q -p no:xdist -m "serial and not matrix" $(PYTEST_ARGS) || test $$? = 5; }
 

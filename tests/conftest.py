@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from azureutil import azure_server  # noqa: F401  (fixture: the loopback Azure Blob Storage server)
+from xrootdutil import xrootd_server_url  # noqa: F401  (fixture: the loopback XRootD server)
 
 import forkserver
 from s3util import prefix, s3_server  # noqa: F401  (fixtures: the loopback S3 server)
@@ -151,10 +152,11 @@ def hindsight_cmd() -> list[str]:
     return [str(exe)]
 
 
-@pytest.fixture(params=["s3", "az"])
+@pytest.fixture(params=["s3", "az", "root"])
 def object_url(request: pytest.FixtureRequest) -> str:
     """A fresh, empty location on each object store server (moto for s3://,
-    Azurite for az://): the tests that take it pass on every backend."""
+    Azurite for az://, xrootd for root://): the tests that take it pass on
+    every backend."""
     import uuid
 
     import azureutil
@@ -165,5 +167,7 @@ def object_url(request: pytest.FixtureRequest) -> str:
     if request.param == "s3":
         request.getfixturevalue("s3_server")
         return s3util.url_of(unique)
+    if request.param == "root":
+        return f"{request.getfixturevalue('xrootd_server_url')}//tests/{unique}"
     request.getfixturevalue("azure_server")
     return f"az://{azureutil.CONTAINER}/{unique}"

@@ -25,16 +25,20 @@ pub enum Scheme {
     S3,
     /// Azure Blob Storage (and Azurite): `az://container/prefix`.
     Azure,
+    /// An XRootD server: `root://host[:port]//path` (the "bucket" is the
+    /// host, the prefix an absolute path on it).
+    Xrootd,
 }
 
 impl Scheme {
-    pub const ALL: [Scheme; 2] = [Scheme::S3, Scheme::Azure];
+    pub const ALL: [Scheme; 3] = [Scheme::S3, Scheme::Azure, Scheme::Xrootd];
 
     /// What precedes `://`.
     pub fn name(self) -> &'static str {
         match self {
             Scheme::S3 => "s3",
             Scheme::Azure => "az",
+            Scheme::Xrootd => "root",
         }
     }
 }
@@ -76,9 +80,14 @@ impl ObjectUrl {
         })
     }
 
-    /// `SCHEME://BUCKET`: the root object keys are named under.
+    /// `SCHEME://BUCKET`: the root object keys are named under. XRootD's
+    /// ends in `/`, so that a key after one more `/` is an absolute path
+    /// (`root://host//path`: a single slash would make it relative).
     pub fn root(&self) -> String {
-        format!("{}://{}", self.scheme.name(), self.bucket)
+        match self.scheme {
+            Scheme::Xrootd => format!("root://{}/", self.bucket),
+            _ => format!("{}://{}", self.scheme.name(), self.bucket),
+        }
     }
 }
 
@@ -196,6 +205,19 @@ mod tests {
             Location::parse("s3://b", "store").unwrap().to_string(),
             "s3://b"
         );
+        // XRootD: the host is the bucket; one slash or two, the path is absolute.
+        for text in ["root://h:1094//data/ckpt/", "root://h:1094/data/ckpt"] {
+            let loc = Location::parse(text, "store").unwrap();
+            assert_eq!(
+                loc,
+                Location::Object(ObjectUrl {
+                    scheme: Scheme::Xrootd,
+                    bucket: "h:1094".into(),
+                    prefix: "data/ckpt".into()
+                })
+            );
+            assert_eq!(loc.to_string(), "root://h:1094//data/ckpt");
+        }
     }
 
     #[test]

@@ -24,3 +24,5 @@ pub mod storage;
 pub mod store;
 pub mod upload;
 pub mod writer;
+#[cfg(feature = "s3")]
+pub mod xrootd;

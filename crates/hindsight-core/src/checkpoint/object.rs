@@ -1,6 +1,6 @@
 //! Checkpoints on object storage (cargo feature `s3`): one implementation over
 //! `Arc<dyn ObjectStore>`, the backend chosen by the URL's scheme in
-//! [`connect`] (S3 and S3-compatible servers today). Everything below the
+//! [`connect`] (S3 and S3-compatible servers, Azure Blob Storage, XRootD). Everything below the
 //! connection (layout, atomic commit, leases, listing, errors) is generic.
 //!
 //! Layout under `SCHEME://BUCKET/PREFIX` (the same names as a local store):
@@ -273,6 +273,11 @@ pub fn connect(url: &ObjectUrl) -> Result<Arc<dyn ObjectStore>> {
                 builder.with_allow_http(emulator).build().map_err(refused)?,
             ))
         }
+        // The XRootD client's tools, with the user's own security settings
+        // (X509_USER_PROXY, BEARER_TOKEN, XrdSecSSSKT, ...).
+        Scheme::Xrootd => Ok(Arc::new(crate::checkpoint::xrootd::Xrootd::new(
+            &url.bucket,
+        ))),
     }
 }
 
