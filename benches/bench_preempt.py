@@ -1,14 +1,16 @@
 """Time from a preemption signal to the process exit, durable checkpoint included.
 
 For the example model (examples/preemptible_train.py) and for a ~1 GiB state,
-on the local file system and on an S3-protocol server (moto) on loopback,
-directly and local-first (commit locally, upload in the background; the exit
-waits for the upload).
+on the local file system, on an S3-protocol server (moto) and on an XRootD
+server (tests/xrootdutil.py), both on loopback, directly and local-first
+(commit locally, upload in the background; the exit waits for the upload).
 
 The competitor, measured in the same run on the same state: what a
-hand-written SIGTERM handler does, `torch.save` + fsync to a file, or
-`torch.save` to memory + boto3 `upload_fileobj` for S3. Its time is the save
-alone (no step to finish, no interpreter exit), which favours it.
+hand-written SIGTERM handler does, `torch.save` + fsync to a file,
+`torch.save` to memory + boto3 `upload_fileobj` for S3, or `torch.save` to
+memory piped into `xrdcp` for XRootD (the Checkpointer seed's transfer). Its
+time is the save alone (no step to finish, no interpreter exit), which
+favours it.
 
     python benches/bench_preempt.py [--gib 1.0] [--trials 3]
 """
@@ -65,6 +67,10 @@ for k in range(3):
         bucket, key = dest[5:].split("/", 1)
         buf = io.BytesIO(); torch.save(state, buf); buf.seek(0)
         boto3.client("s3").upload_fileobj(buf, bucket, f"{key}/ckpt-{k}.pt")
+    elif dest.startswith("root://"):
+        import subprocess
+        buf = io.BytesIO(); torch.save(state, buf)
+        subprocess.run(["xrdcp", "-s", "-f", "-", f"{dest}/ckpt-{k}.pt"], input=buf.getbuffer(), check=True)
     else:
         path = os.path.join(dest, f"ckpt-{k}.pt")
         with open(path, "wb") as f:
@@ -136,12 +142,25 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--dests", help="comma-separated destinations to measure (default: all available)")
     args = ap.parse_args()
     load = os.getloadavg()[0]
     print(f"machine: {os.cpu_count()} cores, load {load:.1f}, {socket.gethostname()}; python {sys.version.split()[0]}")
     moto = start_moto()
     if moto is None:
-        print("moto not installed: local destination only")
+        print("moto not installed: no s3 destination")
+    sys.path.insert(0, str(REPO / "tests"))
+    import contextlib
+
+    import xrootdutil
+
+    servers = contextlib.ExitStack()
+    xrootd = None
+    if xrootdutil.installed():
+        xrootd, xenv = servers.enter_context(xrootdutil.xrootd_server())
+        os.environ.update(xenv)
+    else:
+        print("XRootD not installed (make xrootd): no root destination")
     rows = []
     try:
         with tempfile.TemporaryDirectory(dir=REPO / "bench-out" if (REPO / "bench-out").exists() else None) as tmp:
@@ -166,15 +185,20 @@ def main() -> None:
                 (f"{args.gib:.1f} GiB state", args.gib, [sys.executable, str(big), str(args.gib)], 5),
             ]
             dests = ["local"] + (["s3", "s3 local-first"] if moto else [])
+            dests += ["root", "root local-first"] if xrootd else []
+            if args.dests:
+                dests = [d for d in dests if d in args.dests.split(",")]
             for label, gib, cmd, warm in cases:
                 for dest in dests:
                     times, durables = [], []
                     for t in range(args.trials):
                         home = Path(tmp) / f"home-{len(rows)}-{t}"
                         env = {**os.environ, "HINDSIGHT_HOME": str(home), "HINDSIGHT_RESUME": "0"}
-                        if dest != "local":
+                        if dest.startswith("s3"):
                             env["HINDSIGHT_STORE"] = f"s3://bench/{len(rows)}-{t}"
-                        if dest == "s3 local-first":
+                        elif dest.startswith("root"):
+                            env["HINDSIGHT_STORE"] = f"{xrootd}//bench/{len(rows)}-{t}"
+                        if dest.endswith("local-first"):
                             env["HINDSIGHT_LOCAL_FIRST"] = str(home / "local")
                         durable, secs, rc = measure(cmd, env, warm)
                         if rc != 85:
@@ -182,7 +206,11 @@ def main() -> None:
                         times.append(secs)
                         durables.append(durable)
                         shutil.rmtree(home, ignore_errors=True)
-                    target = tmp if dest == "local" else f"s3://bench/baseline-{len(rows)}"
+                    target = {
+                        "local": tmp,
+                        "s3": f"s3://bench/baseline-{len(rows)}",
+                        "root": f"{xrootd}//bench/baseline-{len(rows)}",
+                    }[dest.split()[0]]
                     out = subprocess.run(
                         [sys.executable, str(baseline), str(gib), target],
                         capture_output=True,
@@ -194,13 +222,14 @@ def main() -> None:
     finally:
         if moto:
             moto[0].kill()
+        servers.close()
     print()
     print(
         f"{'state':18} {'destination':15} {'signal->durable s':>18} {'signal->exit s':>15} "
         f"{'baseline save s':>16} {'durable/baseline':>17}"
     )
     for label, dest, durable, exit_s, base in rows:
-        comp = "torch.save+fsync" if dest == "local" else "torch.save+boto3"
+        comp = {"local": "torch.save+fsync", "s3": "torch.save+boto3", "root": "torch.save+xrdcp"}[dest.split()[0]]
         print(f"{label:18} {dest:15} {durable:18.3f} {exit_s:15.3f} {base:16.3f} {durable / base:17.2f}  ({comp})")
     print("signal->durable: finishing the step, snapshot, hashing, writing, fsync or upload (medians).")
     print("signal->exit adds the interpreter's exit (torch's teardown). Baseline: median of 3 saves alone.")

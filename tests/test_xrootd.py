@@ -73,3 +73,14 @@ def test_a_url_with_one_slash_names_the_same_absolute_path(xrootd_server_url):
         assert store.path == f"{xrootd_server_url}//{name}"
     with hs.Store(f"{xrootd_server_url}//{name}", create=False) as store:
         assert store.list() == ["a"]
+
+
+def test_a_new_store_takes_large_chunks_unless_asked(url):
+    """Each XRootD object costs a few client calls, so a new root:// store
+    gets 32 MiB chunks (docs/xrootd.md); an explicit chunk_size still wins."""
+    with hs.Store(url) as store:
+        assert store._native.chunk_size == 32 << 20
+    with hs.Store(url + "-small", chunk_size=1 << 20) as store:
+        assert store._native.chunk_size == 1 << 20
+    with hs.Store(url, create=False) as store:  # the store keeps what it was created with
+        assert store._native.chunk_size == 32 << 20

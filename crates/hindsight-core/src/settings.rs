@@ -111,7 +111,7 @@ pub const STORE: Setting = user(
     "HINDSIGHT_STORE",
     Kind::Location,
     "<home>/store",
-    "where checkpoints go: a directory, s3://bucket/prefix or az://container/prefix",
+    "where checkpoints go: a directory, s3://bucket/prefix, az://container/prefix or root://host//path",
 );
 /// A local directory saves go to first, uploaded to the store after.
 pub const LOCAL_FIRST: Setting = user(

@@ -899,6 +899,7 @@ fn a_flood_of_registrations_jobs_and_progress_is_refused_beyond_the_bounds() {
     let mut opts = fast_options(dir.path());
     opts.max_workers = 8;
     opts.max_jobs = 2;
+    let opts_timeout = opts.heartbeat_timeout;
     let d = rt.block_on(dispatcher::spawn("127.0.0.1:0", opts)).unwrap();
     let addr = d.addr.to_string();
     let journal = dir.path().join(hindsight_data::journal::FILE_NAME);
@@ -915,11 +916,21 @@ fn a_flood_of_registrations_jobs_and_progress_is_refused_beyond_the_bounds() {
         for i in 0..8 {
             c.register_worker(register(i)).await.unwrap();
         }
+        let live_since = std::time::Instant::now();
         let size = std::fs::metadata(&journal).unwrap().len();
+        // Up to 3000 more, while the 8 are surely live (they send no
+        // heartbeats, so they expire after the timeout; a slow machine
+        // floods for less, never past half of it).
+        let mut refused = 0;
         for i in 8..3008 {
+            if live_since.elapsed() > opts_timeout / 2 {
+                break;
+            }
             let s = c.register_worker(register(i)).await.unwrap_err();
             assert_eq!(s.code(), tonic::Code::ResourceExhausted, "{s:?}");
+            refused += 1;
         }
+        assert!(refused >= 100, "only {refused} registrations in the flood");
         assert_eq!(
             std::fs::metadata(&journal).unwrap().len(),
             size,

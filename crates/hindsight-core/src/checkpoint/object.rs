@@ -110,6 +110,8 @@ struct Inner {
     gc_lease: Mutex<Option<Arc<Lease>>>,
     /// Stale writer leases removed since the last `clean_staging`.
     reaped: AtomicU64,
+    /// A new store's chunk size (see [`Storage::preferred_chunk_size`]).
+    chunk_size: usize,
 }
 
 impl fmt::Debug for Inner {
@@ -309,6 +311,13 @@ impl ObjectStorage {
                 leases: Mutex::new(Vec::new()),
                 gc_lease: Mutex::new(None),
                 reaped: AtomicU64::new(0),
+                // Each XRootD object is a few client processes (about 20 ms
+                // each): 32 MiB chunks keep that under a tenth of the
+                // transfer (docs/xrootd.md).
+                chunk_size: match url.scheme {
+                    Scheme::Xrootd => crate::checkpoint::xrootd::CHUNK_SIZE,
+                    _ => crate::checkpoint::store::DEFAULT_CHUNK_SIZE,
+                },
             }),
         })
     }
@@ -723,6 +732,10 @@ impl Storage for ObjectStorage {
     fn delete_chunk(&self, id: &ChunkId) -> Result<()> {
         self.inner.check_gc_lease()?;
         self.inner.delete(&self.inner.chunk_key(id))
+    }
+
+    fn preferred_chunk_size(&self) -> usize {
+        self.inner.chunk_size
     }
 
     /// Nothing to do: a PUT is durable when it returns.

@@ -173,7 +173,10 @@ impl Store {
                     location: format!("no {CONFIG_FILE} there"),
                 });
             }
-            let options = options.unwrap_or_default();
+            let options = options.unwrap_or_else(|| StoreOptions {
+                chunk_size: storage.preferred_chunk_size(),
+                ..StoreOptions::default()
+            });
             check_options(&options)?;
             let bytes = serde_json::to_vec_pretty(&options)
                 .map_err(|e| Error::internal(format!("store options did not serialize: {e}")))?;

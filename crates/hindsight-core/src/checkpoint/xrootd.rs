@@ -28,7 +28,9 @@
 //! object; only lease objects are created this way, and their content is
 //! informational (freshness is the modification time). `PutMode::Update` checks
 //! the ETag (the server's file id, size and modification time) with a stat
-//! right before the renaming put. XRootD has no compare-and-swap, so a delete
+//! right before the renaming put; an object last written by a plain put
+//! (whose ETag would cost one more stat per chunk) is checked for existence
+//! only. XRootD has no compare-and-swap, so a delete
 //! that lands between the stat and the rename is undone by the rename: a
 //! writer frozen past the lease timeout that wakes in that instant may commit
 //! a manifest whose chunks a gc removed. Loading then fails, naming the
@@ -51,6 +53,14 @@ use object_store::{
 };
 
 const STORE: &str = "XRootD";
+/// A new root:// store's chunk size: each object costs a few client
+/// processes, so fewer, larger objects.
+pub const CHUNK_SIZE: usize = 32 << 20;
+/// The ETag of a plain (overwriting) put, which skips the stat an ETag would
+/// cost: an update against it checks only that the object still exists.
+/// Writer leases are written this way; their names are unique to a writer, so
+/// the only change to detect is a delete by a gc.
+const EXISTS: &str = "xrootd:exists";
 /// Marks an upload in flight (hidden from listings).
 const UPLOAD_MARK: &str = ".hs-upload-";
 
@@ -354,7 +364,14 @@ impl ObjectStore for Xrootd {
         opts: PutOptions,
     ) -> Result<PutResult> {
         match &opts.mode {
-            PutMode::Overwrite => self.put_atomic(location, payload).await?,
+            PutMode::Overwrite => {
+                self.put_atomic(location, payload).await?;
+                return Ok(PutResult {
+                    e_tag: Some(EXISTS.to_string()),
+                    version: None,
+                    extensions: Default::default(),
+                });
+            }
             PutMode::Create => self.xrdcp_up(location, payload, true).await?,
             PutMode::Update(v) => {
                 let now = match self.stat(location).await {
@@ -364,7 +381,7 @@ impl ObjectStore for Xrootd {
                     }
                     Err(e) => return Err(e),
                 };
-                if v.e_tag.is_some() && now.e_tag != v.e_tag {
+                if v.e_tag.as_deref().is_some_and(|e| e != EXISTS) && now.e_tag != v.e_tag {
                     return Err(object_store::Error::Precondition {
                         path: self.url(location),
                         source: format!("ETag {:?}, expected {:?}", now.e_tag, v.e_tag).into(),
