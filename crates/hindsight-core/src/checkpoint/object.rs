@@ -111,7 +111,7 @@ struct Inner {
     /// Stale writer leases removed since the last `clean_staging`.
     reaped: AtomicU64,
     /// A new store's chunk size (see [`Storage::preferred_chunk_size`]).
-    chunk_size: usize,
+    chunk_size: Option<usize>,
 }
 
 impl fmt::Debug for Inner {
@@ -315,8 +315,8 @@ impl ObjectStorage {
                 // each): 32 MiB chunks keep that under a tenth of the
                 // transfer (docs/xrootd.md).
                 chunk_size: match url.scheme {
-                    Scheme::Xrootd => crate::checkpoint::xrootd::CHUNK_SIZE,
-                    _ => crate::checkpoint::store::DEFAULT_CHUNK_SIZE,
+                    Scheme::Xrootd => Some(crate::checkpoint::xrootd::CHUNK_SIZE),
+                    _ => None,
                 },
             }),
         })
@@ -734,7 +734,7 @@ impl Storage for ObjectStorage {
         self.inner.delete(&self.inner.chunk_key(id))
     }
 
-    fn preferred_chunk_size(&self) -> usize {
+    fn preferred_chunk_size(&self) -> Option<usize> {
         self.inner.chunk_size
     }
 

@@ -53,10 +53,11 @@ pub trait Storage: Send + Sync + fmt::Debug {
     }
     /// Make every chunk put so far durable.
     fn sync(&self) -> Result<()>;
-    /// The chunk size a new store here gets when none is asked for: larger
-    /// where each object costs a fixed round of requests (XRootD).
-    fn preferred_chunk_size(&self) -> usize {
-        crate::checkpoint::store::DEFAULT_CHUNK_SIZE
+    /// The chunk size a new store here gets when none is asked for, where it
+    /// differs from the store's default: larger where each object costs a
+    /// fixed round of requests (XRootD).
+    fn preferred_chunk_size(&self) -> Option<usize> {
+        None
     }
 
     /// Atomically replace-or-create a manifest, durable on return.

@@ -174,7 +174,7 @@ impl Store {
                 });
             }
             let options = options.unwrap_or_else(|| StoreOptions {
-                chunk_size: storage.preferred_chunk_size(),
+                chunk_size: storage.preferred_chunk_size().unwrap_or(DEFAULT_CHUNK_SIZE),
                 ..StoreOptions::default()
             });
             check_options(&options)?;
