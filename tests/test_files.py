@@ -362,6 +362,62 @@ def test_the_ranks_of_a_replay_worker_make_one_path_their_own_at_once_without_tr
     assert not (recorded / "log").is_symlink()
 
 
+SPIN = """\
+import os, sys, time
+own, stop = sys.argv[1], sys.argv[2]
+tries = failed = 0
+deadline = time.monotonic() + 60
+print("ready", flush=True)
+while not os.path.exists(stop) and time.monotonic() < deadline:
+    tries += 1
+    try:
+        os.makedirs(os.path.join(own, "log"), exist_ok=True)  # build-nanogpt, on every rank
+    except FileExistsError:
+        failed += 1
+print(tries, failed)
+"""
+
+
+def test_a_rank_making_a_mirrored_directory_never_finds_it_missing_while_another_makes_it_real(
+    tmp_path: Path,
+) -> None:
+    """`os.makedirs(d, exist_ok=True)` runs mkdir, then `isdir(d)` when mkdir
+    says it exists. Another rank turning the linked `d` into a real directory
+    at that instant must never leave `d` missing, or the first rank's script
+    dies with FileExistsError (build-nanogpt's 2-rank replay did in CI).
+    300 swaps against a rank spinning on makedirs: not one failure."""
+    recorded, own, stop = tmp_path / "recorded", tmp_path / "own", tmp_path / "stop"
+    (recorded / "log").mkdir(parents=True)
+    (recorded / "log" / "log.txt").write_text("recorded\n")
+    own.mkdir()
+    os.symlink(recorded / "log", own / "log")
+    probe = tmp_path / "probe"
+    os.symlink(recorded / "log", probe)
+    if not files._exchange(probe, own / "log"):
+        pytest.skip("this file system has no atomic exchange (renameat2): the fallback leaves a window")
+    files._exchange(probe, own / "log")
+    spinner = subprocess.Popen([sys.executable, "-c", SPIN, str(own), str(stop)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert spinner.stdout is not None and spinner.stdout.readline().strip() == "ready"
+        for i in range(300):
+            files._replace_link_with_mirror(own / "log", recorded / "log")
+            assert (own / "log").is_dir() and not (own / "log").is_symlink()
+            assert (own / "log" / "log.txt").read_text() == "recorded\n"
+            # Linked again for the next round, also without a moment missing.
+            relink = tmp_path / f"relink-{i}"
+            os.symlink(recorded / "log", relink)
+            assert files._exchange(relink, own / "log")
+            for entry in relink.iterdir():
+                entry.unlink()
+            relink.rmdir()
+    finally:
+        stop.touch()
+        out, _ = spinner.communicate(timeout=90)
+    tries, failed = map(int, out.split())
+    assert tries > 300 and failed == 0, out
+    assert sorted(p.name for p in recorded.iterdir()) == ["log"] and (recorded / "log" / "log.txt").is_file()
+
+
 WATCH = """\
 import os, sys
 from hindsight import _native

@@ -18,6 +18,8 @@ recorded tree nor into another worker's. A write the mirror cannot redirect
 from __future__ import annotations
 
 import atexit
+import ctypes
+import errno
 import fcntl
 import functools
 import os
@@ -407,13 +409,17 @@ def mirror_worker(home: Path | None = None) -> None:
 
 def _replace_link_with_mirror(link: Path, target: Path) -> None:
     """`link` (a mirrored directory's link) becomes a real directory of links
-    to `target`'s entries. Built aside first, then swapped in: another rank
-    running `os.makedirs(link, exist_ok=True)` outside our lock must not
-    find the path missing while the entries are linked (it raised
-    FileExistsError then). The swap leaves a window of two system calls; a
-    directory another process made in it is filled instead."""
+    to `target`'s entries. Built aside first, then swapped in by one atomic
+    exchange: another rank running `os.makedirs(link, exist_ok=True)` outside
+    our lock (build-nanogpt does, on every rank) checks `isdir` after its
+    mkdir fails, and must never find the path missing (FileExistsError)."""
     aside = link.with_name(f".{link.name}.hindsight-mirror-{os.getpid()}")
     mirror(target, aside)
+    if _exchange(aside, link):
+        aside.unlink()  # now the old link
+        return
+    # No exchange on this file system: unlink + rename leaves a window of two
+    # system calls; a directory another process made in it is filled instead.
     link.unlink()
     try:
         os.rename(aside, link)
@@ -424,6 +430,37 @@ def _replace_link_with_mirror(link: Path, target: Path) -> None:
             if not os.path.lexists(link / entry.name):
                 os.rename(entry.path, link / entry.name)
         shutil.rmtree(aside, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+@functools.cache
+def _renameat2() -> Any:
+    """glibc's renameat2, or None (not Linux, or a libc without it)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap `a` and `b` atomically (renameat2 RENAME_EXCHANGE): False where
+    the kernel or file system has no such call (EINVAL, ENOSYS), so the
+    caller falls back; any other failure is raised."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def mirror(src: Path, dst: Path) -> None:
