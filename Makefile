@@ -43,10 +43,20 @@ develop: $(STAMP) ## Build the extension into the environment (debug-info build)
 develop-release: $(STAMP)
 	VIRTUAL_ENV=$(VENV) PATH=$(VENV)/bin:$$PATH $(VENV)/bin/maturin develop --quiet --release
 
+# Keras 3 (tests/test_keras.py) in a file of its own: a change to it
+# installs it into the existing virtualenv instead of building a new one.
+KERAS_STAMP := $(VENV)/.keras-$(shell sha256sum requirements-keras.txt | cut -c1-12)
+$(KERAS_STAMP): $(STAMP) requirements-keras.txt
+	$(PY) -m pip install --quiet --progress-bar off -r requirements-keras.txt
+	touch $(KERAS_STAMP)
+
+.PHONY: keras
+keras: $(KERAS_STAMP) ## Install Keras 3 (torch backend) into the environment for the Keras callback's tests
+
 PY_SOURCES := python tests benches examples
 
 .PHONY: lint
-lint: develop ## Rust (fmt, clippy -D warnings) and Python (ruff check + format, mypy, stubtest of the .pyi)
+lint: develop keras ## Rust (fmt, clippy -D warnings) and Python (ruff check + format, mypy, stubtest of the .pyi)
 	cargo fmt --all -- --check
 	PYO3_PYTHON=$(PY) cargo clippy --workspace --all-targets --features hindsight-cli/s3 -- -D warnings
 	$(PY) -m ruff check $(PY_SOURCES)
@@ -114,7 +124,7 @@ slurm: ## Install Debian's Slurm (slurmctld, slurmd, client) and munge for the c
 PYTEST_PARALLEL ?= -n 2 --dist loadgroup
 
 .PHONY: test-python
-test-python: develop slurm azurite xrootd ## pytest suite against real torch (and a real single-node Slurm cluster)
+test-python: develop keras slurm azurite xrootd ## pytest suite against real torch (and a real single-node Slurm cluster)
 	cd tests && $(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not serial and not matrix" $(PYTEST_ARGS)
 	cd tests && { $(PY) -m pytest -q -p no:xdist -m "serial and not matrix" $(PYTEST_ARGS) || test $$? = 5; }
 
