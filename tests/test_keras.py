@@ -195,7 +195,10 @@ def test_a_replay_that_trains_differently_stops_naming_the_difference(
     )
     out = r.stdout + r.stderr
     assert r.returncode == 3, out[-4000:]
-    assert "diverged from the recording" in out and "epoch=0" in out, out[-3000:]
+    # Caught at the first epoch's end: its weights against the checkpoint, or its values.
+    assert "diverged from the recording" in out, out[-3000:]
+    assert "after epoch 0, the state differs from the recorded checkpoint" in out or "loss at epoch=0" in out, out
+    assert "values of w_sum: discarded" in out, out[-3000:]
 
 
 def test_steps_per_execution_and_a_checkpoint_of_another_model_are_refused_naming_why(

@@ -48,3 +48,58 @@ def test_every_front_end_given_no_store_writes_to_the_same_one(tmp_path: Path, w
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.splitlines()[-1])
     assert set(got.values()) == {str(want)}, got
+
+
+ARGS_SCRIPT = """
+import json, os, sys
+os.environ.setdefault("KERAS_BACKEND", "torch")
+from hindsight.errors import HindsightError
+from hindsight.keras import HindsightCallback as KerasCallback
+from hindsight.lightning import HindsightCheckpoint
+from hindsight.transformers import HindsightCallback
+
+kwargs = json.loads(sys.argv[1])
+got = {}
+for front, cls in (("lightning", HindsightCheckpoint), ("trainer", HindsightCallback), ("keras", KerasCallback)):
+    try:
+        cls(store="store", **kwargs)
+        got[front] = "accepted"
+    except HindsightError as e:
+        # The rule's answer, without the front end's own name.
+        got[front] = type(e).__name__ + ": " + str(e).split("(", 1)[-1]
+print(json.dumps(got))
+"""
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"every_n_epochs": True},
+        {"every_n_epochs": 0},
+        {"every_n_train_steps": -2},
+        {"keep_best": 2},
+        {"keep_best": 2, "monitor": "val_loss", "mode": "median"},
+        {"keep_last": 0},
+        {"exit_code": 0},
+        {"exit_code": 256},
+        {"prefix": "a/b"},
+        {"every_n_epochs": 2, "keep_last": 3, "keep_best": 1, "monitor": "loss", "exit_code": 85},
+    ],
+    ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()),
+)
+def test_every_framework_callback_checks_its_arguments_by_one_rule(tmp_path: Path, kwargs: dict[str, object]) -> None:
+    """Lightning's checkpoint callback, the Trainer callback and the Keras
+    callback take the same period, retention, exit-code and prefix
+    arguments: each set is accepted by all three or refused by all three
+    with the same reason."""
+    r = subprocess.run(
+        [sys.executable, "-c", ARGS_SCRIPT, json.dumps(kwargs)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert len(set(got.values())) == 1, got
+    assert (got["keras"] == "accepted") == (kwargs.get("exit_code") == 85), got

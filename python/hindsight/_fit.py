@@ -43,6 +43,39 @@ class ReplayStart:
     checkpoint: str | None
 
 
+def checked_args(
+    owner: str,
+    *,
+    prefix: str,
+    every_n_epochs: int | None,
+    every_n_train_steps: int | None,
+    keep_last: int | None,
+    keep_best: int | None,
+    monitor: str | None,
+    mode: str,
+    keep_every: int | None,
+    exit_code: int | None,
+) -> tuple[str, Any]:
+    """The arguments every framework callback takes (Lightning's, the
+    Trainer's, Keras's), checked by one rule: the prefix, and the engine's
+    period and retention rules. Returns the prefix and the `Retention`."""
+    if not isinstance(prefix, str):
+        raise InvalidArgumentError(f"{owner}(prefix={prefix!r}): must be a string")
+    try:
+        prefix = _check_prefix(prefix)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"{owner}(prefix=...): {e}") from None
+    for arg, v in (("every_n_epochs", every_n_epochs), ("every_n_train_steps", every_n_train_steps)):
+        if v is not None:
+            _native.checked_every(owner, arg, v)
+    if exit_code is not None and (
+        isinstance(exit_code, bool) or not isinstance(exit_code, int) or not 1 <= exit_code <= 255
+    ):
+        raise InvalidArgumentError(f"{owner}(exit_code={exit_code!r}): must be an int from 1 to 255")
+    retention = _native.Retention.checked(owner, "monitor", "mode", keep_last, keep_best, monitor, mode, keep_every)
+    return prefix, retention
+
+
 class FitRecorder:
     """One framework fit, recorded (or replayed) through the process's run.
 
@@ -68,20 +101,18 @@ class FitRecorder:
     ) -> None:
         if store is not None and not isinstance(store, (Store, str, os.PathLike)):
             raise InvalidArgumentError(f"{owner}(store={store!r}): a hindsight.Store, a directory or a store URL")
-        if not isinstance(prefix, str):
-            raise InvalidArgumentError(f"{owner}(prefix={prefix!r}): must be a string")
-        try:
-            self.prefix = _check_prefix(prefix)
-        except InvalidArgumentError as e:
-            raise InvalidArgumentError(f"{owner}(prefix=...): {e}") from None
-        for arg, v in (("every_n_epochs", every_n_epochs), ("every_n_train_steps", every_n_train_steps)):
-            if v is not None:
-                _native.checked_every(owner, arg, v)
-        if exit_code is not None and (not isinstance(exit_code, int) or not 1 <= exit_code <= 255):
-            raise InvalidArgumentError(f"{owner}(exit_code={exit_code!r}): must be an int from 1 to 255")
         self.owner = owner
-        self.retention = _native.Retention.checked(
-            owner, "monitor", "mode", keep_last, keep_best, monitor, mode, keep_every
+        self.prefix, self.retention = checked_args(
+            owner,
+            prefix=prefix,
+            every_n_epochs=every_n_epochs,
+            every_n_train_steps=every_n_train_steps,
+            keep_last=keep_last,
+            keep_best=keep_best,
+            monitor=monitor,
+            mode=mode,
+            keep_every=keep_every,
+            exit_code=exit_code,
         )
         self._store = store if isinstance(store, Store) else None
         self._store_path = None if store is None or isinstance(store, Store) else os.fspath(store)
@@ -124,9 +155,13 @@ class FitRecorder:
         return latest(self.store, self.run_prefix())
 
     # -- recording -------------------------------------------------------------------
-    def begin(self, resumed: str | None, global_step: int, epochs: int | None) -> None:
+    def begin(
+        self, resumed: str | None, global_step: int, epochs: int | None, *, not_resumed_hint: str | None = None
+    ) -> None:
         """A fit starts: afresh, or from checkpoint `resumed` (whose fit it
-        continues, under the same prefix) at `global_step`."""
+        continues, under the same prefix) at `global_step`. Starting afresh
+        while an interrupted fit could be resumed prints `not_resumed_hint`
+        (how to resume it, where the framework needs the user's help)."""
         run = self.run()
         store = self.store
         if run.recorded_store != store.path:
@@ -138,7 +173,15 @@ class FitRecorder:
                 raise HindsightError(f"{self.owner}: {resumed!r} is not a hindsight checkpoint name")
             self.train_prefix = ck.prefix
         else:
-            self.train_prefix = _native.choose_fit(store.list(), self.run_prefix()).fresh_prefix
+            choice = _native.choose_fit(store.list(), self.run_prefix())
+            if choice.resume is not None and global_step == 0 and not_resumed_hint:
+                print(
+                    f"hindsight: note: the interrupted fit under {choice.resume.prefix!r} is not resumed: "
+                    f"{not_resumed_hint}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self.train_prefix = choice.fresh_prefix
         sess = _native.RecordSession.for_framework(self.train_prefix, time.monotonic())
         # A resumed fit does not save again the step it starts at.
         sess.set_framework_periods(self.every_n_epochs, self.every_n_train_steps, global_step)
@@ -180,15 +223,17 @@ class FitRecorder:
 
     def epoch_end(self, epoch: int) -> SaveOrder | None:
         """`epoch` ended (its values logged): the checkpoint due, if any.
-        Call `epoch_done` once it is saved."""
+        Then `epoch_done`, before the save is carried out."""
         if self.session is None:
             return None
         self._signal_to_session()
         block = self.session.block_end(epoch, time.perf_counter() - self._epoch_start, None, 0.0)
         return None if block is None else SaveOrder(block.name, block.wait)
 
-    def epoch_done(self, epoch: int, checkpoint: str | None) -> None:
-        """The epoch's row, and the exit a signal asked for (after its save)."""
+    def epoch_done(self, epoch: int, checkpoint: str | None, *, closing: bool = False) -> None:
+        """The epoch's row (naming its checkpoint), and the exit a signal asks
+        for: pending until the checkpoint is saved (`save`) or, with none
+        due, until `leave_if_pending`. `closing`: the fit ends here."""
         if self.session is None:
             return
         run = session.recording()
@@ -196,7 +241,12 @@ class FitRecorder:
             run.db.record_iteration(
                 run.run_id, "epoch", epoch, time.perf_counter() - self._epoch_start, checkpoint, None, epoch
             )
-        code = self.session.iteration_end(epoch, False).exit
+        code = self.session.iteration_end(epoch, closing).exit
+        if code is not None:
+            self.exit_pending = code
+
+    def leave_if_pending(self) -> None:
+        code, self.exit_pending = self.exit_pending, None
         if code is not None:
             self.leave(code)
 
@@ -213,20 +263,15 @@ class FitRecorder:
             handle.wait()
             self.store.flush()
         self.apply_retention()
-        code, self.exit_pending = self.exit_pending, None
-        if code is not None:
-            self.leave(code)
+        self.leave_if_pending()
 
     def log(self, ctx: list[tuple[str, int]], values: dict[str, Any]) -> None:
         """The framework's logged numbers, at `ctx` (compared with the
         recorded ones in a replay); the monitored one is kept for keep_best."""
         run = self.run()
         for key, value in values.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                try:
-                    value = float(value)  # a 0-d tensor or numpy scalar
-                except (TypeError, ValueError):
-                    continue
+            if isinstance(value, (bool, str)) or not hasattr(value, "__float__"):
+                continue  # a number, a numpy scalar or a 0-d tensor is kept
             run.log_at(ctx, key, float(value))
             if key == self.monitor:
                 self.metric = float(value)
@@ -330,18 +375,24 @@ class FitRecorder:
 
     def replay_epoch_end(self, epoch: int) -> tuple[str | None, bool]:
         """An executed epoch ended: the checkpoint its state must equal (or
-        None), and whether the worker's plan ends here."""
+        None), and whether the worker's plan ends here. `replay_progress`
+        follows once the epoch's values are all logged."""
         assert self.replay is not None
         sess = self.replay.session
         end = sess.block_end(epoch, False)
         check = end.checkpoint if end.kind == _native.EndKind.CHECK else None
-        self.replay._end_iteration(epoch)
         last = sess.last_needed
         return check, last is not None and epoch >= last
 
-    def replay_differs(self, epoch: int, checkpoint: str, what: str) -> None:
+    def replay_progress(self, epoch: int) -> None:
+        """`epoch` is done: its values are compared, its progress line printed."""
         assert self.replay is not None
-        err = self.replay.session.state_differs(epoch, checkpoint, what, "the state differs")
+        self.replay._end_iteration(epoch)
+
+    def replay_differs(self, epoch: int, checkpoint: str, what: str, why: str = "the state differs") -> None:
+        """Stop the worker: after `epoch`, `what` is not the checkpoint's."""
+        assert self.replay is not None
+        err = self.replay.session.state_differs(epoch, checkpoint, what, why)
         self.replay._diverged(err)
 
     def replay_end(self, stopped: bool) -> None:

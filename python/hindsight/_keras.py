@@ -248,6 +248,7 @@ class HindsightCallback(keras.callbacks.Callback):  # type: ignore[misc]  # kera
             check, last = self.rec.replay_epoch_end(epoch)
             if check is not None:
                 self._check_state(epoch, check)
+            self.rec.replay_progress(epoch)
             if last and not self.model.stop_training:
                 self.model.stop_training = True
                 self._stopped = True
@@ -255,9 +256,10 @@ class HindsightCallback(keras.callbacks.Callback):  # type: ignore[misc]  # kera
         order = self.rec.epoch_end(epoch)
         self._step, self._last_epoch = 0, epoch
         self._epoch = epoch + 1  # a checkpoint here resumes at the next epoch's start
+        self.rec.epoch_done(epoch, None if order is None else order.name)
         if order is not None:
             self.rec.save(order, self._tree(), self._meta("epoch"))
-        self.rec.epoch_done(epoch, None if order is None else order.name)
+        self.rec.leave_if_pending()
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         if self.rec.replay is not None:
@@ -308,7 +310,7 @@ class HindsightCallback(keras.callbacks.Callback):  # type: ignore[misc]  # kera
                 continue
             have = torch.as_tensor(keras.ops.convert_to_numpy(v.value))
             if not torch.equal(have, want):
-                self.rec.replay_differs(epoch, name, f"model/{v.path}")
+                self.rec.replay_differs(epoch, name, f"model/{v.path}", "the weights differ")
                 return
 
 

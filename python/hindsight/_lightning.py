@@ -13,10 +13,9 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from hindsight import _native, _preemption, _run, session
+from hindsight import _fit, _native, _preemption, _run, session
 from hindsight._lightning_store import (
     DEFAULT_PREFIX,
-    _check_prefix,
     _import_lightning,
     _map_location,
     _name_of,
@@ -183,13 +182,18 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         restore_rng: bool = True,
     ) -> None:
         super().__init__()
-        self.prefix = _check_prefix(prefix)
-        for arg, v in (("every_n_epochs", every_n_epochs), ("every_n_train_steps", every_n_train_steps)):
-            if v is not None:
-                _native.checked_every("HindsightCheckpoint", arg, v)
-        # The retention arguments are checked by the engine's one rule.
-        self.retention = _native.Retention.checked(
-            "HindsightCheckpoint", "monitor", "mode", keep_last, keep_best, monitor, mode, keep_every
+        # The arguments every framework callback takes, checked by one rule.
+        self.prefix, self.retention = _fit.checked_args(
+            "HindsightCheckpoint",
+            prefix=prefix,
+            every_n_epochs=every_n_epochs,
+            every_n_train_steps=every_n_train_steps,
+            keep_last=keep_last,
+            keep_best=keep_best,
+            monitor=monitor,
+            mode=mode,
+            keep_every=keep_every,
+            exit_code=exit_code,
         )
         self._store = store if isinstance(store, Store) else None
         # None: the store of the script's hindsight run (resolved when first needed).
