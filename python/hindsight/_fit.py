@@ -76,6 +76,10 @@ def checked_args(
     return prefix, retention
 
 
+# The runs a fit was recorded into by this process.
+_CLAIMED: set[str] = set()
+
+
 class FitRecorder:
     """One framework fit, recorded (or replayed) through the process's run.
 
@@ -155,6 +159,18 @@ class FitRecorder:
         return latest(self.store, self.run_prefix())
 
     # -- recording -------------------------------------------------------------------
+    def claim_run(self, call: str) -> None:
+        """Refuse a second fit recorded into this process's run (`call`
+        names it: ``"train()"``, ``"fit()"``): its epochs would log over the
+        first one's, and a resume could not tell them apart."""
+        run = self.run()
+        if run.run_id in _CLAIMED:
+            raise InvalidArgumentError(
+                f"{self.owner} records one {call} per process: a second {call} would log its values and "
+                f"epochs over the first one's in the same run; run the second stage as its own script"
+            )
+        _CLAIMED.add(run.run_id)
+
     def begin(
         self, resumed: str | None, global_step: int, epochs: int | None, *, not_resumed_hint: str | None = None
     ) -> None:

@@ -157,6 +157,7 @@ class HindsightCallback(keras.callbacks.Callback):  # type: ignore[misc]  # kera
         if session.replaying("epoch") is not None or self.rec.replay is not None:
             self._replay_begin()
             return
+        self.rec.claim_run("fit()")
         name = self.rec.latest()
         if name is not None:
             self._resume_from(name)

@@ -71,10 +71,6 @@ def _unpack_dir(files: list[dict[str, Any]], root: Path) -> None:
             dest.write_bytes(entry["data"])
 
 
-# The run whose train() this process recorded: a second one is refused.
-_RECORDED: str | None = None
-
-
 def _last_epoch(state: Any) -> int:
     """The epoch of the step Trainer's state is at: the one it trains next
     mid-epoch, the one it finished at an epoch's end (resumed there, the
@@ -223,14 +219,7 @@ class HindsightCallback(transformers.TrainerCallback):
                 )
             self._epoch = _last_epoch(state)
             return
-        run = self.rec.run()
-        global _RECORDED
-        if _RECORDED == run.run_id:
-            raise InvalidArgumentError(
-                "HindsightCallback records one train() per process: a second train() would log its values "
-                "and epochs over the first one's in the same run; run the second stage as its own script"
-            )
-        _RECORDED = run.run_id
+        self.rec.claim_run("train()")
         _check_args(args, state)
         resumed = self._resumed
         self._resumed = None
