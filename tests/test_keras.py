@@ -210,7 +210,9 @@ def test_steps_per_execution_and_a_checkpoint_of_another_model_are_refused_namin
     # A second fit in the same process would log its epochs over the first one's.
     twice = tmp_path / "twice"
     twice.mkdir()
-    (twice / "train.py").write_text(script() + "model.fit(x, y, epochs=1, verbose=0, callbacks=[HindsightCallback()])\n")
+    (twice / "train.py").write_text(
+        script() + "model.fit(x, y, epochs=1, verbose=0, callbacks=[HindsightCallback()])\n"
+    )
     r = fit(twice)
     assert r.returncode != 0 and "records one fit() per process" in r.stderr, r.stderr[-2000:]
     assert (twice / "weights.npy").exists()  # the first fit ran to its end
