@@ -225,3 +225,62 @@ def test_steps_per_execution_and_a_checkpoint_of_another_model_are_refused_namin
     r = fit(tmp_path, SIGNAL_AT="1.2")
     assert r.returncode != 0, r.stderr[-2000:]
     assert "hidden/kernel" in r.stderr and "shape" in r.stderr, r.stderr[-2000:]
+
+
+PYDATASET = """\
+import os, signal
+os.environ["KERAS_BACKEND"] = "torch"
+import numpy as np, keras
+from hindsight.keras import HindsightCallback
+
+keras.utils.set_random_seed(0)
+
+
+class Pairs(keras.utils.PyDataset):
+    # The classic Sequence: its order is its own state, reshuffled at each epoch's end.
+    def __init__(self):
+        super().__init__()
+        rs = np.random.RandomState(0)
+        self.x = rs.randn(256, 8).astype("float32")
+        self.y = self.x[:, :1] * 2
+        self.order = np.arange(256)
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        idx = self.order[i * 32:(i + 1) * 32]
+        return self.x[idx], self.y[idx]
+
+    def on_epoch_end(self):
+        np.random.shuffle(self.order)
+
+
+class Kill(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == 2 and batch == 3 and not os.path.exists("signalled"):
+            open("signalled", "w").close()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse")
+model.fit(Pairs(), epochs=3, verbose=0, callbacks=[Kill(), HindsightCallback(every_n_train_steps=2)])
+"""
+
+
+def test_a_resume_whose_data_order_is_not_reproduced_stops_before_training_naming_the_batch(tmp_path: Path) -> None:
+    """A PyDataset that reshuffles its own index in on_epoch_end: a process
+    resumed in epoch 2 gets another order than the interrupted one (its
+    dataset reshuffled twice there, never here). The skipped batches'
+    fingerprints differ from the recorded ones: the resume stops, naming
+    the batch and why, instead of training on other data with exit 0."""
+    (tmp_path / "train.py").write_text(PYDATASET)
+    assert fit(tmp_path).returncode == 85
+    r = fit(tmp_path)
+    assert r.returncode != 0, r.stdout + r.stderr[-3000:]
+    assert "batch 0 of epoch 2 is not the batch the interrupted fit trained there" in r.stderr, r.stderr[-3000:]
+

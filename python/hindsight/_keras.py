@@ -13,8 +13,9 @@ import keras
 import torch
 
 from hindsight import _fit, session
+from hindsight._run import batches
 from hindsight._store import Store
-from hindsight.errors import CorruptError, InvalidArgumentError
+from hindsight.errors import CorruptError, InvalidArgumentError, ReplayError
 
 DEFAULT_PREFIX = "keras"
 _GROUPS = ("model", "optimizer", "metrics")
@@ -119,8 +120,10 @@ class HindsightCallback(keras.callbacks.Callback):  # type: ignore[misc]  # kera
         # A resume into the middle of an epoch: its epoch, batches to skip,
         # and the state to put back after the last skipped one.
         self._resume: dict[str, Any] | None = None
-        self._skipping = False
-        self._train_function: Any = None
+        # model.fit's own train step, wrapped for the fit (`_train_step`);
+        # the fingerprints of the batches this epoch trained so far.
+        self._inner: Any = None
+        self._prints: list[str] = []
         self._start: _fit.ReplayStart | None = None
         self._stopped = False
         self._last_epoch = 0
@@ -154,6 +157,9 @@ class HindsightCallback(keras.callbacks.Callback):  # type: ignore[misc]  # kera
         self._epoch = self._step = self._global = 0
         self._resume = None
         self._stopped = False
+        # Keras looks the step up at every batch: ours fingerprints it, and
+        # moves past the batches a resume skips without training them.
+        self._inner, self.model.train_function = self.model.train_function, self._train_step
         if session.replaying("epoch") is not None or self.rec.replay is not None:
             self._replay_begin()
             return
@@ -179,6 +185,7 @@ class HindsightCallback(keras.callbacks.Callback):  # type: ignore[misc]  # kera
             "rng": rng["now"],
             "epoch_rng": rng["epoch"],
             "metrics": state["keras"]["metrics"],
+            "prints": list(state.get("prints") or []),
             "name": name,
         }
         where = f"epoch {epoch}" + (f", after {step} of its batches" if step else "")
@@ -201,6 +208,7 @@ class HindsightCallback(keras.callbacks.Callback):  # type: ignore[misc]  # kera
                 torch.set_rng_state(r["rng"])
                 self._resume = None
         self._epoch, self._step = epoch, 0
+        self._prints = []
         self._epoch_rng = torch.get_rng_state()
         session.context([("epoch", epoch)])
         if self.rec.replay is not None:
@@ -212,20 +220,15 @@ class HindsightCallback(keras.callbacks.Callback):  # type: ignore[misc]  # kera
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         r = self._resume
         if r is not None and batch < r["skip"]:
-            # Trained before the checkpoint: the iterator moves past it, no step runs.
-            if not self._skipping:
-                self._train_function, self._skipping = self.model.train_function, True
-                self.model.train_function = _skip
-            return
+            return  # trained before the checkpoint: `_train_step` moves past it
         session.context([("epoch", self._epoch), ("step", self._global + 1)])
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         r = self._resume
-        if r is not None and self._skipping:
+        if r is not None and batch < r["skip"]:
             if batch + 1 < r["skip"]:
                 return
             # The last skipped batch: the state of the checkpoint from here on.
-            self.model.train_function, self._skipping = self._train_function, False
             for v in self.model.metrics_variables:
                 v.assign(r["metrics"][v.path].numpy())
             torch.set_rng_state(r["rng"])
@@ -255,14 +258,41 @@ class HindsightCallback(keras.callbacks.Callback):  # type: ignore[misc]  # kera
                 self._stopped = True
             return
         order = self.rec.epoch_end(epoch)
-        self._step, self._last_epoch = 0, epoch
+        self._step, self._last_epoch, self._prints = 0, epoch, []
         self._epoch = epoch + 1  # a checkpoint here resumes at the next epoch's start
         self.rec.epoch_done(epoch, None if order is None else order.name)
         if order is not None:
             self.rec.save(order, self._tree(), self._meta("epoch"))
         self.rec.leave_if_pending()
 
+    def _train_step(self, data: Any) -> Any:
+        """model.fit's train step, fingerprinting its batch. A batch a resume
+        skips is not trained, but must be the batch the recording trained
+        there: a data order the restored RNG states do not reproduce (a
+        PyDataset that reshuffles in on_epoch_end, a generator) stops the
+        fit before it trains anything, naming the batch."""
+        printed = batches.digest(data)
+        r = self._resume
+        if r is not None and len(self._prints) < r["skip"]:
+            i = len(self._prints)
+            want = r["prints"][i] if i < len(r["prints"]) else None
+            if want is not None and printed != want:
+                raise ReplayError(
+                    f"keras.HindsightCallback: resuming from {r['name']}, batch {i} of epoch {self._epoch} is not "
+                    "the batch the interrupted fit trained there: the data's order is not reproduced by the RNG "
+                    "states hindsight restores (a PyDataset that shuffles in on_epoch_end, a generator, a "
+                    "DataLoader with a generator of its own); nothing was trained. Draw the order from torch's "
+                    "RNG (fit(shuffle=True) on arrays or tensors), or set every_n_train_steps=None so that "
+                    "checkpoints fall at epoch ends"
+                )
+            self._prints.append(printed)
+            return {}
+        self._prints.append(printed)
+        return self._inner(data)
+
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        if self.model.train_function == self._train_step:
+            self.model.train_function = self._inner
         if self.rec.replay is not None:
             self.rec.replay_end(self._stopped)
             return
@@ -277,6 +307,8 @@ class HindsightCallback(keras.callbacks.Callback):  # type: ignore[misc]  # kera
             "step": self._step,
             "global_step": self._global,
             "rng": {"epoch": self._epoch_rng, "now": torch.get_rng_state()},
+            # The epoch's batches so far: a resume checks the ones it skips.
+            "prints": list(self._prints),
         }
 
     def _meta(self, kind: str) -> dict[str, object]:
@@ -313,7 +345,3 @@ class HindsightCallback(keras.callbacks.Callback):  # type: ignore[misc]  # kera
             if not torch.equal(have, want):
                 self.rec.replay_differs(epoch, name, f"model/{v.path}", "the weights differ")
                 return
-
-
-def _skip(data: Any) -> dict[str, Any]:
-    return {}

@@ -52,9 +52,13 @@ Exactness: on CPU (and deterministic kernels) a fit interrupted at any
 batch and resumed ends with bit-identical weights and logs (tested, with
 dropout and shuffling). The data's order is the one Keras draws from
 torch's RNG as an epoch's iterator starts (arrays, tensors, a torch
-``DataLoader`` without its own generator); a data source whose order
-depends on anything else (a ``PyDataset`` that shuffles with NumPy) must
-draw it from state the checkpoint holds.
+``DataLoader`` without its own generator). Every trained batch is
+fingerprinted, and a resume inside an epoch checks each batch it skips
+against the interrupted fit's: a data source whose order the restored RNG
+states do not reproduce (a ``PyDataset`` that reshuffles its own index in
+``on_epoch_end``, a generator) stops the resume before anything is
+trained, naming the batch. At an epoch's start there is no batch to check:
+such a source resumes there with the order it has in the new process.
 
 Refused, naming the reason: a backend other than torch,
 ``steps_per_execution > 1`` (no checkpoint can fall between the batches of
