@@ -283,4 +283,3 @@ def test_a_resume_whose_data_order_is_not_reproduced_stops_before_training_namin
     r = fit(tmp_path)
     assert r.returncode != 0, r.stdout + r.stderr[-3000:]
     assert "batch 0 of epoch 2 is not the batch the interrupted fit trained there" in r.stderr, r.stderr[-3000:]
-
