@@ -56,7 +56,7 @@ def current() -> Run:
             sys.stderr.write(f"hindsight: error: {e}\n")
             sys.stderr.flush()
             raise SystemExit(2) from None
-        _RUN.framework_ctx, _RUN.framework_drop = _FRAMEWORK_CTX, _FRAMEWORK_DROP
+        _RUN.values.framework_ctx, _RUN.values.framework_drop = _FRAMEWORK_CTX, _FRAMEWORK_DROP
     return _RUN
 
 
@@ -65,7 +65,7 @@ def set_framework_context(ctx: list[tuple[str, int]] | None) -> None:
     global _FRAMEWORK_CTX
     _FRAMEWORK_CTX = ctx
     if _RUN is not None:
-        _RUN.framework_ctx = ctx
+        _RUN.values.framework_ctx = ctx
 
 
 def framework_context() -> list[tuple[str, int]] | None:
@@ -79,7 +79,7 @@ def set_framework_drop(on: bool) -> None:
     global _FRAMEWORK_DROP
     _FRAMEWORK_DROP = on
     if _RUN is not None:
-        _RUN.framework_drop = on
+        _RUN.values.framework_drop = on
 
 
 def _after_fork() -> None:

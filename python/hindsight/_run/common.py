@@ -4,7 +4,6 @@ helpers that read the script, its source and its command line."""
 
 from __future__ import annotations
 
-import json
 import numbers
 import os
 import stat
@@ -23,6 +22,7 @@ from hindsight._run.files import Written, files_of, put_back
 from hindsight._run.logwriter import LogWriter, Row
 from hindsight._run.loopvars import LoopVars, ModuleVars, _storages, stateful_objects
 from hindsight._run.ranks import Ranks
+from hindsight._run.values import Values
 from hindsight._state import apply_grads, apply_state, capture, set_rng_state
 from hindsight.errors import InvalidArgumentError
 
@@ -33,7 +33,6 @@ ENV_REPLAY = _settings.REPLAY
 ENV_RUN_NAME = _settings.RUN_NAME
 ENV_RESUME = _settings.RESUME
 ENV_EXPLAIN = _settings.EXPLAIN  # set by `hindsight record --explain`
-_INF = float("inf")
 
 
 def job_part(state: dict[str, Any], grads_of_the_job: bool) -> dict[str, Any]:
@@ -59,7 +58,6 @@ def _package_version() -> str:
         return "unknown"
 
 
-MAX_LOGGED_ELEMENTS = 10_000
 #: The source snapshot's walk of the project stops at this many .py files,
 #: directory entries or seconds: a project root that holds a dataset, or a
 #: home set under a scratch directory (the project is then all of it), would
@@ -156,47 +154,6 @@ def _git(root: Path) -> tuple[str | None, bool | None]:
     return commit.stdout.strip(), bool(status.stdout.strip())
 
 
-def _to_json(value: Any, name: str, what: str = "hs.log") -> Any:
-    """``value`` as plain JSON types (numpy and torch scalars become numbers);
-    refuses what cannot be recorded, naming ``what(name)``."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
-        if value.numel() > MAX_LOGGED_ELEMENTS:
-            raise InvalidArgumentError(
-                f"{what}({name!r}): tensor of {value.numel()} elements is too large to log "
-                f"(at most {MAX_LOGGED_ELEMENTS}); log a summary such as .norm()"
-            )
-        return value.detach().cpu().tolist()
-    np = sys.modules.get("numpy")
-    if np is not None:
-        if isinstance(value, np.ndarray):
-            if value.size > MAX_LOGGED_ELEMENTS:
-                raise InvalidArgumentError(f"{what}({name!r}): array of {value.size} elements is too large to log")
-            return value.tolist()
-        if isinstance(value, np.generic):
-            return value.item()
-    if isinstance(value, (list, tuple)):
-        return [_to_json(v, name, what) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _to_json(v, name, what) for k, v in value.items()}
-    raise InvalidArgumentError(
-        f"{what}({name!r}): cannot record a value of type {type(value).__qualname__}; "
-        "use numbers, strings, bools, or small tensors/arrays"
-    )
-
-
-def _encode(name: str, value: Any) -> str:
-    """A logged value as the JSON text the database keeps."""
-    t = type(value)
-    if t is float and value == value and value not in (_INF, -_INF):
-        return repr(value)  # the JSON of a finite float, without the encoder's overhead
-    if t is int or t is bool:
-        return "true" if value is True else "false" if value is False else str(value)
-    return json.dumps(_to_json(value, name))
-
-
 def inherited_pipe(fd: int) -> int | None:
     """The pipe a launcher handed down as descriptor ``fd`` (the
     supervisor's heartbeat, a replay worker's progress), open for writing;
@@ -261,8 +218,6 @@ class Run:
         self.leads = self.ranks is None or self.ranks.leads
         if self.ranks is not None:
             self.rank_index = self.ranks.rank
-        # A following rank's values logged with rank="all", until sent to rank 0.
-        self.rank_rows: list[tuple[str, list[tuple[str, int]], int, str]] = []
         self.script = _script_path()
         self.paths = _native.project_paths(str(self.script.parent))
         self.home = Path(self.paths.home)
@@ -277,24 +232,12 @@ class Run:
         self.local_first: str | None = None
         self.recorded_store: str | None = None
         self.args: dict[str, Any] = {}
-        # Values of one name logged so far in one context: a repeated
-        # hs.log there is kept as the next occurrence, not overwritten.
-        # Contexts inside the steps never recur after their step, so their
-        # counts are dropped at each step; the others at each outer iteration.
-        self.reps_outer: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
-        self.reps_inner: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
         # What is logged, and the writes beside it, reach the database off
         # the training thread (`_write_logs` is a replay's own).
         self.logs = LogWriter(self._write_logs)
         self.stack: list[list[Any]] = []  # [loop name, index]
-        # Loops a framework runs (Lightning): the context of hs.log outside
-        # any hs.loop, set by the framework's hooks; occurrences per context.
-        self.framework_ctx: list[tuple[str, int]] | None = None
-        self.framework_last: list[tuple[str, int]] = []
-        # The framework is where no value belongs: Lightning's sanity check,
-        # or an epoch a replay skips or has not restored yet.
-        self.framework_drop = False
-        self.reps_framework: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
+        # What hs.log and a framework's hooks log: contexts, occurrences, rows.
+        self.values = Values(self.logs, self.ranks, self.leads, self.rank_index)
         self.objects: dict[str, Any] = {}
         # hs.checkpointing() without objects: they are found when the outer
         # loop starts (loopvars.stateful_objects), by name, with a line.
@@ -421,47 +364,12 @@ class Run:
     rank_index = 0
 
     def log(self, name: str, value: Any, every_rank: bool = False) -> None:
-        if not self.stack and (self.framework_ctx is not None or self.framework_drop):
-            if not self.framework_drop:
-                self.log_at(self.framework_ctx or [], name, value)
-            return
-        ctx = [(e[0], e[1]) for e in self.stack]
-        if every_rank:
-            ctx.append(("rank", self.rank_index))
-        reps = self.reps_inner if len(ctx) > 1 else self.reps_outer
-        key = (name, tuple(ctx))
-        rep = reps.get(key, 0)
-        reps[key] = rep + 1
-        if self.stale_start or self.past_plan:
-            return
-        self._append(name, ctx, rep, value, every_rank)
+        self.values.log(self.stack, name, value, every_rank, drop=self.stale_start or self.past_plan)
 
     def log_at(self, ctx: list[tuple[str, int]], name: str, value: Any) -> None:
         """`value` at a context of loops a framework runs, not hs.loop
         (Lightning's epoch and global step: `hindsight.lightning`)."""
-        if self.framework_drop:
-            return
-        # Contexts recur within an epoch (validation between training steps),
-        # never across epochs: counts are kept per context, dropped per epoch.
-        epoch = ctx[:1]
-        if epoch != self.framework_last:
-            self.framework_last, self.reps_framework = list(epoch), {}
-        key = (name, tuple(ctx))
-        rep = self.reps_framework.get(key, 0)
-        self.reps_framework[key] = rep + 1
-        self._append(name, list(ctx), rep, value)
-
-    def _append(self, name: str, ctx: list[tuple[str, int]], rep: int, value: Any, every_rank: bool = False) -> None:
-        if every_rank and self.ranks is not None and not self.stack:
-            raise InvalidArgumentError(
-                f"hs.log({name!r}, ..., rank='all') outside hs.loop under {self.ranks.size} ranks: every rank's "
-                "values reach rank 0 at the outer loop's iteration ends and checkpoints, so log them inside the loop"
-            )
-        if not self.leads:  # the run's values are rank 0's, and what every rank logs
-            if every_rank:
-                self.rank_rows.append((name, ctx, rep, _encode(name, value)))
-            return
-        self.logs.add((name, ctx, rep, _encode(name, value)))
+        self.values.log_at(ctx, name, value)
 
     def _gather_ranks_values(self) -> None:
         """Every rank: the values other ranks logged with ``rank="all"``,
@@ -471,11 +379,7 @@ class Run:
         end), so a resume neither loses nor repeats them."""
         if self.ranks is None:
             return
-        mine = (self.rank_rows, self._rank_extra())
-        self.rank_rows = []
-        for values, extra in self.ranks.to_leader(mine) or []:
-            for name, ctx, rep, text in values:
-                self.logs.add((name, list(ctx), rep, text))
+        for extra in self.values.gather_ranks(self._rank_extra()):
             self._add_rank_extra(extra)
 
     def _rank_extra(self) -> list[Any]:
@@ -631,7 +535,7 @@ class Run:
                 self.heartbeat()
                 self.iter_start = time.perf_counter()
                 self.block_done = False
-                self.reps_outer = {k: v for k, v in self.reps_outer.items() if not k[1]}  # top level stays
+                self.values.outer_iteration_starts()
                 self.stale_start = visit.stale
                 self._iteration_starts(i)
                 try:
@@ -680,7 +584,7 @@ class Run:
             del gen
             for j, x in enumerate(it, start):
                 entry[1] = j
-                self.reps_inner.clear()
+                self.values.step_starts()
                 self._step_starts(i, j, x)
                 self.heartbeat()
                 yield x

@@ -30,12 +30,12 @@ from hindsight._run.common import (
     _git,
     _package_version,
     _snapshot_source,
-    _to_json,
     job_part,
 )
 from hindsight._run.files import Written
 from hindsight._run.loopvars import _storages
 from hindsight._run.ranks import lost_peer
+from hindsight._run.values import _to_json
 from hindsight._state import capture, capture_grads, rng_state, set_rng_state, tensor_bytes
 from hindsight.errors import (
     CorruptError,
