@@ -103,3 +103,90 @@ def test_every_framework_callback_checks_its_arguments_by_one_rule(tmp_path: Pat
     got = json.loads(r.stdout.splitlines()[-1])
     assert len(set(got.values())) == 1, got
     assert (got["keras"] == "accepted") == (kwargs.get("exit_code") == 85), got
+
+
+BUDGET_SCRIPT = """
+import os, sys
+os.environ.setdefault("KERAS_BACKEND", "torch")
+import torch
+import hindsight as hs
+
+EPOCHS = 20
+front = sys.argv[1]
+torch.manual_seed(0)
+x = torch.randn(8, 4)
+y = x.sum(1, keepdim=True)
+if front == "lightning":
+    import lightning.pytorch as pl
+    from hindsight.lightning import HindsightCheckpoint
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, i):
+            return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    trainer = pl.Trainer(max_epochs=EPOCHS, callbacks=[HindsightCheckpoint()], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Net(), data)
+elif front == "trainer":
+    from transformers import Trainer, TrainingArguments
+    from hindsight.transformers import HindsightCallback
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def forward(self, x, labels):
+            return {"loss": torch.nn.functional.mse_loss(self.layer(x), labels)}
+
+    rows = [{"x": x[i], "labels": y[i]} for i in range(8)]
+    args = TrainingArguments(output_dir="out", num_train_epochs=EPOCHS, per_device_train_batch_size=8, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True, logging_strategy="no")
+    Trainer(model=Net(), args=args, train_dataset=rows, callbacks=[HindsightCallback()]).train()
+else:
+    import keras
+    from hindsight.keras import HindsightCallback
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x.numpy(), y.numpy(), epochs=EPOCHS, batch_size=8, verbose=0, callbacks=[HindsightCallback()])
+import json
+print(json.dumps(sorted(hs.Store(".hindsight/store").list())))
+"""
+
+
+@pytest.mark.parametrize("front", ["lightning", "trainer", "keras"])
+def test_every_framework_fit_keeps_its_checkpoints_within_the_store_budget(tmp_path: Path, front: str) -> None:
+    """A fit's interim checkpoints are bounded by $HINDSIGHT_CHECKPOINT_BUDGET
+    as an hs.loop run's are (core `checkpoint_size`): over budget, 20 epoch
+    checkpoints are thinned to a spread of at most 8 (the floor), the last
+    one among them; within the default budget all 20 are kept."""
+    if front == "keras":
+        os.environ.setdefault("KERAS_BACKEND", "torch")
+        pytest.importorskip("keras")
+    kept = {}
+    for budget in ("16GiB", "100B"):
+        cwd = tmp_path / budget
+        cwd.mkdir()
+        (cwd / "train.py").write_text(BUDGET_SCRIPT)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HINDSIGHT_")}
+        env.update(HINDSIGHT_HOME=str(cwd / ".hindsight"), HINDSIGHT_CHECKPOINT_BUDGET=budget, OMP_NUM_THREADS="1")
+        r = subprocess.run(
+            [sys.executable, "train.py", front], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        names = json.loads(r.stdout.splitlines()[-1])
+        # The epochs kept (the names hold a run id under the Trainer and Keras).
+        kept[budget] = [n.rsplit(".", 1)[-1] for n in names if not n.endswith(".end")]
+    assert len(kept["16GiB"]) == 20, kept
+    assert 2 <= len(kept["100B"]) <= 8, kept
+    assert set(kept["100B"]) < set(kept["16GiB"]), kept
+    assert kept["100B"][-1] == kept["16GiB"][-1], kept  # the newest is kept: a resume loses nothing

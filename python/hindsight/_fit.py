@@ -1,6 +1,6 @@
 """The framework seam: one recorder of a framework's fit, shared by the
-callbacks that translate a framework's hooks (Keras 3 today; the Trainer
-and Lightning callbacks are to follow, issue 44).
+callbacks that translate a framework's hooks (Lightning's, the Trainer's,
+Keras 3's).
 
 A callback tells the recorder what happened (a fit begins, a step or an
 epoch ended, a value was logged, a signal arrived) and hands it the
@@ -15,11 +15,14 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hindsight import _native, _preemption, session
-from hindsight._lightning_store import _check_prefix, latest
+from hindsight import _native, _preemption, _run, session
+from hindsight._lightning_store import _check_prefix, latest, project_store
+from hindsight._run.ranks import Ranks
+from hindsight._state import tensor_bytes
 from hindsight._store import Store
 from hindsight.errors import HindsightError, InvalidArgumentError, ReplayError
 
@@ -84,7 +87,14 @@ class FitRecorder:
     """One framework fit, recorded (or replayed) through the process's run.
 
     `owner` names the callback in every error (``"keras.HindsightCallback"``).
-    The arguments are the callbacks' common ones, checked here once."""
+    The arguments are the callbacks' common ones, checked here once.
+
+    `per_run`: a fit's checkpoints are named under the script's run
+    (``<prefix>.<run id>``) and found again by it on a relaunch (the
+    Trainer's, Keras's). Lightning's are named under the prefix alone
+    (``<prefix>[.fitN]``): the user resumes them by `ckpt_path`
+    (`HindsightCheckpoint.latest_path(store, prefix)`), knowing no run, and
+    a fit records into a run only where the script has one."""
 
     def __init__(
         self,
@@ -102,6 +112,7 @@ class FitRecorder:
         exit_code: int | None,
         requeue: bool | None,
         catch_sigint: bool,
+        per_run: bool = True,
     ) -> None:
         if store is not None and not isinstance(store, (Store, str, os.PathLike)):
             raise InvalidArgumentError(f"{owner}(store={store!r}): a hindsight.Store, a directory or a store URL")
@@ -132,15 +143,47 @@ class FitRecorder:
         self.session: Any = None
         self.replay: session.ReplayRun | None = None
         self.exit_pending: int | None = None
-        self._epoch_start = 0.0
+        self.epoch_started = 0.0
+        self.per_run = per_run
+        # A fit over several processes (`join_ranks`): rank 0 writes, every
+        # rank stops on a signal any rank got, a waited save is a barrier.
+        self.rank_zero = True
+        self._ranks: Ranks | None = None
+        self._barrier: Callable[[], None] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A framework may copy its callbacks (deepcopy, spawn): the session,
+        # the store's handles and the process group are this process's.
+        state = self.__dict__.copy()
+        state.update(_store=None, session=None, replay=None, _ranks=None, _barrier=None)
+        return state
+
+    def join_ranks(self, rank: int, world: int, barrier: Callable[[], None]) -> None:
+        """The fit spans `world` processes, this one `rank` (over the
+        framework's default process group): they agree as an `hs.loop`
+        recording's ranks do (`_run.ranks`)."""
+        self.rank_zero = rank == 0
+        if world > 1 and self._ranks is None:
+            self._ranks = Ranks.of_framework(rank, world, self.owner)
+        self._barrier = barrier if world > 1 else None
 
     # -- the store and the resume walk ---------------------------------------------
     @property
     def store(self) -> Store:
         """The store given, else the one the script's run uses (the project's
-        ``.hindsight/store``, or ``$HINDSIGHT_STORE``)."""
+        ``.hindsight/store``, or ``$HINDSIGHT_STORE``; in a replay, the
+        recorded one). Only a `per_run` fit creates the run to ask (a DDP
+        rank other than 0 records none)."""
         if self._store is None:
-            self._store = Store(self._store_path) if self._store_path is not None else session.run().store
+            if self._store_path is not None:
+                self._store = Store(self._store_path)
+            else:
+                run = _run._RUN
+                if run is not None and not run.finished:
+                    self._store = run.store
+                else:
+                    self._store = session.run().store if self.per_run else Store(project_store())
+                self._store_path = self._store.path
         return self._store
 
     @staticmethod
@@ -152,6 +195,10 @@ class FitRecorder:
     def run_prefix(self) -> str:
         """Where this script's run's fits checkpoint: ``<prefix>.<run id>``."""
         return _check_prefix(f"{self.prefix}.{self.run().run_id}")
+
+    def fit_base(self) -> str:
+        """The prefix a fresh fit's checkpoints are chosen under (`choose_fit`)."""
+        return self.run_prefix() if self.per_run else self.prefix
 
     def latest(self) -> str | None:
         """The checkpoint a resume restores: the newest of the run's
@@ -178,18 +225,16 @@ class FitRecorder:
         continues, under the same prefix) at `global_step`. Starting afresh
         while an interrupted fit could be resumed prints `not_resumed_hint`
         (how to resume it, where the framework needs the user's help)."""
-        run = self.run()
-        store = self.store
-        if run.recorded_store != store.path:
-            run.db.set_store(run.run_id, store.path)
-            run.recorded_store = store.path
+        self._note_store()
         if resumed is not None:
             ck = _native.CheckpointId.parse(resumed)
             if ck is None:
                 raise HindsightError(f"{self.owner}: {resumed!r} is not a hindsight checkpoint name")
             self.train_prefix = ck.prefix
+        elif not self.rank_zero:
+            self.train_prefix = self.prefix  # only rank zero writes
         else:
-            choice = _native.choose_fit(store.list(), self.run_prefix())
+            choice = _native.choose_fit(self.store.list(), self.fit_base())
             if choice.resume is not None and global_step == 0 and not_resumed_hint:
                 print(
                     f"hindsight: note: the interrupted fit under {choice.resume.prefix!r} is not resumed: "
@@ -213,8 +258,19 @@ class FitRecorder:
         # After the run's own handlers (installed when it was created): ours answer.
         self.signals.install()
 
+    def _note_store(self) -> None:
+        """The run the fit records into names the store its checkpoints are
+        in: what `hindsight replay` restores from."""
+        run = self.run() if self.per_run else session.recording()
+        if run is None or not self.rank_zero:
+            return
+        store = self.store
+        if run.recorded_store != store.path:
+            run.db.set_store(run.run_id, store.path)
+            run.recorded_store = store.path
+
     def epoch_begin(self, epoch: int) -> None:
-        self._epoch_start = time.perf_counter()
+        self.epoch_started = time.perf_counter()
         if self.session is not None:
             self.session.iteration_start(epoch)
             self.session.block_start(epoch)
@@ -223,6 +279,11 @@ class FitRecorder:
         run = session.recording()
         if self.signals.received is None and run is not None and run.stop_signal is not None:
             self.signals.received = run.stop_signal  # the run's handler took it
+        if self._ranks is not None:
+            # The signal any rank got stops every rank, under its own number.
+            (got,) = self._ranks.agree([float(self.signals.received or 0)])
+            if got and self.signals.received is None:
+                self.signals.received = int(got)
         if self.signals.received is not None:
             self.session.signal(self.signals.received)
 
@@ -243,7 +304,7 @@ class FitRecorder:
         if self.session is None:
             return None
         self._signal_to_session()
-        block = self.session.block_end(epoch, time.perf_counter() - self._epoch_start, None, 0.0)
+        block = self.session.block_end(epoch, time.perf_counter() - self.epoch_started, None, 0.0)
         return None if block is None else SaveOrder(block.name, block.wait)
 
     def epoch_done(self, epoch: int, checkpoint: str | None, *, closing: bool = False) -> None:
@@ -253,9 +314,10 @@ class FitRecorder:
         if self.session is None:
             return
         run = session.recording()
-        if run is not None:
+        if run is not None and self.rank_zero:
+            self._note_store()
             run.db.record_iteration(
-                run.run_id, "epoch", epoch, time.perf_counter() - self._epoch_start, checkpoint, None, epoch
+                run.run_id, "epoch", epoch, time.perf_counter() - self.epoch_started, checkpoint, None, epoch
             )
         code = self.session.iteration_end(epoch, closing).exit
         if code is not None:
@@ -266,19 +328,34 @@ class FitRecorder:
         if code is not None:
             self.leave(code)
 
-    def save(self, order: SaveOrder, tree: dict[str, Any], meta: dict[str, object]) -> None:
-        """Write the checkpoint the session asked for, apply retention, and
-        leave if a stop signal asked to (once the checkpoint is durable)."""
+    def save(
+        self, order: SaveOrder, tree: dict[str, Any], meta: dict[str, object], *, allow_pickle: bool = False
+    ) -> None:
+        """Write the checkpoint the session asked for (rank zero writes),
+        apply retention, and leave if a stop signal asked to (once the
+        checkpoint is durable on every rank)."""
         # Every value logged so far reaches the database before the checkpoint that covers it.
         self.flush_logs()
-        if self.monitor and self.metric is not None and meta.get("kind") == "epoch":  # keep_best ranks epochs
-            meta = {**meta, "monitor": self.monitor, "metric": repr(self.metric)}
-        handle = self.store.save(order.name, tree, meta=meta)
-        self.last_saved = order.name
-        if order.wait or self.exit_pending is not None:
-            handle.wait()
-            self.store.flush()
-        self.apply_retention()
+        wait = order.wait or self.exit_pending is not None
+        if self.rank_zero:
+            if self.monitor and self.metric is not None and meta.get("kind") == "epoch":  # keep_best ranks epochs
+                meta = {**meta, "monitor": self.monitor, "metric": repr(self.metric)}
+            t0 = time.perf_counter()
+            handle = self.store.save(order.name, tree, meta=meta, allow_pickle=allow_pickle)
+            if self.session is not None:
+                # Priced and sized as an `hs.loop` run's: the budget thins a
+                # long fit's checkpoints to a spread (core `checkpoint_size`).
+                self.session.saved(time.perf_counter() - t0, time.monotonic())
+                self.session.checkpoint_size(tensor_bytes(tree))
+            self.last_saved = order.name
+            if wait:
+                handle.wait()
+                self.store.flush()
+            self.apply_retention()
+        else:
+            self.last_saved = order.name
+        if wait and self._barrier is not None:
+            self._barrier()
         self.leave_if_pending()
 
     def log(self, ctx: list[tuple[str, int]], values: dict[str, Any]) -> None:
@@ -297,6 +374,10 @@ class FitRecorder:
         instead of resuming this one), retention, gc."""
         self.signals.restore()
         if self.session is None:
+            return
+        if not self.rank_zero:
+            self.session = None
+            session.context(None)
             return
         mark = _native.CheckpointId(self.train_prefix, "epoch", epoch, "end").name
         self.store.save(mark, {"finished": True, **tree}, meta={**meta, "kind": "fit_end"}).wait()
@@ -325,7 +406,14 @@ class FitRecorder:
         run = session.recording()
         if run is not None:
             run.interrupted()  # the relaunch resumes this run's values
-        _preemption.leave(self.signals.received, str(self.last_saved), code, requeue=self.requeue)
+        # One rank requeues and speaks for all.
+        _preemption.leave(
+            self.signals.received,
+            str(self.last_saved),
+            code,
+            requeue=self.requeue and self.rank_zero,
+            announce=self.rank_zero,
+        )
 
     # -- replay: a worker of `hindsight replay` --------------------------------------
     def replay_start(self) -> ReplayStart:

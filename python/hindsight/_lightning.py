@@ -25,9 +25,7 @@ from hindsight._lightning_store import (
     checkpoints,
     latest,
     latest_path,
-    project_store,
 )
-from hindsight._run.ranks import Ranks
 from hindsight._state import rng_state, set_rng_state
 from hindsight._store import Store
 from hindsight.errors import HindsightError, ReplayError, UnsupportedTypeError
@@ -182,9 +180,13 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         restore_rng: bool = True,
     ) -> None:
         super().__init__()
-        # The arguments every framework callback takes, checked by one rule.
-        self.prefix, self.retention = _fit.checked_args(
+        # The fit's recording: the arguments every framework callback takes,
+        # checked by one rule; the store, the session (`runs::session`: when
+        # to save, what a stop signal does, retention), saves, the ranks'
+        # agreement and the exit (`_fit`, the framework seam).
+        self.rec = _fit.FitRecorder(
             "HindsightCheckpoint",
+            store,
             prefix=prefix,
             every_n_epochs=every_n_epochs,
             every_n_train_steps=every_n_train_steps,
@@ -194,37 +196,18 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             mode=mode,
             keep_every=keep_every,
             exit_code=exit_code,
+            requeue=requeue,
+            catch_sigint=catch_sigint,
+            per_run=False,
         )
-        self._store = store if isinstance(store, Store) else None
-        # None: the store of the script's hindsight run (resolved when first needed).
-        self._store_path = None if store is None else store.path if isinstance(store, Store) else os.fspath(store)
-        self.every_n_epochs = every_n_epochs
-        self.every_n_train_steps = every_n_train_steps
-        self.monitor = monitor
-        self.exit_code = exit_code
-        self.requeue = requeue if requeue is not None else _preemption.requeue_default()
-        self.catch_sigint = catch_sigint
         self.allow_pickle = allow_pickle
         self.restore_rng = restore_rng
-        self._signals = _preemption.StopSignals(catch_sigint)
-        self._ranks: Ranks | None = None  # the job's ranks, once a fit spans several
-        self.last_saved: str | None = None
-        # The fit's run session (core `runs::session`): when to save, what a
-        # stop signal does, retention. Made when the fit starts.
-        self._session: Any = None
-        # The exit code of a signal acted on at an epoch's end: the exit waits
-        # until Lightning has finished that epoch (see on_train_epoch_end).
-        self._exit_pending: int | None = None
         # A checkpoint was saved before Lightning handed the step's or epoch's
         # values to the loggers: they go to the database at the next hook.
         self._flush_due = False
         # Set in setup: a restored fit that recorded into a hindsight run
         # continues that run (load_state_dict).
         self._continue_run = False
-        # Where this fit writes: `prefix`, or `<prefix>.fitN` for a later
-        # fresh fit in the same store (decided when fit starts).
-        self.fit_prefix = self.prefix
-        self._epoch_start = 0.0
         # In a `hindsight replay` worker: its run, the mode of the epoch under
         # way, the visited epoch whose progress line is due, the module hook
         # replaced for the fit.
@@ -243,21 +226,31 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         self._last_visited: int | None = None
 
     # -- plumbing ----------------------------------------------------------------
+    # The arguments, as given (checked by the recorder).
+    prefix = property(lambda self: self.rec.prefix)
+    retention = property(lambda self: self.rec.retention)
+    every_n_epochs = property(lambda self: self.rec.every_n_epochs)
+    every_n_train_steps = property(lambda self: self.rec.every_n_train_steps)
+    monitor = property(lambda self: self.rec.monitor)
+    exit_code = property(lambda self: self.rec.exit_code)
+    requeue = property(lambda self: self.rec.requeue)
+
     @property
     def store(self) -> Store:
-        if self._store is None:
-            if self._store_path is None:
-                # No store given (LightningCLI's `--trainer.callbacks+=...`): the
-                # project's, where the script's hindsight run keeps its checkpoints
-                # ($HINDSIGHT_STORE, else <home>/store; in a replay, the recorded
-                # one). The run's own Store where it has one; no run is created
-                # here (a DDP rank other than 0 records none).
-                run = _run._RUN
-                self._store = run.store if run is not None and not run.finished else Store(project_store())
-                self._store_path = self._store.path
-            else:
-                self._store = Store(self._store_path)
-        return self._store
+        """The store given, else the project's, where the script's hindsight
+        run keeps its checkpoints (LightningCLI's `--trainer.callbacks+=...`
+        gives none); no run is created to ask."""
+        return self.rec.store
+
+    @property
+    def fit_prefix(self) -> str:
+        """Where this fit writes: `prefix`, or `<prefix>.fitN` for a later
+        fresh fit in the same store (decided when fit starts)."""
+        return self.rec.train_prefix
+
+    @property
+    def last_saved(self) -> str | None:
+        return self.rec.last_saved
 
     @property
     def state_key(self) -> str:
@@ -265,8 +258,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_store"] = None
-        state["_replay"] = state["_hooked"] = state["_session"] = state["_ranks"] = None
+        state["_replay"] = state["_hooked"] = None
         return state
 
     latest = staticmethod(latest)
@@ -280,11 +272,11 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
     # -- signals -------------------------------------------------------------------
     @property
     def stop_signal(self) -> int | None:
-        return self._signals.received
+        return self.rec.signals.received
 
     @stop_signal.setter
     def stop_signal(self, signum: int | None) -> None:
-        self._signals.received = signum
+        self.rec.signals.received = signum
 
     def _fix_lightning_teardown(self, trainer: Any) -> None:
         # Lightning's teardown puts back the handlers it found when fit
@@ -292,86 +284,54 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         found = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", None)
         if isinstance(found, dict):
             for sig, handler in list(found.items()):
-                if handler == self._signals.handler:
-                    found[sig] = self._signals.put_back(sig)
+                if handler == self.rec.signals.handler:
+                    found[sig] = self.rec.signals.put_back(sig)
 
     def _restore_signals(self, trainer: Any = None) -> None:
         self._fix_lightning_teardown(trainer)
-        self._signals.restore()
-
-    def _should_stop(self, trainer: Any) -> bool:
-        run = session.recording()
-        if self.stop_signal is None and run is not None and run.stop_signal is not None:
-            # The script's hindsight run was created during the fit (by the
-            # first hs.log or logged metric) and its handler, installed over
-            # ours, took the signal.
-            self.stop_signal = run.stop_signal
-        if trainer.world_size <= 1:
-            return self.stop_signal is not None
-        # The ranks agree as an hs.loop recording's do (`_run.ranks`): the
-        # signal any rank got stops every rank, under its own number.
-        if self._ranks is None:
-            self._ranks = Ranks.of_framework(int(trainer.global_rank), int(trainer.world_size), "Lightning")
-        (got,) = self._ranks.agree([float(self.stop_signal or 0)])
-        if got and self.stop_signal is None:
-            self.stop_signal = int(got)
-        return got > 0
+        self.rec.signals.restore()
 
     def _flush_logs(self) -> None:
         """The values of the script's hindsight run (HindsightLogger, hs.log in
         the hooks) so far into its log database."""
         self._flush_due = False
-        run = session.recording()
-        if run is not None:
-            run.flush_logs()
+        self.rec.flush_logs()
 
-    def _exit(self, trainer: Any, code: int) -> None:
-        self._restore_signals(trainer)
-        run = session.recording()
-        if run is not None:
-            run.interrupted()  # the relaunch resumes this run's logs
-        zero = bool(trainer.is_global_zero)  # one rank requeues and speaks for all
-        _preemption.leave(self.stop_signal, str(self.last_saved), code, requeue=self.requeue and zero, announce=zero)
+    def _leave_if_pending(self, trainer: Any) -> None:
+        """Leave, if a stop signal asked to, with Lightning's teardown taught
+        to put back the handlers we replaced."""
+        if self.rec.exit_pending is not None:
+            self._fix_lightning_teardown(trainer)
+            self.rec.leave_if_pending()
 
     # -- saving -----------------------------------------------------------------------
-    def _save(self, trainer: Any, name: str, end: bool, wait: bool) -> None:
-        # Every value logged so far reaches the database before the checkpoint
-        # that covers it: a kill -9 after the checkpoint loses none (the
-        # resumed fit does not log them again). Lightning hands the loggers
-        # this step's (or epoch's) own values after this hook: next flush.
-        self._flush_logs()
+    def _save(self, trainer: Any, order: _fit.SaveOrder, end: bool) -> None:
+        """Every rank dumps the checkpoint (a strategy may gather state);
+        the recorder writes rank zero's and leaves if a signal asked to."""
+        # Lightning hands the loggers this step's (or epoch's) own values
+        # after this hook: they go to the database at the next flush.
         self._flush_due = True
+        if self.rec.exit_pending is not None:
+            self._fix_lightning_teardown(trainer)
         epoch = trainer.current_epoch
-        step = trainer.global_step
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        if trainer.is_global_zero:
-            meta: dict[str, object] = {
-                "lightning": pl.__version__,
-                "epoch": epoch,
-                "global_step": step,
-                "kind": "epoch" if end else "step",
-            }
-            metric = self._metric(trainer) if end else None
-            if metric is not None:
-                meta["monitor"] = self.monitor
-                meta["metric"] = repr(metric)
-            try:
-                handle = self.store.save(name, _pack(checkpoint), meta=meta, allow_pickle=self.allow_pickle)
-            except UnsupportedTypeError as e:
-                raise UnsupportedTypeError(
-                    f"{e}. HindsightCheckpoint stores the Lightning checkpoint without pickling; make this "
-                    "value a plain type, or pass HindsightCheckpoint(..., allow_pickle=True) if the store is "
-                    "trusted (loading then unpickles it)"
-                ) from e
-            self.last_saved = name
-            if wait:
-                handle.wait()
-                self.store.flush()
-            self._apply_retention()
-        else:
-            self.last_saved = name
-        if wait:
-            trainer.strategy.barrier("hindsight_checkpoint")
+        meta: dict[str, object] = {
+            "lightning": pl.__version__,
+            "epoch": epoch,
+            "global_step": trainer.global_step,
+            "kind": "epoch" if end else "step",
+        }
+        self.rec.metric = self._metric(trainer) if end and trainer.is_global_zero else None
+        try:
+            self.rec.save(
+                order, _pack(checkpoint) if trainer.is_global_zero else {}, meta, allow_pickle=self.allow_pickle
+            )
+        except UnsupportedTypeError as e:
+            raise UnsupportedTypeError(
+                f"{e}. HindsightCheckpoint stores the Lightning checkpoint without pickling; make this "
+                "value a plain type, or pass HindsightCheckpoint(..., allow_pickle=True) if the store is "
+                "trusted (loading then unpickles it)"
+            ) from e
 
     def _metric(self, trainer: Any) -> float | None:
         if not self.monitor:
@@ -390,13 +350,6 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             return float(value)
         except (TypeError, ValueError):
             return None
-
-    def _apply_retention(self, final: bool = False) -> None:
-        # The session's policy: the callback's, or the engine's default for the fit's length.
-        policy = self.retention if self._session is None else self._session.retention
-        if policy.is_empty():
-            return
-        self.store.apply_policy(self.fit_prefix, policy)
 
     # -- Lightning hooks -------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -434,33 +387,20 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
                             "tensors) with save_hyperparameters, or pass HindsightCheckpoint(..., "
                             "allow_pickle=True) if the store is trusted (loading then unpickles it)"
                         )
-        self.fit_prefix = self._choose_prefix(trainer)
-        session = _native.RecordSession.for_framework(self.fit_prefix, time.monotonic())
-        # A resumed fit does not save again the step it starts at.
-        session.set_framework_periods(self.every_n_epochs, self.every_n_train_steps, trainer.global_step)
-        if self.exit_code is not None:
-            session.set_exit_code(self.exit_code)
-        if not self.retention.is_empty():
-            session.set_retention(self.retention)
-        epochs = trainer.max_epochs
-        session.outer_start("epoch", epochs if epochs is not None and epochs > 0 else None)
-        self._session = session
-        self._exit_pending = None
-        self._flush_due = False
-        self._signals.received = None
-        self._signals.install()
-
-    def _choose_prefix(self, trainer: Any) -> str:
-        """A fit resumed from one of our checkpoints continues under its
-        prefix; any other fit starts a new one, so that it never mixes its
-        checkpoints with (or is later resumed as) an earlier fit's."""
+        self.rec.join_ranks(int(trainer.global_rank), int(trainer.world_size), self._barrier(trainer))
+        # A fit resumed from one of our checkpoints continues under its
+        # prefix; any other fit starts a new one, so that it never mixes its
+        # checkpoints with (or is later resumed as) an earlier fit's.
         resumed = _name_of(getattr(trainer, "ckpt_path", None))
-        ck = _native.CheckpointId.parse(resumed) if resumed else None
-        if ck is not None:
-            return ck.prefix
-        if not trainer.is_global_zero:
-            return self.prefix  # only rank zero writes
-        return _native.choose_fit(self.store.list(), self.prefix).fresh_prefix
+        if resumed and _native.CheckpointId.parse(resumed) is None:
+            resumed = None
+        epochs = trainer.max_epochs
+        self.rec.begin(resumed, trainer.global_step, epochs if epochs is not None and epochs > 0 else None)
+        self._flush_due = False
+
+    @staticmethod
+    def _barrier(trainer: Any) -> Any:
+        return lambda: trainer.strategy.barrier("hindsight_checkpoint")
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self._replay is not None:
@@ -470,10 +410,10 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         # Lightning registered its own SIGTERM handler after on_fit_start
         # (composed with ours); it would stop with exit status 0 and no
         # checkpoint. Take SIGTERM back for the duration of fit.
-        self._signals.install()
+        self.rec.signals.install()
         self._fix_lightning_teardown(trainer)
         # A fit resumed mid-epoch does not call on_train_epoch_start.
-        self._epoch_start = time.perf_counter()
+        self.rec.epoch_started = time.perf_counter()
 
     # hs.log in the module's hooks: the (epoch, global step) Lightning is at.
     def _context(self, ctx: list[tuple[str, int]] | None) -> None:
@@ -531,13 +471,11 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._end_of_epoch(trainer)
         self._context([("epoch", trainer.current_epoch)])
-        self._epoch_start = time.perf_counter()
         if self._replay is not None:
             self._replay_epoch_starts(trainer)
-        elif self._session is not None:
+        else:
             # Lightning restores a fit itself (ckpt_path): every epoch runs.
-            self._session.iteration_start(trainer.current_epoch)
-            self._session.block_start(trainer.current_epoch)
+            self.rec.epoch_begin(trainer.current_epoch)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._context([("epoch", trainer.current_epoch)])
@@ -556,14 +494,12 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             # would never run, and a stateful loader would get the finished
             # epoch's position for the next one (which then yields nothing).
             return
-        if self._should_stop(trainer) and self.stop_signal is not None:
-            self._session.signal(self.stop_signal)
-        act = self._session.step_boundary(trainer.current_epoch, trainer.global_step, time.monotonic())
-        if act.save is not None:
-            self._save(trainer, act.save, end=False, wait=act.wait)
-        if act.exit is not None:
+        order = self.rec.step_end(trainer.current_epoch, trainer.global_step)
+        if self.rec.exit_pending is not None:
             self._log_step_metrics(trainer)
-            self._exit(trainer, act.exit)
+        if order is not None:
+            self._save(trainer, order, end=False)
+        self._leave_if_pending(trainer)
 
     @staticmethod
     def _log_step_metrics(trainer: Any) -> None:
@@ -580,17 +516,17 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         if self._replay is not None:
             self._replay_epoch_ends(trainer)
             return
-        if self._should_stop(trainer) and self.stop_signal is not None:
-            self._session.signal(self.stop_signal)
         epoch = trainer.current_epoch
-        block = self._session.block_end(epoch, time.perf_counter() - self._epoch_start, None, 0.0)
-        if block is not None:
-            self._save(trainer, block.name, end=True, wait=block.wait)
-        self._record_epoch(trainer, None if block is None else block.name)
-        # On a signal, leave once Lightning has finished the epoch (the
-        # module's on_train_epoch_end, the epoch's self.log values): the
-        # resumed fit starts at the next epoch and would not run them.
-        self._exit_pending = self._session.iteration_end(epoch, False).exit
+        order = self.rec.epoch_end(epoch)
+        if order is not None:
+            self._save(trainer, order, end=True)
+        # The epoch as an iteration of the script's hindsight run (when it
+        # has one: `HindsightLogger`, `hs.*`), with its checkpoint: what
+        # `hindsight replay` plans from. On a signal, leave once Lightning
+        # has finished the epoch (the module's on_train_epoch_end, the
+        # epoch's self.log values): the resumed fit starts at the next epoch
+        # and would not run them.
+        self.rec.epoch_done(epoch, None if order is None else order.name)
 
     def _end_of_epoch(self, trainer: Any) -> None:
         """After Lightning finished an epoch (the next epoch's start, or the
@@ -599,24 +535,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         if self._replay is not None:
             return
         self._flush_logs()
-        code, self._exit_pending = self._exit_pending, None
-        if code is not None:
-            self._exit(trainer, code)
-
-    def _record_epoch(self, trainer: Any, checkpoint: str | None) -> None:
-        """The epoch as an iteration of the script's hindsight run (when it
-        has one: `HindsightLogger`, `hs.*`), with its checkpoint: what
-        `hindsight replay` plans from."""
-        run = session.recording()
-        if run is None or not trainer.is_global_zero:
-            return
-        if run.recorded_store != self.store.path:
-            run.db.set_store(run.run_id, self.store.path)
-            run.recorded_store = self.store.path
-        epoch = trainer.current_epoch
-        run.db.record_iteration(
-            run.run_id, "epoch", epoch, time.perf_counter() - self._epoch_start, checkpoint, None, epoch
-        )
+        self._leave_if_pending(trainer)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._replay is not None:
@@ -627,27 +546,20 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         if self._replay is not None:
             self._replay_fit_end(trainer, pl_module)
             return  # a replay writes no checkpoint and no mark
-        if trainer.is_global_zero and self._store is not None:
-            # The mark of a finished fit: `latest_path` then starts the next
-            # fit afresh instead of restoring this one (and training nothing).
-            # It holds the other checkpoint callbacks' final states: what a
-            # replay's `test(ckpt_path="best")` must load.
-            mark = _native.CheckpointId(self.fit_prefix, "epoch", trainer.current_epoch, "end").name
-            self.store.save(
-                mark,
-                {
-                    "finished": True,
-                    "epoch": trainer.current_epoch,
-                    "global_step": trainer.global_step,
-                    "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
-                    _CALLBACKS_KEY: self._checkpoint_callback_states(trainer),
-                },
-                meta={"lightning": pl.__version__, "kind": "fit_end"},
-            ).wait()
-            self.store.flush()
-            if self._session is not None and self._session.finish("completed").apply_retention:
-                self._apply_retention(final=True)
-            self.store.gc()
+        # The mark of a finished fit: `latest_path` then starts the next fit
+        # afresh instead of restoring this one (and training nothing). It
+        # holds the other checkpoint callbacks' final states: what a
+        # replay's `test(ckpt_path="best")` must load.
+        self._fix_lightning_teardown(trainer)
+        tree: dict[str, Any] = {}
+        if trainer.is_global_zero:
+            tree = {
+                "global_step": trainer.global_step,
+                "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
+                _CALLBACKS_KEY: self._checkpoint_callback_states(trainer),
+            }
+        epoch = trainer.current_epoch
+        self.rec.finish(epoch, {"epoch": epoch, **tree}, {"lightning": pl.__version__})
 
     def _checkpoint_callback_states(self, trainer: Any) -> dict[str, Any]:
         """{state key: {"state": its state_dict, "files": {path: [size, mtime_ns]}}}
@@ -679,7 +591,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         # which stops with SystemExit(None) (status 0): nothing was trained
         # since the last checkpoint, but the batch system must reschedule.
         if self.stop_signal is not None and isinstance(exception, SystemExit) and not exception.code:
-            exception.code = _preemption.exit_code(self.exit_code)
+            exception.code = _preemption.exit_code(self.rec.exit_code)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._context(None)

@@ -169,10 +169,13 @@ def apply_state(objects: Mapping[str, Any], saved: Mapping[str, Any], checkpoint
 
 def tensor_bytes(tree: Any, device_type: str | None = None, align: int = 1) -> int:
     """Bytes of the tensors in a state tree (dicts, lists, tuples), or of
-    those on one device type ("cuda"); each rounded up to ``align``."""
+    those on one device type ("cuda"); each rounded up to ``align``. Without
+    a device type, host arrays and raw bytes (a file's, as a Trainer
+    checkpoint holds them) count too."""
     torch = sys.modules.get("torch")
     if torch is None:
         return 0
+    np = sys.modules.get("numpy")
     total = 0
     stack = [tree]
     while stack:
@@ -180,6 +183,11 @@ def tensor_bytes(tree: Any, device_type: str | None = None, align: int = 1) -> i
         if isinstance(o, torch.Tensor):
             if device_type is None or o.device.type == device_type:
                 total += -(-int(o.numel() * o.element_size()) // align) * align
+        elif device_type is None and (
+            isinstance(o, (bytes, bytearray)) or (np is not None and isinstance(o, np.ndarray))
+        ):
+            n = len(o) if isinstance(o, (bytes, bytearray)) else int(o.nbytes)
+            total += -(-n // align) * align
         elif isinstance(o, Mapping):
             stack.extend(o.values())
         elif isinstance(o, (list, tuple)):

@@ -140,7 +140,8 @@ pub const CHECKPOINT_BUDGET: Setting = user(
     Kind::Bytes,
     "16GiB",
     "the most a recording's checkpoints keep in the store (e.g. 500MB, 16GiB): beyond it they are thinned \
-     to a spread over the run, never below 8; a retention chosen in hs.checkpointing replaces it",
+     to a spread over the run, never below 8; a retention chosen (hs.checkpointing, a framework \
+     callback's keep_* arguments) replaces it",
 );
 /// The period of safety checkpoints inside long iterations.
 pub const SAFETY_MINUTES: Setting = user(

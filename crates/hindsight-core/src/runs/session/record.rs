@@ -224,11 +224,8 @@ impl RecordSession {
         let schedule = CheckpointSchedule::from_env()?;
         let code = preempt::exit_code(None)?;
         let safety = settings::SAFETY_MINUTES.float()?.map(|m| m * 60.0);
-        let budget = settings::CHECKPOINT_BUDGET
-            .bytes()?
-            .or_else(|| crate::units::parse_size(settings::CHECKPOINT_BUDGET.default));
         let mut s = RecordSession::new(run_id, schedule, code, safety, now);
-        s.budget = budget;
+        s.budget = budget_from_env()?;
         Ok(s)
     }
 
@@ -240,6 +237,8 @@ impl RecordSession {
         let schedule = CheckpointSchedule::new(None, crate::runs::adaptive::DEFAULT_EPSILON)?;
         let mut s = RecordSession::new(prefix, schedule, preempt::exit_code(None)?, None, now);
         s.set_objects(true);
+        // A fit's checkpoints are bounded as an `hs.loop` run's are.
+        s.budget = budget_from_env()?;
         Ok(s)
     }
 
@@ -790,4 +789,12 @@ impl RecordSession {
     fn id(&self, i: u64, kind: Kind) -> Result<String> {
         Ok(CheckpointId::new(&self.run_id, &self.loop_name, i, kind)?.name())
     }
+}
+
+/// The store budget of a run's checkpoints: `$HINDSIGHT_CHECKPOINT_BUDGET`,
+/// else its default (a bad value is an error naming the variable).
+fn budget_from_env() -> Result<Option<u64>> {
+    Ok(settings::CHECKPOINT_BUDGET
+        .bytes()?
+        .or_else(|| crate::units::parse_size(settings::CHECKPOINT_BUDGET.default)))
 }
