@@ -540,7 +540,7 @@ def test_the_data_commands_name_a_bad_argument_without_a_traceback(tmp_path: Pat
     journal_file = tmp_path / "journal"
     journal_file.write_text("")
     cases = [
-        (["dispatcher", "--journal", str(tmp_path / "j"), "--port", "99999"], 2, "not a port number"),
+        (["dispatcher", "--journal", str(tmp_path / "j"), "--port", "99999"], 2, "invalid value '99999' for '--port"),
         (["dispatcher", "--journal", str(tmp_path / "j"), "--heartbeat-timeout", "-1"], 1, "heartbeat_timeout"),
         (["dispatcher", "--journal", str(tmp_path / "j"), "--heartbeat-timeout", "1e300"], 1, "a year"),
         (["dispatcher", "--journal", str(journal_file)], 1, str(journal_file)),
@@ -562,7 +562,8 @@ def test_the_data_commands_name_a_bad_argument_without_a_traceback(tmp_path: Pat
     r = subprocess.run([*hindsight_cmd(), "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "\n  record " in r.stdout and "\n  data " in r.stdout, r.stdout
     r = subprocess.run([*hindsight_cmd(), "data"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "hindsight data {dispatcher,worker,token}" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 2 and "Usage: hindsight data [OPTIONS] <COMMAND>" in r.stderr, r.stdout + r.stderr
+    assert all(f"\n  {c} " in r.stderr for c in ("dispatcher", "worker", "token")), r.stderr
 
 
 def test_the_dispatcher_serves_this_machine_unless_told_otherwise_and_then_says_so(tmp_path: Path) -> None:

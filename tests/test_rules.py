@@ -190,3 +190,18 @@ def test_every_framework_fit_keeps_its_checkpoints_within_the_store_budget(tmp_p
     assert 2 <= len(kept["100B"]) <= 8, kept
     assert set(kept["100B"]) < set(kept["16GiB"]), kept
     assert kept["100B"][-1] == kept["16GiB"][-1], kept  # the newest is kept: a resume loses nothing
+
+
+def test_the_replay_grammar_names_every_registered_launcher() -> None:
+    """`--launcher` is parsed by the command's one grammar (clap, in the
+    engine) and carried out by `hindsight._launch.LAUNCHERS`: the two name
+    the same launchers, so none is refused by one and accepted by the other."""
+    from hindsight._launch import LAUNCHERS
+
+    r = subprocess.run(
+        [sys.executable, "-m", "hindsight", "replay", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    after = r.stdout.split("--launcher", 1)[1]
+    listed = after.split("[possible values: ", 1)[1].split("]", 1)[0].split(", ")
+    assert sorted(listed) == sorted(LAUNCHERS), (listed, sorted(LAUNCHERS))

@@ -14,7 +14,6 @@ per step, the x axis is the outer loop's value (`epoch` = 1, 2, ... for
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -179,30 +178,18 @@ def _runs(db: Any, which: list[str]) -> list[str]:
     return [db.run(r).id for r in which]  # NotFound names the id
 
 
-def main(command: str, argv: list[str], home: str | None) -> int:
-    """`hindsight plot` and `hindsight export`."""
-    what = {
-        "plot": "Draw logged series of runs into one image (one panel per name, one line per run).",
-        "export": "Write logged series of runs as TensorBoard event files, one directory per run.",
-    }
-    p = argparse.ArgumentParser(prog=f"hindsight {command}", description=what.get(command))
-    p.add_argument("names", nargs="+", metavar="NAME", help="logged names (hs.log)")
-    p.add_argument(
-        "--run", action="append", default=[], metavar="ID", help="run to read (repeatable; default: the latest)"
-    )
-    if command == "plot":
-        p.add_argument("-o", "--output", required=True, metavar="FILE.png", help="the figure (png, pdf, svg)")
-    else:
-        p.add_argument("--tensorboard", required=True, metavar="DIR", help="write event files under DIR/<run>/")
-    p.add_argument("--home", default=home, help="project home (default: $HINDSIGHT_HOME or <git root>/.hindsight)")
-    a = p.parse_args(argv)
+def main(a: _native.SeriesArgs) -> int:
+    """`hindsight plot` and `hindsight export`, their arguments parsed by
+    the command's one grammar (`hindsight_cli::pycmds`)."""
+    command = a.command
     try:
         db, _ = _open(a.home)
         runs = [run_series(db, r, a.names) for r in _runs(db, a.run)]
-        if command == "plot":
+        if a.output is not None:
             plot(runs, a.names, Path(a.output))
             print(f"wrote {a.output}: {', '.join(a.names)} of {len(runs)} run(s)")
         else:
+            assert a.tensorboard is not None  # export's required option
             dirs = tensorboard(runs, a.names, Path(a.tensorboard))
             n = sum(len(r.series[name].xs) for r in runs for name in a.names)
             print(

@@ -6,21 +6,19 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 import time
 import warnings
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
 from hindsight import _fit, _native, _preemption, _run, session
+from hindsight._lightning_io import HindsightCheckpointIO
+from hindsight._lightning_replay import CALLBACKS_KEY, LightningReplay, _drop
 from hindsight._lightning_store import (
     DEFAULT_PREFIX,
     _import_lightning,
-    _map_location,
     _name_of,
     _pack,
-    _unpack,
     _unsupported,
     checkpoints,
     latest,
@@ -28,130 +26,9 @@ from hindsight._lightning_store import (
 )
 from hindsight._state import rng_state, set_rng_state
 from hindsight._store import Store
-from hindsight.errors import HindsightError, ReplayError, UnsupportedTypeError
+from hindsight.errors import UnsupportedTypeError
 
 pl = _import_lightning()
-# The end mark's key for the other checkpoint callbacks' final states.
-_CALLBACKS_KEY = "checkpoint_callbacks"
-# Where a best/last path a replay cannot know points: loading it is refused, naming why.
-_UNKNOWN = os.path.join(os.sep, "hindsight-replay-unknown")
-_io = importlib.import_module(pl.__name__ + ".plugins")
-CheckpointIO = _io.CheckpointIO
-TorchCheckpointIO = _io.TorchCheckpointIO
-
-
-class HindsightCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
-    """A Lightning ``CheckpointIO`` for ``hindsight://<name>`` paths.
-
-    ``save_checkpoint`` snapshots into the store and returns while the
-    write continues (``store.flush()`` or ``teardown`` waits);
-    ``load_checkpoint`` verifies every byte; ``remove_checkpoint`` removes
-    the manifest (``store.gc()`` reclaims space). Any other path goes to
-    ``fallback`` (default ``TorchCheckpointIO``), so ``ModelCheckpoint``
-    files keep working. Use as ``Trainer(plugins=[HindsightCheckpointIO(store)])``;
-    :class:`HindsightCheckpoint` installs one by itself.
-    """
-
-    def __init__(
-        self, store: Store | str | os.PathLike[str], *, fallback: Any = None, allow_pickle: bool = False
-    ) -> None:
-        super().__init__()
-        self._store = store if isinstance(store, Store) else None
-        self._store_path = store.path if isinstance(store, Store) else os.fspath(store)
-        self.fallback = fallback
-        self.allow_pickle = allow_pickle
-        # In a replay worker after its fit: the files the recording's
-        # checkpoint callbacks named (best, last), as they were when its fit
-        # ended ([size, mtime_ns]), and why a path they would have named is unknown.
-        self.recorded_files: dict[str, list[int]] | None = None
-        self.recorded_dirs: list[str] = []
-        self.unknown: dict[str, str] = {}
-
-    @property
-    def store(self) -> Store:
-        if self._store is None:
-            self._store = Store(self._store_path)
-        return self._store
-
-    def _fallback(self) -> Any:
-        if self.fallback is None:
-            self.fallback = TorchCheckpointIO()
-        return self.fallback
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-        name = _name_of(path)
-        if name is None:
-            self._fallback().save_checkpoint(checkpoint, path, storage_options=storage_options)
-            return
-        meta = storage_options if isinstance(storage_options, Mapping) else None
-        self.store.save(name, _pack(checkpoint), meta=meta, allow_pickle=self.allow_pickle)
-        return None
-
-    def load_checkpoint(
-        self, path: Any, map_location: Any = None, weights_only: bool | None = None, **kwargs: Any
-    ) -> dict[str, Any]:
-        name = _name_of(path)
-        if name is None:
-            self._check_recorded(path)
-            if weights_only is not None:
-                kwargs["weights_only"] = weights_only
-            loaded: dict[str, Any] = self._fallback().load_checkpoint(path, map_location=map_location, **kwargs)
-            return loaded
-        # weights_only: a hindsight checkpoint never runs code when loaded
-        # unless allow_pickle=True was chosen for this store.
-        return _unpack(self.store.load(name, map_location=_map_location(map_location), allow_pickle=self.allow_pickle))
-
-    def _check_recorded(self, path: Any) -> None:
-        """In a replay: a `ckpt_path="best"`/`"last"` file is the one the
-        recording's evaluation loaded, unchanged since its fit ended, or the load is refused."""
-        if self.recorded_files is None:
-            return
-        key = os.fspath(path)
-        if os.path.normpath(key) in self.unknown:
-            raise ReplayError(self.unknown[os.path.normpath(key)])
-        want = self.recorded_files.get(os.path.normpath(key))
-        if want is None:
-            real = os.path.realpath(key)
-            inside = [
-                d for d in self.recorded_dirs if os.path.commonpath([real, os.path.realpath(d)]) == os.path.realpath(d)
-            ]
-            if inside:
-                raise ReplayError(
-                    f"{key} is in {inside[0]}, where the recording's ModelCheckpoint wrote, but was not among "
-                    "its files when the recorded fit ended: replay cannot evaluate the model the recording did"
-                )
-            return  # a path the script names itself
-        try:
-            st = os.stat(key)
-        except OSError as e:
-            raise ReplayError(
-                f"the recording evaluated {key}, which its ModelCheckpoint wrote; it cannot be read now ({e}), "
-                "so replay cannot evaluate the same model"
-            ) from None
-        if [st.st_size, st.st_mtime_ns] != list(want):
-            raise ReplayError(
-                f"the recording evaluated {key}, which its ModelCheckpoint wrote; the file was changed since "
-                "the recorded fit ended (size or modification time differ), so replay cannot evaluate the same model"
-            )
-
-    def remove_checkpoint(self, path: Any) -> None:
-        name = _name_of(path)
-        if name is None:
-            self._fallback().remove_checkpoint(path)
-            return
-        self.store.remove(name)
-        return None
-
-    def teardown(self) -> None:
-        if self._store is not None and self._store._pid == os.getpid():
-            self._store.flush()
-        if self.fallback is not None:
-            self.fallback.teardown()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_store"] = None  # reopened from the path in a spawned process
-        return state
 
 
 class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
@@ -208,22 +85,10 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         # Set in setup: a restored fit that recorded into a hindsight run
         # continues that run (load_state_dict).
         self._continue_run = False
-        # In a `hindsight replay` worker: its run, the mode of the epoch under
-        # way, the visited epoch whose progress line is due, the module hook
-        # replaced for the fit.
-        self._replay: session.ReplayRun | None = None
-        self._mode: str | None = None
-        self._restoring: str | None = None
-        self._pending: int | None = None
-        self._hooked: Any = None
-        self._dropped: list[Any] = []
-        # After a replayed fit: whether the fitted module holds the recorded
-        # final weights (the fit reached the recording's last epoch), and
-        # whether a checkpoint callback's recorded state was unknown.
-        self._fit_module: Any = None
-        self._fit_final = True
-        self._unknown_state = False
-        self._last_visited: int | None = None
+        # In a `hindsight replay` worker: the fit being replayed; after it,
+        # the replayed fit (what an evaluation of its module may assume).
+        self._replay: LightningReplay | None = None
+        self._replayed: LightningReplay | None = None
 
     # -- plumbing ----------------------------------------------------------------
     # The arguments, as given (checked by the recorder).
@@ -258,7 +123,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_replay"] = state["_hooked"] = None
+        state["_replay"] = state["_replayed"] = None
         return state
 
     latest = staticmethod(latest)
@@ -353,12 +218,11 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
 
     # -- Lightning hooks -------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._replay = session.replaying("epoch") if stage == "fit" else None
+        run = session.replaying("epoch") if stage == "fit" else None
+        self._replay = None if run is None else LightningReplay(self, run)
         if self._replay is not None:
-            # An epoch executed instead of restored could not be compared
-            # with the checkpoint it replaces here: keep the plan's restores.
-            self._replay.session.set_cost_rule(False)
-            self._replay_setup(trainer)
+            self._replayed = None
+            self._replay.setup(trainer)
         self._continue_run = stage == "fit" and self._replay is None and bool(trainer.is_global_zero)
         if self._continue_run:
             _config_over_own(trainer)
@@ -373,7 +237,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if self._replay is not None:
-            self._hook_module(pl_module)
+            self._replay.hook_module(pl_module)
             return
         if not self.allow_pickle:
             for owner, obj in (("LightningModule", pl_module), ("LightningDataModule", trainer.datamodule)):
@@ -404,8 +268,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self._replay is not None:
-            # The fit ends after the last epoch the plan visits.
-            trainer.fit_loop.max_epochs = (self._replay.session.last_needed or 0) + 1
+            self._replay.train_starts(trainer)
             return
         # Lightning registered its own SIGTERM handler after on_fit_start
         # (composed with ours); it would stop with exit status 0 and no
@@ -423,7 +286,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         if self._flush_due:
             self._flush_logs()  # the values of the step a checkpoint was taken after
         self._context([("epoch", trainer.current_epoch), ("step", trainer.global_step)])
-        if self._replay is not None and self._mode != "execute":
+        if self._replay is not None and not self._replay.executing:
             _drop(True)  # a skipped step: until the checkpoint is restored, no value is the epoch's
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
@@ -441,24 +304,8 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         self._check_evaluated_model(trainer, pl_module)
 
     def _check_evaluated_model(self, trainer: Any, pl_module: Any) -> None:
-        """In a replay, `test`/`validate`/`predict` after the fit without a
-        checkpoint file evaluate the module as the replayed fit left it: that
-        is the recording's only where the replay reached its last epoch."""
-        fitted = self._fit_module() if self._fit_module is not None else None
-        if fitted is None or fitted is not pl_module or getattr(trainer, "ckpt_path", None) is not None:
-            return
-        if not self._fit_final:
-            raise ReplayError(
-                "the script evaluates the fitted model after fit, but this replay's fit stopped before the "
-                "recording's last epoch (it needed no later one), so the model is not the one the recording "
-                'evaluated; replay without --where, or evaluate a checkpoint (ckpt_path="best")'
-            )
-        if self._unknown_state:
-            raise ReplayError(
-                "the script evaluates after fit without a checkpoint file, and the recording's end of fit holds "
-                "no state of its checkpoint callback: replay cannot tell whether the recording's evaluation "
-                'loaded a file (ckpt_path="last") or the fitted model'
-            )
+        if self._replayed is not None:
+            self._replayed.check_evaluated_model(trainer, pl_module)
 
     # The sanity check's validation is no epoch's: its values are dropped
     # (as Lightning drops its self.log values).
@@ -472,7 +319,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
         self._end_of_epoch(trainer)
         self._context([("epoch", trainer.current_epoch)])
         if self._replay is not None:
-            self._replay_epoch_starts(trainer)
+            self._replay.epoch_starts(trainer)
         else:
             # Lightning restores a fit itself (ckpt_path): every epoch runs.
             self.rec.epoch_begin(trainer.current_epoch)
@@ -480,8 +327,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._context([("epoch", trainer.current_epoch)])
         if self._replay is not None:
-            # No fingerprints recorded for Lightning's batches: counted, not compared.
-            self._replay.session.step(trainer.current_epoch, batch_idx, "")
+            self._replay.batch_ends(trainer, batch_idx)
             return
         epoch_loop = trainer.fit_loop.epoch_loop
         should_accumulate = getattr(epoch_loop, "_should_accumulate", None)
@@ -514,7 +360,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         self._context([("epoch", trainer.current_epoch)])
         if self._replay is not None:
-            self._replay_epoch_ends(trainer)
+            self._replay.epoch_ends(trainer)
             return
         epoch = trainer.current_epoch
         order = self.rec.epoch_end(epoch)
@@ -539,12 +385,13 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._replay is not None:
-            self._replay_progress()
+            self._replay.progress()
         self._end_of_epoch(trainer)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         if self._replay is not None:
-            self._replay_fit_end(trainer, pl_module)
+            self._replay.fit_end(trainer, pl_module)
+            self._replayed = self._replay
             return  # a replay writes no checkpoint and no mark
         # The mark of a finished fit: `latest_path` then starts the next fit
         # afresh instead of restoring this one (and training nothing). It
@@ -556,7 +403,7 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
             tree = {
                 "global_step": trainer.global_step,
                 "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
-                _CALLBACKS_KEY: self._checkpoint_callback_states(trainer),
+                CALLBACKS_KEY: self._checkpoint_callback_states(trainer),
             }
         epoch = trainer.current_epoch
         self.rec.finish(epoch, {"epoch": epoch, **tree}, {"lightning": pl.__version__})
@@ -596,157 +443,9 @@ class HindsightCheckpoint(pl.Callback):  # type: ignore[misc, name-defined]
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._context(None)
         _drop(False)
-        if self._hooked is not None:
-            vars(pl_module).pop("on_train_batch_start", None)
-            self._hooked = None
+        if self._replay is not None:
+            self._replay.unhook(pl_module)
         self._restore_signals(trainer)
-
-    # -- replay: a worker of `hindsight replay` --------------------------------------------
-    # The fit runs epoch 0 up to the last epoch the plan visits. An epoch the
-    # plan restores skips its training (the module's on_train_batch_start
-    # answers -1, Lightning's own way to end an epoch early), loads the
-    # epoch's checkpoint when the epoch ends, runs validation on it and goes
-    # on to the epoch-end hooks, so probes there see the recorded state. An
-    # epoch it executes trains as recorded. Other epochs are skipped with
-    # their values dropped.
-    def _replay_setup(self, trainer: Any) -> None:
-        # Replay computes values only: no callback may write checkpoints
-        # over the recorded ones or stop the fit early.
-        kinds = (pl.callbacks.Checkpoint, pl.callbacks.EarlyStopping)
-        dropped = [cb for cb in trainer.callbacks if cb is not self and isinstance(cb, kinds)]
-        self._dropped = dropped
-        if dropped:
-            trainer.callbacks = [cb for cb in trainer.callbacks if cb not in dropped]
-            names = ", ".join(sorted({type(cb).__name__ for cb in dropped}))
-            print(f"hindsight replay: {names} left out (replay writes no checkpoint)", file=sys.stderr, flush=True)
-
-    def _replay_fit_end(self, trainer: Any, pl_module: Any) -> None:
-        """After a replayed fit: the callbacks left out of it come back with the
-        states the recorded fit ended with, so that `test`/`validate`/`predict(
-        ckpt_path="best" | "last")` load the files the recording loaded (checked
-        unchanged) and never a model this replay happens to hold."""
-        assert self._replay is not None
-        recorded_epochs = [it.idx for it in self._replay.db.iterations(self._replay.run_id, "epoch")]
-        self._fit_module = weakref.ref(pl_module)
-        self._fit_final = bool(recorded_epochs) and self._last_visited == max(recorded_epochs)
-        self._unknown_state = False
-        mark, why = self._recorded_end_mark()
-        if mark is not None and not self._fit_final:
-            # What follows the fit (test, validate) logs at the recorded fit's
-            # end, not at the epoch where this replay could stop.
-            loop = trainer.fit_loop
-            if isinstance(mark.get("epoch"), int):
-                loop.epoch_progress.current.completed = loop.epoch_progress.current.processed = mark["epoch"]
-            if isinstance(mark.get("batches_that_stepped"), int):
-                loop.epoch_loop._batches_that_stepped = mark["batches_that_stepped"]
-        dropped, self._dropped = self._dropped, []
-        if not dropped:
-            return
-        trainer.callbacks = [*trainer.callbacks, *dropped]
-        recorded = None if mark is None else mark.get(_CALLBACKS_KEY)
-        if mark is not None and not isinstance(recorded, dict):
-            why = "its end mark was written by a hindsight that did not record the checkpoint callbacks"
-            recorded = None
-        io = trainer.strategy.checkpoint_io
-        files: dict[str, list[int]] = {}
-        dirs: list[str] = []
-        unknown: dict[str, str] = {}
-        for cb in dropped:
-            if not isinstance(cb, pl.callbacks.Checkpoint):
-                continue
-            rec = None if recorded is None else recorded.get(str(cb.state_key))
-            if rec is None:
-                reason = why or (
-                    f"the recording's end of fit holds no state of {type(cb).__name__} {cb.state_key} "
-                    "(a state that cannot be stored without pickling, or another callback configuration)"
-                )
-                marker = os.path.join(_UNKNOWN, str(len(unknown)), "unknown.ckpt")
-                self._unknown_state = True
-                unknown[marker] = (
-                    f'replay cannot tell which file the recording\'s ckpt_path="best"/"last" named: {reason}'
-                )
-                for attr in ("best_model_path", "last_model_path", "dirpath"):
-                    if hasattr(cb, attr):
-                        setattr(cb, attr, marker if attr != "dirpath" else os.path.dirname(marker))
-                continue
-            state = dict(rec["state"])
-            if hasattr(cb, "dirpath") and "dirpath" in state:
-                cb.dirpath = state["dirpath"]
-            cb.load_state_dict(state)
-            if isinstance(state.get("dirpath"), str):
-                dirs.append(state["dirpath"])
-            files.update({str(k): [int(x) for x in v] for k, v in (rec.get("files") or {}).items()})
-        if isinstance(io, HindsightCheckpointIO):
-            io.recorded_files = {os.path.normpath(k): v for k, v in files.items()}
-            io.recorded_dirs = dirs
-            io.unknown = unknown
-
-    def _recorded_end_mark(self) -> tuple[dict[str, Any] | None, str | None]:
-        """The recorded fit's end mark, or (None, why not)."""
-        assert self._replay is not None
-        names = [it.checkpoint for it in self._replay.db.iterations(self._replay.run_id, "epoch") if it.checkpoint]
-        ck = _native.CheckpointId.parse(names[-1]) if names else None
-        if ck is None:
-            return None, "the recorded fit has no hindsight checkpoint to find its end from"
-        ends = [c for c in self.store.checkpoints(ck.prefix) if c.prefix == ck.prefix and c.kind == "end"]
-        if not ends:
-            return None, f"the recorded fit ({ck.prefix}) has no end mark in {self.store.path}: it did not finish"
-        return self.store.load(ends[-1].name), None
-
-    def _hook_module(self, pl_module: Any) -> None:
-        original = pl_module.on_train_batch_start
-
-        def on_train_batch_start(batch: Any, batch_idx: int) -> Any:
-            answer = original(batch, batch_idx)
-            return answer if self._mode == "execute" else -1
-
-        pl_module.on_train_batch_start = on_train_batch_start
-        self._hooked = original
-
-    def _replay_progress(self) -> None:
-        if self._pending is not None and self._replay is not None:
-            self._replay._end_iteration(self._pending)
-            self._pending = None
-
-    def _replay_epoch_starts(self, trainer: Any) -> None:
-        assert self._replay is not None
-        self._replay_progress()
-        epoch = trainer.current_epoch
-        session = self._replay.session
-        visit = session.iteration_start(epoch)
-        self._mode = self._restoring = None
-        if visit.kind not in (_native.VisitKind.SKIP, _native.VisitKind.STOP):
-            block = session.block_start(epoch, {})
-            self._mode = "restore" if block.kind == _native.BlockKind.RESTORE else "execute"
-            self._restoring = block.checkpoint
-        # The epoch starts from the state the previous one left only where the
-        # plan visited that one (or at the fit's start): the session says stale.
-        _drop(self._mode is None or visit.stale)
-
-    def _replay_epoch_ends(self, trainer: Any) -> None:
-        assert self._replay is not None
-        epoch = trainer.current_epoch
-        name = self._restoring
-        if self._mode == "restore" and name is not None:
-            t0 = time.perf_counter()
-            ckpt = _unpack(self.store.load(name, allow_pickle=self.allow_pickle))
-            _restore_epoch_end(trainer, ckpt, name)
-            took = time.perf_counter() - t0
-            self._replay.session.restored_in(took)
-            try:
-                self._replay.db.set_restore_seconds(self._replay.run_id, "epoch", epoch, took)
-            except HindsightError as e:  # bookkeeping only: say so, but never fail a replay for it
-                print(f"hindsight: could not record the restore time of {name}: {e}", file=sys.stderr)
-            _drop(False)
-            _validate(trainer)
-            # Validation drew from the random generators after the recorded
-            # epoch's did: put back the checkpoint's for what follows.
-            rng = (ckpt.get("callbacks") or {}).get(self.state_key, {}).get("rng")
-            if self.restore_rng and rng:
-                set_rng_state(rng)
-        if self._mode is not None:
-            self._pending = epoch
-            self._last_visited = epoch
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -804,69 +503,6 @@ def _restart_eval_steps(trainer: Any) -> None:
     seen = getattr(loop, "_seen_batches_per_dataloader", None)
     if seen is not None:
         seen.clear()
-
-
-def _drop(on: bool) -> None:
-    session.drop(on)
-
-
-def _restore_epoch_end(trainer: Any, ckpt: dict[str, Any], name: str) -> None:
-    """The state `ckpt` (taken at an epoch's end) in the running fit, through
-    Lightning's own restore of the model, precision plugin, callbacks,
-    optimizers and schedulers; the loop's counters (global step, steps for
-    logging) are set from it, the fit loop's position is not (the epoch is
-    the same)."""
-    # Only the states of callbacks this fit has (replay leaves some out).
-    present = {cb.state_key for cb in trainer.callbacks}
-    ckpt = {**ckpt, "callbacks": {k: v for k, v in (ckpt.get("callbacks") or {}).items() if k in present}}
-    connector = trainer._checkpoint_connector
-    connector._loaded_checkpoint = ckpt
-    try:
-        connector.restore_model()
-        connector.restore_precision_plugin_state()
-        connector.restore_callbacks()
-        connector.restore_optimizers_and_schedulers()
-    finally:
-        connector._loaded_checkpoint = {}
-    loops = ckpt.get("loops", {}).get("fit_loop", {})
-    epoch_loop = trainer.fit_loop.epoch_loop
-    for key, progress in (
-        ("epoch_loop.batch_progress", epoch_loop.batch_progress),
-        ("epoch_loop.scheduler_progress", epoch_loop.scheduler_progress),
-        ("epoch_loop.automatic_optimization.optim_progress", epoch_loop.automatic_optimization.optim_progress),
-        ("epoch_loop.manual_optimization.optim_step_progress", epoch_loop.manual_optimization.optim_step_progress),
-    ):
-        if key in loops:
-            progress.load_state_dict(loops[key])
-    stepped = loops.get("epoch_loop.state_dict", {}).get("_batches_that_stepped")
-    if stepped is not None:
-        epoch_loop._batches_that_stepped = stepped
-    if trainer.global_step != ckpt.get("global_step"):
-        raise ReplayError(
-            f"restoring {name}: the global step is {trainer.global_step}, the checkpoint's "
-            f"{ckpt.get('global_step')} (this Lightning version, {pl.__version__}, keeps its counters elsewhere)"
-        )
-
-
-def _validate(trainer: Any) -> None:
-    """The validation Lightning runs at the end of a training epoch, for an
-    epoch whose training a replay skipped."""
-    epoch_loop = trainer.fit_loop.epoch_loop
-    due = getattr(epoch_loop, "_should_check_val_epoch", None)
-    if not trainer.enable_validation or (callable(due) and not due()):
-        return
-    first = trainer._logger_connector._first_loop_iter
-    # Lightning validates after the epoch's last step and before it counts
-    # that step for logging: its values are logged at the step before.
-    stepped = epoch_loop._batches_that_stepped
-    epoch_loop._batches_that_stepped = max(0, stepped - 1)
-    trainer.validating = True
-    try:
-        epoch_loop.val_loop.run()
-    finally:
-        epoch_loop._batches_that_stepped = stepped
-    trainer.training = True
-    trainer._logger_connector._first_loop_iter = first
 
 
 _loggers = importlib.import_module(pl.__name__ + ".loggers")

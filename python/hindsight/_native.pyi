@@ -31,6 +31,7 @@ __all__ = [
     "CancelledError",
     "CheckpointId",
     "CheckpointPolicy",
+    "CliCall",
     "ConcurrentChangeError",
     "CorruptError",
     "DataClient",
@@ -43,6 +44,7 @@ __all__ = [
     "DataUnreachableError",
     "DatabaseError",
     "DeviceCopyError",
+    "DispatcherArgs",
     "Divergence",
     "DivergenceError",
     "EndKind",
@@ -66,9 +68,11 @@ __all__ = [
     "Pickled",
     "Progress",
     "ProjectPaths",
+    "RecordArgs",
     "RecordSession",
     "Region",
     "RegionRequest",
+    "ReplayArgs",
     "ReplayCheck",
     "ReplayError",
     "ReplayPlan",
@@ -79,6 +83,7 @@ __all__ = [
     "RunInfo",
     "RunLease",
     "SaveHandle",
+    "SeriesArgs",
     "Setting",
     "StateCheck",
     "StateDifference",
@@ -90,11 +95,13 @@ __all__ = [
     "Store",
     "StoreChoice",
     "StoreClosedError",
+    "TokenArgs",
     "UnitWork",
     "UnsupportedTypeError",
     "Verdict",
     "Visit",
     "VisitKind",
+    "WorkerArgs",
     "WorkerCommand",
     "WorkerPlan",
     "World",
@@ -115,6 +122,7 @@ __all__ = [
     "device_fingerprint_of",
     "device_fingerprint_table",
     "launch_world",
+    "parse_cli",
     "parse_date",
     "part_name",
     "plan_replicated",
@@ -125,7 +133,6 @@ __all__ = [
     "replay_verdict",
     "resume_fit",
     "resume_key",
-    "run_cli",
     "run_data_dispatcher",
     "serve_data_worker",
     "setting_value",
@@ -271,7 +278,7 @@ class Store:
     ) -> builtins.list[str]: ...
 
 def default_retention_spread(len: int | None) -> int | None: ...
-def run_cli(args: list[str]) -> tuple[int, str, str]: ...
+def parse_cli(args: list[str]) -> CliCall: ...
 def watch_opens(watcher: Callable[[Any, Any, Any], object]) -> None: ...
 def device_fingerprint_table() -> Buffer: ...
 def device_fingerprint_of(data: Any) -> list[int]: ...
@@ -1291,3 +1298,70 @@ def part_name(name: str, rank: int, world: int, attempt: str) -> str: ...
 
 META_REPLICATED: str
 META_WORLD: str
+
+@final
+class CliCall:
+    """What `parse_cli` did: a command run here (its exit code and output,
+    or its help or usage error), or a Python command's parsed `args`."""
+
+    code: int
+    out: str
+    err: str
+    args: ReplayArgs | SeriesArgs | RecordArgs | DispatcherArgs | WorkerArgs | TokenArgs | None
+    store_given: bool
+
+@final
+class ReplayArgs:
+    script: str
+    run: builtins.list[str] | None
+    runs: builtins.list[str] | None
+    since: str | None
+    jobs: int
+    where: str | None
+    force: bool
+    allow_divergence: bool
+    fast: bool
+    recorded_ranks: bool
+    quiet: bool
+    launcher: str
+    sbatch: builtins.list[str] | None
+    home: str | None
+
+@final
+class SeriesArgs:
+    command: str
+    names: builtins.list[str]
+    run: builtins.list[str]
+    output: str | None
+    tensorboard: str | None
+    home: str | None
+
+@final
+class RecordArgs:
+    explain: bool
+    command: builtins.list[str]
+
+@final
+class DispatcherArgs:
+    journal: str
+    port: int
+    host: str
+    heartbeat_timeout: float
+
+@final
+class WorkerArgs:
+    dispatcher: str
+    dataset: str
+    args: str
+    collate: str | None
+    bind: str
+    advertise: str | None
+    parent_pid: int | None
+    checkpoints: str | None
+    checkpoint_overhead: float
+    shared_dir: str | None
+
+@final
+class TokenArgs:
+    dataset: str
+    journal: str | None

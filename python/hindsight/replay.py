@@ -13,7 +13,6 @@ are split over G worker processes, each resuming from a checkpoint).
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import os
@@ -25,27 +24,13 @@ from typing import Any
 
 from hindsight import _native
 from hindsight._analysis import Analysis, analyze, transplant
-from hindsight._launch import LAUNCHERS, LaunchContext, Worker, launcher
+from hindsight._launch import LaunchContext, Worker, launcher
 from hindsight._run import jupyter
 from hindsight.errors import HindsightError, NotFoundError, ReplayError
 
 #: Longest --where accepted: a filter longer than this is a mistake, and the
 #: parser's recursion would fail on it anyway.
 MAX_WHERE = 2000
-#: Most replay workers at once: far past any machine's cores (a typo otherwise
-#: overflows the engine's integer).
-MAX_JOBS = 4096
-
-
-def _jobs(text: str) -> int:
-    """`-j N`: a positive worker count."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not 1 <= n <= MAX_JOBS:
-        raise argparse.ArgumentTypeError(f"{n} workers: give 1 to {MAX_JOBS}")
-    return n
 
 
 def _where(expr: str | None, loop: str) -> Any:
@@ -211,7 +196,7 @@ def _whole_iterations(location: str, store_names: set[str], rows: list[Any]) -> 
         return False
 
 
-def replay(args: argparse.Namespace) -> int:
+def replay(args: _native.ReplayArgs) -> int:
     script = Path(args.script).resolve()
     if not script.exists():
         raise NotFoundError(f"script not found: {args.script}")
@@ -293,7 +278,7 @@ def replay(args: argparse.Namespace) -> int:
                 job.temp_script.unlink(missing_ok=True)
 
 
-def _threads(args: argparse.Namespace, jobs: list[RunJob], local: bool) -> _native.ReplayThreads:
+def _threads(args: _native.ReplayArgs, jobs: list[RunJob], local: bool) -> _native.ReplayThreads:
     """Each worker's torch thread count, whether its run's values can be
     compared bit for bit, and how many workers run at once: the engine's
     rule (`runs::replay::driver::threads`); this says what it chose."""
@@ -327,7 +312,7 @@ def _threads(args: argparse.Namespace, jobs: list[RunJob], local: bool) -> _nati
 
 
 def _prepare(
-    args: argparse.Namespace,
+    args: _native.ReplayArgs,
     db: Any,
     location: str,
     store_names: set[str],
@@ -412,7 +397,7 @@ def _prepare(
     return RunJob(run.id, names, workers, total, db.last_seq(run.id), versions, temp)
 
 
-def _report(args: argparse.Namespace, db: Any, job: RunJob, start: float) -> int:
+def _report(args: _native.ReplayArgs, db: Any, job: RunJob, start: float) -> int:
     """Failures, divergences and the summary of one run's replay; its exit status."""
     divergences = db.replay_divergences(job.replay_id).divergences
     # The engine's rule: what the staged values are worth, and the status.
@@ -470,67 +455,11 @@ def _report(args: argparse.Namespace, db: Any, job: RunJob, start: float) -> int
     return verdict.exit
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="hindsight replay", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("script", help="the training script, with new hs.log statements")
-    p.add_argument("--run", action="append", help="run id to replay (repeatable; default: the latest run of SCRIPT)")
-    p.add_argument(
-        "--runs",
-        nargs="+",
-        metavar="all|ID",
-        help="several runs: 'all' recorded runs of SCRIPT, or these ids; runs recorded from another version "
-        "of the script get the new statements placed into their own recorded source",
-    )
-    p.add_argument("--since", metavar="DATE", help="only runs started at or after DATE (UTC: YYYY-MM-DD[ HH:MM])")
-    p.add_argument("-j", "--jobs", type=_jobs, default=1, help="worker processes for inner-loop probes")
-    p.add_argument("--where", help="only these outer iterations, e.g. 'epoch >= 10'")
-    p.add_argument("--force", action="store_true", help="replay even if the script changed beyond logging")
-    p.add_argument(
-        "--allow-divergence",
-        action="store_true",
-        help="keep the values of a replay whose recomputed values differ from the recorded ones "
-        "(marked 'diverged'; by default they are discarded and the replay exits 3)",
-    )
-    p.add_argument(
-        "--fast",
-        action="store_true",
-        help="run -j workers at once with cores/j threads each, even where the recording used more threads: "
-        "values may differ in the last bits (compared within a tolerance, kept marked 'inexact')",
-    )
-    p.add_argument(
-        "--recorded-ranks",
-        action="store_true",
-        help="a multi-rank run's workers that only restore checkpoints (new values at the outer loop's level) run "
-        "on the recorded ranks too, not on one process: for epoch code whose values depend on the world size "
-        "(an all_reduce, a DistributedSampler's share)",
-    )
-    p.add_argument("--strict", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
-    p.add_argument("--home", help="project home (default: $HINDSIGHT_HOME or <git root>/.hindsight)")
-    p.add_argument("-q", "--quiet", action="store_true", help="hide the workers' standard output")
-    p.add_argument(
-        "--launcher",
-        choices=sorted(LAUNCHERS),
-        default="local",
-        help="where the workers run: processes here, or a Slurm job array (one task per worker; "
-        "the project home and the store must be visible to the nodes)",
-    )
-    p.add_argument(
-        "--sbatch",
-        action="append",
-        metavar="ARG",
-        help="an option for sbatch with --launcher slurm, e.g. --sbatch=--partition=gpu (repeatable)",
-    )
-    args = p.parse_args(argv)
-    if args.jobs < 1:
-        p.error("-j must be at least 1")
+def main(args: _native.ReplayArgs) -> int:
+    """`hindsight replay`, its arguments parsed by the command's one grammar
+    (`hindsight_cli::pycmds::ReplayArgs`)."""
     try:
         return replay(args)
     except HindsightError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

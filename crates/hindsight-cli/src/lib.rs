@@ -37,6 +37,7 @@ macro_rules! outln {
 }
 
 pub use hindsight_core::runs::project as home;
+pub mod pycmds;
 mod runcmds;
 
 use runcmds::PhaseFilter;
@@ -198,41 +199,19 @@ enum Command {
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<std::ffi::OsString>,
     },
-    /// Re-run a recorded run with new log statements (provided by the Python package)
-    #[command(disable_help_flag = true)]
-    Replay {
-        /// Arguments for `python -m hindsight replay`
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
-    /// Draw logged series of runs into an image: NAME... [--run ID] -o FILE.png (provided by the Python package)
-    #[command(disable_help_flag = true)]
-    Plot {
-        /// Arguments for `python -m hindsight plot`
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
-    /// Write logged series as TensorBoard event files: NAME... --tensorboard DIR (provided by the Python package)
-    #[command(disable_help_flag = true)]
-    Export {
-        /// Arguments for `python -m hindsight export`
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
-    /// Run a training script: [--explain] SCRIPT [ARGS...] (provided by the Python package)
-    #[command(disable_help_flag = true)]
-    Record {
-        /// Arguments for `python -m hindsight record`
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
-    /// The input service: `data dispatcher` and `data worker` (provided by the Python package)
-    #[command(disable_help_flag = true)]
-    Data {
-        /// Arguments for `python -m hindsight data`
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
+    /// Re-run a recorded run with new log statements: partial (restoring
+    /// checkpoints) and parallel (-j workers)
+    Replay(pycmds::ReplayArgs),
+    /// Draw logged series of runs into one image (one panel per name, one line per run)
+    Plot(pycmds::PlotArgs),
+    /// Write logged series of runs as TensorBoard event files, one directory per run
+    Export(pycmds::ExportArgs),
+    /// Run a training script (the same as `python SCRIPT ARGS`); with
+    /// --explain, only say what its checkpoints would hold and why
+    Record(pycmds::RecordArgs),
+    /// The input service: its dispatcher, a dataset's worker, a job token
+    #[command(subcommand)]
+    Data(pycmds::DataCommand),
 }
 
 /// Why a command stopped.
@@ -268,23 +247,74 @@ impl From<hindsight_core::Error> for Failure {
     }
 }
 
+/// What [`dispatch`] did with a command line.
+#[derive(Debug)]
+pub enum Dispatch {
+    /// The command ran here (or its help or usage error was written): its exit code.
+    Done(i32),
+    /// A command the Python package carries out, parsed.
+    Python(Box<pycmds::PythonCall>),
+}
+
 /// Run the `hindsight` command with `args` (the first item is the program
 /// name). Normal output goes to `out`, errors to `err`; returns the exit code.
+/// The Python package's commands are refused, naming the package.
 pub fn run<I, T>(args: I, out: &mut dyn Write, err: &mut dyn Write) -> i32
 where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
-    let cli = match Cli::try_parse_from(args) {
-        Ok(cli) => cli,
+    match dispatch(args, out, err) {
+        Dispatch::Done(code) => code,
+        Dispatch::Python(call) => {
+            let _ = writeln!(err, "error: {}", python_only(call.command.name()));
+            EXIT_USAGE
+        }
+    }
+}
+
+/// Parse `args` by the one grammar of `hindsight` and run the command, or
+/// hand a Python command back parsed (its help and usage errors are
+/// written here like every other command's).
+pub fn dispatch<I, T>(args: I, out: &mut dyn Write, err: &mut dyn Write) -> Dispatch
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    use clap::{CommandFactory as _, FromArgMatches as _};
+    let parsed = Cli::command()
+        .try_get_matches_from(args)
+        .and_then(|m| Cli::from_arg_matches(&m).map(|cli| (cli, m)));
+    let (cli, matches) = match parsed {
+        Ok(parsed) => parsed,
         Err(e) => {
             let text = e.to_string();
             let dest: &mut dyn Write = if e.use_stderr() { err } else { out };
             let _ = dest.write_all(text.as_bytes());
             let _ = dest.flush();
-            return e.exit_code();
+            return Dispatch::Done(e.exit_code());
         }
     };
+    let python = match &cli.command {
+        Command::Replay(a) => Some(pycmds::PythonCommand::Replay(a.clone())),
+        Command::Plot(a) => Some(pycmds::PythonCommand::Plot(a.clone())),
+        Command::Export(a) => Some(pycmds::PythonCommand::Export(a.clone())),
+        Command::Record(a) => Some(pycmds::PythonCommand::Record(a.clone())),
+        Command::Data(a) => Some(pycmds::PythonCommand::Data(a.clone())),
+        _ => None,
+    };
+    if let Some(command) = python {
+        // A global option given after the subcommand is the subcommand's match.
+        let given = |m: &clap::ArgMatches| {
+            m.value_source("store") == Some(clap::parser::ValueSource::CommandLine)
+        };
+        let store_given = given(&matches) || matches.subcommand().is_some_and(|(_, m)| given(m));
+        return Dispatch::Python(Box::new(pycmds::PythonCall {
+            command,
+            home: cli.home,
+            store_given,
+        }));
+    }
 
     // Output is collected first and written at the end, so a closed pipe
     // (`hindsight ls | head`) cannot change the outcome of a command.
@@ -303,7 +333,7 @@ where
         }
     }
     let _ = err.flush();
-    code
+    Dispatch::Done(code)
 }
 
 fn execute(cli: Cli, out: &mut String, err: &mut dyn Write) -> Result<i32, Failure> {
@@ -389,11 +419,13 @@ fn execute(cli: Cli, out: &mut String, err: &mut dyn Write) -> Result<i32, Failu
             // Live messages: the command's own output is interleaved with them.
             Ok(supervise::supervise(&command, &policy, &mut io::stderr())?)
         }
-        Command::Replay { args: _ } => Err(python_only("replay")),
-        Command::Plot { args: _ } => Err(python_only("plot")),
-        Command::Export { args: _ } => Err(python_only("export")),
-        Command::Record { args: _ } => Err(python_only("record")),
-        Command::Data { args: _ } => Err(python_only("data")),
+        Command::Replay(_)
+        | Command::Plot(_)
+        | Command::Export(_)
+        | Command::Record(_)
+        | Command::Data(_) => {
+            unreachable!("dispatch hands Python's commands to the Python package")
+        }
     }
 }
 

@@ -668,38 +668,100 @@ fn store_commands_default_to_the_project_store() {
 }
 
 // ---------------------------------------------------------------------------
-// replay
+// One grammar: every command's help and main usage errors, the Python
+// package's commands among them
+
+/// A command line the grammar accepts for a Python command reaches the
+/// Python package; this binary (the engine without Python) names it.
+#[test]
+fn python_commands_are_parsed_here_and_carried_out_by_the_package() {
+    let p = Project::empty();
+    for args in [
+        &["replay", "train.py", "-j", "4", "--where", "epoch > 2"][..],
+        &["plot", "loss", "-o", "x.png"],
+        &["export", "loss", "--tensorboard", "tb"],
+        &["record", "train.py", "--lr", "1", "--help"],
+        &["data", "token", "--dataset", "m.f"],
+    ] {
+        let msg = format!(
+            "error: hindsight {} is provided by the Python package: run \
+             `python -m hindsight {} ...` (or the `hindsight` command installed by pip)\n",
+            args[0], args[0]
+        );
+        assert_eq!(p.hs(args), expect(2, "", &msg), "{args:?}");
+    }
+}
 
 #[test]
-fn replay_points_to_the_python_package() {
+fn every_commands_help_comes_from_the_one_grammar() {
     let p = Project::empty();
-    let msg = "error: hindsight replay is provided by the Python package: run \
-               `python -m hindsight replay ...` (or the `hindsight` command installed by pip)\n";
-    for args in [
-        &["replay"][..],
-        &[
-            "replay",
-            "20240301-120000-abcdef",
-            "--log",
-            "x=y",
-            "-j",
-            "4",
-        ],
-        &["replay", "--help"],
-    ] {
-        assert_eq!(p.hs(args), expect(2, "", msg), "{args:?}");
+    let commands: &[&[&str]] = &[
+        &[],
+        &["ls"],
+        &["runs"],
+        &["logs"],
+        &["show"],
+        &["consolidate"],
+        &["verify"],
+        &["rm"],
+        &["gc"],
+        &["du"],
+        &["where"],
+        &["settings"],
+        &["repair"],
+        &["run"],
+        &["replay"],
+        &["plot"],
+        &["export"],
+        &["record"],
+        &["data"],
+        &["data", "dispatcher"],
+        &["data", "worker"],
+        &["data", "token"],
+    ];
+    for command in commands {
+        let args: Vec<&str> = command.iter().copied().chain(["--help"]).collect();
+        let o = p.hs(&args);
+        assert_eq!((o.code, o.stderr.as_str()), (0, ""), "{args:?}");
+        let name = if command.is_empty() {
+            "help".to_string()
+        } else {
+            format!("help_{}", command.join("_"))
+        };
+        insta::assert_snapshot!(name, o.stdout);
     }
-    // plot and export too (matplotlib, TensorBoard's writer)
-    for name in ["plot", "export"] {
-        let msg = format!(
-            "error: hindsight {name} is provided by the Python package: run \
-             `python -m hindsight {name} ...` (or the `hindsight` command installed by pip)\n"
-        );
-        assert_eq!(
-            p.hs(&[name, "loss", "-o", "x.png"]),
-            expect(2, "", &msg),
-            "{name}"
-        );
+}
+
+#[test]
+fn usage_errors_of_the_python_commands_exit_2_naming_the_argument() {
+    let p = Project::empty();
+    let cases: &[(&str, &[&str])] = &[
+        ("replay_without_script", &["replay"]),
+        ("replay_no_workers", &["replay", "t.py", "-j", "0"]),
+        (
+            "replay_unknown_launcher",
+            &["replay", "t.py", "--launcher", "k8s"],
+        ),
+        ("plot_without_output", &["plot", "loss"]),
+        (
+            "export_with_plots_option",
+            &["export", "loss", "-o", "x.png"],
+        ),
+        ("record_without_script", &["record"]),
+        ("data_without_command", &["data"]),
+        (
+            "worker_without_dispatcher",
+            &["data", "worker", "--dataset", "m:f"],
+        ),
+        (
+            "dispatcher_bad_port",
+            &["data", "dispatcher", "--journal", "j", "--port", "70000"],
+        ),
+    ];
+    for (name, args) in cases {
+        let o = p.hs(args);
+        assert_eq!((o.code, o.stdout.as_str()), (2, ""), "{args:?}");
+        insta::assert_snapshot!(format!("usage_{name}"), o.stderr);
     }
 }
 

@@ -4,6 +4,7 @@
 
 mod audit;
 mod buffer;
+mod cli;
 mod data;
 mod describe;
 mod errors;
@@ -719,20 +720,6 @@ fn default_retention_spread(len: Option<u64>) -> Option<usize> {
     core::checkpoint::retention::Retention::default_for_loop(len).keep_spread
 }
 
-/// Run the `hindsight` command line in-process; returns (exit code, stdout, stderr).
-#[pyfunction]
-fn run_cli(py: Python<'_>, args: Vec<String>) -> (i32, String, String) {
-    py.detach(move || {
-        let (mut out, mut err) = (Vec::new(), Vec::new());
-        let code = hindsight_cli::run(args, &mut out, &mut err);
-        (
-            code,
-            String::from_utf8_lossy(&out).into_owned(),
-            String::from_utf8_lossy(&err).into_owned(),
-        )
-    })
-}
-
 /// The multipliers of the device fingerprint (core `device_fp`): `2 x
 /// DEVICE_FP_BLOCK_WORDS` little-endian int64, lane-major. The device side
 /// uploads this table once per device, so both sides compute one function.
@@ -776,7 +763,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<naming::PyFitChoice>()?;
     session::register(m)?;
     m.add_function(wrap_pyfunction!(naming::choose_fit, m)?)?;
-    m.add_function(wrap_pyfunction!(run_cli, m)?)?;
+    cli::register(m)?;
     m.add_function(wrap_pyfunction!(audit::watch_opens, m)?)?;
     m.add_function(wrap_pyfunction!(device_fingerprint_table, m)?)?;
     m.add_function(wrap_pyfunction!(default_retention_spread, m)?)?;

@@ -6,7 +6,6 @@ recomputed elsewhere after a failure."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
 import json
@@ -16,7 +15,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -284,41 +283,10 @@ def _import(spec: str, what: str) -> Callable[..., Any]:
     return obj  # type: ignore[no-any-return]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``hindsight data worker``: serve a dataset for a remote dispatcher."""
-    p = argparse.ArgumentParser(prog="hindsight data worker", description=main.__doc__)
-    p.add_argument("--dispatcher", required=True, help="host:port of the dispatcher")
-    p.add_argument("--dataset", required=True, help="module:factory returning a map-style dataset")
-    p.add_argument("--args", default="{}", help="JSON keyword arguments of the factory")
-    p.add_argument("--collate", default=None, help="module:function (default: torch's default_collate)")
-    p.add_argument(
-        "--bind",
-        default="127.0.0.1:0",
-        help="where to listen (default 127.0.0.1, any port: this machine only; 0.0.0.0:0 for trainers elsewhere)",
-    )
-    p.add_argument(
-        "--advertise",
-        default=None,
-        help="host[:port] clients use to reach this worker (port 0 or none: the bound port)",
-    )
-    p.add_argument("--parent-pid", type=int, default=None, help="stop when this process is gone (local workers)")
-    p.add_argument(
-        "--checkpoints",
-        default=None,
-        help="hindsight store (path or s3://) for worker checkpoints of sharded splits, shared by the workers",
-    )
-    p.add_argument(
-        "--checkpoint-overhead",
-        type=float,
-        default=0.05,
-        help="share of production time checkpoint stalls may take (0: none; default 0.05)",
-    )
-    p.add_argument(
-        "--shared-dir",
-        default=None,
-        help="hand large units over through files in this shared-memory directory (workers on the client's host)",
-    )
-    a = p.parse_args(argv)
+def main(a: _native.WorkerArgs) -> int:
+    """``hindsight data worker``: serve a dataset for a remote dispatcher
+    (its arguments parsed by the command's one grammar,
+    `hindsight_cli::pycmds::WorkerArgs`)."""
     try:
         args = json.loads(a.args)
     except json.JSONDecodeError as e:
