@@ -5,9 +5,10 @@ on public training scripts, against the plain script, in one run.
     python benches/bench_zoo.py [--scripts mnist vae siamese_network] [--epochs 10] [--epoch-s 5] [--fast-iters 2000]
 
 Each script (tests/zoo/, adapted as the README tells users) is first
-calibrated: the second epoch of a small recording gives the seconds per
-training example, and the training set is scaled so that one epoch takes
-about --epoch-s seconds. Then, at that size, with one torch thread:
+calibrated: the second epochs of two small recordings (2048 and 8192
+examples) give an epoch's seconds as a fixed part plus a part per example,
+and the training set is scaled so that one epoch takes about --epoch-s
+seconds. Then, at that size, with one torch thread:
 
     plain    the script with hindsight replaced by the zoo's no-op shim
     record   the script as adapted, default adaptive policy (no
@@ -15,7 +16,13 @@ about --epoch-s seconds. Then, at that size, with one torch thread:
              over --pairs interleaved plain/record pairs (their CPU summed:
              one pair varies by +-5% on a shared 2-core machine, 0.97 to
              1.10 here, and the median of an even number of pairs would be
-             the worse one)
+             the worse one). Beside it, what that measure can resolve: the
+             plain runs' own spread (A/A, identical work); and the
+             recording's account of its own CPU by its clocks (the hooks'
+             time on the training thread, the checkpoints' time there and
+             their writer's CPU, the log thread's), from its end line
+    floor    the plain script with --epochs 0 (imports, data, model): a
+             replay runs that much of the script whatever it restores
     epoch    the zoo's epoch probe added, `hindsight replay -q --strict`:
              whole command against the whole recording command
     step     the zoo's step probe added, replayed over the last 20% of the
@@ -40,6 +47,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -59,7 +67,7 @@ EPOCH_TARGET = 0.10
 STEP_TARGET = 0.25
 FAST_RECORD_TARGET = 1.067
 FAST_REPLAY_TARGET = 1.0
-CALIBRATION_SIZE = 2048
+CALIBRATION_SIZES = (2048, 8192)
 SCRIPTS = ("mnist", "vae", "siamese_network")
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -109,6 +117,21 @@ class Recorded(NamedTuple):
     rec: dict[str, Any]
     rec_cpu: float
     ratios: list[float]
+    plain_cpus: list[float]  # each plain run's: their spread is the A/A noise
+    own: list[tuple[float, float, float]]  # each recording's own CPU share: all, checkpoints, hooks (%)
+
+
+OWN = re.compile(
+    r"the recording's own CPU was ([\d.]+)% of the compute \(checkpoints ([\d.]+)%, loop hooks ([\d.]+)%\)"
+)
+
+
+def own_cpu(rec: dict[str, Any]) -> tuple[float, float, float]:
+    """The recording's own account of its CPU (its end line), in percent."""
+    m = OWN.search(rec["stderr"])
+    if m is None:
+        raise RuntimeError(f"no account of its own CPU in the recording's output: {rec['stderr'][-1500:]}")
+    return float(m[1]), float(m[2]), float(m[3])
 
 
 PAIRS = 3
@@ -137,11 +160,60 @@ def plain_and_record(name: str, args: list[str], d: Path) -> Recorded:
     ratios = [p[0] for p in pairs]
     _, plain, _, rec, _ = sorted(pairs, key=lambda p: p[0])[len(pairs) // 2]
     plain_cpu, rec_cpu = sum(p[2] for p in pairs), sum(p[4] for p in pairs)
-    return Recorded(rec_script, home, plain, plain_cpu, rec, rec_cpu, ratios)
+    return Recorded(
+        rec_script, home, plain, plain_cpu, rec, rec_cpu, ratios, [p[2] for p in pairs], [own_cpu(p[3]) for p in pairs]
+    )
 
 
 def pairs_note(r: Recorded) -> str:
-    return f"CPU of {len(r.ratios)} pairs pooled; each: " + ", ".join(f"{x:.3f}" for x in r.ratios)
+    note = f"CPU of {len(r.ratios)} pairs pooled; each: " + ", ".join(f"{x:.3f}" for x in r.ratios)
+    if len(r.plain_cpus) > 1:
+        note += f"; the plain runs alone differ by up to {100 * aa_spread(r):.1f}% (A/A)"
+    return note
+
+
+def aa_spread(r: Recorded) -> float:
+    """How far identical plain runs differ: what a CPU ratio cannot resolve."""
+    return max(r.plain_cpus) / min(r.plain_cpus) - 1 if len(r.plain_cpus) > 1 else float("nan")
+
+
+def add_own(tab: Table, r: Recorded, target: float) -> None:
+    """The recording's own account of its CPU, the mean of its runs."""
+    n = len(r.own)
+    everything, saves, hooks = (sum(o[k] for o in r.own) / n for k in range(3))
+    tab.add(
+        "record: its own CPU by its clocks (vs its compute)",
+        None,
+        None,
+        ratio=1 + everything / 100,
+        target=target,
+        note=f"checkpoints {saves:.2f}%, loop hooks {hooks:.2f}%; mean of {n} recordings",
+    )
+
+
+def calibrate(name: str, d: Path, epoch_s: float) -> int:
+    """The training-set size for epochs of about `epoch_s` seconds: the
+    second epochs of two small recordings, as seconds = fixed + n * each (an
+    epoch's evaluation and loader start do not grow with the training set)."""
+    spec = driver.SCRIPTS[name]
+    points = []
+    for n in CALIBRATION_SIZES:
+        cal = d / f"calibrate-{n}"
+        script = driver.prepare(cal, spec)
+        run(
+            [PY, script.name, "--epochs", "2", "--train-size", str(n)],
+            cal,
+            env(HINDSIGHT_HOME=str(cal / ".hindsight")),
+            f"{name} calibration",
+        )
+        points.append((n, iterations_recorded(cal / ".hindsight")[-1].seconds))
+    (n1, t1), (n2, t2) = points
+    each = (t2 - t1) / (n2 - n1)
+    if each <= 0:  # too noisy to split: all of it per example
+        each, fixed = t2 / n2, 0.0
+    else:
+        fixed = max(0.0, t1 - each * n1)
+    return max(64, int(math.ceil(max(epoch_s - fixed, each) / each / 64) * 64))
 
 
 def replay(name: str, r: Recorded, kind: str, *extra: str) -> tuple[dict[str, Any], float]:
@@ -167,19 +239,14 @@ def problem(name: str, kind: str, p: dict[str, Any], got: int) -> list[str]:
 def bench_script(name: str, epochs: int, epoch_s: float, tab: Table, raw: dict[str, Any]) -> list[str]:
     spec = driver.SCRIPTS[name]
     d = OUT / name
-    # Calibrate: seconds per example from the second of two small recorded
-    # epochs (the first pays for warm-up).
-    cal = d / "calibrate"
-    script = driver.prepare(cal, spec)
-    run(
-        [PY, script.name, "--epochs", "2", "--train-size", str(CALIBRATION_SIZE)],
-        cal,
-        env(HINDSIGHT_HOME=str(cal / ".hindsight")),
-        f"{name} calibration",
-    )
-    per_example = iterations_recorded(cal / ".hindsight")[-1].seconds / CALIBRATION_SIZE
-    size = int(math.ceil(epoch_s / per_example / 64) * 64)
+    size = calibrate(name, d, epoch_s)
     r = plain_and_record(name, ["--epochs", str(epochs), "--train-size", str(size)], d)
+    floor = run(
+        [PY, r.script.name, "--epochs", "0", "--train-size", str(size)],
+        d / "plain",
+        env(PYTHONPATH=str(driver.shim_dir(d))),
+        f"{name} start-up",
+    )
     iters = iterations_recorded(r.home)
     took = sum(1 for it in iters if it.checkpoint is not None)
     mean_epoch = sum(it.seconds for it in iters) / max(len(iters), 1)
@@ -200,7 +267,14 @@ def bench_script(name: str, epochs: int, epoch_s: float, tab: Table, raw: dict[s
         f"{took} checkpoints"
     )
     tab.add("record: process CPU (vs plain)", r.rec_cpu, r.plain_cpu, target=RECORD_TARGET, note=pairs_note(r))
+    add_own(tab, r, RECORD_TARGET)
     tab.add("record: whole command (vs plain)", rec_s, r.plain["wall_s"])
+    tab.add(
+        "floor: the plain script's start-up, --epochs 0 (vs the recording)",
+        floor["wall_s"],
+        rec_s,
+        note="a replay runs this much of the script whatever it restores",
+    )
     tab.add(
         "epoch probe replayed: whole command (vs the recording)",
         ep["wall_s"],
@@ -223,6 +297,9 @@ def bench_script(name: str, epochs: int, epoch_s: float, tab: Table, raw: dict[s
         "plain_wall_s": r.plain["wall_s"],
         "plain_cpu_s_all_pairs": r.plain_cpu,
         "record_cpu_ratios": r.ratios,
+        "plain_cpu_s_each": r.plain_cpus,
+        "record_own_cpu_pct": r.own,
+        "start_up_wall_s": floor["wall_s"],
         "rec_wall_s": rec_s,
         "rec_cpu_s_all_pairs": r.rec_cpu,
         "epoch_replay_wall_s": ep["wall_s"],
@@ -247,6 +324,7 @@ def bench_fast(name: str, args: list[str], tab: Table, raw: dict[str, Any]) -> l
     got = values_of(r.home, "zoo_epoch")
     tab.section(f"fast steps: {name} {' '.join(args)}: {len(iters)} iterations, {took} checkpoints")
     tab.add("record: process CPU (vs plain)", r.rec_cpu, r.plain_cpu, target=FAST_RECORD_TARGET, note=pairs_note(r))
+    add_own(tab, r, FAST_RECORD_TARGET)
     tab.add(
         "epoch probe replayed: whole command (vs the recording)",
         ep["wall_s"],
@@ -260,6 +338,8 @@ def bench_fast(name: str, args: list[str], tab: Table, raw: dict[str, Any]) -> l
         "plain_cpu_s_all_pairs": r.plain_cpu,
         "rec_cpu_s_all_pairs": r.rec_cpu,
         "record_cpu_ratios": r.ratios,
+        "plain_cpu_s_each": r.plain_cpus,
+        "record_own_cpu_pct": r.own,
         "rec_wall_s": r.rec["wall_s"],
         "epoch_replay_wall_s": ep["wall_s"],
         "epoch_replay": ep["stdout"].strip().splitlines()[-2:],

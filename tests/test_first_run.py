@@ -58,11 +58,14 @@ def test_a_recording_says_what_it_does_and_what_it_cost(tmp_path: Path) -> None:
     # Epochs 0 and 2 (the loop's end), with the bytes the saves wrote.
     done = re.fullmatch(
         rf"hindsight: run {run[1]} completed after [\d.]+ s: 2 checkpoints \(([\d.]+) (KiB|B)\ written\), "
-        r"[\d.]+ m?s of training time in them \([\d.]+%\)\. Add hs.log\(\.\.\.\) lines and replay: "
+        r"[\d.]+ m?s of training time in them \([\d.]+%\); the recording's own CPU was ([\d.]+)% of the "
+        r"compute \(checkpoints ([\d.]+)%, loop hooks ([\d.]+)%\)\. Add hs.log\(\.\.\.\) lines and replay: "
         r"hindsight replay train.py",
         end,
     )
     assert done, end
+    # Its own account adds up: everything it cost is its saves and its hooks.
+    assert abs(float(done[3]) - float(done[4]) - float(done[5])) <= 0.15, end
     # The model and its optimizer state: 64x64+64 floats at least once.
     assert float(done[1]) * (1024 if done[2] == "KiB" else 1) >= (64 * 64 + 64) * 4
 

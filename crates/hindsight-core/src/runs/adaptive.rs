@@ -128,6 +128,11 @@ impl AdaptivePolicy {
         self.checkpoint_share() + self.hooks_share()
     }
 
+    /// Some compute was observed (the shares are then meaningful).
+    pub fn has_compute(&self) -> bool {
+        self.total_compute_secs > 0.0
+    }
+
     /// Checkpoints' seconds / compute seconds so far.
     pub fn checkpoint_share(&self) -> f64 {
         Self::share(self.total_materialize_secs, self.total_compute_secs)
@@ -152,11 +157,7 @@ impl AdaptivePolicy {
     /// time counts as 0; an unknown (NaN/infinite) materialization time
     /// never checkpoints; a negative one counts as 0.
     pub fn observe_iteration(&mut self, compute_secs: f64, expected_materialize_secs: f64) -> bool {
-        self.n += 1;
-        if compute_secs.is_finite() && compute_secs > 0.0 {
-            self.total_compute_secs += compute_secs;
-            self.compute_since_checkpoint += compute_secs;
-        }
+        self.observe_compute(compute_secs);
         if !expected_materialize_secs.is_finite() {
             return false;
         }
@@ -170,12 +171,40 @@ impl AdaptivePolicy {
             self.withheld += 1;
         }
         if checkpoint {
-            self.k += 1;
-            self.total_materialize_secs += m;
-            self.pending_materialize_secs = Some(m);
-            self.compute_since_checkpoint = 0.0;
+            self.commit(m);
         }
         checkpoint
+    }
+
+    /// One iteration whose checkpoint was chosen by a fixed period
+    /// (`checkpoint`), not by this policy: its totals are kept all the same,
+    /// so what the recording cost can be stated.
+    pub fn observe_chosen(
+        &mut self,
+        compute_secs: f64,
+        checkpoint: bool,
+        expected_materialize_secs: f64,
+    ) {
+        self.observe_compute(compute_secs);
+        if checkpoint {
+            let m = expected_materialize_secs;
+            self.commit(if m.is_finite() { m.max(0.0) } else { 0.0 });
+        }
+    }
+
+    fn observe_compute(&mut self, compute_secs: f64) {
+        self.n += 1;
+        if compute_secs.is_finite() && compute_secs > 0.0 {
+            self.total_compute_secs += compute_secs;
+            self.compute_since_checkpoint += compute_secs;
+        }
+    }
+
+    fn commit(&mut self, m: f64) {
+        self.k += 1;
+        self.total_materialize_secs += m;
+        self.pending_materialize_secs = Some(m);
+        self.compute_since_checkpoint = 0.0;
     }
 
     /// What the hooks take from a `budget` of seconds: their measured time

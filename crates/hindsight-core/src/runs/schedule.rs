@@ -181,10 +181,12 @@ impl CheckpointSchedule {
             }
             self.unpriced = 0;
         }
-        if let Some(n) = self.every {
-            return i.is_multiple_of(n);
-        }
         let expected = self.last_blocked.unwrap_or(first_estimate) + self.background_per_checkpoint;
+        if let Some(n) = self.every {
+            let due = i.is_multiple_of(n);
+            self.policy.observe_chosen(compute_secs, due, expected);
+            return due;
+        }
         self.policy.observe_iteration(compute_secs, expected)
     }
 

@@ -142,6 +142,9 @@ pub struct RecordSession {
     /// Checkpoints handed to the writer, and the training thread's time in them.
     saves: u64,
     blocked_secs: f64,
+    /// The front end reports its hooks' time (`overhead`): the summary can
+    /// then state everything the recording cost, not only its saves.
+    hooks_measured: bool,
     started: f64,
     /// Why the last block end saved or did not, for `$HINDSIGHT_VERBOSE`.
     decision: Option<String>,
@@ -183,6 +186,7 @@ impl RecordSession {
             block_is_end: false,
             saves: 0,
             blocked_secs: 0.0,
+            hooks_measured: false,
             started: now,
             decision: None,
         }
@@ -421,6 +425,7 @@ impl RecordSession {
 
     /// The recording's own time outside saves so far (charged to ε).
     pub fn overhead(&mut self, total_secs: f64) {
+        self.hooks_measured = true;
         self.schedule.overhead(total_secs);
     }
 
@@ -665,6 +670,16 @@ impl RecordSession {
             ));
         }
         let p = self.schedule.policy();
+        if self.hooks_measured && p.has_compute() {
+            // What a user would otherwise measure against the plain script
+            // (and could not, on a noisy machine): its own clocks' account.
+            line.push_str(&format!(
+                "; the recording's own CPU was {:.1}% of the compute (checkpoints {:.1}%, loop hooks {:.1}%)",
+                100.0 * p.overhead(),
+                100.0 * p.checkpoint_share(),
+                100.0 * p.hooks_share()
+            ));
+        }
         if let (Some(r), true) = (p.restore_secs, p.withheld > 0) {
             line.push_str(&format!(
                 "; {} more fit the overhead bound but were not taken: restoring one ({:.0} ms) \

@@ -835,6 +835,23 @@ fn a_recording_says_what_it_checkpoints_why_and_what_it_cost() {
         line.contains("3 checkpoints") && line.contains("; 2 more fit the overhead bound but were not taken: restoring one (15000 ms) costs more than the compute since the one before"),
         "{line}"
     );
+    // A front end that does not time its hooks gets no claim about them.
+    assert!(!line.contains("own CPU"), "{line}");
+    // One that does: everything the recording cost, against 50 s of compute.
+    a.overhead(0.5);
+    let line = a.summary(Status::Completed, "t.py", None, 60.0);
+    let own = line
+        .split("; the recording's own CPU was ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("{line}"));
+    let checkpoints = 100.0 * a.schedule().policy().checkpoint_share();
+    assert!(
+        own.starts_with(&format!(
+            "{:.1}% of the compute (checkpoints {checkpoints:.1}%, loop hooks 1.0%)",
+            checkpoints + 1.0
+        )),
+        "{line}"
+    );
 }
 
 /// Two ranks of one job: the follower joins rank 0's run and takes its
