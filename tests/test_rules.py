@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -190,6 +192,100 @@ def test_every_framework_fit_keeps_its_checkpoints_within_the_store_budget(tmp_p
     assert 2 <= len(kept["100B"]) <= 8, kept
     assert set(kept["100B"]) < set(kept["16GiB"]), kept
     assert kept["100B"][-1] == kept["16GiB"][-1], kept  # the newest is kept: a resume loses nothing
+
+
+WALK_SCRIPT = """
+import os, signal, torch, hindsight as hs
+torch.manual_seed(0)
+net = torch.nn.Linear(4, 4)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+with hs.checkpointing(model=net, optimizer=opt):
+    for epoch in hs.loop("epoch", range(4)):
+        loss = net(torch.ones(2, 4)).pow(2).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if epoch == 2 and os.environ.get("STOP"):
+            os.kill(os.getpid(), signal.SIGTERM)
+print(repr(float(net.weight.sum())))
+"""
+
+
+def damage(store: Path, name: str) -> None:
+    """Flip a byte of every chunk checkpoint ``name`` holds and no other does."""
+
+    def chunks(n: str) -> set[str]:
+        raw = (store / "manifests" / f"{n}.hsm").read_bytes()
+        return {m.decode() for m in re.findall(rb'"(?:id|own)":"([0-9a-f]{64})"', raw)}
+
+    others = set().union(*(chunks(p.stem) for p in (store / "manifests").glob("*.hsm") if p.stem != name))
+    files = [f for i in chunks(name) - others if (f := store / "chunks" / i[:2] / i[2:]).exists()]
+    assert files, name
+    for f in files:
+        data = f.read_bytes()
+        f.chmod(0o644)
+        f.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+
+
+def test_every_front_end_walks_back_from_a_damaged_checkpoint_by_one_rule(tmp_path: Path) -> None:
+    """The resume walk is core's (`checkpoint::walk`): newest first, and a
+    checkpoint that does not read back is passed over for the one before,
+    with the same warning naming it. An `hs.loop` run stopped in its third
+    epoch, its newest checkpoint damaged, resumes from the one before and
+    ends on the uninterrupted weights; a fit's `latest(verify=True)` passes
+    over its damaged newest one the same way (unverified it names it, and
+    loading it refuses: never a damaged state)."""
+    import torch
+
+    import hindsight as hs
+    from hindsight import _native
+    from hindsight.errors import CorruptError
+    from hindsight.lightning import latest, load
+
+    (tmp_path / "train.py").write_text(WALK_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HINDSIGHT_")}
+    env.update(HINDSIGHT_HOME=str(tmp_path / ".hindsight"), HINDSIGHT_CHECKPOINT_EVERY="1", OMP_NUM_THREADS="1")
+
+    def train(**extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "train.py"],
+            cwd=tmp_path,
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    whole = train()
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    shutil.rmtree(tmp_path / ".hindsight")
+    stopped = train(STOP="1")
+    assert stopped.returncode == 85, stopped.stderr[-3000:]
+    store = tmp_path / ".hindsight" / "store"
+    with hs.Store(store) as s:
+        names = s.list()
+    newest, older = names[-1], names[-2]
+    damage(store, newest)
+    resumed = train()
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    warning = f"hindsight: WARNING: checkpoint {newest} is damaged ("
+    assert warning in resumed.stderr and "; resuming from an older one" in resumed.stderr, resumed.stderr[-3000:]
+    assert f"continues from checkpoint {older} " in resumed.stderr, resumed.stderr[-3000:]
+    assert resumed.stdout == whole.stdout  # the same weights as never stopped
+
+    # A fit's walk: the same rule, the same warning.
+    fits = tmp_path / "fits"
+    with hs.Store(fits) as s:
+        for epoch in range(2):
+            s.save(_native.CheckpointId("lightning", "epoch", epoch).name, {"w": torch.full((64,), float(epoch + 1))})
+    damage(fits, "lightning.epoch-000001")
+    assert latest(fits) == "lightning.epoch-000001"
+    with pytest.raises(CorruptError):
+        load(fits, "lightning.epoch-000001")
+    with pytest.warns(
+        UserWarning, match=re.escape("hindsight: WARNING: checkpoint lightning.epoch-000001 is damaged (")
+    ):
+        assert latest(fits, verify=True) == "lightning.epoch-000000"
 
 
 def test_the_replay_grammar_names_every_registered_launcher() -> None:

@@ -147,17 +147,14 @@ def latest(
     if s is None:
         return None
     try:
-        # The newest fit under the prefix, unless it finished (the engine's rule).
-        choice = _native.choose_fit(s.list(), prefix)
-        if choice.resume is None:
-            return None
-        for e in reversed(_entries(s, choice.resume.prefix)):
+        # The newest fit under the prefix, unless it finished: core's resume walk.
+        for name in _native.ResumeWalk.fit(s.list(), prefix, "epoch"):
             if verify:
-                problems = s.verify([e.name])
+                problems = s.verify([name])
                 if problems:
-                    warnings.warn(f"hindsight: skipping damaged checkpoint {e.name}: {problems[0]}", stacklevel=2)
+                    warnings.warn(_native.ResumeWalk.damaged(name, problems[0]), stacklevel=2)
                     continue
-            return e.name
+            return name
         return None
     finally:
         if owned:

@@ -76,9 +76,11 @@ __all__ = [
     "ReplayCheck",
     "ReplayError",
     "ReplayPlan",
+    "ReplayReport",
     "ReplaySession",
     "ReplayThreads",
     "ReplicaPlan",
+    "ResumeWalk",
     "Retention",
     "RunInfo",
     "RunLease",
@@ -103,6 +105,7 @@ __all__ = [
     "VisitKind",
     "WorkerArgs",
     "WorkerCommand",
+    "WorkerEnd",
     "WorkerPlan",
     "World",
     "WrongProcessError",
@@ -128,9 +131,9 @@ __all__ = [
     "plan_replicated",
     "project_paths",
     "put_back_files",
+    "replay_report",
     "replay_threads",
-    "replay_time_breakdown",
-    "replay_verdict",
+    "replay_unproduced",
     "resume_fit",
     "resume_key",
     "run_data_dispatcher",
@@ -901,8 +904,42 @@ class Verdict:
     @property
     def exit(self) -> int: ...
 
-def replay_verdict(returncodes: list[int | None], divergences: int, allow_divergence: bool, exact: bool) -> Verdict: ...
-def replay_time_breakdown(wall_secs: float, workers: list[Progress]) -> str: ...
+@final
+class WorkerEnd:
+    """One replay worker as it ended."""
+
+    def __new__(
+        cls,
+        index: int,
+        first: int | None,
+        last: int | None,
+        returncode: int | None,
+        stderr_tail: str,
+        progress: Progress,
+    ) -> WorkerEnd: ...
+
+@final
+class ReplayReport:
+    """What `hindsight replay` says of a run's replay, and what it is worth."""
+
+    @property
+    def warnings(self) -> list[str]: ...
+    @property
+    def summary(self) -> list[str]: ...
+    @property
+    def verdict(self) -> Verdict: ...
+
+def replay_report(
+    run_id: str,
+    names: list[str],
+    total: int,
+    workers: list[WorkerEnd],
+    check: ReplayCheck,
+    allow_divergence: bool,
+    exact: bool,
+    wall_secs: float,
+) -> ReplayReport: ...
+def replay_unproduced(run_id: str, names: list[str], have: list[str]) -> list[str]: ...
 
 EXIT_DIVERGED: int
 
@@ -965,6 +1002,23 @@ class FitChoice:
     def fresh_prefix(self) -> str: ...
 
 def choose_fit(names: list[str], base: str) -> FitChoice: ...
+
+@final
+class ResumeWalk:
+    """The checkpoints a continuing process tries, newest first."""
+
+    @staticmethod
+    def run(names: list[str], run_id: str) -> ResumeWalk: ...
+    @staticmethod
+    def fit(names: list[str], base: str, loop_name: str) -> ResumeWalk: ...
+    @staticmethod
+    def given(order: list[str]) -> ResumeWalk: ...
+    @property
+    def order(self) -> list[str]: ...
+    def __iter__(self) -> ResumeWalk: ...
+    def __next__(self) -> str: ...
+    @staticmethod
+    def damaged(name: str, why: str) -> str: ...
 
 @final
 class ReplayPlan:

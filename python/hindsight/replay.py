@@ -131,7 +131,7 @@ class RunJob:
     """A run's planned replay: its workers, and what the report needs."""
 
     run_id: str
-    names: str
+    names: list[str]
     workers: list[Worker]
     total: int
     start_seq: int
@@ -373,8 +373,8 @@ def _prepare(
         # beside the notebook (the same directory, so the same project).
         to_run = temp = script.parent / f".hindsight-replay-{run.id}.py"
         temp.write_text(current)
-    names = ", ".join(sorted({p.name for p in analysis.new_probes}))
-    print(f"run {run.id}: {plan.kind} replay of {names} on {len(plan.workers)} worker(s)", flush=True)
+    names = sorted({p.name for p in analysis.new_probes})
+    print(f"run {run.id}: {plan.kind} replay of {', '.join(names)} on {len(plan.workers)} worker(s)", flush=True)
     if plan.kind == "parallel" and args.jobs == 1 and (os.cpu_count() or 1) > 1:
         print(
             f"note: run {run.id}: every selected iteration re-executes; -j N splits them over N workers",
@@ -398,60 +398,33 @@ def _prepare(
 
 
 def _report(args: _native.ReplayArgs, db: Any, job: RunJob, start: float) -> int:
-    """Failures, divergences and the summary of one run's replay; its exit status."""
-    divergences = db.replay_divergences(job.replay_id).divergences
-    # The engine's rule: what the staged values are worth, and the status.
-    verdict = _native.replay_verdict(
-        [w.returncode for w in job.workers], len(divergences), bool(args.allow_divergence), job.exact
-    )
-    failed = [job.workers[i] for i in verdict.failed]
-    for w in failed:
+    """Say how one run's replay ended (core `runs::replay::report`), keep or
+    discard its values as the verdict says; its exit status."""
+    ends = []
+    for w in job.workers:
         iters = sorted(i for i, m in w.modes.items() if m != "skip")
-        print(
-            f"run {job.run_id}: worker {w.index} (iterations {iters[0]}..{iters[-1]}) failed with exit code "
-            f"{w.returncode}; the values of finished iterations are kept:\n{w.stderr_tail}",
-            file=sys.stderr,
-        )
-    for i, w in enumerate(job.workers):
-        if i not in verdict.failed and w.stderr_tail.strip():
-            sys.stderr.write(w.stderr_tail)
-    if divergences:
-        first = divergences[0]
-        where = ", ".join(f"{k}={v}" for k, v in first.ctx) or "top level"
-        kept = "kept, marked 'diverged'" if verdict.keep else "discarded"
-        print(
-            f"DIVERGENCE in run {job.run_id}: {len(divergences)} value(s) differ between record and replay; "
-            f"first: {first.name} at {where}: recorded {first.record_value}, replayed {first.replay_value}. "
-            f"The replay's values were {kept}" + ("" if verdict.keep else " (--allow-divergence keeps them, marked)"),
-            file=sys.stderr,
-        )
+        first, last = (iters[0], iters[-1]) if iters else (None, None)
+        ends.append(_native.WorkerEnd(w.index, first, last, w.returncode, w.stderr_tail, w.progress))
+    report = _native.replay_report(
+        job.run_id,
+        job.names,
+        job.total,
+        ends,
+        db.replay_divergences(job.replay_id),
+        bool(args.allow_divergence),
+        job.exact,
+        time.monotonic() - start,
+    )
+    for text in report.warnings:
+        sys.stderr.write(text)
+    sys.stderr.flush()
+    verdict = report.verdict
     db.finish_replay(job.replay_id, verdict.keep)
-    steps = sum(w.steps for w in job.workers)
-    bodies = sum(w.bodies for w in job.workers)
-    restored = sum(w.restored for w in job.workers)
-    wall = time.monotonic() - start
-    one_step = f", {bodies} iteration(s) without an inner loop executed" if bodies else ""
-    work = f"{restored} restored from checkpoints, {steps} inner-loop steps executed{one_step}"
-    if failed or verdict.diverged:
-        # Its stdout agrees with its exit status: no success line.
-        what = "diverged" if verdict.diverged else f"{len(failed)} of {len(job.workers)} worker(s) failed"
-        done = min(job.total, sum(w.done for w in job.workers))
-        print(
-            f"replay of run {job.run_id} FAILED ({what}) after {wall:.1f}s: its workers reached {done} of "
-            f"{job.total} iteration(s), {work}; values of {job.names}: {'kept' if verdict.keep else 'discarded'}"
-        )
-    else:
-        print(f"replayed {job.total} iteration(s) in {wall:.1f}s: {work}; new values: {job.names}")
-    print(_native.replay_time_breakdown(wall, [w.progress for w in job.workers]))
-    if not failed and not verdict.diverged:
-        # Nothing is no wrong value, but it must not pass unnoticed.
-        have = set(db.log_names(job.run_id))
-        for name in (n for n in job.names.split(", ") if n and n not in have):
-            print(
-                f"note: run {job.run_id}: the replay produced no value of {name!r}: its line did not run in "
-                "the replayed iterations (a condition that never held, or --where left them out)",
-                file=sys.stderr,
-            )
+    for line in report.summary:
+        print(line)
+    if not verdict.failed and not verdict.diverged:
+        for note in _native.replay_unproduced(job.run_id, job.names, db.log_names(job.run_id)):
+            print(note, file=sys.stderr)
     return verdict.exit
 
 

@@ -761,6 +761,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<buffer::Buffer>()?;
     m.add_class::<naming::PyCheckpointId>()?;
     m.add_class::<naming::PyFitChoice>()?;
+    m.add_class::<naming::PyResumeWalk>()?;
     session::register(m)?;
     m.add_function(wrap_pyfunction!(naming::choose_fit, m)?)?;
     cli::register(m)?;

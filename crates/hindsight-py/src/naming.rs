@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use hindsight_core::checkpoint::naming;
+use hindsight_core::checkpoint::{naming, walk};
 use hindsight_core::{CheckpointId as Id, CheckpointKind as Kind, Error};
 use pyo3::prelude::*;
 
@@ -146,4 +146,50 @@ impl PyFitChoice {
 #[pyfunction]
 pub(crate) fn choose_fit(names: Vec<String>, base: &str) -> PyFitChoice {
     PyFitChoice(naming::choose_fit(&names, base))
+}
+
+/// The resume walk (`checkpoint::walk`): the checkpoints a continuing
+/// process tries, newest first, one at a time.
+#[pyclass(module = "hindsight._native", name = "ResumeWalk", skip_from_py_object)]
+pub(crate) struct PyResumeWalk(walk::ResumeWalk);
+
+#[pymethods]
+impl PyResumeWalk {
+    /// The checkpoints of run `run_id`.
+    #[staticmethod]
+    fn run(names: Vec<String>, run_id: &str) -> Self {
+        Self(walk::ResumeWalk::run(&names, run_id))
+    }
+
+    /// The checkpoints of loop `loop_name` of the newest unfinished fit under `base`.
+    #[staticmethod]
+    fn fit(names: Vec<String>, base: &str, loop_name: &str) -> Self {
+        Self(walk::ResumeWalk::fit(&names, base, loop_name))
+    }
+
+    /// An order another process chose (rank 0's).
+    #[staticmethod]
+    fn given(order: Vec<String>) -> Self {
+        Self(walk::ResumeWalk::given(order))
+    }
+
+    /// Every candidate, newest first.
+    #[getter]
+    fn order(&self) -> Vec<String> {
+        self.0.order().to_vec()
+    }
+
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&mut self) -> Option<String> {
+        self.0.next()
+    }
+
+    /// The warning for candidate `name`, which did not read back (`why`).
+    #[staticmethod]
+    fn damaged(name: &str, why: &str) -> String {
+        walk::ResumeWalk::damaged(name, why)
+    }
 }

@@ -769,26 +769,6 @@ pub(crate) struct Verdict {
     exit: i32,
 }
 
-/// The verdict on a run's replay: the workers' exit statuses (None: never
-/// started), how many staged values differ, `--allow-divergence`, and
-/// whether the workers ran as recorded.
-#[pyfunction]
-#[pyo3(signature = (returncodes, divergences, allow_divergence, exact))]
-pub(crate) fn replay_verdict(
-    returncodes: Vec<Option<i32>>,
-    divergences: usize,
-    allow_divergence: bool,
-    exact: bool,
-) -> Verdict {
-    let v = replay::driver::verdict(&returncodes, divergences, allow_divergence, exact);
-    Verdict {
-        failed: v.failed,
-        diverged: v.diverged,
-        keep: v.keep.map(|t| t.as_str()),
-        exit: v.exit,
-    }
-}
-
 /// The thread rule of a replay (core `runs::replay::driver::threads`).
 #[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
 #[derive(Clone, Debug)]
@@ -866,11 +846,102 @@ impl PyProgress {
     }
 }
 
-/// Where a replay's time went (`runs::replay::driver::time_breakdown`).
+/// One replay worker as it ended (core `runs::replay::report::WorkerEnd`).
+#[pyclass(module = "hindsight._native", frozen, skip_from_py_object)]
+#[derive(Clone, Debug)]
+pub(crate) struct WorkerEnd(replay::report::WorkerEnd);
+
+#[pymethods]
+impl WorkerEnd {
+    /// Worker `index`, which visited iterations `first`..`last` (None:
+    /// none), exited with `returncode` (None: never started), left
+    /// `stderr_tail`, and reported `progress`.
+    #[new]
+    #[pyo3(signature = (index, first, last, returncode, stderr_tail, progress))]
+    fn new(
+        index: usize,
+        first: Option<u64>,
+        last: Option<u64>,
+        returncode: Option<i32>,
+        stderr_tail: String,
+        progress: PyRef<'_, PyProgress>,
+    ) -> Self {
+        WorkerEnd(replay::report::WorkerEnd {
+            index,
+            iterations: first.zip(last),
+            returncode,
+            stderr_tail,
+            progress: progress.0,
+        })
+    }
+}
+
+/// What `hindsight replay` says of a run's replay (core `runs::replay::report`).
+#[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
+#[derive(Clone, Debug)]
+pub(crate) struct ReplayReport {
+    /// Standard error before the values are kept or discarded (each ends in a newline).
+    warnings: Vec<String>,
+    /// Standard output once they are.
+    summary: Vec<String>,
+    verdict: Verdict,
+}
+
+/// The report of run `run_id`'s replay of `names` over `total` iterations:
+/// its workers as they ended, the values `check` found different,
+/// `--allow-divergence`, whether the workers ran as recorded, its wall time.
 #[pyfunction]
-fn replay_time_breakdown(wall_secs: f64, workers: Vec<PyRef<'_, PyProgress>>) -> String {
-    let progress: Vec<_> = workers.iter().map(|w| w.0).collect();
-    replay::driver::time_breakdown(wall_secs, &progress)
+#[pyo3(signature = (run_id, names, total, workers, check, allow_divergence, exact, wall_secs))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn replay_report(
+    run_id: &str,
+    names: Vec<String>,
+    total: u64,
+    workers: Vec<PyRef<'_, WorkerEnd>>,
+    check: PyRef<'_, ReplayCheck>,
+    allow_divergence: bool,
+    exact: bool,
+    wall_secs: f64,
+) -> ReplayReport {
+    let ends: Vec<_> = workers.iter().map(|w| w.0.clone()).collect();
+    let first = check.divergences.first().map(|d| replay::report::Differs {
+        name: d.name.clone(),
+        ctx: d.ctx.clone(),
+        recorded: d.record_value.clone(),
+        replayed: d.replay_value.clone(),
+    });
+    let r = replay::report::report(
+        run_id,
+        &names,
+        total,
+        &ends,
+        check.divergences.len(),
+        first.as_ref(),
+        allow_divergence,
+        exact,
+        wall_secs,
+    );
+    ReplayReport {
+        warnings: r.warnings,
+        summary: r.summary,
+        verdict: Verdict {
+            failed: r.verdict.failed,
+            diverged: r.verdict.diverged,
+            keep: r.verdict.keep.map(|t| t.as_str()),
+            exit: r.verdict.exit,
+        },
+    }
+}
+
+/// Notes for the `names` a successful replay of `run_id` left without a
+/// value (`have`: the names the run has values of).
+#[pyfunction]
+pub(crate) fn replay_unproduced(
+    run_id: &str,
+    names: Vec<String>,
+    have: Vec<String>,
+) -> Vec<String> {
+    replay::report::unproduced(run_id, &names, &have)
 }
 
 /// How a replay worker starts: its command line and working directory.
@@ -1074,8 +1145,10 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyProgress>()?;
     m.add_class::<ReplayThreads>()?;
     m.add_function(wrap_pyfunction!(replay_threads, m)?)?;
-    m.add_function(wrap_pyfunction!(replay_verdict, m)?)?;
-    m.add_function(wrap_pyfunction!(replay_time_breakdown, m)?)?;
+    m.add_class::<WorkerEnd>()?;
+    m.add_class::<ReplayReport>()?;
+    m.add_function(wrap_pyfunction!(replay_report, m)?)?;
+    m.add_function(wrap_pyfunction!(replay_unproduced, m)?)?;
     m.add("EXIT_DIVERGED", replay::driver::EXIT_DIVERGED)?;
     Ok(())
 }

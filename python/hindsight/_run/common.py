@@ -21,6 +21,7 @@ from hindsight._run.counters import shift_enumerates
 from hindsight._run.files import Written, files_of, put_back
 from hindsight._run.logwriter import LogWriter, Row
 from hindsight._run.loopvars import LoopVars, ModuleVars, _storages, stateful_objects
+from hindsight._run.position import Position
 from hindsight._run.ranks import Ranks
 from hindsight._run.values import Values
 from hindsight._state import apply_grads, apply_state, capture, set_rng_state
@@ -235,7 +236,8 @@ class Run:
         # What is logged, and the writes beside it, reach the database off
         # the training thread (`_write_logs` is a replay's own).
         self.logs = LogWriter(self._write_logs)
-        self.stack: list[list[Any]] = []  # [loop name, index]
+        # Where the script is in its loops: the loops move it, the hooks read it.
+        self.pos = Position()
         # What hs.log and a framework's hooks log: contexts, occurrences, rows.
         self.values = Values(self.logs, self.ranks, self.leads, self.rank_index)
         self.objects: dict[str, Any] = {}
@@ -245,42 +247,17 @@ class Run:
         self.discovered: dict[str, tuple[Any, int]] = {}
         # Loop variables whose value need not survive a resume (hs.checkpointing(transient=...)).
         self.transient: set[str] = set()
-        self.outer_name: str | None = None
-        self.outer_idx = -1
-        self.outer_value: Any = None
-        self.iter_start = 0.0
-        self.block_done = False
-        # The current outer iteration did not start from the state its
-        # predecessor left (a replay worker skipped that one): values logged
-        # before its inner loop would describe the wrong state, so they are
-        # dropped until the inner loop restores or rebuilds it.
-        self.stale_start = False
         # A replay worker whose plan ends before the loop does: the code after
         # the loop runs on the state of its last iteration, not the run's
         # final one, so what it logs is no result (the last worker's is).
         self.past_plan = False
-        # The variables the outer loop and the steps change (loopvars.py);
-        # block_live: the steps of the current iteration are under way.
-        self.outer_vars: LoopVars | None = None
-        self.block_vars: LoopVars | None = None
         self.module_vars = ModuleVars()
         # Files the script writes under its working directory (files.py): kept by a recording.
         self.files: Written | None = None
-        self.block_live = False
-        self.block_gen: Any = None
-        self.iter_values: dict[str, tuple[Any, tuple[int, ...]]] | None = None
-        # Whether the current outer iteration's start was kept (iter_values,
-        # the RecordRun's iter_rng), and whether an iteration of this process
-        # ran steps (an inner hs.loop): see _keeps_start.
-        self.iter_kept = False
-        self.blocks_seen = False
-        self.iterations_started = 0
         # Loop variables changed through methods that no checkpoint keeps
         # (LoopVars.unkept), for the closing note.
         self.unkept: dict[str, str] = {}
         self.finished = False
-        # An outer loop started since this was last reset (jupyter.on_cell_error).
-        self.loop_started = False
         # Set by hs.checkpointing; only recording acts on it.
         self.requeue = False
         self._beat_fd, self._next_beat = _heartbeat_fd(), 0.0
@@ -364,7 +341,7 @@ class Run:
     rank_index = 0
 
     def log(self, name: str, value: Any, every_rank: bool = False) -> None:
-        self.values.log(self.stack, name, value, every_rank, drop=self.stale_start or self.past_plan)
+        self.values.log(self.pos.stack, name, value, every_rank, drop=self.pos.stale_start or self.past_plan)
 
     def log_at(self, ctx: list[tuple[str, int]], name: str, value: Any) -> None:
         """`value` at a context of loops a framework runs, not hs.loop
@@ -446,19 +423,19 @@ class Run:
 
     # -- loops -------------------------------------------------------------------
     def loop(self, name: str, iterable: Iterable[T]) -> Iterator[T]:
-        if not self.stack:
-            if self.outer_name is not None and jupyter.shell() is not None:
+        if not self.pos.stack:
+            if self.pos.outer_name is not None and jupyter.shell() is not None:
                 # A training cell run again in the same kernel: its loop would
                 # overwrite this run's iterations, checkpoints and values.
                 raise InvalidArgumentError(
                     f"hs.loop({name!r}): run {self.run_id} of {self.script.name} already ran its outer loop "
-                    f"'{self.outer_name}' in this kernel, and a second one would mix two trainings into one run; "
+                    f"'{self.pos.outer_name}' in this kernel, and a second one would mix two trainings into one run; "
                     "restart the kernel and run the notebook again to record a new run"
                 )
             return self._outer(name, iterable)
-        if len(self.stack) == 1 and not self.block_done:
+        if len(self.pos.stack) == 1 and not self.pos.block_done:
             gen = self._block(name, iterable)
-            self.block_gen = gen  # what an enumerate() around it iterates (see counters.py)
+            self.pos.block_gen = gen  # what an enumerate() around it iterates (see counters.py)
             return gen
         return self._plain(name, iterable)
 
@@ -474,7 +451,7 @@ class Run:
             why = f"read by the loop at line {found[1]}" if found else "given to hs.checkpointing"
             print(f"  {key}: {type(obj).__module__}.{type(obj).__qualname__} ({why}), through its state_dict()")
         print("  random number generators: Python, NumPy, torch (and CUDA)")
-        names = self.outer_vars.names if self.outer_vars is not None else {}
+        names = self.pos.outer_vars.names if self.pos.outer_vars is not None else {}
         scope = {**frame.f_globals, **frame.f_locals}
         ids = self._object_ids()
         # Imported modules and the objects above are not loop variables.
@@ -494,30 +471,30 @@ class Run:
 
     def _plain(self, name: str, iterable: Iterable[T]) -> Iterator[T]:
         entry: list[Any] = [name, -1]
-        self.stack.append(entry)
+        self.pos.stack.append(entry)
         try:
             for i, x in enumerate(iterable):
                 entry[1] = i
                 self.heartbeat()
                 yield x
         finally:
-            self.stack.remove(entry)
+            self.pos.stack.remove(entry)
 
     def _outer(self, name: str, iterable: Iterable[T]) -> Iterator[T]:
         """The outermost loop: one iteration is the unit of checkpoints and replay."""
         # sys._getframe(1): the frame whose `for` drives this generator.
         frame = sys._getframe(1)
-        self.loop_started = True
+        self.pos.loop_started = True
         if self.hands_free and not self.objects:
             self.discovered = stateful_objects(frame)
             self.objects.update({k: v for k, (v, _) in self.discovered.items()})
-        self.outer_vars = LoopVars.of(frame, name, self._object_ids())
-        self.module_vars.add(self.outer_vars)
+        self.pos.outer_vars = LoopVars.of(frame, name, self._object_ids())
+        self.module_vars.add(self.pos.outer_vars)
         if _settings.flag(ENV_EXPLAIN, False):
             self._explain(name, frame)
         entry: list[Any] = [name, -1]
-        self.stack.append(entry)
-        self.outer_name = name
+        self.pos.stack.append(entry)
+        self.pos.outer_name = name
         self._outer_starts(name, len(iterable) if isinstance(iterable, Sized) else None)
         try:
             for i, x in enumerate(iterable):
@@ -527,16 +504,16 @@ class Run:
                 if visit.kind == _native.VisitKind.SKIP:
                     continue
                 entry[1] = i
-                self.outer_idx = i
+                self.pos.outer_idx = i
                 # The value iterated over, beside the position, when it is an
                 # integer (epoch 1 of range(1, N)): what --where and the
                 # dataframe show.
-                self.outer_value = x if isinstance(x, numbers.Integral) and not isinstance(x, bool) else None
+                self.pos.outer_value = x if isinstance(x, numbers.Integral) and not isinstance(x, bool) else None
                 self.heartbeat()
-                self.iter_start = time.perf_counter()
-                self.block_done = False
+                self.pos.iter_start = time.perf_counter()
+                self.pos.block_done = False
                 self.values.outer_iteration_starts()
-                self.stale_start = visit.stale
+                self.pos.stale_start = visit.stale
                 self._iteration_starts(i)
                 try:
                     yield x
@@ -547,40 +524,40 @@ class Run:
                     if not self.finished:
                         self._end_iteration(i, closing=True)
                     raise
-                self.stale_start = False
+                self.pos.stale_start = False
                 self._iteration_continues()
-                if not self.block_done:
+                if not self.pos.block_done:
                     self._end_block(i, at="iteration")
                 self._end_iteration(i)
             else:
                 self._outer_ends()
         finally:
-            self.stack.remove(entry)
+            self.pos.stack.remove(entry)
             self.flush_logs()
 
     def _block(self, name: str, iterable: Iterable[T]) -> Iterator[T]:
         """The first loop nested in the outer loop: the skippable training steps."""
-        i = self.outer_idx
-        self.stale_start = False  # restored or rebuilt below
-        if not self.iter_kept:
+        i = self.pos.outer_idx
+        self.pos.stale_start = False  # restored or rebuilt below
+        if not self.pos.iter_kept:
             self._start_unkept(i)
-        self.blocks_seen = True
-        self.block_vars = LoopVars.of(sys._getframe(1), name, self._object_ids())
-        self.module_vars.add(self.block_vars)
-        self.block_live = True
+        self.pos.blocks_seen = True
+        self.pos.block_vars = LoopVars.of(sys._getframe(1), name, self._object_ids())
+        self.module_vars.add(self.pos.block_vars)
+        self.pos.block_live = True
         steps = self._block_starts(i, iterable)
         if steps is None:  # restored: the steps do not run
-            self.block_done = True
-            self.block_live = False
+            self.pos.block_done = True
+            self.pos.block_live = False
             return
         entry: list[Any] = [name, -1]
-        self.stack.append(entry)
+        self.pos.stack.append(entry)
         ok = closed = False
         try:
             it, start = steps
-            gen, self.block_gen = self.block_gen, None
+            gen, self.pos.block_gen = self.pos.block_gen, None
             if start:
-                shift_enumerates(gen, start, f"{self.outer_name} {i}, step {start}")
+                shift_enumerates(gen, start, f"{self.pos.outer_name} {i}, step {start}")
             del gen
             for j, x in enumerate(it, start):
                 entry[1] = j
@@ -599,15 +576,15 @@ class Run:
             closed = not self.finished
             raise
         finally:
-            self.stack.remove(entry)
+            self.pos.stack.remove(entry)
             self._block_ends()
             if closed and self._closed_block_ends_later():
                 closed = False  # `_outer` ends the iteration as a whole if it goes on
-            if (ok or closed) and not self.block_done:
+            if (ok or closed) and not self.pos.block_done:
                 self._end_block(i)
                 if closed:
                     self._block_closed(i)
-            self.block_live = False
+            self.pos.block_live = False
 
     # Hooks of the loops, defined by RecordRun and ReplayRun: each turns a
     # loop event into its session's event (core `runs::session`) and carries
@@ -633,11 +610,11 @@ class Run:
         """Outer iteration i is about to run its body: its loop variables as
         they are now are part of a checkpoint taken inside it (a resume
         re-runs the code before the steps from them), where kept."""
-        self.iter_kept = self._keeps_start()
-        self.iterations_started += 1
-        self.iter_values = None
-        if self.iter_kept and self.objects and self.outer_vars is not None:
-            self.iter_values = self.outer_vars.snapshot()
+        self.pos.iter_kept = self._keeps_start()
+        self.pos.iterations_started += 1
+        self.pos.iter_values = None
+        if self.pos.iter_kept and self.objects and self.pos.outer_vars is not None:
+            self.pos.iter_values = self.pos.outer_vars.snapshot()
 
     def _keeps_start(self) -> bool:
         """Whether to keep the state the iteration starts with. Only a
@@ -648,7 +625,7 @@ class Run:
         iteration a process runs and in every one after an iteration ran
         steps; an iteration that runs steps without it takes no checkpoint
         inside (`_start_unkept`)."""
-        return self.iterations_started == 0 or self.blocks_seen
+        return self.pos.iterations_started == 0 or self.pos.blocks_seen
 
     def _start_unkept(self, i: int) -> None:
         """Iteration i runs steps, and its start was not kept."""
@@ -676,7 +653,7 @@ class Run:
         pass
 
     def _end_block(self, i: int, at: str = "block") -> None:
-        self.block_done = True
+        self.pos.block_done = True
 
     def _end_iteration(self, i: int, closing: bool = False) -> None:
         """After outer iteration i; ``closing``: the loop ends inside it (`break`)."""
@@ -684,21 +661,21 @@ class Run:
 
     # -- state -------------------------------------------------------------------
     def capture(self) -> dict[str, Any]:
-        state = capture(self.objects, [(e[0], e[1]) for e in self.stack])
-        block = self.block_vars if self.block_live else None
+        state = capture(self.objects, [(e[0], e[1]) for e in self.pos.stack])
+        block = self.pos.block_vars if self.pos.block_live else None
         shared = _storages(state["objects"])
         loop_vars: dict[str, Any] = {}
-        if self.outer_vars is not None:
-            loop_vars["outer"] = self.outer_vars.capture(self.outer_vars.without(block), shared, self.transient)
+        if self.pos.outer_vars is not None:
+            loop_vars["outer"] = self.pos.outer_vars.capture(self.pos.outer_vars.without(block), shared, self.transient)
         if block is not None:
             loop_vars["block"] = block.capture(block.names, shared, self.transient)
-        if self.iter_values is not None and self.outer_vars is not None:
+        if self.pos.iter_values is not None and self.pos.outer_vars is not None:
             # As they were when the iteration began: a resume re-runs the
             # code before the steps from them (RecordRun._visit).
-            loop_vars["iter"] = self.outer_vars.capture(
-                self.outer_vars.names, shared, self.transient, at=self.iter_values
+            loop_vars["iter"] = self.pos.outer_vars.capture(
+                self.pos.outer_vars.names, shared, self.transient, at=self.pos.iter_values
             )
-        for lv in (self.outer_vars, block):
+        for lv in (self.pos.outer_vars, block):
             if lv is not None:
                 self.unkept.update(lv.unkept)
         loop_vars["modules"] = self.module_vars.capture(self._object_ids(), shared)
@@ -716,10 +693,10 @@ class Run:
         saved = state.get("vars") or {}
         if "modules" in saved:
             self.module_vars.restore(saved["modules"])
-        if self.outer_vars is not None and "outer" in saved:
-            self.outer_vars.restore(saved["outer"])
-        if self.block_live and self.block_vars is not None and "block" in saved:
-            self.block_vars.restore(saved["block"])
+        if self.pos.outer_vars is not None and "outer" in saved:
+            self.pos.outer_vars.restore(saved["outer"])
+        if self.pos.block_live and self.pos.block_vars is not None and "block" in saved:
+            self.pos.block_vars.restore(saved["block"])
 
     def _apply_objects(self, state: dict[str, Any], name: str) -> None:
         apply_state(self.objects, state["objects"], name)

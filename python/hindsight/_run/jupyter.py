@@ -225,13 +225,13 @@ def on_cell_error(run: Any) -> None:
         return
 
     def pre_run_cell(info: Any) -> None:
-        run.loop_started = False
+        run.pos.loop_started = False
 
     def post_run_cell(result: Any) -> None:
         error = getattr(result, "error_in_exec", None)
         if error is None or run.finished:
             return
-        if run.loop_started or run.stack:
+        if run.pos.loop_started or run.pos.stack:
             run.finish("interrupted" if isinstance(error, KeyboardInterrupt) else "failed")
 
     ip.events.register("pre_run_cell", pre_run_cell)

@@ -14,7 +14,6 @@ import os
 import platform
 import socket
 import sys
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -35,6 +34,7 @@ from hindsight._run.common import (
 from hindsight._run.files import Written
 from hindsight._run.loopvars import _storages
 from hindsight._run.ranks import lost_peer
+from hindsight._run.restoreprice import RestorePrice
 from hindsight._run.values import _to_json
 from hindsight._state import capture, capture_grads, rng_state, set_rng_state, tensor_bytes
 from hindsight.errors import (
@@ -90,12 +90,8 @@ class RecordRun(Run):
         self.known = cmdline.Known()
         self.iter_materialize: float | None = None
         self.last_blocked: float | None = None
-        # The timed read-back of this process's first checkpoint (what a
-        # restore costs, for the adaptive policy): the thread, then its result.
-        self.restore_probe: threading.Thread | None = None
-        self.restore_read: list[float] = []
-        # CPU of that read, priced as the writer's is (by measured contention).
-        self.restore_cpu = 0.0
+        # What a restore costs, for the adaptive policy.
+        self.restore = RestorePrice()
         # The training thread's time in this class's loop hooks, and the part
         # of it spent saving checkpoints: the rest is the recording's own
         # overhead, charged to the adaptive policy's budget too.
@@ -445,7 +441,7 @@ class RecordRun(Run):
             self.own_seconds += _own_clock() - t0
 
     def _end_block_timed(self, i: int, at: str, t0: float) -> None:
-        self.block_done = True
+        self.pos.block_done = True
         self._sync()
         if not self.objects:
             return
@@ -455,9 +451,9 @@ class RecordRun(Run):
             # later); the second iteration sees those assigned after the steps.
             self.vars_checked += 1
             self.capture()
-        compute = time.perf_counter() - self.iter_start
+        compute = time.perf_counter() - self.pos.iter_start
         self._price_restore()
-        background = self.store.background_cpu_seconds + self.restore_cpu if self._store is not None else None
+        background = self.store.background_cpu_seconds + self.restore.cpu if self._store is not None else None
         first = self._estimate_materialize() if self.last_blocked is None else 0.0
         # The log thread's CPU too: the recording's own work, off this thread.
         self.session.overhead(self.own_seconds + _own_clock() - t0 - self.save_seconds + self.logs.cpu_seconds)
@@ -491,45 +487,12 @@ class RecordRun(Run):
         self.iter_materialize = self.last_blocked
 
     def _price_restore(self) -> None:
-        """What restoring a checkpoint costs, measured once, off the training
-        thread: the first durable checkpoint of this process is read back
-        and verified (the GIL released), and the session spaces adaptive
-        checkpoints by it (core `AdaptivePolicy::pays_back`). Its CPU is
-        background work of the recording. Rank 0 decides for a job; a job's
-        sharded checkpoints are not priced (they keep the ε rule alone)."""
-        if self.restore_probe is None:
-            if self.sharded or not self.leads or not self.handles or not self.handles[0].done():
-                return
-            name = self.handles[0].name
-            store = self.store
-
-            def read_back() -> None:
-                t0 = time.perf_counter()
-                try:
-                    problems = store.verify([name])
-                except HindsightError:
-                    return  # retention or gc took it first: unpriced, as before
-                if not problems:
-                    self.restore_read.append(time.perf_counter() - t0)
-                elif name in store.list():
-                    # Still there, and it did not read back: said, not swallowed.
-                    print(
-                        f"hindsight: checkpoint {name} did not read back intact: {'; '.join(problems)}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-
-            # Not a daemon: one read of one checkpoint, which exit waits for
-            # rather than stopping it inside the engine.
-            self.restore_probe = threading.Thread(target=read_back, name="hindsight-restore-price")
-            self.restore_probe.start()
-        elif self.restore_read and not self.restore_probe.is_alive():
-            secs = self.restore_read.pop()
-            # Off the training thread, like the writer's hashing: it costs
-            # the training what it takes from cores the training wanted
-            # (all of it on a CPU job, nothing beside a GPU job's idle
-            # cores). Its wall time bounds its CPU.
-            self.restore_cpu += secs
+        """Price a restore once (`RestorePrice`): rank 0 decides for a job; a
+        job's sharded checkpoints are not priced (they keep the ε rule alone)."""
+        if self.sharded or not self.leads:
+            return
+        secs = self.restore.poll(self.handles[0] if self.handles else None, self._store)
+        if secs is not None:
             self.session.restore_measured(secs)
 
     def apply_retention(self, final: bool = False) -> None:
@@ -563,10 +526,12 @@ class RecordRun(Run):
         the newest between iterations. Under several ranks every rank walks
         rank 0's ``names`` (newest first), each loading its own part: a
         part damaged on any rank sends the whole job to an older one."""
-        if names is None:
-            names = [ck.name for ck in reversed(self.store.checkpoints(self.run_id))]
+        # Core's resume walk: which checkpoints, newest first.
+        walk = (
+            _native.ResumeWalk.run(self.store.list(), self.run_id) if names is None else _native.ResumeWalk.given(names)
+        )
         skipped: list[str] = []
-        for name in names:
+        for name in walk:
             damage: CorruptError | None = None
             try:
                 state = self.load_checkpoint(name, self.reshard)
@@ -580,12 +545,8 @@ class RecordRun(Run):
                 elsewhere = damage is None and worst > 0
             if damage is not None or elsewhere:
                 if damage is not None or self.leads:
-                    why = f"({damage})" if damage is not None else "(another rank's part)"
-                    print(
-                        f"hindsight: WARNING: checkpoint {name} is damaged {why}; resuming from an older one",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    why = str(damage) if damage is not None else "another rank's part"
+                    print(_native.ResumeWalk.damaged(name, why), file=sys.stderr, flush=True)
                 continue
             if state is None:
                 skipped.append(name)
@@ -694,7 +655,7 @@ class RecordRun(Run):
         failure: BaseException | None = None
         if ranks.leads:
             try:
-                names = [ck.name for ck in reversed(self.store.checkpoints(self.run_id))] if self.resume_pending else []
+                names = _native.ResumeWalk.run(self.store.list(), self.run_id).order if self.resume_pending else []
                 payload = {
                     "run": self.run_id,
                     "store": self.store.path,
@@ -778,8 +739,8 @@ class RecordRun(Run):
             if state.get("iter_rng") is not None:
                 set_rng_state(state["iter_rng"])
             at_start = (state.get("vars") or {}).get("iter")
-            if at_start and self.outer_vars is not None:
-                self.outer_vars.restore(at_start)
+            if at_start and self.pos.outer_vars is not None:
+                self.pos.outer_vars.restore(at_start)
         return visit
 
     def _rank_extra(self) -> list[Any]:
@@ -803,7 +764,7 @@ class RecordRun(Run):
     def _iteration_starts(self, i: int) -> None:
         t0 = _own_clock()
         super()._iteration_starts(i)
-        self.iter_rng = rng_state() if self.iter_kept else None
+        self.iter_rng = rng_state() if self.pos.iter_kept else None
         if i == 0:
             self.start_rng = self.iter_rng
         self.own_seconds += _own_clock() - t0
@@ -892,7 +853,7 @@ class RecordRun(Run):
         if not recorded:
             whose = f"rank {rank}'s" if self.ranks is not None else "the"
             print(
-                f"hindsight: {whose} batches of {self.outer_name} {i} were recorded without "
+                f"hindsight: {whose} batches of {self.pos.outer_name} {i} were recorded without "
                 f"{'sampler index ' if kind == 'order' else ''}fingerprints (an older hindsight, or an iterator made "
                 "before hindsight was imported): the resumed data order is not checked",
                 file=sys.stderr,
@@ -957,9 +918,9 @@ class RecordRun(Run):
             state["grads"] = capture_grads(self.objects)
             # One the code after the steps reads but no checkpoint can hold
             # is refused now, not when the first block of steps ends.
-            if self.block_live and self.block_vars is not None:
-                state["vars"] = self.block_vars.capture(
-                    self.block_vars.names, _storages(state["objects"]), self.transient
+            if self.pos.block_live and self.pos.block_vars is not None:
+                state["vars"] = self.pos.block_vars.capture(
+                    self.pos.block_vars.names, _storages(state["objects"]), self.transient
                 )
             self.store.prepare(state)
         if act.save is not None:
@@ -1003,12 +964,12 @@ class RecordRun(Run):
             # written before its save: `_end_block`).
             row = _native.Iteration(
                 i,
-                time.perf_counter() - self.iter_start,
-                value=None if self.outer_value is None else int(self.outer_value),
+                time.perf_counter() - self.pos.iter_start,
+                value=None if self.pos.outer_value is None else int(self.pos.outer_value),
                 checkpoint=end.checkpoint,
                 materialize_seconds=self.iter_materialize if end.checkpoint is not None else None,
             )
-            self.iter_rows.append((self.outer_name or "", row))
+            self.iter_rows.append((self.pos.outer_name or "", row))
         if end.apply_retention:
             self.flush_logs()
             self.apply_retention()
@@ -1034,7 +995,7 @@ class RecordRun(Run):
         sig = self.stop_signal
         # Inside an iteration whose start was not kept no checkpoint is
         # taken (core `start_unkept`): the rerun repeats it from the last one.
-        fresh = saved or self.iter_kept
+        fresh = saved or self.pos.iter_kept
         self.interrupted()
         if self.ranks is None:
             _preemption.leave(sig, f"run {self.run_id}", code, requeue=self.requeue, fresh=fresh)

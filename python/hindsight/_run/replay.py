@@ -122,8 +122,8 @@ class ReplayRun(Run):
 
     def _apply_vars(self, state: dict[str, Any]) -> None:
         super()._apply_vars(state)
-        lv = self.block_vars
-        if not (self.block_live and lv is not None):
+        lv = self.pos.block_vars
+        if not (self.pos.block_live and lv is not None):
             return
         missing = lv.unkept_reads((state.get("vars") or {}).get("block") or {}, self.objects, self.transient)
         if missing:
@@ -229,7 +229,7 @@ class ReplayRun(Run):
             self.noted_clock = True
             n = check.notes[0]
             print(
-                f"hindsight: note: after {self.outer_name} {i}, the loop variable at '{n.path}' differs from "
+                f"hindsight: note: after {self.pos.outer_name} {i}, the loop variable at '{n.path}' differs from "
                 f"checkpoint {name} ({n.detail}); a float that differs on every run (a clock reading) is not "
                 "compared",
                 file=sys.stderr,
@@ -296,7 +296,7 @@ class ReplayRun(Run):
 
     def _restore(self, name: str | None) -> None:
         if name is None:
-            raise ReplayError(f"replay plan has no checkpoint for {self.outer_name} {self.outer_idx} (a bug)")
+            raise ReplayError(f"replay plan has no checkpoint for {self.pos.outer_name} {self.pos.outer_idx} (a bug)")
         t0 = time.perf_counter()
         state = self.load_checkpoint(name, self.reshard)
         # The recorded world size, or a checkpoint between iterations
@@ -308,7 +308,7 @@ class ReplayRun(Run):
         if not self.leads:
             return
         try:
-            self.db.set_restore_seconds(self.run_id, self.outer_name or "", self.outer_idx, took)
+            self.db.set_restore_seconds(self.run_id, self.pos.outer_name or "", self.pos.outer_idx, took)
         except HindsightError as e:  # bookkeeping only: say so, but never fail a replay for it
             print(f"hindsight: could not record the restore time of {name}: {e}", file=sys.stderr)
 

@@ -23,6 +23,7 @@ pub mod shard;
 pub mod storage;
 pub mod store;
 pub mod upload;
+pub mod walk;
 pub mod writer;
 #[cfg(feature = "s3")]
 pub mod xrootd;

@@ -19,6 +19,7 @@
 //! that database instead of the project's (see `LogDb::export_run`).
 
 pub mod driver;
+pub mod report;
 pub mod schedule;
 
 use std::collections::{BTreeMap, HashSet};
