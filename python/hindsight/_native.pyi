@@ -134,6 +134,7 @@ __all__ = [
     "replay_report",
     "replay_threads",
     "replay_unproduced",
+    "replay_unrestorable",
     "resume_fit",
     "resume_key",
     "run_data_dispatcher",
@@ -871,10 +872,20 @@ class ReplayThreads:
     def exact(self) -> list[bool]: ...
     @property
     def task_cpus(self) -> int: ...
+    @property
+    def notes(self) -> list[str]: ...
 
 def replay_threads(
-    cores: int, jobs: int, workers: list[int], recorded: list[int | None], ranks: list[int], fast: bool, local: bool
+    cores: int,
+    jobs: int,
+    workers: list[int],
+    recorded: list[int | None],
+    ranks: list[int],
+    fast: bool,
+    local: bool,
+    run_ids: list[str],
 ) -> ReplayThreads: ...
+def replay_unrestorable(run_id: str, iterations: int, checkpointed: int, location: str | None) -> str | None: ...
 
 @final
 class Progress:

@@ -223,23 +223,11 @@ def replay(args: _native.ReplayArgs) -> int:
             # the run or its checkpoints from under it.
             leases.append(_native.RunLease.share(home, run.id))
             recorded = [it for loop in db.outer_loops(run.id) for it in db.iterations(run.id, loop)]
-            if recorded and not any(it.checkpoint for it in recorded):
-                # No store was ever created: nothing was removed.
-                print(
-                    f"note: run {run.id} took no checkpoint (no objects to save, or none fit the adaptive "
-                    "bound; HINDSIGHT_CHECKPOINT_EVERY=N takes one every N iterations): every iteration is "
-                    "re-executed",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            elif location not in names_at and "://" not in location and not Path(location).is_dir():
-                print(
-                    f"note: run {run.id}: its checkpoint store is not at {location} (removed, or a store outside "
-                    "a project that moved): every iteration is re-executed, none restored from or checked against "
-                    "a checkpoint",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            # A store that is not there is said once, for its first run.
+            first = location if location not in names_at else None
+            note = _native.replay_unrestorable(run.id, len(recorded), sum(1 for it in recorded if it.checkpoint), first)
+            if note is not None:
+                print(note, file=sys.stderr, flush=True)
             if location not in names_at:
                 names_at[location] = set(_native.checkpoint_names(location))
             try:
@@ -286,25 +274,19 @@ def _threads(args: _native.ReplayArgs, jobs: list[RunJob], local: bool) -> _nati
     wanted = [int(j.versions["torch_threads"]) if j.versions.get("torch_threads") else None for j in jobs]
     ranks = [j.workers[0].ranks if j.workers else 1 for j in jobs]
     plan = _native.replay_threads(
-        cores, int(args.jobs), [len(j.workers) for j in jobs], wanted, ranks, bool(args.fast), local
+        cores,
+        int(args.jobs),
+        [len(j.workers) for j in jobs],
+        wanted,
+        ranks,
+        bool(args.fast),
+        local,
+        [j.run_id for j in jobs],
     )
-    if plan.widest is not None:
-        print(
-            f"note: -j {args.jobs} runs {plan.budget} worker(s) at a time: each uses the recording's "
-            f"{plan.widest} torch thread(s) (over its ranks) so that values replay exactly, and this machine has "
-            f"{cores} cores "
-            "(--fast runs more, with values that may differ in the last bits)",
-            file=sys.stderr,
-        )
-    for job, want, threads, exact in zip(jobs, wanted, plan.threads, plan.exact, strict=True):
+    for note in plan.notes:
+        print(note, file=sys.stderr)
+    for job, threads, exact in zip(jobs, plan.threads, plan.exact, strict=True):
         job.exact = exact
-        if not exact:
-            print(
-                f"note: run {job.run_id}: each worker uses {threads} thread(s), the recording used {want}: "
-                "values may differ in the last bits; they are compared within a tolerance and kept marked "
-                "'inexact' (an exact value an earlier replay computed is never replaced)",
-                file=sys.stderr,
-            )
         for w in job.workers:
             w.threads = threads
             w.exact = exact

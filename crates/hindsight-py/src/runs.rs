@@ -784,10 +784,14 @@ pub(crate) struct ReplayThreads {
     exact: Vec<bool>,
     /// CPUs a batch launcher's task asks for (a worker's ranks x threads).
     task_cpus: usize,
+    /// What the replay says of the rule (core `Threads::notes`).
+    notes: Vec<String>,
 }
 
+/// The thread rule of a replay of runs `run_ids` (core `runs::replay::driver::threads`).
 #[pyfunction]
-#[pyo3(signature = (cores, jobs, workers, recorded, ranks, fast, local))]
+#[pyo3(signature = (cores, jobs, workers, recorded, ranks, fast, local, run_ids))]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn replay_threads(
     cores: usize,
     jobs: usize,
@@ -796,9 +800,11 @@ pub(crate) fn replay_threads(
     ranks: Vec<usize>,
     fast: bool,
     local: bool,
+    run_ids: Vec<String>,
 ) -> ReplayThreads {
     let t = replay::driver::threads(cores, jobs, &workers, &recorded, &ranks, fast, local);
     ReplayThreads {
+        notes: t.notes(jobs, cores, &run_ids, &recorded),
         budget: t.budget,
         widest: t.capped.map(|(w, _)| w),
         threads: t.runs.iter().map(|r| r.0).collect(),
@@ -931,6 +937,18 @@ pub(crate) fn replay_report(
             exit: r.verdict.exit,
         },
     }
+}
+
+/// Why run `run_id`'s replay can restore nothing (core
+/// `runs::replay::driver::unrestorable`), or None.
+#[pyfunction]
+pub(crate) fn replay_unrestorable(
+    run_id: &str,
+    iterations: usize,
+    checkpointed: usize,
+    location: Option<&str>,
+) -> Option<String> {
+    replay::driver::unrestorable(run_id, iterations, checkpointed, location)
 }
 
 /// Notes for the `names` a successful replay of `run_id` left without a
@@ -1149,6 +1167,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ReplayReport>()?;
     m.add_function(wrap_pyfunction!(replay_report, m)?)?;
     m.add_function(wrap_pyfunction!(replay_unproduced, m)?)?;
+    m.add_function(wrap_pyfunction!(replay_unrestorable, m)?)?;
     m.add("EXIT_DIVERGED", replay::driver::EXIT_DIVERGED)?;
     Ok(())
 }

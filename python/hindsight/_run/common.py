@@ -205,7 +205,18 @@ class Run:
     """The process's run, created by the first hs.* call: a `RecordRun` for a
     plain `python train.py`, a `ReplayRun` in a worker started by
     `hindsight replay`. This class holds what both do the same way; the
-    loops call the hooks the two subclasses define."""
+    loops call the hooks the two subclasses define.
+
+    Why about 30 attributes: each is one of six groups the hooks all read,
+    kept flat because the loops' hot path reads them per step. The run's
+    identity (script, paths, home, root, db, run_id; world, ranks, leads,
+    rank_index), its store (`_store` and the three locations it is chosen
+    from), what it checkpoints (objects, hands_free, discovered, transient,
+    module_vars, unkept), what it writes (logs, values, files), where its
+    process stands (finished, past_plan, requeue, the heartbeat's two), and
+    `pos`. What had a life of its own moved out: the position in the loops
+    (`Position`), the values' buffering (`Values`), the log thread
+    (`LogWriter`)."""
 
     #: "record" or "replay": the phase its log rows are written in.
     phase = "record"

@@ -70,7 +70,18 @@ _own_clock = time.thread_time
 class RecordRun(Run):
     """The frame, iterator and state plumbing of a recording. Every decision
     (resume point, when to save, the preemption sequence, retention) is the
-    session's (`_native.RecordSession`, core `runs::session`)."""
+    session's (`_native.RecordSession`, core `runs::session`).
+
+    Why about 30 attributes more than `Run`'s: they are the state the
+    session's answers are carried out with, in five groups: the resume
+    (resume_pending, resume_state, continued, lease, reshard), saves
+    (handles, dist_save, sharded, and the costs the policy is told:
+    own_seconds, save_seconds, last_blocked, iter_materialize, `restore`),
+    the RNG states a checkpoint keeps (start_rng, iter_rng, block_rng), the
+    proofs of the data (batch_rows, order_tap, block_iterable, iter_rows),
+    and what the run says (quiet, verbose, announced, signals,
+    agreed_signal). Restore pricing had a thread of its own and moved out
+    (`RestorePrice`)."""
 
     phase = "record"
 

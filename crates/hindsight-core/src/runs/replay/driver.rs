@@ -265,6 +265,67 @@ pub fn threads(
     }
 }
 
+impl Threads {
+    /// What a replay says of its thread rule: `-j` lowered to fit the
+    /// recording's threads on `cores`, and each run (`run_ids`, recorded
+    /// with `recorded` threads) whose values are compared within a tolerance.
+    pub fn notes(
+        &self,
+        jobs: usize,
+        cores: usize,
+        run_ids: &[String],
+        recorded: &[Option<usize>],
+    ) -> Vec<String> {
+        let mut notes = Vec::new();
+        if let Some((widest, budget)) = self.capped {
+            notes.push(format!(
+                "note: -j {jobs} runs {budget} worker(s) at a time: each uses the recording's {widest} torch \
+                 thread(s) (over its ranks) so that values replay exactly, and this machine has {cores} cores \
+                 (--fast runs more, with values that may differ in the last bits)"
+            ));
+        }
+        for ((id, want), (threads, exact)) in run_ids.iter().zip(recorded).zip(&self.runs) {
+            if !exact {
+                let want = want.map_or_else(|| "an unknown number".to_string(), |w| w.to_string());
+                notes.push(format!(
+                    "note: run {id}: each worker uses {threads} thread(s), the recording used {want}: values \
+                     may differ in the last bits; they are compared within a tolerance and kept marked \
+                     'inexact' (an exact value an earlier replay computed is never replaced)"
+                ));
+            }
+        }
+        notes
+    }
+}
+
+/// Why a run's replay can restore nothing, said before it is planned: it
+/// recorded `iterations` and took a checkpoint in `checkpointed` of them,
+/// into the store at `location` (a local one may be gone; None: looked for
+/// already, for an earlier run, and said then). None: it can.
+pub fn unrestorable(
+    run_id: &str,
+    iterations: usize,
+    checkpointed: usize,
+    location: Option<&str>,
+) -> Option<String> {
+    if iterations > 0 && checkpointed == 0 {
+        // No store was ever created: nothing was removed.
+        return Some(format!(
+            "note: run {run_id} took no checkpoint (no objects to save, or none fit the adaptive bound; \
+             HINDSIGHT_CHECKPOINT_EVERY=N takes one every N iterations): every iteration is re-executed"
+        ));
+    }
+    let location = location?;
+    if !location.contains("://") && !std::path::Path::new(location).is_dir() {
+        return Some(format!(
+            "note: run {run_id}: its checkpoint store is not at {location} (removed, or a store outside a \
+             project that moved): every iteration is re-executed, none restored from or checked against a \
+             checkpoint"
+        ));
+    }
+    None
+}
+
 /// A worker's progress, as the driver reads it from its lines (the
 /// worker protocol of `runs::replay`; the worker's session writes them).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -387,6 +448,44 @@ pub fn verdict(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_thread_rule_and_an_unrestorable_run_are_said() {
+        let t = threads(8, 4, &[4, 1], &[Some(4), Some(2)], &[], true, true);
+        let notes = t.notes(4, 8, &["r1".into(), "r2".into()], &[Some(4), Some(2)]);
+        // --fast: nothing lowered; run r1's workers get 2 threads of its 4.
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(notes[0]
+            .starts_with("note: run r1: each worker uses 2 thread(s), the recording used 4:"));
+        let t = threads(8, 4, &[4], &[Some(4)], &[], false, true);
+        let notes = t.notes(4, 8, &["r1".into()], &[Some(4)]);
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(notes[0].starts_with(
+            "note: -j 4 runs 2 worker(s) at a time: each uses the recording's 4 torch"
+        ));
+
+        let here = std::env::temp_dir();
+        let here = here.to_str().unwrap();
+        let gone = Some("/nonexistent/store");
+        assert!(unrestorable("r1", 5, 0, None)
+            .unwrap()
+            .contains("took no checkpoint"));
+        assert!(unrestorable("r1", 5, 2, gone)
+            .unwrap()
+            .contains("is not at /nonexistent/store"));
+        assert_eq!(
+            unrestorable("r1", 5, 2, None),
+            None,
+            "said for an earlier run"
+        );
+        assert_eq!(unrestorable("r1", 5, 2, Some(here)), None);
+        assert_eq!(unrestorable("r1", 5, 2, Some("s3://bucket/store")), None);
+        assert_eq!(
+            unrestorable("r1", 0, 0, Some(here)),
+            None,
+            "nothing recorded: nothing to say"
+        );
+    }
 
     #[test]
     fn workers_run_with_the_recordings_threads_unless_fast() {
