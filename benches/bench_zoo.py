@@ -2,7 +2,7 @@
 on public training scripts, against the plain script, in one run.
 
     make bench                      # runs this after bench_replay.py
-    python benches/bench_zoo.py [--scripts mnist vae siamese_network] [--epochs 10] [--epoch-s 5] [--fast-iters 2000]
+    python benches/bench_zoo.py [--scripts mnist vae siamese_network] [--epochs 10] [--epoch-s 5.5] [--fast-iters 2000]
 
 Each script (tests/zoo/, adapted as the README tells users) is first
 calibrated: the second epochs of two small recordings (2048 and 8192
@@ -21,8 +21,9 @@ seconds. Then, at that size, with one torch thread:
              recording's account of its own CPU by its clocks (the hooks'
              time on the training thread, the checkpoints' time there and
              their writer's CPU, the log thread's), from its end line
-    floor    the plain script with --epochs 0 (imports, data, model): a
-             replay runs that much of the script whatever it restores
+    floor    the plain script with --epochs 0 (imports, data, model), the
+             median of three: a replay runs that much of the script whatever
+             it restores
     epoch    the zoo's epoch probe added, `hindsight replay -q --strict`:
              whole command against the whole recording command
     step     the zoo's step probe added, replayed over the last 20% of the
@@ -165,10 +166,13 @@ def plain_and_record(name: str, args: list[str], d: Path) -> Recorded:
     )
 
 
-def pairs_note(r: Recorded) -> str:
+def pairs_note(r: Recorded, target: float) -> str:
     note = f"CPU of {len(r.ratios)} pairs pooled; each: " + ", ".join(f"{x:.3f}" for x in r.ratios)
     if len(r.plain_cpus) > 1:
-        note += f"; the plain runs alone differ by up to {100 * aa_spread(r):.1f}% (A/A)"
+        spread = aa_spread(r)
+        note += f"; the plain runs alone differ by up to {100 * spread:.1f}% (A/A)"
+        if r.rec_cpu / r.plain_cpu > target and r.rec_cpu / r.plain_cpu - 1 <= spread:
+            note += ": a miss within that spread is not resolved on this machine (its own CPU: next row)"
     return note
 
 
@@ -241,12 +245,17 @@ def bench_script(name: str, epochs: int, epoch_s: float, tab: Table, raw: dict[s
     d = OUT / name
     size = calibrate(name, d, epoch_s)
     r = plain_and_record(name, ["--epochs", str(epochs), "--train-size", str(size)], d)
-    floor = run(
-        [PY, r.script.name, "--epochs", "0", "--train-size", str(size)],
-        d / "plain",
-        env(PYTHONPATH=str(driver.shim_dir(d))),
-        f"{name} start-up",
-    )
+    # The median of three: one start-up varies by a second on this machine.
+    floors = [
+        run(
+            [PY, r.script.name, "--epochs", "0", "--train-size", str(size)],
+            d / "plain",
+            env(PYTHONPATH=str(driver.shim_dir(d))),
+            f"{name} start-up",
+        )
+        for _ in range(3)
+    ]
+    floor = sorted(floors, key=lambda f: f["wall_s"])[1]
     iters = iterations_recorded(r.home)
     took = sum(1 for it in iters if it.checkpoint is not None)
     mean_epoch = sum(it.seconds for it in iters) / max(len(iters), 1)
@@ -266,7 +275,13 @@ def bench_script(name: str, epochs: int, epoch_s: float, tab: Table, raw: dict[s
         f"{name} ({spec.file}): {epochs} epochs of {size} examples, {mean_epoch:.1f} s an epoch recorded, "
         f"{took} checkpoints"
     )
-    tab.add("record: process CPU (vs plain)", r.rec_cpu, r.plain_cpu, target=RECORD_TARGET, note=pairs_note(r))
+    tab.add(
+        "record: process CPU (vs plain)",
+        r.rec_cpu,
+        r.plain_cpu,
+        target=RECORD_TARGET,
+        note=pairs_note(r, RECORD_TARGET),
+    )
     add_own(tab, r, RECORD_TARGET)
     tab.add("record: whole command (vs plain)", rec_s, r.plain["wall_s"])
     tab.add(
@@ -280,7 +295,8 @@ def bench_script(name: str, epochs: int, epoch_s: float, tab: Table, raw: dict[s
         ep["wall_s"],
         rec_s,
         target=EPOCH_TARGET,
-        note=f"{rec_s / ep['wall_s']:.1f}x faster; {summary(ep['stdout'])}",
+        note=f"{rec_s / ep['wall_s']:.1f}x faster; the script's own start-up is {floor['wall_s'] / rec_s:.3f} of it; "
+        f"{summary(ep['stdout'])}",
     )
     tab.add(
         f"step probe, {loop} >= {first_late} (last 20%): whole command (vs the recording)",
@@ -323,7 +339,13 @@ def bench_fast(name: str, args: list[str], tab: Table, raw: dict[str, Any]) -> l
     ep, _ = replay(name, r, "epoch", "-j", str(os.cpu_count() or 1))
     got = values_of(r.home, "zoo_epoch")
     tab.section(f"fast steps: {name} {' '.join(args)}: {len(iters)} iterations, {took} checkpoints")
-    tab.add("record: process CPU (vs plain)", r.rec_cpu, r.plain_cpu, target=FAST_RECORD_TARGET, note=pairs_note(r))
+    tab.add(
+        "record: process CPU (vs plain)",
+        r.rec_cpu,
+        r.plain_cpu,
+        target=FAST_RECORD_TARGET,
+        note=pairs_note(r, FAST_RECORD_TARGET),
+    )
     add_own(tab, r, FAST_RECORD_TARGET)
     tab.add(
         "epoch probe replayed: whole command (vs the recording)",
@@ -354,7 +376,12 @@ def main() -> int:
     ap.add_argument(
         "--epochs", type=int, default=10, help="epochs of each run (default 10; the last 20%% is step-probed)"
     )
-    ap.add_argument("--epoch-s", type=float, default=5.0, help="seconds an epoch should take (default 5)")
+    ap.add_argument(
+        "--epoch-s",
+        type=float,
+        default=5.5,
+        help="seconds an epoch should take (default 5.5: aimed above the 5 s issue 41 scales to, as the machine drifts)",
+    )
     ap.add_argument(
         "--fast-iters", type=int, default=2000, help="iterations of the minGPT loop (default 2000; 0: skip)"
     )
