@@ -455,7 +455,7 @@ class LogDb:
         selected: list[bool],
         needs_inner: bool,
         needs_start: bool = False,
-        whole_iterations: bool = False,
+        location: str | None = None,
         workers: int = 1,
     ) -> ReplayPlan: ...
 
@@ -1035,6 +1035,8 @@ class ResumeWalk:
 class ReplayPlan:
     @property
     def kind(self) -> str: ...
+    @property
+    def note(self) -> str | None: ...
     @property
     def workers(self) -> list[WorkerPlan]: ...
 

@@ -178,22 +178,9 @@ def plan_run(
         selected,
         needs_inner=analysis.needs_inner_execution,
         needs_start=analysis.needs_start_state,
-        whole_iterations=_whole_iterations(location, store_names, rows),
+        location=location,
         workers=max(1, jobs),
     )
-
-
-def _whole_iterations(location: str, store_names: set[str], rows: list[Any]) -> bool:
-    """Whether the recording checkpointed this loop at the end of iterations
-    that ran no inner loop (its checkpoints' meta says so). Unknown (an older
-    recording, a manifest that does not read): False, the plan that restores."""
-    name = next((r.checkpoint for r in rows if r.checkpoint in store_names), None)
-    if name is None:
-        return False
-    try:
-        return _native.checkpoint_meta(location, name).get("at") == "iteration"
-    except HindsightError:
-        return False
 
 
 def replay(args: _native.ReplayArgs) -> int:
@@ -357,12 +344,8 @@ def _prepare(
         temp.write_text(current)
     names = sorted({p.name for p in analysis.new_probes})
     print(f"run {run.id}: {plan.kind} replay of {', '.join(names)} on {len(plan.workers)} worker(s)", flush=True)
-    if plan.kind == "parallel" and args.jobs == 1 and (os.cpu_count() or 1) > 1:
-        print(
-            f"note: run {run.id}: every selected iteration re-executes; -j N splits them over N workers",
-            file=sys.stderr,
-            flush=True,
-        )
+    if plan.note is not None:
+        print(plan.note, file=sys.stderr, flush=True)
     versions = json.loads(run.versions_json or "{}")
     # The script as it is now (the one analysed, or the recorded version with
     # the new statements placed into it), run where the recording ran.

@@ -581,10 +581,10 @@ impl LogDb {
 
     /// The replay plan of a run (`hindsight_core::runs::replay`): which iterations
     /// each worker restores or executes. `selected[i]`: iteration i is wanted;
-    /// `needs_start`: new probes run before the inner loop; `whole_iterations`:
-    /// the loop's checkpoints were taken at the end of iterations without an
-    /// inner loop.
-    #[pyo3(signature = (run_id, loop_name, in_store, selected, needs_inner, needs_start=false, whole_iterations=false, workers=1))]
+    /// `needs_start`: new probes run before the inner loop; `location`: the
+    /// store of the run's checkpoints (`in_store`: their names), whose
+    /// manifests say whether they hold whole iterations.
+    #[pyo3(signature = (run_id, loop_name, in_store, selected, needs_inner, needs_start=false, location=None, workers=1))]
     fn plan_replay(
         &self,
         py: Python<'_>,
@@ -594,11 +594,14 @@ impl LogDb {
         selected: Vec<bool>,
         needs_inner: bool,
         needs_start: bool,
-        whole_iterations: bool,
+        location: Option<String>,
         workers: usize,
     ) -> PyResult<ReplayPlan> {
         let plan = self.with(py, |db| {
             let iterations = db.iterations(&run_id, &loop_name)?;
+            let whole_iterations = location
+                .as_deref()
+                .is_some_and(|l| replay::driver::whole_iterations(l, &in_store, &iterations));
             replay::plan(&replay::Request {
                 run_id: &run_id,
                 loop_name: &loop_name,
@@ -611,8 +614,10 @@ impl LogDb {
                 workers,
             })
         })?;
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
         Ok(ReplayPlan {
             kind: plan.kind.as_str(),
+            note: plan.note(&run_id, workers, cores),
             workers: plan.workers.into_iter().map(WorkerPlan).collect(),
         })
     }
@@ -745,6 +750,9 @@ pub(crate) struct ReplayPlan {
     /// "partial" (outer-loop probes) or "parallel" (inner-loop probes).
     #[pyo3(get)]
     kind: &'static str,
+    /// What to say of it before it runs (core `ReplayPlan::note`), if anything.
+    #[pyo3(get)]
+    note: Option<String>,
     workers: Vec<WorkerPlan>,
 }
 

@@ -116,7 +116,11 @@ pub struct LocalStorage {
     /// reads them from there meanwhile; others do not see them yet, and no
     /// manifest refers to them before `sync` returns.
     pending: std::sync::Mutex<BTreeMap<ChunkId, (PathBuf, PathBuf)>>,
+    /// The process that opened the store: the two maps above are its own.
+    opened_by: u32,
 }
+
+type Staged = BTreeMap<ChunkId, (PathBuf, PathBuf)>;
 
 impl LocalStorage {
     /// Open the layout under `root`, creating its directories.
@@ -131,11 +135,35 @@ impl LocalStorage {
             tmp: root.join(layout::TMP),
             dirty_dirs: Default::default(),
             pending: Default::default(),
+            opened_by: std::process::id(),
         })
     }
 
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// This process's staged chunks. None in a process forked from the one
+    /// that opened the store (a DataLoader worker reading a checkpoint): the
+    /// fork may have copied the map's lock held by a writer thread that does
+    /// not exist there, and waiting for it would never end; the parent's
+    /// staged chunks are not the child's to read either (no manifest it can
+    /// see refers to them).
+    fn pending(&self) -> Option<std::sync::MutexGuard<'_, Staged>> {
+        (std::process::id() == self.opened_by).then(|| lock(&self.pending))
+    }
+
+    /// A forked child's writes go through a store it opens itself.
+    fn own_process(&self) -> Result<()> {
+        let current = std::process::id();
+        if current == self.opened_by {
+            return Ok(());
+        }
+        Err(Error::WrongProcess {
+            path: self.root.clone(),
+            owner: self.opened_by,
+            current,
+        })
     }
 
     /// The path of chunk `id`, once its fan-out directory is known not to be
@@ -211,8 +239,7 @@ impl Storage for LocalStorage {
     }
 
     fn has_chunk(&self, id: &ChunkId) -> Result<bool> {
-        {
-            let mut pending = lock(&self.pending);
+        if let Some(mut pending) = self.pending() {
             if let Some((staging, _)) = pending.get(id) {
                 // Left pending by a failed save, its staging file may since
                 // have been removed by another process's gc: not a chunk then.
@@ -231,6 +258,7 @@ impl Storage for LocalStorage {
     }
 
     fn put_chunk(&self, id: &ChunkId, parts: &[&[u8]]) -> Result<()> {
+        self.own_process()?;
         if lock(&self.pending).contains_key(id) {
             return Ok(());
         }
@@ -243,7 +271,9 @@ impl Storage for LocalStorage {
     }
 
     fn open_chunk(&self, id: &ChunkId) -> Result<Box<dyn Read + Send>> {
-        let staged = lock(&self.pending).get(id).map(|(s, _)| s.clone());
+        let staged = self
+            .pending()
+            .and_then(|p| p.get(id).map(|(s, _)| s.clone()));
         let p = match staged {
             Some(staging) => staging,
             None => self.own_chunk_path(id)?,
@@ -262,6 +292,7 @@ impl Storage for LocalStorage {
     }
 
     fn quarantine_chunk(&self, id: &ChunkId) -> Result<()> {
+        self.own_process()?;
         if let Some((staging, _)) = lock(&self.pending).remove(id) {
             let _ = fs::remove_file(staging); // never published: nothing refers to it
             return Ok(());
@@ -306,7 +337,7 @@ impl Storage for LocalStorage {
             }
         }
         // Put by this process and not yet published: chunks it can read.
-        for (id, (staging, _)) in lock(&self.pending).iter() {
+        for (id, (staging, _)) in self.pending().iter().flat_map(|p| p.iter()) {
             let len = fs::metadata(staging)
                 .map_err(|e| Error::io(staging, e))?
                 .len();
@@ -318,6 +349,7 @@ impl Storage for LocalStorage {
     }
 
     fn delete_chunk(&self, id: &ChunkId) -> Result<()> {
+        self.own_process()?;
         if let Some((staging, _)) = lock(&self.pending).remove(id) {
             let _ = fs::remove_file(staging);
         }
@@ -336,6 +368,7 @@ impl Storage for LocalStorage {
     }
 
     fn sync(&self) -> Result<()> {
+        self.own_process()?;
         // Taken out while publishing (other saves go on putting chunks);
         // what fails to publish goes back, to be retried by the next sync.
         let (ids, mut staged): (Vec<ChunkId>, Vec<(PathBuf, PathBuf)>) =
@@ -445,6 +478,7 @@ impl Storage for LocalStorage {
         refuse_symlink(&self.tmp)?; // replaced since open: still not ours to empty
                                     // Under the exclusive lock no save is in flight: what is still
                                     // pending here belongs to a save that failed before its commit.
+        self.own_process()?;
         lock(&self.pending).clear();
         let mut n = 0;
         for e in fs::read_dir(&self.tmp).map_err(|e| Error::io(&self.tmp, e))? {
@@ -502,6 +536,63 @@ mod tests {
         assert!(
             free.is_ok(),
             "the child still holds the store's lock: {free:?}"
+        );
+    }
+
+    /// A DataLoader worker forked while the writer thread held the staged
+    /// chunks' lock reads a published checkpoint without waiting for that
+    /// lock (its owner does not exist in the child: it waited forever, a
+    /// flaky hang of test_processes), and refuses to write through the
+    /// parent's store.
+    #[test]
+    fn a_forked_child_reads_without_the_parents_locks_and_does_not_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = LocalStorage::open(dir.path()).unwrap();
+        let id = ChunkId::of(b"published");
+        s.put_chunk(&id, &[b"published"]).unwrap();
+        s.sync().unwrap();
+        let held = lock(&s.pending); // as a writer thread holds it at the fork
+                                     // SAFETY: the child only reads a file, then leaves with _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let mut buf = Vec::new();
+            let read = s.open_chunk(&id).and_then(|mut r| {
+                r.read_to_end(&mut buf)
+                    .map_err(|e| Error::io(dir.path(), e))
+            });
+            let ok = read.is_ok()
+                && buf == b"published"
+                && s.has_chunk(&id).unwrap_or(false)
+                && matches!(
+                    s.put_chunk(&ChunkId::of(b"x"), &[b"x"]),
+                    Err(Error::WrongProcess { .. })
+                );
+            // SAFETY: leaving the child without running the parent's destructors.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        // SAFETY: reaping our own child, killed if it hangs.
+        let done = loop {
+            let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+            if r == pid {
+                break true;
+            }
+            if std::time::Instant::now() > deadline {
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                    libc::waitpid(pid, &mut status, 0);
+                }
+                break false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        drop(held);
+        assert!(done, "the forked child hung on the parent's lock");
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "status {status}"
         );
     }
 

@@ -52,7 +52,8 @@ impl ResumeWalk {
     }
 
     fn newest_first(mut ids: Vec<CheckpointId>) -> ResumeWalk {
-        ids.sort_by_key(|id| std::cmp::Reverse(id.order()));
+        ids.sort();
+        ids.reverse();
         ResumeWalk::given(ids.into_iter().map(|id| id.name()).collect())
     }
 

@@ -326,6 +326,28 @@ pub fn unrestorable(
     None
 }
 
+/// Whether a run's outer loop was checkpointed at the end of iterations that
+/// ran no inner loop (the manifest's `at` is `iteration`: the checkpoint holds
+/// all of it), as the first of `iterations`' checkpoints in the store at
+/// `location` (`in_store`) says. Unknown (an older recording, a manifest that
+/// does not read): false, the plan that restores.
+pub fn whole_iterations(
+    location: &str,
+    in_store: &std::collections::HashSet<String>,
+    iterations: &[crate::runs::db::IterationRow],
+) -> bool {
+    let Some(name) = iterations
+        .iter()
+        .filter_map(|r| r.checkpoint.as_ref())
+        .find(|c| in_store.contains(*c))
+    else {
+        return false;
+    };
+    crate::Store::open_url(location, false, None)
+        .and_then(|store| store.manifest(name))
+        .is_ok_and(|m| m.meta.get("at").map(String::as_str) == Some("iteration"))
+}
+
 /// A worker's progress, as the driver reads it from its lines (the
 /// worker protocol of `runs::replay`; the worker's session writes them).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]

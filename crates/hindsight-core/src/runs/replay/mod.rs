@@ -181,6 +181,19 @@ pub struct ReplayPlan {
     pub workers: Vec<WorkerPlan>,
 }
 
+impl ReplayPlan {
+    /// What to say of run `run_id`'s plan asked for `jobs` workers on
+    /// `cores`: a parallel replay on one worker re-executes every selected
+    /// iteration in turn, where `-j` would split them.
+    pub fn note(&self, run_id: &str, jobs: usize, cores: usize) -> Option<String> {
+        (self.kind == Kind::Parallel && jobs == 1 && cores > 1).then(|| {
+            format!(
+                "note: run {run_id}: every selected iteration re-executes; -j N splits them over N workers"
+            )
+        })
+    }
+}
+
 /// What to replay of one run.
 #[derive(Debug)]
 pub struct Request<'a> {
@@ -429,6 +442,31 @@ pub fn check(req: &Request<'_>, plan: &ReplayPlan) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_parallel_plan_on_one_worker_says_that_j_splits_it() {
+        let plan = |kind| ReplayPlan {
+            kind,
+            workers: vec![],
+        };
+        let note = plan(Kind::Parallel).note("r1", 1, 4).unwrap();
+        assert!(note.starts_with("note: run r1: every selected iteration re-executes; -j N"));
+        assert_eq!(
+            plan(Kind::Parallel).note("r1", 2, 4),
+            None,
+            "asked for workers"
+        );
+        assert_eq!(
+            plan(Kind::Parallel).note("r1", 1, 1),
+            None,
+            "one core: nothing to split over"
+        );
+        assert_eq!(
+            plan(Kind::Partial).note("r1", 1, 4),
+            None,
+            "restores: one worker is the plan"
+        );
+    }
 
     fn rows(n: u64, every: u64) -> Vec<IterationRow> {
         (0..n)
