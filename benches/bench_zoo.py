@@ -12,15 +12,27 @@ seconds. Then, at that size, with one torch thread:
 
     plain    the script with hindsight replaced by the zoo's no-op shim
     record   the script as adapted, default adaptive policy (no
-             $HINDSIGHT_CHECKPOINT_EVERY): process CPU against plain, pooled
-             over --pairs interleaved plain/record pairs (their CPU summed:
-             one pair varies by +-5% on a shared 2-core machine, 0.97 to
-             1.10 here, and the median of an even number of pairs would be
-             the worse one). Beside it, what that measure can resolve: the
-             plain runs' own spread (A/A, identical work); and the
-             recording's account of its own CPU by its clocks (the hooks'
-             time on the training thread, the checkpoints' time there and
-             their writer's CPU, the log thread's), from its end line
+             $HINDSIGHT_CHECKPOINT_EVERY): process CPU against plain, over
+             --pairs pairs, each the plain script and the recording started
+             together and pinned to one core (their CPU summed over the
+             pairs). Run so, both meet the same host at the same moments:
+             on this 2-core VM, whose speed drifts by 10-40% from minute to
+             minute, four A/A pairs (plain and plain) measured 0.991 to
+             1.005, where runs one after the other differed by up to 43%
+             and runs at once on the two cores by up to 9% (--aa prints one
+             A/A pair per script). Sharing the core doubles an iteration's
+             wall time, but the policy's compute excludes the training
+             thread's wait for a CPU (core `runs::cpu::RunQueue`): it sees
+             the compute it would alone. On one core the recording's writer
+             takes CPU the training wants, so the policy charges all of it
+             (alone on this 2-core machine, the writer's CPU on the idle core
+             is charged only as far as it displaced other work: its end line
+             then says how much of its CPU was on a core left idle).
+             Beside it, the recording's account of its own CPU by its clocks
+             (its start-up, the hooks' time on the training thread, the
+             checkpoints' time there and their writer's CPU, the log
+             thread's), from its end line. Then the recording alone: the
+             run a replay is compared with
     floor    the plain script with --epochs 0 (imports, data, model), the
              median of three: a replay runs that much of the script whatever
              it restores
@@ -56,7 +68,7 @@ from typing import Any, NamedTuple
 
 from hindsight import _native
 
-from benchutil import REPO, Table, machine_info, run
+from benchutil import REPO, Table, machine_info, run, run_together_on_one_core
 
 sys.path.insert(0, str(REPO / "tests" / "zoo"))
 import driver  # the zoo's script preparation, probes and no-op shim
@@ -107,91 +119,99 @@ def summary(stdout: str) -> str:
 
 
 class Recorded(NamedTuple):
-    """A script run plain and recorded, with the same arguments: the pair
-    whose CPU ratio is the median of the pairs run (its outputs), the CPU of
-    all pairs summed, and every pair's ratio."""
+    """A script run plain and recorded, with the same arguments: the CPU of
+    `PAIRS` pairs run together on one core (summed), every pair's ratio and
+    each recording's own account; and a recording run alone, the one a
+    replay is compared with (its home and its output)."""
 
     script: Path  # the recorded copy (probes are written into it)
     home: Path
-    plain: dict[str, Any]
+    rec: dict[str, Any]  # the recording run alone
     plain_cpu: float
-    rec: dict[str, Any]
     rec_cpu: float
     ratios: list[float]
-    plain_cpus: list[float]  # each plain run's: their spread is the A/A noise
-    own: list[tuple[float, float, float]]  # each recording's own CPU share: all, checkpoints, hooks (%)
+    # each paired recording's own CPU (%): all, start-up, checkpoints, hooks
+    own: list[tuple[float, float, float, float]]
+    aa: float | None  # --aa: two plain runs' CPU ratio, measured the same way
 
 
 OWN = re.compile(
-    r"the recording's own CPU was ([\d.]+)% of the compute \(checkpoints ([\d.]+)%, loop hooks ([\d.]+)%\)"
+    r"the recording's own CPU was ([\d.]+)% of the compute \(start-up ([\d.]+)%, checkpoints ([\d.]+)%, "
+    r"loop hooks ([\d.]+)%\)"
 )
 
 
-def own_cpu(rec: dict[str, Any]) -> tuple[float, float, float]:
+def own_cpu(rec: dict[str, Any]) -> tuple[float, float, float, float]:
     """The recording's own account of its CPU (its end line), in percent."""
     m = OWN.search(rec["stderr"])
     if m is None:
         raise RuntimeError(f"no account of its own CPU in the recording's output: {rec['stderr'][-1500:]}")
-    return float(m[1]), float(m[2]), float(m[3])
+    return float(m[1]), float(m[2]), float(m[3]), float(m[4])
 
 
 PAIRS = 3
+AA = False
 
 
 def plain_and_record(name: str, args: list[str], d: Path) -> Recorded:
-    """`PAIRS` interleaved plain/record pairs; the home left is the last
-    recording's. `run` raises, with the output, where either exits nonzero."""
+    """`PAIRS` pairs of the plain script and the recording started together
+    on one core (which of the two starts first alternates), then the
+    recording alone. `run` raises, with the output, where one exits nonzero."""
     spec = driver.SCRIPTS[name]
     shim = driver.shim_dir(d)
-    plain_dir, rec_dir = d / "plain", d / "rec"
+    plain_dir, rec_dir, aa_dir = d / "plain", d / "rec", d / "plain-aa"
     plain_script = driver.prepare(plain_dir, spec)
     rec_script = driver.prepare(rec_dir, spec)
     pp = os.pathsep.join([str(shim), *filter(None, [os.environ.get("PYTHONPATH")])])
     home = rec_dir / ".hindsight"
+    plain = ([PY, plain_script.name, *args], plain_dir, env(PYTHONPATH=pp), f"{name} plain")
+    record = ([PY, rec_script.name, *args], rec_dir, env(HINDSIGHT_HOME=str(home)), f"{name} record")
+    aa = None
+    if AA:
+        aa_script = driver.prepare(aa_dir, spec)
+        again = ([PY, aa_script.name, *args], aa_dir, env(PYTHONPATH=pp), f"{name} plain (A/A)")
+        (_, a), (_, b) = run_together_on_one_core([plain, again])
+        aa = b / a
     pairs = []
-    for _ in range(PAIRS):
-        plain, plain_cpu = cpu_of(
-            lambda: run([PY, plain_script.name, *args], plain_dir, env(PYTHONPATH=pp), f"{name} plain")
-        )
+    for i in range(PAIRS):
         shutil.rmtree(home, ignore_errors=True)
-        rec, rec_cpu = cpu_of(
-            lambda: run([PY, rec_script.name, *args], rec_dir, env(HINDSIGHT_HOME=str(home)), f"{name} record")
-        )
-        pairs.append((rec_cpu / plain_cpu, plain, plain_cpu, rec, rec_cpu))
-    ratios = [p[0] for p in pairs]
-    _, plain, _, rec, _ = sorted(pairs, key=lambda p: p[0])[len(pairs) // 2]
-    plain_cpu, rec_cpu = sum(p[2] for p in pairs), sum(p[4] for p in pairs)
+        both = run_together_on_one_core([plain, record] if i % 2 == 0 else [record, plain])
+        (_, plain_cpu), (rec, rec_cpu) = both if i % 2 == 0 else both[::-1]
+        pairs.append((plain_cpu, rec_cpu, own_cpu(rec)))
+    shutil.rmtree(home, ignore_errors=True)
+    alone = run(*record)
     return Recorded(
-        rec_script, home, plain, plain_cpu, rec, rec_cpu, ratios, [p[2] for p in pairs], [own_cpu(p[3]) for p in pairs]
+        rec_script,
+        home,
+        alone,
+        sum(p[0] for p in pairs),
+        sum(p[1] for p in pairs),
+        [p[1] / p[0] for p in pairs],
+        [p[2] for p in pairs],
+        aa,
     )
 
 
-def pairs_note(r: Recorded, target: float) -> str:
-    note = f"CPU of {len(r.ratios)} pairs pooled; each: " + ", ".join(f"{x:.3f}" for x in r.ratios)
-    if len(r.plain_cpus) > 1:
-        spread = aa_spread(r)
-        note += f"; the plain runs alone differ by up to {100 * spread:.1f}% (A/A)"
-        if r.rec_cpu / r.plain_cpu > target and r.rec_cpu / r.plain_cpu - 1 <= spread:
-            note += ": a miss within that spread is not resolved on this machine (its own CPU: next row)"
+def pairs_note(r: Recorded) -> str:
+    note = f"{len(r.ratios)} pairs run together on one core, CPU pooled; each: " + ", ".join(
+        f"{x:.3f}" for x in r.ratios
+    )
+    if r.aa is not None:
+        note += f"; two plain runs measured so: {r.aa:.3f} (A/A)"
     return note
 
 
-def aa_spread(r: Recorded) -> float:
-    """How far identical plain runs differ: what a CPU ratio cannot resolve."""
-    return max(r.plain_cpus) / min(r.plain_cpus) - 1 if len(r.plain_cpus) > 1 else float("nan")
-
-
 def add_own(tab: Table, r: Recorded, target: float) -> None:
-    """The recording's own account of its CPU, the mean of its runs."""
+    """The recording's own account of its CPU, the mean of its paired runs."""
     n = len(r.own)
-    everything, saves, hooks = (sum(o[k] for o in r.own) / n for k in range(3))
+    everything, startup, saves, hooks = (sum(o[k] for o in r.own) / n for k in range(4))
     tab.add(
         "record: its own CPU by its clocks (vs its compute)",
         None,
         None,
         ratio=1 + everything / 100,
         target=target,
-        note=f"checkpoints {saves:.2f}%, loop hooks {hooks:.2f}%; mean of {n} recordings",
+        note=f"start-up {startup:.2f}%, checkpoints {saves:.2f}%, loop hooks {hooks:.2f}%; mean of {n} recordings",
     )
 
 
@@ -280,10 +300,9 @@ def bench_script(name: str, epochs: int, epoch_s: float, tab: Table, raw: dict[s
         r.rec_cpu,
         r.plain_cpu,
         target=RECORD_TARGET,
-        note=pairs_note(r, RECORD_TARGET),
+        note=pairs_note(r),
     )
     add_own(tab, r, RECORD_TARGET)
-    tab.add("record: whole command (vs plain)", rec_s, r.plain["wall_s"])
     tab.add(
         "floor: the plain script's start-up, --epochs 0 (vs the recording)",
         floor["wall_s"],
@@ -310,10 +329,9 @@ def bench_script(name: str, epochs: int, epoch_s: float, tab: Table, raw: dict[s
         "epochs": epochs,
         "epoch_s": mean_epoch,
         "checkpoints": took,
-        "plain_wall_s": r.plain["wall_s"],
         "plain_cpu_s_all_pairs": r.plain_cpu,
         "record_cpu_ratios": r.ratios,
-        "plain_cpu_s_each": r.plain_cpus,
+        "aa_cpu_ratio": r.aa,
         "record_own_cpu_pct": r.own,
         "start_up_wall_s": floor["wall_s"],
         "rec_wall_s": rec_s,
@@ -344,7 +362,7 @@ def bench_fast(name: str, args: list[str], tab: Table, raw: dict[str, Any]) -> l
         r.rec_cpu,
         r.plain_cpu,
         target=FAST_RECORD_TARGET,
-        note=pairs_note(r, FAST_RECORD_TARGET),
+        note=pairs_note(r),
     )
     add_own(tab, r, FAST_RECORD_TARGET)
     tab.add(
@@ -360,7 +378,7 @@ def bench_fast(name: str, args: list[str], tab: Table, raw: dict[str, Any]) -> l
         "plain_cpu_s_all_pairs": r.plain_cpu,
         "rec_cpu_s_all_pairs": r.rec_cpu,
         "record_cpu_ratios": r.ratios,
-        "plain_cpu_s_each": r.plain_cpus,
+        "aa_cpu_ratio": r.aa,
         "record_own_cpu_pct": r.own,
         "rec_wall_s": r.rec["wall_s"],
         "epoch_replay_wall_s": ep["wall_s"],
@@ -370,7 +388,7 @@ def bench_fast(name: str, args: list[str], tab: Table, raw: dict[str, Any]) -> l
 
 
 def main() -> int:
-    global PAIRS
+    global PAIRS, AA
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scripts", nargs="*", default=list(SCRIPTS), choices=sorted(driver.SCRIPTS))
     ap.add_argument(
@@ -388,14 +406,21 @@ def main() -> int:
     ap.add_argument(
         "--pairs", type=int, default=PAIRS, help="plain/record pairs; the record CPU ratio pools their CPU (default 3)"
     )
+    ap.add_argument(
+        "--aa", action="store_true", help="also run two plain runs together per script: what the CPU ratio resolves"
+    )
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--keep", action="store_true", help="leave bench-out/zoo/ in place")
     args = ap.parse_args()
     PAIRS = max(1, args.pairs)
+    AA = args.aa
     shutil.rmtree(OUT, ignore_errors=True)
     OUT.mkdir(parents=True)
     info = machine_info()
-    print(f"hindsight zoo benchmark (record CPU: {PAIRS} plain/record pairs pooled; fresh processes, one torch thread)")
+    print(
+        f"hindsight zoo benchmark (record CPU: {PAIRS} plain/record pairs, each run together on one core, pooled; "
+        "fresh processes, one torch thread)"
+    )
     print(f"  cpu        {info['cpu']}, {info['cores']} cores; torch {info['torch']}; git {info['git']}")
     tab = Table()
     raw: dict[str, Any] = {}

@@ -9,6 +9,7 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -229,6 +230,48 @@ def run(cmd: list[str], cwd: Path, env: dict[str, str], what: str, ok: tuple[int
             f"{what}: exit code {p.returncode}\n--- stdout\n{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-3000:]}"
         )
     return res
+
+
+def run_together_on_one_core(
+    runs: list[tuple[list[str], Path, dict[str, str], str]], timeout: float = 1800
+) -> list[tuple[dict[str, Any], float]]:
+    """Start the commands (cmd, cwd, env, what) at once, all pinned to one
+    core, and return each one's result (as `run`'s) and the CPU seconds of
+    its process tree. Sharing one core at the same time, they meet the
+    same host: on a VM whose speed drifts by 10-40% from minute to minute,
+    two identical runs measured this way differ by under 1%, where runs one
+    after the other, or at once on two cores, differ by up to 43% and 9%
+    (`benches/bench_zoo.py`). Raises, with the output, where one exits nonzero."""
+    core = max(os.sched_getaffinity(0))
+    outs = []
+    for cmd, cwd, env, what in runs:
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        p = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=out, stderr=err, text=True, preexec_fn=lambda: os.sched_setaffinity(0, {core})
+        )
+        outs.append((p, out, err, what, now()))
+    deadline = now() + timeout
+    results = []
+    for p, out, err, what, t0 in outs:
+        while True:
+            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                break
+            if now() > deadline:
+                for q, *_ in outs:
+                    q.kill()
+                raise RuntimeError(f"{what}: still running after {timeout:.0f} s")
+            time.sleep(0.05)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        res = {"what": what, "wall_s": now() - t0, "rc": p.returncode, "stdout": out.read(), "stderr": err.read()}
+        if p.returncode != 0:
+            raise RuntimeError(
+                f"{what}: exit code {p.returncode}\n--- stdout\n{res['stdout'][-3000:]}\n--- stderr\n{res['stderr'][-3000:]}"
+            )
+        results.append((res, ru.ru_utime + ru.ru_stime))
+    return results
 
 
 def last_json(stdout: str) -> dict[str, Any]:

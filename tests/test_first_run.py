@@ -59,13 +59,18 @@ def test_a_recording_says_what_it_does_and_what_it_cost(tmp_path: Path) -> None:
     done = re.fullmatch(
         rf"hindsight: run {run[1]} completed after [\d.]+ s: 2 checkpoints \(([\d.]+) (KiB|B)\ written\), "
         r"[\d.]+ m?s of training time in them \([\d.]+%\); the recording's own CPU was ([\d.]+)% of the "
-        r"compute \(checkpoints ([\d.]+)%, loop hooks ([\d.]+)%\)\. Add hs.log\(\.\.\.\) lines and replay: "
+        r"compute \(start-up ([\d.]+)%, checkpoints ([\d.]+)%, loop hooks ([\d.]+)%\)"
+        r"(?:, [\d.]+% of it on cores the training left idle)?\. Add hs.log\(\.\.\.\) lines and replay: "
         r"hindsight replay train.py",
         end,
     )
     assert done, end
-    # Its own account adds up: everything it cost is its saves and its hooks.
-    assert abs(float(done[3]) - float(done[4]) - float(done[5])) <= 0.15, end
+    # Its own account adds up: everything it cost is its start-up (hindsight's
+    # import and the session's set-up: some, on any machine), its saves and
+    # its hooks.
+    total, startup, saves, hooks = (float(done[k]) for k in (3, 4, 5, 6))
+    assert startup > 0, end
+    assert abs(total - startup - saves - hooks) <= 0.2, end
     # The model and its optimizer state: 64x64+64 floats at least once.
     assert float(done[1]) * (1024 if done[2] == "KiB" else 1) >= (64 * 64 + 64) * 4
 

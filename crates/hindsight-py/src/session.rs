@@ -376,6 +376,10 @@ impl RecordSession {
         self.0.overhead(total_secs)
     }
 
+    fn started(&mut self, secs: f64) {
+        self.0.started(secs)
+    }
+
     fn restore_measured(&mut self, read_secs: f64) {
         self.0.restore_measured(read_secs)
     }

@@ -23,6 +23,64 @@ pub struct CpuSample {
     pub usable: u32,
 }
 
+/// The calling thread's time spent ready to run but waiting for a CPU
+/// (Linux `/proc/thread-self/schedstat`, its second field): time the
+/// machine gave to other work. An iteration's wall time less that wait is
+/// what the training itself took; on an oversubscribed machine (DataLoader
+/// workers on every core, a shared node, a process sharing its core) the
+/// wall time alone would count the others' work as compute, and let the
+/// recording spend ε of it. One `pread` of a file kept open (about a
+/// microsecond); reopened when the thread or the process is another (a
+/// fork, a call from a new thread).
+#[derive(Debug, Default)]
+pub struct RunQueue {
+    open: Option<(i32, i32, std::fs::File)>,
+    unavailable: bool,
+}
+
+/// A clone opens a file of its own at its first reading.
+impl Clone for RunQueue {
+    fn clone(&self) -> Self {
+        RunQueue {
+            open: None,
+            unavailable: self.unavailable,
+        }
+    }
+}
+
+impl RunQueue {
+    /// Seconds this thread has waited for a CPU so far; `None` where the
+    /// kernel does not say (not Linux, or schedstats compiled out).
+    pub fn waited_secs(&mut self) -> Option<f64> {
+        if self.unavailable {
+            return None;
+        }
+        // SAFETY: getpid and gettid have no preconditions.
+        let (pid, tid) = unsafe { (libc::getpid(), libc::gettid()) };
+        if !matches!(&self.open, Some((p, t, _)) if *p == pid && *t == tid) {
+            match std::fs::File::open("/proc/thread-self/schedstat") {
+                Ok(f) => self.open = Some((pid, tid, f)),
+                Err(_) => {
+                    self.unavailable = true;
+                    return None;
+                }
+            }
+        }
+        let (_, _, f) = self.open.as_ref()?;
+        let mut buf = [0u8; 96];
+        let n = std::os::unix::fs::FileExt::read_at(f, &mut buf, 0).ok()?;
+        parse_schedstat(&buf[..n])
+    }
+}
+
+/// The run-queue wait, in seconds, of a `schedstat` line
+/// (`<on-cpu ns> <waiting ns> <timeslices>`).
+fn parse_schedstat(line: &[u8]) -> Option<f64> {
+    let text = std::str::from_utf8(line).ok()?;
+    let ns: u64 = text.split_ascii_whitespace().nth(1)?.parse().ok()?;
+    Some(ns as f64 / 1e9)
+}
+
 /// Below this much wall time between samples, the tick counts (10 ms) are
 /// too coarse to say anything: keep the last estimate.
 const MIN_INTERVAL_SECS: f64 = 0.5;
@@ -115,6 +173,45 @@ pub fn contention(before: &CpuSample, after: &CpuSample, background: f64) -> Opt
     Some((others / left).clamp(0.0, 1.0))
 }
 
+/// Runs `f` on a thread pinned to one CPU that two spinning threads share
+/// with it (tests of what a thread waiting for a CPU is told).
+#[cfg(test)]
+pub(crate) fn on_a_crowded_core<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    // SAFETY: plain libc calls on zeroed, correctly sized cpu sets.
+    let core = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set);
+        (0..libc::CPU_SETSIZE as usize)
+            .find(|&c| libc::CPU_ISSET(c, &set))
+            .unwrap()
+    };
+    let pin = move || unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(core, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    };
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            s.spawn(|| {
+                pin();
+                while !stop.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            });
+        }
+        let r = s
+            .spawn(|| {
+                pin();
+                f()
+            })
+            .join();
+        stop.store(true, Ordering::Relaxed);
+        r.unwrap()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,6 +220,31 @@ mod tests {
                         cpu0 50 0 25 400 25 0 0 0 0 0\n\
                         cpu1 50 0 25 400 25 0 0 0 0 0\n\
                         intr 123\nctxt 456\n";
+
+    #[test]
+    fn a_thread_that_waits_for_a_cpu_is_told_how_long() {
+        assert_eq!(parse_schedstat(b"374079 233089000 3\n"), Some(0.233089));
+        assert_eq!(parse_schedstat(b"374079\n"), None);
+        assert_eq!(parse_schedstat(b""), None);
+        let mut q = RunQueue::default();
+        let Some(before) = q.waited_secs() else {
+            return; // a kernel without schedstats: nothing to measure
+        };
+        let waited = on_a_crowded_core(|| {
+            let mut own = RunQueue::default();
+            let w0 = own.waited_secs().unwrap();
+            let t0 = std::time::Instant::now();
+            while t0.elapsed().as_secs_f64() < 0.3 {
+                std::hint::spin_loop();
+            }
+            own.waited_secs().unwrap() - w0
+        });
+        // Three threads on one CPU for 0.3 s: this one ran about a third of
+        // it and waited the rest.
+        assert!(waited > 0.1, "waited {waited} s");
+        // The test's own thread kept its reading: it did not wait meanwhile.
+        assert!(q.waited_secs().unwrap() - before < 0.1);
+    }
 
     #[test]
     fn proc_stat_is_read_in_seconds() {

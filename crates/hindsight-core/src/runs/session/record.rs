@@ -5,6 +5,7 @@ use crate::checkpoint::naming::{CheckpointId, Kind};
 use crate::checkpoint::retention::Retention;
 use crate::error::{Error, Result};
 use crate::runs::adaptive::{HOOKS_SHARE, UNSEEN_PER_HOOK_SECOND};
+use crate::runs::cpu::RunQueue;
 use crate::runs::preempt;
 use crate::runs::schedule::CheckpointSchedule;
 use crate::settings;
@@ -148,6 +149,11 @@ pub struct RecordSession {
     started: f64,
     /// Why the last block end saved or did not, for `$HINDSIGHT_VERBOSE`.
     decision: Option<String>,
+    /// The training thread's wait for a CPU (`None`: not measured, as in
+    /// tests that give compute times of their own), and its reading when
+    /// the current iteration started: the policy's compute excludes it.
+    run_queue: Option<RunQueue>,
+    iter_waited: Option<f64>,
 }
 
 impl RecordSession {
@@ -189,6 +195,8 @@ impl RecordSession {
             hooks_measured: false,
             started: now,
             decision: None,
+            run_queue: None,
+            iter_waited: None,
         }
     }
 
@@ -230,7 +238,15 @@ impl RecordSession {
         let safety = settings::SAFETY_MINUTES.float()?.map(|m| m * 60.0);
         let mut s = RecordSession::new(run_id, schedule, code, safety, now);
         s.budget = budget_from_env()?;
+        s.measure_run_queue();
         Ok(s)
+    }
+
+    /// Exclude the training thread's wait for a CPU from the policy's
+    /// compute ([`RunQueue`]); a session made by `new` takes the compute
+    /// times it is given as they are.
+    pub(crate) fn measure_run_queue(&mut self) {
+        self.run_queue = Some(RunQueue::default());
     }
 
     /// A session for a framework that names its checkpoints `prefix` and
@@ -339,6 +355,7 @@ impl RecordSession {
     }
 
     pub fn iteration_start(&mut self, i: u64) -> Visit {
+        self.iter_waited = self.run_queue.as_mut().and_then(RunQueue::waited_secs);
         self.iter_checkpoint = None;
         self.start_unkept = false;
         self.iterations_seen = i + 1;
@@ -429,6 +446,12 @@ impl RecordSession {
         self.schedule.overhead(total_secs);
     }
 
+    /// The recording's one-time start-up on the training thread took `secs`
+    /// (hindsight's import, this session's set-up): charged to ε.
+    pub fn started(&mut self, secs: f64) {
+        self.schedule.started(secs);
+    }
+
     /// The steps of iteration `i` ended (`at_iteration`: the iteration has no
     /// inner loop, and its body ended). Returns the checkpoint to save now,
     /// if one is due.
@@ -445,6 +468,7 @@ impl RecordSession {
             return Ok(None);
         }
         let forced = self.block_is_end && self.signal.is_some();
+        let compute_secs = self.own_compute(compute_secs);
         let (due, why) = match self.cadence {
             Cadence::Schedule => {
                 let due = self.schedule.block_ended(
@@ -516,6 +540,18 @@ impl RecordSession {
     /// rank 0 measured the iteration and decided (`due`), every rank takes
     /// that decision, so all save the same checkpoint or none. The signal
     /// the ranks agreed on still forces a save where it would on one rank.
+    /// An iteration's `wall_secs` less the time its thread waited for a
+    /// CPU meanwhile: the training's own time. Where others' work kept it
+    /// waiting (a process sharing its core, DataLoader workers on every
+    /// core), that wait is not compute the recording may spend ε of.
+    fn own_compute(&mut self, wall_secs: f64) -> f64 {
+        let now = self.run_queue.as_mut().and_then(RunQueue::waited_secs);
+        match (self.iter_waited, now) {
+            (Some(before), Some(now)) if now > before => (wall_secs - (now - before)).max(0.0),
+            _ => wall_secs,
+        }
+    }
+
     pub fn block_end_decided(&mut self, i: u64, due: bool) -> Result<Option<BlockSave>> {
         self.phase = Phase::Iteration(i);
         if !self.has_objects {
@@ -673,12 +709,22 @@ impl RecordSession {
         if self.hooks_measured && p.has_compute() {
             // What a user would otherwise measure against the plain script
             // (and could not, on a noisy machine): its own clocks' account.
+            // The writer's CPU on cores the training left idle is CPU all
+            // the same: stated, though ε was not charged for it.
+            let idle = self.schedule.background_uncharged() / p.total_compute_secs;
             line.push_str(&format!(
-                "; the recording's own CPU was {:.1}% of the compute (checkpoints {:.1}%, loop hooks {:.1}%)",
-                100.0 * p.overhead(),
-                100.0 * p.checkpoint_share(),
+                "; the recording's own CPU was {:.1}% of the compute (start-up {:.1}%, checkpoints {:.1}%, loop hooks {:.1}%)",
+                100.0 * (p.overhead() + idle),
+                100.0 * p.startup_share(),
+                100.0 * (p.checkpoint_share() + idle),
                 100.0 * p.hooks_share()
             ));
+            if idle >= 0.0005 {
+                line.push_str(&format!(
+                    ", {:.1}% of it on cores the training left idle",
+                    100.0 * idle
+                ));
+            }
         }
         if let (Some(r), true) = (p.restore_secs, p.withheld > 0) {
             line.push_str(&format!(

@@ -837,8 +837,10 @@ fn a_recording_says_what_it_checkpoints_why_and_what_it_cost() {
     );
     // A front end that does not time its hooks gets no claim about them.
     assert!(!line.contains("own CPU"), "{line}");
-    // One that does: everything the recording cost, against 50 s of compute.
+    // One that does: everything the recording cost, against 50 s of compute
+    // (its start-up too).
     a.overhead(0.5);
+    a.started(0.25);
     let line = a.summary(Status::Completed, "t.py", None, 60.0);
     let own = line
         .split("; the recording's own CPU was ")
@@ -847,11 +849,13 @@ fn a_recording_says_what_it_checkpoints_why_and_what_it_cost() {
     let checkpoints = 100.0 * a.schedule().policy().checkpoint_share();
     assert!(
         own.starts_with(&format!(
-            "{:.1}% of the compute (checkpoints {checkpoints:.1}%, loop hooks 1.0%)",
-            checkpoints + 1.0
+            "{:.1}% of the compute (start-up 0.5%, checkpoints {checkpoints:.1}%, loop hooks 1.0%)",
+            checkpoints + 1.5
         )),
         "{line}"
     );
+    // No writer CPU went uncharged here: no idle-core clause.
+    assert!(!line.contains("left idle"), "{line}");
 }
 
 /// Two ranks of one job: the follower joins rank 0's run and takes its
@@ -936,4 +940,43 @@ fn checkpoints_outgrowing_the_budget_are_thinned_to_a_spread() {
     );
     chosen.checkpoint_size(1 << 30);
     assert_eq!(chosen.retention().keep_spread, None);
+}
+
+/// An iteration whose thread shared its core with two busy threads: the
+/// policy's compute is the time it ran, not the time it waited for the
+/// core, so the recording is not allowed ε of the others' work.
+#[test]
+fn the_policy_counts_the_trainings_time_not_its_wait_for_a_cpu() {
+    if crate::runs::cpu::RunQueue::default()
+        .waited_secs()
+        .is_none()
+    {
+        return; // a kernel without schedstats: nothing to measure
+    }
+    let (wall, compute) = crate::runs::cpu::on_a_crowded_core(|| {
+        let mut s = RecordSession::new(
+            "run",
+            CheckpointSchedule::new(None, 0.1).unwrap(),
+            85,
+            None,
+            0.0,
+        );
+        s.measure_run_queue();
+        s.set_objects(true);
+        s.outer_start("epoch", Some(1));
+        s.iteration_start(0);
+        s.block_start(0);
+        let t0 = std::time::Instant::now();
+        while t0.elapsed().as_secs_f64() < 0.3 {
+            std::hint::spin_loop();
+        }
+        let wall = t0.elapsed().as_secs_f64();
+        s.block_end(0, wall, None, None, 0.001).unwrap();
+        (wall, s.schedule().policy().total_compute_secs)
+    });
+    // It ran about a third of the 0.3 s.
+    assert!(
+        compute > 0.0 && compute < 0.7 * wall,
+        "{compute} of {wall} s"
+    );
 }
