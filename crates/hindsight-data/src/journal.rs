@@ -54,10 +54,11 @@
 
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
+use std::hash::Hasher as _;
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 
-use xxhash_rust::xxh3::Xxh3Default;
+use twox_hash::XxHash3_64;
 
 /// File header: identifies a dispatcher journal and its format version.
 pub const MAGIC: &[u8; 8] = b"HSDJRNL1";
@@ -377,10 +378,10 @@ fn encode(path: &Path, records: &[&[u8]]) -> Result<Vec<u8>, JournalError> {
 
 /// xxh3_64 over (length bytes ++ payload), as the format specifies.
 fn checksum(len: &[u8; 4], payload: &[u8]) -> u64 {
-    let mut h = Xxh3Default::new();
-    h.update(len);
-    h.update(payload);
-    h.digest()
+    let mut h = XxHash3_64::new();
+    h.write(len);
+    h.write(payload);
+    h.finish()
 }
 
 /// Why the bytes at a position are not a complete valid record.

@@ -14,6 +14,7 @@ use pyo3::buffer::PyBuffer;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMapping, PyString, PyTuple};
+use std::sync::Mutex;
 
 use crate::interrupt;
 
@@ -25,14 +26,9 @@ const MAX_TEXT: usize = 4096;
 const DETACH_BYTES: usize = 256 << 10;
 /// An object's attributes are walked when it has at most this many.
 const MAX_FIELDS: usize = 64;
-/// Small parts are gathered up to this many bytes before they are hashed.
-const SMALL_BYTES: usize = 4096;
 
-enum Part {
-    Text(String),
-    /// An int, described as `int {v}` (a sampler's index: a batch has
-    /// dozens, so no string is made for each).
-    Int(i64),
+/// A part hashed from where it lies, not copied into the framed buffer.
+enum Large {
     /// A CPU tensor's memory, read in place (`_owner` keeps it alive).
     Raw {
         ptr: usize,
@@ -42,15 +38,97 @@ enum Part {
     Buffer(PyBuffer<u8>),
 }
 
-impl Part {
-    fn len(&self) -> usize {
+impl Large {
+    fn bytes(&self) -> &[u8] {
         match self {
-            Part::Text(t) => t.len(),
-            Part::Int(_) => 24,
-            Part::Raw { len, .. } => *len,
-            Part::Buffer(b) => b.len_bytes(),
+            // SAFETY: the tensor is held by `_owner` and was contiguous
+            // over `len` bytes from `ptr` when read.
+            Large::Raw { ptr, len, .. } => unsafe {
+                std::slice::from_raw_parts(*ptr as *const u8, *len)
+            },
+            // SAFETY: checked C-contiguous when taken; the buffer stays
+            // exported while it lives.
+            Large::Buffer(b) => unsafe {
+                std::slice::from_raw_parts(b.buf_ptr() as *const u8, b.len_bytes())
+            },
         }
     }
+}
+
+/// A walk's parts in order: every description framed into one buffer as
+/// it is found (no string per part), and the tensors' bytes where they
+/// lie, each with the length of `framed` when it came. The fingerprint
+/// hashes the framed stream of all of them (`BatchDigest`), which is the
+/// same however it is cut into calls.
+#[derive(Default)]
+struct Parts {
+    framed: Vec<u8>,
+    large: Vec<(usize, Large)>,
+    large_bytes: usize,
+    /// Where the description being written starts (`begin_text`).
+    open: usize,
+}
+
+impl Parts {
+    fn text(&mut self, t: &str) {
+        BatchDigest::frame(&mut self.framed, t.as_bytes());
+    }
+
+    /// A description written by `write` straight into the buffer, framed.
+    fn text_with(&mut self, write: impl FnOnce(&mut Vec<u8>)) {
+        self.begin_text(&[]);
+        write(&mut self.framed);
+        self.end_text();
+    }
+
+    /// Start a description with `pieces`; the caller appends the rest to
+    /// `framed`, then ends it (or drops it).
+    fn begin_text(&mut self, pieces: &[&str]) {
+        self.open = self.framed.len();
+        self.framed.extend_from_slice(&[0; 8]);
+        for p in pieces {
+            self.framed.extend_from_slice(p.as_bytes());
+        }
+    }
+
+    /// The description begun last is complete: its length goes before it.
+    fn end_text(&mut self) {
+        let at = self.open;
+        let n = (self.framed.len() - at - 8) as u64;
+        self.framed[at..at + 8].copy_from_slice(&n.to_le_bytes());
+    }
+
+    fn drop_text(&mut self) {
+        self.framed.truncate(self.open);
+    }
+
+    fn large(&mut self, part: Large) {
+        self.large_bytes += part.bytes().len();
+        self.large.push((self.framed.len(), part));
+    }
+
+    fn hash(&self) -> String {
+        let mut d = BatchDigest::new();
+        let mut from = 0;
+        for (at, part) in &self.large {
+            d.framed(&self.framed[from..*at]);
+            d.part(part.bytes());
+            from = *at;
+        }
+        d.framed(&self.framed[from..]);
+        d.finish()
+    }
+
+    fn clear(&mut self) {
+        self.framed.clear();
+        self.large.clear();
+        self.large_bytes = 0;
+    }
+}
+
+thread_local! {
+    /// The framed buffer kept between steps: a step's walk allocates nothing.
+    static SPARE: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// Fingerprints what one training step consumed (`hindsight._run.batches`).
@@ -64,6 +142,9 @@ pub(crate) struct BatchPrinter {
     /// A tensor above this is sampled (by `leaf`), not hashed whole.
     full_bytes: usize,
     leaf: Py<PyAny>,
+    /// Each dtype met (torch's dtypes are singletons): its text and element
+    /// size, so that a tensor costs neither `str(dtype)` nor `element_size()`.
+    dtypes: Mutex<Vec<(Py<PyAny>, String, usize)>>,
 }
 
 #[pymethods]
@@ -83,14 +164,24 @@ impl BatchPrinter {
             strided,
             full_bytes,
             leaf,
+            dtypes: Mutex::new(Vec::new()),
         }
     }
 
     /// The fingerprint of `batch`, as 32 hex digits.
     fn digest(&self, py: Python<'_>, batch: &Bound<'_, PyAny>) -> PyResult<String> {
-        let mut parts = Vec::new();
-        self.walk(batch, &mut parts, 0)?;
-        digest_parts(py, &parts)
+        let mut parts = Parts {
+            framed: SPARE.take(),
+            ..Parts::default()
+        };
+        parts.framed.clear();
+        let out = self
+            .walk(batch, &mut parts, 0)
+            .and_then(|()| digest_parts(py, &parts));
+        // Tensors are let go here, with the GIL; the buffer is kept.
+        parts.clear();
+        SPARE.set(parts.framed);
+        out
     }
 
     /// The fingerprints of a step's batch and of the sampler's indices it
@@ -115,53 +206,14 @@ pub(crate) struct StepPrints {
     order: String,
 }
 
-/// The fingerprint over `parts` in order (`BatchDigest`), hashed with the
-/// GIL released where they are large. Their owners (`Py`, exported
-/// buffers) stay with the caller, alive and dropped with the GIL.
-fn digest_parts(py: Python<'_>, parts: &[Part]) -> PyResult<String> {
-    let hash = || {
-        let mut d = BatchDigest::new();
-        // Small parts are framed into one buffer and hashed in one go (the
-        // same fingerprint): a sampler's 64 indices are 64 parts.
-        let mut small = Vec::with_capacity(SMALL_BYTES);
-        for p in parts {
-            let large = match p {
-                Part::Text(t) => {
-                    BatchDigest::frame(&mut small, t.as_bytes());
-                    None
-                }
-                Part::Int(v) => {
-                    let mut text = [0u8; 24];
-                    let n = int_text(*v, &mut text);
-                    BatchDigest::frame(&mut small, &text[..n]);
-                    None
-                }
-                // SAFETY: the tensor is held by `_owner` and was contiguous
-                // over `len` bytes from `ptr` when read.
-                Part::Raw { ptr, len, .. } => {
-                    Some(unsafe { std::slice::from_raw_parts(*ptr as *const u8, *len) })
-                }
-                // SAFETY: checked C-contiguous when taken; the buffer stays
-                // exported while `parts` lives.
-                Part::Buffer(b) => Some(unsafe {
-                    std::slice::from_raw_parts(b.buf_ptr() as *const u8, b.len_bytes())
-                }),
-            };
-            if large.is_some() || small.len() >= SMALL_BYTES {
-                d.framed(&small);
-                small.clear();
-            }
-            if let Some(bytes) = large {
-                d.part(bytes);
-            }
-        }
-        d.framed(&small);
-        d.finish()
-    };
-    if parts.iter().map(Part::len).sum::<usize>() < DETACH_BYTES {
-        return Ok(hash());
+/// The fingerprint of `parts`, hashed with the GIL released where they
+/// are large. Their owners (`Py`, exported buffers) stay with the caller,
+/// alive and dropped with the GIL.
+fn digest_parts(py: Python<'_>, parts: &Parts) -> PyResult<String> {
+    if parts.framed.len() + parts.large_bytes < DETACH_BYTES {
+        return Ok(parts.hash());
     }
-    interrupt::run(py, |_| Ok::<_, hindsight_core::Error>(hash()))
+    interrupt::run(py, |_| Ok::<_, hindsight_core::Error>(parts.hash()))
 }
 
 /// A part of an explicit fingerprint: a description or a buffer's bytes.
@@ -175,21 +227,23 @@ enum DigestPart {
 /// hashes for a batch, spelled out (the format's reference in tests).
 #[pyfunction]
 fn batch_digest(py: Python<'_>, parts: Vec<DigestPart>) -> PyResult<String> {
-    let parts = parts
-        .into_iter()
-        .map(|p| match p {
-            DigestPart::Text(t) => Ok(Part::Text(t)),
-            DigestPart::Bytes(b) if b.is_c_contiguous() => Ok(Part::Buffer(b)),
-            DigestPart::Bytes(_) => Err(pyo3::exceptions::PyValueError::new_err(
-                "batch_digest: buffers must be C-contiguous",
-            )),
-        })
-        .collect::<PyResult<Vec<_>>>()?;
-    digest_parts(py, &parts)
+    let mut out = Parts::default();
+    for p in parts {
+        match p {
+            DigestPart::Text(t) => out.text(&t),
+            DigestPart::Bytes(b) if b.is_c_contiguous() => out.large(Large::Buffer(b)),
+            DigestPart::Bytes(_) => {
+                return Err(pyo3::exceptions::PyValueError::new_err(
+                    "batch_digest: buffers must be C-contiguous",
+                ))
+            }
+        }
+    }
+    digest_parts(py, &out)
 }
 
 impl BatchPrinter {
-    fn walk(&self, x: &Bound<'_, PyAny>, parts: &mut Vec<Part>, depth: usize) -> PyResult<()> {
+    fn walk(&self, x: &Bound<'_, PyAny>, parts: &mut Parts, depth: usize) -> PyResult<()> {
         let py = x.py();
         let ty = x.get_type();
         if self.plain_tensors.iter().any(|t| ty.is(t.bind(py))) && self.read_in_place(x, parts)? {
@@ -198,7 +252,10 @@ impl BatchPrinter {
         if x.is_exact_instance_of::<PyInt>() {
             // A sampler's indices: Python's repr of an int is its digits.
             if let Ok(v) = x.extract::<i64>() {
-                parts.push(Part::Int(v));
+                parts.text_with(|b| {
+                    b.extend_from_slice(b"int ");
+                    push_int(b, v.unsigned_abs(), v < 0);
+                });
                 return Ok(());
             }
         }
@@ -212,7 +269,7 @@ impl BatchPrinter {
             || x.is_instance_of::<PyBytes>()
         {
             let text = format!("{} {}", ty.name()?, x.repr()?);
-            parts.push(Part::Text(cut(text)));
+            parts.text(cut(&text));
             return Ok(());
         }
         let plain_container = x.is_exact_instance_of::<PyList>()
@@ -226,23 +283,29 @@ impl BatchPrinter {
             }
         }
         if depth >= MAX_DEPTH {
-            parts.push(Part::Text(ty.qualname()?.to_string()));
+            parts.text(&ty.qualname()?.to_string_lossy());
         } else if x.is_instance_of::<PyList>() || x.is_instance_of::<PyTuple>() {
-            parts.push(Part::Text(format!("{} {}", ty.qualname()?, x.len()?)));
+            let name = ty.qualname()?;
+            let n = x.len()?;
+            parts.text_with(|b| {
+                b.extend_from_slice(name.to_string_lossy().as_bytes());
+                b.push(b' ');
+                push_int(b, n as u64, false);
+            });
             for v in x.try_iter()? {
                 self.walk(&v?, parts, depth + 1)?;
             }
         } else if let Ok(m) = x.cast::<PyMapping>() {
-            parts.push(Part::Text(format!("{} {}", ty.qualname()?, m.len()?)));
+            parts.text(&format!("{} {}", ty.qualname()?, m.len()?));
             for kv in x.call_method0(intern!(py, "items"))?.try_iter()? {
                 let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = kv?.extract()?;
-                parts.push(Part::Text(k.str()?.to_string()));
+                parts.text(&k.str()?.to_string_lossy());
                 self.walk(&v, parts, depth + 1)?;
             }
         } else {
             // Another object (a framework's batch class): its attributes,
             // if plain, else only its type.
-            parts.push(Part::Text(ty.qualname()?.to_string()));
+            parts.text(&ty.qualname()?.to_string_lossy());
             if let Some(fields) = x.getattr_opt(intern!(py, "__dict__"))? {
                 if let Ok(d) = fields.cast::<PyDict>() {
                     if d.len() <= MAX_FIELDS {
@@ -256,7 +319,7 @@ impl BatchPrinter {
 
     /// A plain CPU tensor's description and bytes, read in place; false
     /// (nothing pushed) where `leaf` must do it.
-    fn read_in_place(&self, t: &Bound<'_, PyAny>, parts: &mut Vec<Part>) -> PyResult<bool> {
+    fn read_in_place(&self, t: &Bound<'_, PyAny>, parts: &mut Parts) -> PyResult<bool> {
         let py = t.py();
         let Some(strided) = &self.strided else {
             return Ok(false);
@@ -267,18 +330,48 @@ impl BatchPrinter {
         {
             return Ok(false);
         }
-        let shape: Vec<usize> = t.getattr(intern!(py, "shape"))?.extract()?;
-        let len = shape.iter().product::<usize>()
-            * t.call_method0(intern!(py, "element_size"))?
-                .extract::<usize>()?;
+        let dtype = t.getattr(intern!(py, "dtype"))?;
+        let item = {
+            let mut known = self.dtypes.lock().unwrap_or_else(|e| e.into_inner());
+            match known.iter().find(|(d, ..)| d.bind(py).is(&dtype)) {
+                Some((_, name, size)) => {
+                    parts.begin_text(&["tensor ", name, " "]);
+                    *size
+                }
+                None => {
+                    let size = t.call_method0(intern!(py, "element_size"))?.extract()?;
+                    let name = dtype.str()?.to_string_lossy().into_owned();
+                    parts.begin_text(&["tensor ", &name, " "]);
+                    known.push((dtype.unbind(), name, size));
+                    size
+                }
+            }
+        };
+        // The shape as Python's repr of a tuple: `()`, `(8,)`, `(8, 32)`.
+        let shape = t.getattr(intern!(py, "shape"))?;
+        let shape = shape.cast::<PyTuple>()?;
+        let mut len = item;
+        parts.framed.push(b'(');
+        for (k, d) in shape.iter().enumerate() {
+            let d: usize = d.extract()?;
+            len = len.saturating_mul(d);
+            if k > 0 {
+                parts.framed.extend_from_slice(b", ");
+            }
+            push_int(&mut parts.framed, d as u64, false);
+        }
+        if shape.len() == 1 {
+            parts.framed.push(b',');
+        }
+        parts.framed.push(b')');
         if len > self.full_bytes {
+            parts.drop_text();
             return Ok(false);
         }
-        let dtype = t.getattr(intern!(py, "dtype"))?.str()?.to_string();
-        parts.push(Part::Text(format!("tensor {dtype} {}", tuple_repr(&shape))));
+        parts.end_text();
         if len > 0 {
             let ptr: usize = t.call_method0(intern!(py, "data_ptr"))?.extract()?;
-            parts.push(Part::Raw {
+            parts.large(Large::Raw {
                 ptr,
                 len,
                 _owner: t.clone().unbind(),
@@ -287,12 +380,12 @@ impl BatchPrinter {
         Ok(true)
     }
 
-    fn leaf(&self, x: &Bound<'_, PyAny>, parts: &mut Vec<Part>) -> PyResult<()> {
+    fn leaf(&self, x: &Bound<'_, PyAny>, parts: &mut Parts) -> PyResult<()> {
         let out = self.leaf.bind(x.py()).call1((x,))?;
         for p in out.try_iter()? {
             let p = p?;
             if let Ok(s) = p.cast::<PyString>() {
-                parts.push(Part::Text(s.to_string()));
+                parts.text(&s.to_string_lossy());
                 continue;
             }
             let b = PyBuffer::<u8>::get(&p)?;
@@ -301,36 +394,35 @@ impl BatchPrinter {
                     "batch fingerprint: a leaf's buffers must be C-contiguous",
                 ));
             }
-            parts.push(Part::Buffer(b));
+            parts.large(Large::Buffer(b));
         }
         Ok(())
     }
 }
 
-/// `int {v}` written into `out`; its length.
-fn int_text(v: i64, out: &mut [u8; 24]) -> usize {
-    use std::io::Write as _;
-    let mut w = &mut out[..];
-    write!(w, "int {v}").expect("24 bytes hold `int ` and any i64");
-    24 - w.len()
-}
-
-/// Python's repr of a tuple of ints: `()`, `(8,)`, `(8, 32)`.
-fn tuple_repr(shape: &[usize]) -> String {
-    match shape {
-        [] => "()".into(),
-        [n] => format!("({n},)"),
-        _ => {
-            let inner: Vec<String> = shape.iter().map(usize::to_string).collect();
-            format!("({})", inner.join(", "))
+/// A number in decimal, as Python's repr writes an int.
+fn push_int(out: &mut Vec<u8>, magnitude: u64, negative: bool) {
+    let mut digits = [0u8; 20];
+    let mut n = magnitude;
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
         }
     }
+    if negative {
+        out.push(b'-');
+    }
+    out.extend_from_slice(&digits[at..]);
 }
 
 /// The first `MAX_TEXT` characters (Python's `text[:4096]`).
-fn cut(text: String) -> String {
+fn cut(text: &str) -> &str {
     match text.char_indices().nth(MAX_TEXT) {
-        Some((at, _)) => text[..at].to_string(),
+        Some((at, _)) => &text[..at],
         None => text,
     }
 }
