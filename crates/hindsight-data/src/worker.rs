@@ -73,7 +73,9 @@ pub trait Pipeline: Send + Sync + 'static {
 /// catches damage and nondeterminism (nothing here is adversarial) at
 /// memory speed; blake3 cost the trainer ~1.5 ms per 5 MiB batch.
 pub fn digest(payload: &[u8]) -> Vec<u8> {
-    twox_hash::XxHash3_128::oneshot(payload).to_le_bytes().to_vec()
+    twox_hash::XxHash3_128::oneshot(payload)
+        .to_le_bytes()
+        .to_vec()
 }
 
 /// What one rank's slice of a global batch holds.

@@ -127,7 +127,8 @@ impl Parts {
 }
 
 thread_local! {
-    /// The framed buffer kept between steps: a step's walk allocates nothing.
+    /// The framed buffer kept between steps: a step's descriptions are
+    /// written into memory already there.
     static SPARE: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
 }
 

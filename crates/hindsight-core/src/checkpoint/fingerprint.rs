@@ -152,7 +152,20 @@ mod tests {
     #[test]
     fn the_format_is_the_reference_xxh3_128() {
         use xxhash_rust::xxh3::{xxh3_128, Xxh3 as Reference};
-        for len in [0usize, 1, 16, 17, 128, 129, 240, 241, 1024, 1025, 70_000, (1 << 20) + 3] {
+        for len in [
+            0usize,
+            1,
+            16,
+            17,
+            128,
+            129,
+            240,
+            241,
+            1024,
+            1025,
+            70_000,
+            (1 << 20) + 3,
+        ] {
             let data: Vec<u8> = (0..len).map(|i| (i * 131 % 253) as u8).collect();
             let segment = 64 << 10;
             let mut folded = Reference::new();
@@ -160,8 +173,16 @@ mod tests {
                 folded.update(&xxh3_128(seg).to_le_bytes());
             }
             folded.update(&(len as u64).to_le_bytes());
-            assert_eq!(fingerprint(&data, segment, 1), Fingerprint(folded.digest128()), "{len} bytes");
-            assert_eq!(streamed(&data, segment), Fingerprint(folded.digest128()), "{len} bytes, streamed");
+            assert_eq!(
+                fingerprint(&data, segment, 1),
+                Fingerprint(folded.digest128()),
+                "{len} bytes"
+            );
+            assert_eq!(
+                streamed(&data, segment),
+                Fingerprint(folded.digest128()),
+                "{len} bytes, streamed"
+            );
         }
     }
 

@@ -181,7 +181,12 @@ mod tests {
     #[test]
     fn the_format_is_the_reference_xxh3_128_over_framed_parts() {
         let tensor: Vec<u8> = (0..32_768u32).map(|i| (i * 7 % 251) as u8).collect();
-        let parts: [&[u8]; 4] = [b"list 2", b"tensor torch.float32 (32, 1, 16, 16)", &tensor, b"int 5"];
+        let parts: [&[u8]; 4] = [
+            b"list 2",
+            b"tensor torch.float32 (32, 1, 16, 16)",
+            &tensor,
+            b"int 5",
+        ];
         let mut d = BatchDigest::new();
         let mut small = Vec::new();
         BatchDigest::frame(&mut small, parts[0]);
