@@ -124,6 +124,30 @@ def test_every_difference_changes_the_fingerprint() -> None:
     assert batches.digest(base) == batches.digest({"x": base["x"].clone(), "y": [1, 2]})
 
 
+def test_one_printer_walks_every_dtype_and_int_as_the_reference_does() -> None:
+    """The walk keeps each dtype's text and element size once met: a batch
+    mixing dtypes of the same shape (bytes alike in length or not), walked
+    again and in another order, still hashes each tensor as its own dtype;
+    ints print as Python writes them, signs and extremes included."""
+    dtypes = [
+        torch.float32,
+        torch.int32,
+        torch.int8,
+        torch.float64,
+        torch.bool,
+        torch.float16,
+        torch.uint8,
+        torch.int64,
+    ]
+    mixed = [torch.ones(2, 3).to(d) for d in dtypes]
+    for batch in (mixed, mixed[::-1], mixed):
+        assert batches.digest(batch) == reference(batch)
+    assert len({batches.digest(t) for t in mixed}) == len(dtypes)
+    ints = [0, -1, 7, -10, 2**63 - 1, -(2**63), 10**18]
+    assert batches.digest(ints) == reference(ints)
+    assert batches.digest([torch.zeros(5)]) == reference([torch.zeros(5)])  # (5,): a one-tuple
+
+
 @pytest.mark.fresh_process  # a forked interpreter has torch and numpy loaded
 def test_a_framework_imported_after_the_first_step_is_walked_as_one() -> None:
     code = (
