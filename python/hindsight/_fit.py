@@ -294,6 +294,8 @@ class FitRecorder:
             return None
         self._signal_to_session()
         act = self.session.step_boundary(epoch, global_step, time.monotonic())
+        if act is None:
+            return None
         if act.exit is not None:
             self.exit_pending = act.exit
         return None if act.save is None else SaveOrder(act.save, act.wait)

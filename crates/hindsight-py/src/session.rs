@@ -362,14 +362,19 @@ impl RecordSession {
         self.0.block_start(i).into()
     }
 
-    fn step_boundary(&mut self, i: u64, j: u64, now: f64) -> PyResult<StepAction> {
+    /// What to do between two steps; `None` where nothing is (most steps:
+    /// no object is made on the training thread's per-step path).
+    fn step_boundary(&mut self, i: u64, j: u64, now: f64) -> PyResult<Option<StepAction>> {
         let a = self.0.step_boundary(i, j, now).py_err()?;
-        Ok(StepAction {
+        if a.is_nothing() {
+            return Ok(None);
+        }
+        Ok(Some(StepAction {
             prepare: a.prepare,
             save: a.save,
             wait: a.wait,
             exit: a.exit,
-        })
+        }))
     }
 
     fn overhead(&mut self, total_secs: f64) {

@@ -64,7 +64,7 @@ def _leaf(x: Any) -> list[Any]:
 _printer: tuple[tuple[bool, bool], _native.BatchPrinter] | None = None
 
 
-def _current() -> _native.BatchPrinter:
+def printer() -> _native.BatchPrinter:
     """The printer for the frameworks loaded now (torch or numpy may be
     imported after hindsight: a printer made before knows neither)."""
     global _printer
@@ -81,9 +81,5 @@ def _current() -> _native.BatchPrinter:
 def digest(batch: Any) -> str:
     """The fingerprint of what one step consumed (one native call: the walk
     and the hash are the engine's; only `_leaf` is Python's)."""
-    return _current().digest(batch)
+    return printer().digest(batch)
 
-
-def digest_with_order(batch: Any, order: Any) -> _native.StepPrints:
-    """A step's batch and the sampler's indices it was drawn by, in one call."""
-    return _current().digest_with_order(batch, order)

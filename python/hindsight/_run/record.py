@@ -134,6 +134,8 @@ class RecordRun(Run):
         # The outer iterations ended since the last hand-over to the log thread.
         self.iter_rows: list[tuple[str, _native.Iteration]] = []
         self.order_tap: Any = None
+        # The batch printer of the block under way (`batches.printer`).
+        self.printer = batches.printer()
         self.vars_checked = 0
         # What the run says for itself: a line when its loop starts and when
         # it ends ($HINDSIGHT_QUIET=1: none), one per checkpoint decision
@@ -800,6 +802,7 @@ class RecordRun(Run):
         self.block_rng = rng_state()  # before iter(): a DataLoader draws its order here
         it = iter(iterable)
         self.order_tap = dataiter.order_tap(it)
+        self.printer = batches.printer()
         return it, 0
 
     def _resume_steps(self, iterable: Any, checkpoint: str | None, i: int, done: int) -> tuple[Iterator[Any], int]:
@@ -830,6 +833,7 @@ class RecordRun(Run):
                 raise
         set_rng_state(state["rng"])
         self.order_tap = dataiter.order_tap(it)
+        self.printer = batches.printer()
         return it, done
 
     def _advance_checked(self, it: Iterator[Any], i: int, n: int) -> None:
@@ -887,12 +891,15 @@ class RecordRun(Run):
         self.order_tap = None
 
     def _step_starts(self, i: int, j: int, batch: Any) -> None:
+        # The training thread's per-step path: one native call, few frames
+        # (between steps the data loading evicts this code from the caches,
+        # so each frame and lookup costs several times what it does hot).
         t0 = _own_clock()
         rows, rank = self.batch_rows, self.rank_index
         if self.order_tap is None:
-            rows.append((rank, "batch", i, j, batches.digest(batch)))
+            rows.append((rank, "batch", i, j, self.printer.digest(batch)))
         else:
-            prints = batches.digest_with_order(batch, self.order_tap.last)
+            prints = self.printer.digest_with_order(batch, self.order_tap.last)
             rows.append((rank, "batch", i, j, prints.batch))
             rows.append((rank, "order", i, j, prints.order))
         self.own_seconds += _own_clock() - t0
@@ -915,13 +922,13 @@ class RecordRun(Run):
         """Between two training steps: act on a signal or a due safety checkpoint."""
         t0 = _own_clock()
         try:
-            self._step_boundary_timed(i, j)
+            act = self.session.step_boundary(i, j, self._sync())
+            if act is not None:  # most steps: nothing to do
+                self._between_steps(i, j, act)
         finally:
             self.own_seconds += _own_clock() - t0
 
-    def _step_boundary_timed(self, i: int, j: int) -> None:
-        now = self._sync()
-        act = self.session.step_boundary(i, j, now)
+    def _between_steps(self, i: int, j: int, act: _native.StepAction) -> None:
         if act.prepare:
             # After the first step the optimizer's state exists: pin host
             # memory for the whole state now, in the background, so the

@@ -113,6 +113,10 @@ class Values:
         reps[key] = rep + 1
         if drop:
             return
+        if not every_rank:  # `_append`'s common case, a frame fewer on the training thread
+            if self.leads:
+                self.writer.add((name, ctx, rep, _encode(name, value)))
+            return
         self._append(name, ctx, rep, value, every_rank, in_loop=bool(stack))
 
     def log_at(self, ctx: Context, name: str, value: Any) -> None:

@@ -25,6 +25,13 @@ pub struct StepAction {
     pub exit: Option<i32>,
 }
 
+impl StepAction {
+    /// Nothing to do between these steps (most of them).
+    pub fn is_nothing(&self) -> bool {
+        !self.prepare && self.save.is_none() && self.exit.is_none()
+    }
+}
+
 /// A block checkpoint to save now.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockSave {
