@@ -13,7 +13,8 @@ each event with an action.
 - A replaying run's ``session`` is a ``ReplaySession``: the integration
   sends ``iteration_start``/``block_start``/``step``/``restored_in``/
   ``iteration_end`` as its epochs go by and does what each answer says.
-- A recording run's ``session`` is a ``RecordSession`` with the same events.
+- A recording run's ``session`` is a ``RecordSession`` with the same events;
+  its ``step_boundary`` answers None between most steps (nothing to do).
 
 Hook order an integration keeps: ``iteration_start(i)`` ->
 ``block_start(i)`` -> ``step_boundary(i, j)``... -> ``block_end(i)`` ->
