@@ -82,4 +82,3 @@ def digest(batch: Any) -> str:
     """The fingerprint of what one step consumed (one native call: the walk
     and the hash are the engine's; only `_leaf` is Python's)."""
     return printer().digest(batch)
-
