@@ -134,8 +134,6 @@ class RecordRun(Run):
         # The outer iterations ended since the last hand-over to the log thread.
         self.iter_rows: list[tuple[str, _native.Iteration]] = []
         self.order_tap: Any = None
-        # The batch printer of the block under way (`batches.printer`).
-        self.printer = batches.printer()
         self.vars_checked = 0
         # What the run says for itself: a line when its loop starts and when
         # it ends ($HINDSIGHT_QUIET=1: none), one per checkpoint decision
@@ -802,7 +800,6 @@ class RecordRun(Run):
         self.block_rng = rng_state()  # before iter(): a DataLoader draws its order here
         it = iter(iterable)
         self.order_tap = dataiter.order_tap(it)
-        self.printer = batches.printer()
         return it, 0
 
     def _resume_steps(self, iterable: Any, checkpoint: str | None, i: int, done: int) -> tuple[Iterator[Any], int]:
@@ -833,7 +830,6 @@ class RecordRun(Run):
                 raise
         set_rng_state(state["rng"])
         self.order_tap = dataiter.order_tap(it)
-        self.printer = batches.printer()
         return it, done
 
     def _advance_checked(self, it: Iterator[Any], i: int, n: int) -> None:
@@ -894,12 +890,15 @@ class RecordRun(Run):
         # The training thread's per-step path: one native call, few frames
         # (between steps the data loading evicts this code from the caches,
         # so each frame and lookup costs several times what it does hot).
+        # The printer is looked up per step, as replay does: a step may be
+        # the first to import torch or numpy (a generator's lazy import).
         t0 = _own_clock()
         rows, rank = self.batch_rows, self.rank_index
+        printer = batches.printer()
         if self.order_tap is None:
-            rows.append((rank, "batch", i, j, self.printer.digest(batch)))
+            rows.append((rank, "batch", i, j, printer.digest(batch)))
         else:
-            prints = self.printer.digest_with_order(batch, self.order_tap.last)
+            prints = printer.digest_with_order(batch, self.order_tap.last)
             rows.append((rank, "batch", i, j, prints.batch))
             rows.append((rank, "order", i, j, prints.order))
         self.own_seconds += _own_clock() - t0
