@@ -2,7 +2,7 @@
 
 import builtins
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Literal, Self, TypeAlias, final
 
 FORMAT_VERSION: int
@@ -90,7 +90,7 @@ __all__ = [
     "StateCheck",
     "StateDifference",
     "StepAction",
-    "StepPrints",
+    "StepLoop",
     "StorageError",
     "StorageFullError",
     "StoragePermissionError",
@@ -1190,14 +1190,31 @@ class BatchPrinter:
         leaf: Callable[[Any], list[Any]],
     ) -> BatchPrinter: ...
     def digest(self, batch: object) -> str: ...
-    def digest_with_order(self, batch: object, order: object) -> StepPrints: ...
 
 @final
-class StepPrints:
-    """A step's fingerprints: its batch, and the sampler's indices it was drawn by."""
+class StepLoop:
+    """A block's training steps, started and ended natively (`Run._block`)."""
 
-    batch: str
-    order: str
+    def __new__(
+        cls,
+        it: Iterator[Any],
+        *,
+        i: int,
+        start: int,
+        entry: list[Any],
+        reps: dict[Any, Any],
+        run: object,
+        printer: Callable[[], BatchPrinter],
+        session: RecordSession | ReplaySession,
+        prints: Literal["record", "replay"],
+        boundary: Literal["none", "session", "run"],
+        rank: int = 0,
+        tap: object | None = None,
+        beat_fd: int | None = None,
+    ) -> StepLoop: ...
+    def __iter__(self) -> StepLoop: ...
+    def __next__(self) -> Any: ...
+    def close(self) -> None: ...
 
 def resume_key(script: str, root: str, args: list[str]) -> str: ...
 def put_back_files(

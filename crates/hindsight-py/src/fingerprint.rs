@@ -170,7 +170,7 @@ impl BatchPrinter {
     }
 
     /// The fingerprint of `batch`, as 32 hex digits.
-    fn digest(&self, py: Python<'_>, batch: &Bound<'_, PyAny>) -> PyResult<String> {
+    pub(crate) fn digest(&self, py: Python<'_>, batch: &Bound<'_, PyAny>) -> PyResult<String> {
         let mut parts = Parts {
             framed: SPARE.take(),
             ..Parts::default()
@@ -184,27 +184,6 @@ impl BatchPrinter {
         SPARE.set(parts.framed);
         out
     }
-
-    /// The fingerprints of a step's batch and of the sampler's indices it
-    /// was drawn by: one call a step.
-    fn digest_with_order(
-        &self,
-        py: Python<'_>,
-        batch: &Bound<'_, PyAny>,
-        order: &Bound<'_, PyAny>,
-    ) -> PyResult<StepPrints> {
-        Ok(StepPrints {
-            batch: self.digest(py, batch)?,
-            order: self.digest(py, order)?,
-        })
-    }
-}
-
-/// A step's two fingerprints (`BatchPrinter.digest_with_order`).
-#[pyclass(module = "hindsight._native", frozen, get_all, skip_from_py_object)]
-pub(crate) struct StepPrints {
-    batch: String,
-    order: String,
 }
 
 /// The fingerprint of `parts`, hashed with the GIL released where they
@@ -430,6 +409,5 @@ fn cut(text: &str) -> &str {
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(batch_digest, m)?)?;
-    m.add_class::<StepPrints>()?;
     m.add_class::<BatchPrinter>()
 }

@@ -17,6 +17,7 @@ mod session;
 mod settings;
 mod shards;
 mod state_check;
+mod steps;
 mod tree;
 
 use std::collections::{BTreeMap, HashMap};
@@ -788,6 +789,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(data::data_job_token, m)?)?;
     runs::register(m)?;
     fingerprint::register(m)?;
+    steps::register(m)?;
     project::register(m)?;
     settings::register(m)?;
     shards::register(m)?;

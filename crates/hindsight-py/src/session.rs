@@ -282,7 +282,7 @@ impl RecordSession {
             .py_err()
     }
 
-    fn set_objects(&mut self, any: bool) {
+    pub(crate) fn set_objects(&mut self, any: bool) {
         self.0.set_objects(any)
     }
 
@@ -337,7 +337,7 @@ impl RecordSession {
         self.0.pending_signal()
     }
 
-    fn signal(&mut self, signum: i32) {
+    pub(crate) fn signal(&mut self, signum: i32) {
         self.0.signal(signum)
     }
 
@@ -364,7 +364,12 @@ impl RecordSession {
 
     /// What to do between two steps; `None` where nothing is (most steps:
     /// no object is made on the training thread's per-step path).
-    fn step_boundary(&mut self, i: u64, j: u64, now: f64) -> PyResult<Option<StepAction>> {
+    pub(crate) fn step_boundary(
+        &mut self,
+        i: u64,
+        j: u64,
+        now: f64,
+    ) -> PyResult<Option<StepAction>> {
         let a = self.0.step_boundary(i, j, now).py_err()?;
         if a.is_nothing() {
             return Ok(None);
@@ -510,6 +515,19 @@ impl RecordSession {
 #[pyclass(module = "hindsight._native")]
 pub(crate) struct ReplaySession(core::ReplaySession);
 
+impl ReplaySession {
+    /// Step j of iteration i consumed a batch with this fingerprint (an
+    /// error of kind `Diverged` where the recording's differs).
+    pub(crate) fn step_checked(
+        &mut self,
+        i: u64,
+        j: u64,
+        digest: &str,
+    ) -> hindsight_core::Result<()> {
+        self.0.step(i, j, digest)
+    }
+}
+
 #[pymethods]
 impl ReplaySession {
     #[new]
@@ -564,7 +582,7 @@ impl ReplaySession {
     }
 
     fn step(&mut self, i: u64, j: u64, digest: &str) -> PyResult<()> {
-        self.0.step(i, j, digest).py_err()
+        self.step_checked(i, j, digest).py_err()
     }
 
     fn restored_in(&mut self, secs: f64) {

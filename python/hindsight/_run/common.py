@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hindsight import _native, _settings
-from hindsight._run import jupyter
+from hindsight._run import batches, jupyter
 from hindsight._run.counters import shift_enumerates
 from hindsight._run.files import Written, files_of, put_back
 from hindsight._run.logwriter import LogWriter, Row
@@ -570,13 +570,13 @@ class Run:
             if start:
                 shift_enumerates(gen, start, f"{self.pos.outer_name} {i}, step {start}")
             del gen
-            for j, x in enumerate(it, start):
-                entry[1] = j
-                self.values.step_starts()
-                self._step_starts(i, j, x)
-                self.heartbeat()
-                yield x
-                self._step_boundary(i, j)
+            # The steps' per-step work is native (`_native.StepLoop`): no
+            # frame of ours runs between two steps on the common path.
+            loop = self._step_loop(i, it, start, entry)
+            try:
+                yield from loop
+            finally:
+                loop.close()
             ok = True
         except GeneratorExit:
             # Closed early: a `break` out of the steps (the block ended), or
@@ -654,11 +654,23 @@ class Run:
         they are not run (their state came from a checkpoint)."""
         return iter(iterable), 0
 
-    def _step_starts(self, i: int, j: int, batch: Any) -> None:
-        """Step j of iteration i is about to run on `batch` (what the inner loop yielded)."""
+    def _step_loop(self, i: int, it: Iterator[Any], start: int, entry: list[Any]) -> _native.StepLoop:
+        """The steps of iteration i from `start`: what starts and ends each
+        (`_native.StepLoop`, told by `_new_step_loop`)."""
+        raise NotImplementedError
 
-    def _step_boundary(self, i: int, j: int) -> None:
-        pass
+    def _new_step_loop(self, i: int, it: Iterator[Any], start: int, entry: list[Any], **how: Any) -> _native.StepLoop:
+        return _native.StepLoop(
+            it,
+            i=i,
+            start=start,
+            entry=entry,
+            reps=self.values.reps_inner,
+            run=self,
+            printer=batches.printer,
+            beat_fd=self._beat_fd,
+            **how,
+        )
 
     def _block_ends(self) -> None:
         pass

@@ -886,22 +886,21 @@ class RecordRun(Run):
         self.block_iterable = None
         self.order_tap = None
 
-    def _step_starts(self, i: int, j: int, batch: Any) -> None:
-        # The training thread's per-step path: one native call, few frames
-        # (between steps the data loading evicts this code from the caches,
-        # so each frame and lookup costs several times what it does hot).
-        # The printer is looked up per step, as replay does: a step may be
-        # the first to import torch or numpy (a generator's lazy import).
-        t0 = _own_clock()
-        rows, rank = self.batch_rows, self.rank_index
-        printer = batches.printer()
-        if self.order_tap is None:
-            rows.append((rank, "batch", i, j, printer.digest(batch)))
-        else:
-            prints = printer.digest_with_order(batch, self.order_tap.last)
-            rows.append((rank, "batch", i, j, prints.batch))
-            rows.append((rank, "order", i, j, prints.order))
-        self.own_seconds += _own_clock() - t0
+    def _step_loop(self, i: int, it: Iterator[Any], start: int, entry: list[Any]) -> _native.StepLoop:
+        # Each step's fingerprints go to `batch_rows` natively; the boundary
+        # is decided natively too, except under several ranks, where it is
+        # where they meet (`_step_boundary`).
+        return self._new_step_loop(
+            i,
+            it,
+            start,
+            entry,
+            session=self.session,
+            prints="record",
+            boundary="session" if self.ranks is None else "run",
+            rank=self.rank_index,
+            tap=self.order_tap,
+        )
 
     def _flush_buffers(self) -> None:
         super()._flush_buffers()

@@ -17,16 +17,17 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from hindsight import _native
-from hindsight._run import batches, files
+from hindsight._run import files
 from hindsight._run.common import Run, inherited_pipe, job_part
 from hindsight._run.logwriter import Row
 from hindsight._state import capture_grads, rng_as_recorded, set_rng_state
 from hindsight._store import Store
-from hindsight.errors import DivergenceError, HindsightError, ReplayError
+from hindsight.errors import HindsightError, ReplayError
 
 #: A worker's exit status when what it computed differs from the recording (the engine's).
 EXIT_DIVERGED = _native.EXIT_DIVERGED
@@ -190,11 +191,9 @@ class ReplayRun(Run):
             return None
         return iter(iterable), 0
 
-    def _step_starts(self, i: int, j: int, batch: Any) -> None:
-        try:
-            self.session.step(i, j, batches.digest(batch))
-        except DivergenceError as e:
-            self._diverged(e)
+    def _step_loop(self, i: int, it: Iterator[Any], start: int, entry: list[Any]) -> _native.StepLoop:
+        # Each step's fingerprint is checked natively; a difference calls `_diverged`.
+        return self._new_step_loop(i, it, start, entry, session=self.session, prints="replay", boundary="none")
 
     def _keeps_start(self) -> bool:
         # A replay takes no checkpoint, and the state it is checked against
